@@ -1,0 +1,18 @@
+# ddpflow: stage -> train (DDP via submitit) -> evaluate (distributed all-reduce) -> report.
+# Table of contents only; each stage lives in workflow/rules/. Edit config/config.yaml.
+
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/stage.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/report.smk"
+
+
+rule all:
+    input:
+        report_outputs(),
+    default_target: True

@@ -1,0 +1,214 @@
+"""Unit tests of the report stage, on fake per-run metrics written in tmp_path."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import json
+import re
+
+import matplotlib.image
+import pytest
+from ddpflow.report import build_report, load_train_metrics
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+CLASSES = ["cat", "dog", "<bird>"]
+# rows = true class; trace 91 of 100 -> accuracy 0.91
+CONFUSION = [[30, 2, 1], [3, 28, 2], [0, 1, 33]]
+
+
+def _epoch(run: str, attempt: int, epoch: int, loss: float, rate: float) -> dict:
+    return {
+        "run": run, "attempt": attempt, "epoch": epoch, "step": 10 * (epoch + 1),
+        "train_loss": loss, "val_accuracy": 1.0 - loss / 4, "val_loss": loss * 1.1,
+        "lr": 0.01, "samples_per_s": rate,
+        "seconds": {"data": 0.5, "forward": 1.0, "backward_sync": 2.0, "optimizer": 0.25,
+                    "epoch": 4.0},
+    }  # fmt: skip
+
+
+def _eval(run: str, world: int, nodes: int, rate: float, attempts: int) -> dict:
+    hosts = [f"node{i}" for i in range(nodes)]
+    return {
+        "run": run, "accuracy": 0.91, "per_class_accuracy": [30 / 33, 28 / 33, 33 / 34],
+        "confusion_matrix": CONFUSION, "class_names": CLASSES, "samples_evaluated": 100,
+        "test_size": 100, "world_size": world, "hosts": hosts, "eval_seconds": 1.5,
+        "train": {"world_size": world, "nodes": nodes, "samples_per_s": rate,
+                  "wall_seconds": 300.0 / world, "epochs": 4, "attempts": attempts,
+                  "hosts": hosts, "phase_seconds": {"data": 2.0, "forward": 4.0}},
+        "provenance": {"config": {"model": "cnn", "epochs": 4, "note": "a ``` b"},
+                       "git_commit": "abc1234", "versions": {"torch": "2.14.1"},
+                       "hostnames": hosts, "created": "2025-01-01T00:00:00+00:00"},
+    }  # fmt: skip
+
+
+def _write_run(root, name, world, nodes, rate, resumed=False, accuracy=0.91) -> dict:
+    """Write one run's train/eval metrics; resumed: attempt 2 re-did epoch 2."""
+    run_dir = root / f"run{world}"
+    run_dir.mkdir(parents=True)
+    if resumed:
+        records = [_epoch(name, 1, e, 2.0 - 0.4 * e, rate) for e in range(3)]
+        records += [_epoch(name, 2, e, 1.0 - 0.2 * e, rate) for e in (2, 3)]
+    else:
+        records = [_epoch(name, 1, e, 2.0 - 0.4 * e, rate) for e in range(4)]
+    train = run_dir / "train_metrics.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in records))
+    ev = _eval(name, world, nodes, rate, attempts=2 if resumed else 1)
+    ev["accuracy"] = accuracy
+    evaluation = run_dir / "eval_metrics.json"
+    evaluation.write_text(json.dumps(ev))
+    return {"name": name, "train_metrics": train, "eval_metrics": evaluation}
+
+
+def _three_runs(root) -> list[dict]:
+    return [
+        _write_run(root, "r1", 1, 1, 1000.0),
+        _write_run(root, "<b>x", 2, 1, 1900.0, resumed=True, accuracy=0.95),
+        _write_run(root, "r4", 4, 2, 3600.0),
+    ]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report")
+    runs = _three_runs(root / "runs")
+    return runs, build_report(runs, root / "out"), root / "out"
+
+
+def test_writes_all_files_and_real_pngs(report):
+    _, paths, out = report
+    for name in ("report.md", "report.html", "summary.json", "summary.csv"):
+        assert (out / name).is_file()
+    stems = {p.stem for p in (out / "plots").glob("*.png")}
+    assert {
+        "loss",
+        "val_accuracy",
+        "throughput",
+        "scaling",
+        "confusion_r1",
+        "confusion_r4",
+    } <= stems
+    assert any(s.startswith("confusion__b_x") for s in stems)  # sanitised, hash-suffixed
+    assert {p.stem for p in paths.values() if p.suffix == ".png"} == stems
+    for png in (out / "plots").glob("*.png"):
+        assert png.read_bytes()[:8] == PNG_SIGNATURE
+        image = matplotlib.image.imread(png)
+        assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    assert not list(out.rglob("*.tmp"))  # atomic writes leave no temp files
+
+
+def test_html_is_self_contained_and_escaped(report):
+    _, _, out = report
+    page = (out / "report.html").read_text()
+    images = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", page)
+    assert len(images) == len(list((out / "plots").glob("*.png")))
+    assert base64.b64decode(images[0])[:8] == PNG_SIGNATURE
+    assert "<b>x" not in page and "&lt;b&gt;x" in page
+    assert "&lt;bird&gt;" in page and "<bird>" not in page
+    assert "<style>" in page and "plots/" not in page  # nothing fetched from outside
+    best_row = re.search(r"<tr class='best'>(.*?)</tr>", page).group(1)
+    assert "&lt;b&gt;x ★ best" in best_row
+    assert "<details><summary>Resolved config (YAML)</summary><pre>" in page
+    assert "git commit: abc1234" in page and "2.14.1" in page
+
+
+def test_markdown_escapes_and_links_plots(report):
+    _, _, out = report
+    text = (out / "report.md").read_text()
+    assert text.startswith("# ddpflow report")
+    assert "<b>x" not in text and "&lt;b&gt;x" in text
+    assert "](plots/scaling.png)" in text and "](plots/loss.png)" in text
+    assert "````yaml" in text  # the config holds ``` so the fence must be longer
+
+
+def test_summary_numbers_equal_inputs(report):
+    runs, _, out = report
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["best_run"] == "<b>x"
+    for run, row in zip(runs, summary["runs"], strict=True):
+        ev = json.loads(run["eval_metrics"].read_text())
+        assert row["run"] == run["name"]
+        assert row["accuracy"] == ev["accuracy"]
+        assert row["world_size"] == ev["train"]["world_size"]
+        assert row["nodes"] == ev["train"]["nodes"]
+        assert row["train_samples_per_s"] == ev["train"]["samples_per_s"]
+        assert row["train_wall_seconds"] == ev["train"]["wall_seconds"]
+        assert row["attempts"] == ev["train"]["attempts"]
+        assert row["samples_evaluated"] == 100 and row["test_size"] == 100
+        assert row["forward_seconds"] == 4 * 1.0  # four kept epochs, duplicate dropped
+        assert summary["provenance"][run["name"]] == ev["provenance"]
+    assert summary["per_class_accuracy"]["r1"]["<bird>"] == 33 / 34
+    with open(out / "summary.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [r["run"] for r in rows] == ["r1", "<b>x", "r4"]
+    assert float(rows[2]["train_samples_per_s"]) == 3600.0 and rows[2]["hosts"] == "node0 node1"
+
+
+def test_speedup_and_efficiency(report):
+    _, _, out = report
+    summary = json.loads((out / "summary.json").read_text())
+    by_run = {row["run"]: row for row in summary["runs"]}
+    assert summary["scaling_baseline"] == {"world_size": 1, "samples_per_s": 1000.0}
+    assert by_run["r1"]["speedup"] == pytest.approx(1.0)
+    assert by_run["<b>x"]["speedup"] == pytest.approx(1.9)
+    assert by_run["<b>x"]["efficiency"] == pytest.approx(0.95)
+    assert by_run["r4"]["speedup"] == pytest.approx(3.6)
+    assert by_run["r4"]["efficiency"] == pytest.approx(0.9)
+    assert "95.0%" in (out / "report.html").read_text()
+
+
+def test_resumed_run_keeps_last_epoch(report):
+    runs, _, out = report
+    epochs = load_train_metrics("<b>x", runs[1]["train_metrics"])
+    assert [e["epoch"] for e in epochs] == [0, 1, 2, 3]
+    assert epochs[2]["attempt"] == 2 and epochs[2]["train_loss"] == pytest.approx(0.6)  # not 1.2
+    row = json.loads((out / "summary.json").read_text())["runs"][1]
+    assert row["final_train_loss"] == pytest.approx(0.4)
+
+
+def test_no_scaling_with_one_world_size(tmp_path):
+    out = tmp_path / "out"
+    (out / "plots").mkdir(parents=True)
+    (out / "plots" / "scaling.png").write_bytes(PNG_SIGNATURE)  # left by an earlier report
+    runs = [
+        _write_run(tmp_path / "a", "a", 2, 1, 900.0),
+        _write_run(tmp_path / "b", "b", 2, 1, 950.0),
+    ]
+    paths = build_report(runs, out)
+    assert "plot_scaling" not in paths and not (out / "plots" / "scaling.png").exists()
+    summary = json.loads(paths["summary_json"].read_text())
+    assert summary["scaling_baseline"] is None
+    assert all(row["speedup"] is None for row in summary["runs"])
+    assert "Speedup" not in paths["html"].read_text()
+
+
+def test_missing_file_names_run_and_file(tmp_path):
+    runs = _three_runs(tmp_path)
+    runs[2]["eval_metrics"].unlink()
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"run 'r4': eval_metrics .*eval_metrics\.json"):
+        build_report(runs, out)
+    assert not out.exists()  # validation comes before any write
+
+
+def test_missing_key_and_bad_json_are_clear(tmp_path):
+    runs = _three_runs(tmp_path)
+    ev = json.loads(runs[0]["eval_metrics"].read_text())
+    del ev["train"]["wall_seconds"]
+    runs[0]["eval_metrics"].write_text(json.dumps(ev))
+    with pytest.raises(ValueError, match=r"run 'r1': eval_metrics .*'train\.wall_seconds'"):
+        build_report(runs, tmp_path / "out")
+    with open(runs[1]["train_metrics"], "a") as handle:
+        handle.write('{"run": "<b>x", "ep\n')  # a line cut short by a killed writer
+    with pytest.raises(ValueError, match=r"run '<b>x': train_metrics .* line 6 is not JSON"):
+        load_train_metrics("<b>x", runs[1]["train_metrics"])
+
+
+def test_failed_rebuild_keeps_previous_report(tmp_path):
+    runs = _three_runs(tmp_path)
+    paths = build_report(runs[:2], tmp_path / "out")
+    before = paths["html"].read_bytes()
+    runs[2]["train_metrics"].write_text("")
+    with pytest.raises(ValueError, match="no epochs recorded"):
+        build_report(runs, tmp_path / "out")
+    assert paths["html"].read_bytes() == before

@@ -1,0 +1,167 @@
+"""Load, validate and resolve the ddpflow configuration.
+
+One source of truth for the Snakefile (workflow/rules/common.smk), the scripts and the tests:
+the JSON schema in workflow/schemas/config.schema.yaml holds types, ranges and defaults; this
+module adds the checks a schema cannot express and expands the list of named runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
+SECTIONS = ("data", "model", "train", "eval", "machine")
+TORCHVISION_DIRS = {
+    "mnist": "MNIST/raw",
+    "fashion_mnist": "FashionMNIST/raw",
+    "cifar10": "cifar-10-batches-py",
+    "cifar100": "cifar-100-python",
+}
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the key path and how to fix it."""
+
+
+def load_schema() -> dict:
+    with open(SCHEMA_PATH) as fh:
+        return yaml.safe_load(fh)
+
+
+def _defaulting_validator(schema: dict) -> jsonschema.protocols.Validator:
+    """A validator that fills `default` values as it validates (as snakemake.utils.validate)."""
+    base = jsonschema.Draft202012Validator
+
+    def fill_properties(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for key, sub in properties.items():
+                if "default" in sub and key not in instance:
+                    instance[key] = copy.deepcopy(sub["default"])
+        yield from base.VALIDATORS["properties"](validator, properties, instance, schema)
+
+    cls = jsonschema.validators.extend(base, {"properties": fill_properties})
+    return cls(schema)
+
+
+def _key_path(error: jsonschema.ValidationError) -> str:
+    parts = [f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path]
+    return "".join(parts).lstrip(".") or "<top level>"
+
+
+def _describe(error: jsonschema.ValidationError) -> str:
+    path = _key_path(error)
+    if error.validator == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        extra = sorted(set(error.instance) - set(allowed))
+        return f"{path}: unknown key(s) {extra}; allowed keys here: {allowed}"
+    if error.validator == "enum":
+        return f"{path}: {error.instance!r} is not one of {error.validator_value}"
+    if error.validator == "type":
+        return f"{path}: {error.instance!r} has the wrong type; expected {error.validator_value}"
+    return f"{path}: {error.message}"
+
+
+def validate(config: dict, where: str = "config") -> dict:
+    """Validate in place, filling defaults; ConfigError names the first problem."""
+    validator = _defaulting_validator(load_schema())
+    errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
+    if errors:
+        raise ConfigError(f"{where}: {_describe(errors[0])}")
+    return config
+
+
+def load(path: str | Path | None = None, overrides: dict | None = None) -> dict:
+    """Read a YAML config file (optionally deep-merging overrides), validate it, fill defaults."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path}: the top level must be a mapping of keys")
+    return check(deep_merge(raw, overrides or {}))
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """A new dict: override's mappings merged key by key into base's (lists are replaced)."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def check(config: dict) -> dict:
+    """Schema-validate the whole config, then every resolved run; returns the validated config."""
+    config = validate(copy.deepcopy(config))
+    names = [run["name"] for run in config["runs"]]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ConfigError(f"runs: run names must be unique; repeated: {duplicates}")
+    for run in resolve_runs(config):
+        _check_run(run, config["launcher"])
+    return config
+
+
+def resolve_runs(config: dict) -> list[dict]:
+    """Each named run: the top-level sections with the run's overrides merged in, validated."""
+    runs = []
+    for index, entry in enumerate(config["runs"]):
+        merged = {key: config[key] for key in ("launcher", "results_dir", "logs_dir")}
+        for section in SECTIONS:
+            merged[section] = deep_merge(config[section], entry.get(section, {}))
+        where = f"runs[{index}] ({entry['name']!r})"
+        resolved = validate(merged, where=where)
+        resolved["name"] = entry["name"]
+        resolved["world_size"] = world_size(resolved["machine"])
+        resolved["dataset_id"] = dataset_id(resolved["data"])
+        runs.append(resolved)
+    return runs
+
+
+def world_size(machine: dict) -> int:
+    per_node = machine["gpus_per_node"] or machine["cpu_ranks_per_node"]
+    return machine["nodes"] * per_node
+
+
+def dataset_id(data: dict) -> str:
+    """Directory name of a staged dataset: runs with the same data section share one staging."""
+    return f"{data['source']}-{config_hash(data)[:10]}"
+
+
+def config_hash(section: Any) -> str:
+    return hashlib.sha256(json.dumps(section, sort_keys=True).encode()).hexdigest()
+
+
+def _check_run(run: dict, launcher: str) -> None:
+    where = f"runs ({run['name']!r})"
+    machine, data = run["machine"], run["data"]
+    if launcher == "local" and machine["nodes"] > 1:
+        raise ConfigError(
+            f"{where}: machine.nodes is {machine['nodes']} but the local launcher runs on one "
+            "machine; set machine.nodes: 1 or run with --profile profiles/slurm"
+        )
+    if launcher == "slurm" and not machine["partition"]:
+        raise ConfigError(
+            f"{where}: machine.partition is not set; Slurm runs need it (sinfo lists partitions)"
+        )
+    subdir = TORCHVISION_DIRS.get(data["source"])
+    if subdir and not data["download"] and not (Path(data["root"]) / subdir).is_dir():
+        raise ConfigError(
+            f"{where}: data.source is {data['source']!r} but {Path(data['root']) / subdir} does "
+            "not exist; put torchvision's files there (data.root), or set data.download: true "
+            "on a machine with internet access"
+        )

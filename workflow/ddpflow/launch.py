@@ -1,0 +1,179 @@
+"""Submit a distributed task through submitit (local processes or Slurm) and wait for it.
+
+The train and evaluate rules are Snakemake local rules that call `launch()`: one submitit job
+with one task per rank. A failure becomes a LaunchError carrying the failing ranks' last log
+lines; Ctrl-C / SIGTERM cancels the job so nothing is orphaned on the cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import submitit
+
+from .runtime import atomic_write_json
+
+log = logging.getLogger(__name__)
+CLEANED_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")
+
+
+class LaunchError(RuntimeError):
+    """A distributed job failed; the message names the ranks and shows their log tails."""
+
+
+def tasks_per_node(machine: dict) -> int:
+    return machine["gpus_per_node"] or machine["cpu_ranks_per_node"]
+
+
+def slurm_parameters(machine: dict, job_name: str) -> dict:
+    """submitit SlurmExecutor parameters for a run's `machine` section."""
+    cpus = machine["cpus_per_task"]
+    params = {
+        "job_name": job_name,
+        "nodes": machine["nodes"],
+        "ntasks_per_node": tasks_per_node(machine),
+        "cpus_per_task": cpus,
+        "mem": f"{int(machine['mem_gb'] * 1024)}M",
+        "time": machine["time_min"],
+        "partition": machine["partition"],
+        "signal_delay_s": 120,
+        # Slurm >= 22.05: srun no longer inherits --cpus-per-task from the allocation, and
+        # one dead rank must end the step instead of leaving the others blocked.
+        "srun_args": [f"--cpus-per-task={cpus}", "--kill-on-bad-exit=1"],
+        "setup": list(machine["setup"]),
+        "additional_parameters": dict(machine["sbatch_extra"]),
+        "stderr_to_stdout": False,
+    }
+    if machine["gpus_per_node"]:
+        params["gpus_per_node"] = machine["gpus_per_node"]
+    for key in ("account", "qos", "constraint"):
+        if machine[key]:
+            params[key] = machine[key]
+    return params
+
+
+def make_executor(launcher: str, machine: dict, folder: str | Path, job_name: str):
+    if launcher == "local":
+        executor = submitit.LocalExecutor(folder=str(folder))
+        executor.update_parameters(
+            nodes=1,
+            tasks_per_node=tasks_per_node(machine),
+            gpus_per_node=machine["gpus_per_node"],
+            timeout_min=machine["time_min"],
+        )
+        return executor
+    executor = submitit.SlurmExecutor(folder=str(folder))
+    executor.update_parameters(**slurm_parameters(machine, job_name))
+    return executor
+
+
+@contextlib.contextmanager
+def clean_slurm_environment():
+    """Hide an outer allocation's SLURM_* variables while submitting: sbatch and srun read them
+    (SLURM_MEM_PER_CPU, SLURM_NTASKS, ...) and a nested job would inherit the wrong shape."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith(CLEANED_PREFIXES)}
+    for key in saved:
+        del os.environ[key]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    """Snakemake stops a running rule with SIGTERM: treat it like Ctrl-C so we cancel the job."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def launch(
+    task,
+    launcher: str,
+    machine: dict,
+    folder: str | Path,
+    job_name: str,
+    record: str | Path | None = None,
+    poll_s: float = 1.0,
+) -> list:
+    """Submit `task` with one process per rank, wait, and return every rank's result."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    executor = make_executor(launcher, machine, folder, job_name)
+    with clean_slurm_environment():
+        job = executor.submit(task)
+    log.info(
+        "submitted %s as %s job %s (%d ranks); logs in %s",
+        job_name,
+        launcher,
+        job.job_id,
+        job.num_tasks,
+        folder,
+    )
+    if record:
+        atomic_write_json(
+            record,
+            {
+                "job_id": job.job_id,
+                "launcher": launcher,
+                "folder": str(folder),
+                "submitted": time.time(),
+            },
+        )
+    return wait(job, job_name, poll_s)
+
+
+def wait(job, job_name: str, poll_s: float) -> list:
+    start = time.monotonic()
+    try:
+        with terminate_as_interrupt():
+            while not job.done():
+                time.sleep(poll_s)
+    except KeyboardInterrupt:
+        log.warning("interrupted: cancelling job %s", job.job_id)
+        job.cancel(check=False)
+        raise
+    log.info("%s job %s finished in %.1fs", job_name, job.job_id, time.monotonic() - start)
+    try:
+        return job.results()
+    except Exception as exc:  # noqa: BLE001 - every submitit failure becomes one clear error
+        raise LaunchError(failure_message(job, job_name, exc)) from exc
+
+
+def failure_message(job, job_name: str, exc: Exception, lines: int = 15) -> str:
+    parts = [f"{job_name}: job {job.job_id} failed: {str(exc).strip().splitlines()[-1:]}"]
+    for index in range(job.num_tasks):
+        task = job.task(index)
+        tail = _tail(task.paths.stderr, lines)
+        if "Traceback" in tail or "Error" in tail:
+            parts.append(f"--- rank {index}: last lines of {task.paths.stderr} ---\n{tail}")
+    if len(parts) == 1:
+        parts.append(f"no rank wrote a traceback; see the logs in {job.paths.folder}")
+    return "\n".join(parts)
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return "(no log file)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def read_record(record: str | Path) -> dict | None:
+    try:
+        return json.loads(Path(record).read_text())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,102 @@
+"""One function per workflow rule; scripts/<rule>.py are thin adapters that call these."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from . import data, launch, report, runtime
+from .tasks import EvalTask, RunPaths, TrainTask
+
+log = logging.getLogger(__name__)
+
+
+def stage(data_cfg: dict, out_dir: str) -> dict:
+    start = time.perf_counter()
+    manifest = data.stage_dataset(data_cfg, out_dir, seed=data_cfg["seed"])
+    log.info(
+        "staged %s into %s in %.1fs: %s",
+        data_cfg["source"],
+        out_dir,
+        time.perf_counter() - start,
+        manifest["sizes"],
+    )
+    return manifest
+
+
+def _distributed(task_cls, stage_name: str, run: dict, results_dir: str, logs_dir: str) -> list:
+    paths = RunPaths.for_run(results_dir, run)
+    folder = Path(logs_dir).resolve() / "submitit" / run["name"] / stage_name
+    start = time.perf_counter()
+    results = launch.launch(
+        task_cls(run, paths),
+        run["launcher"],
+        run["machine"],
+        folder,
+        job_name=f"ddpflow-{stage_name}-{run['name']}",
+        record=Path(paths.work) / f"{stage_name}-job.json",
+    )
+    log.info(
+        "%s of run %r: %d ranks done in %.1fs",
+        stage_name,
+        run["name"],
+        len(results),
+        time.perf_counter() - start,
+    )
+    return results
+
+
+def train(run: dict, results_dir: str, logs_dir: str) -> dict:
+    summary = _distributed(TrainTask, "train", run, results_dir, logs_dir)[0]
+    log.info(
+        "train %r: %.0f samples/s on %d ranks (%s)",
+        run["name"],
+        summary["samples_per_s"],
+        summary["world_size"],
+        ", ".join(sorted(set(summary["hosts"]))),
+    )
+    return summary
+
+
+def evaluate(run: dict, results_dir: str, logs_dir: str) -> dict:
+    result = _distributed(EvalTask, "evaluate", run, results_dir, logs_dir)[0]
+    log.info(
+        "evaluate %r: accuracy %.4f (%d/%d samples)",
+        run["name"],
+        result["accuracy"],
+        result["samples_evaluated"],
+        result["test_size"],
+    )
+    return result
+
+
+def build_report(run_names: list[str], results_dir: str, out_dir: str) -> dict:
+    runs = [
+        {
+            "name": name,
+            "train_metrics": str(Path(results_dir) / "runs" / name / "train_metrics.jsonl"),
+            "eval_metrics": str(Path(results_dir) / "runs" / name / "eval_metrics.json"),
+        }
+        for name in run_names
+    ]
+    return report.build_report(runs, out_dir)
+
+
+def run_rule(function, log_file: str | None, *args):
+    """Run one rule's function with logging to the rule's log file and stderr; a failure is
+    logged there too (Snakemake shows the log of a failed rule) and exits non-zero."""
+    runtime.setup_logging()
+    if log_file:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(log_file, mode="w")
+        handler.setFormatter(logging.getLogger().handlers[0].formatter)
+        logging.getLogger().addHandler(handler)
+    try:
+        return function(*args)
+    except (launch.LaunchError, data.DataError, ValueError) as exc:
+        log.error("%s failed:\n%s", function.__name__, exc)
+        raise SystemExit(1) from None
+    except BaseException:
+        log.exception("%s failed", function.__name__)
+        raise

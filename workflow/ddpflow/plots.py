@@ -1,0 +1,165 @@
+"""Report figures: every function builds one figure and returns it as PNG bytes.
+
+report.py writes the bytes atomically and embeds the same bytes in report.html, so a figure
+is rendered once. Figures use matplotlib's object API on an explicit Agg canvas instead of
+pyplot: rendering is headless, the caller's backend is never switched (a notebook that calls
+build_report keeps its own), and nothing is registered in pyplot's figure list, so there is
+no figure left open to leak between calls.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import uuid
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator, ScalarFormatter
+
+__all__ = [
+    "plot_confusion",
+    "plot_per_epoch",
+    "plot_scaling",
+    "plot_throughput",
+    "render_figures",
+    "safe_name",
+    "text_label",
+]
+
+
+def text_label(text: str) -> str:
+    """Make a run or class name safe as matplotlib text.
+
+    "$...$" would be parsed as mathtext (and an odd "$" raises), and legend entries whose
+    label starts with "_" are silently dropped.
+    """
+    text = str(text).replace("$", r"\$")
+    return " " + text if text.startswith("_") else text
+
+
+def _new_figure(width: float = 7.0, height: float = 4.2) -> Figure:
+    fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)  # Agg for this figure only: no global backend switch
+    return fig
+
+
+def _png(fig: Figure) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def plot_per_epoch(series: dict[str, list[tuple[int, float]]], ylabel: str, title: str) -> bytes:
+    """One line per run: series maps run name -> [(epoch, value), ...] sorted by epoch."""
+    fig = _new_figure()
+    ax = fig.add_subplot()
+    for name, points in series.items():
+        epochs, values = zip(*points, strict=True)
+        ax.plot(epochs, values, marker="o", markersize=3, label=text_label(name))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("epoch")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return _png(fig)
+
+
+def plot_throughput(names: list[str], samples_per_s: list[float]) -> bytes:
+    """Bar chart of training throughput per run."""
+    fig = _new_figure(max(5.0, 1.2 * len(names) + 2.0))
+    ax = fig.add_subplot()
+    bars = ax.bar(range(len(names)), samples_per_s, color="tab:blue")
+    ax.bar_label(bars, fmt="%.0f", fontsize="small")
+    ax.set_xticks(range(len(names)), [text_label(n) for n in names], rotation=20, ha="right")
+    ax.set_ylabel("train samples/s")
+    ax.set_title("Training throughput")
+    ax.grid(axis="y", alpha=0.3)
+    return _png(fig)
+
+
+def plot_scaling(points: list[tuple[str, int, float]], base_ranks: int, base_rate: float) -> bytes:
+    """Throughput against ranks with the ideal linear line from the baseline run.
+
+    points: (run name, world size, samples/s). Log2 axes make linear scaling a straight line
+    and keep 1 to 64 ranks readable.
+    """
+    fig = _new_figure()
+    ax = fig.add_subplot()
+    sizes = sorted({ranks for _, ranks, _ in points})
+    ideal = [base_rate * ranks / base_ranks for ranks in sizes]
+    ax.plot(sizes, ideal, "--", color="gray", label=f"ideal: linear from {base_ranks} rank(s)")
+    best = [max(rate for _, r, rate in points if r == ranks) for ranks in sizes]
+    ax.plot(sizes, best, "o-", color="tab:blue", label="measured")
+    for name, ranks, rate in points:
+        ax.annotate(text_label(name), (ranks, rate), textcoords="offset points", xytext=(4, -10))
+        ax.plot([ranks], [rate], "o", color="tab:blue")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.yaxis.set_major_formatter(ScalarFormatter())  # 2048, not 2^11
+    ax.set_xlabel("ranks (world size)")
+    ax.set_ylabel("train samples/s")
+    ax.set_title("Scaling")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize="small")
+    return _png(fig)
+
+
+def plot_confusion(
+    name: str, matrix: list[list[int]], classes: list[str], accuracy: float
+) -> bytes:
+    """Confusion matrix coloured by fraction of the true class (rows), annotated with counts."""
+    counts = np.asarray(matrix, dtype=np.int64)
+    rates = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+    size = min(3.5 + 0.45 * len(classes), 12.0)
+    fig = _new_figure(size + 1.2, size)
+    ax = fig.add_subplot()
+    image = ax.imshow(rates, cmap="Blues", vmin=0.0, vmax=1.0)
+    ticks = range(len(classes))
+    labels = [text_label(c) for c in classes]
+    ax.set_xticks(ticks, labels, rotation=45, ha="right")
+    ax.set_yticks(ticks, labels)
+    if len(classes) <= 20:  # beyond that the numbers are unreadable; the colours still tell
+        for (row, col), count in np.ndenumerate(counts):
+            colour = "white" if rates[row, col] > 0.5 else "black"
+            ax.text(col, row, str(count), ha="center", va="center", color=colour, fontsize=8)
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    ax.set_title(f"{text_label(name)}: test accuracy {accuracy:.2%}")
+    fig.colorbar(image, ax=ax, label="fraction of true class")
+    return _png(fig)
+
+
+def safe_name(name: str) -> str:
+    """A file-name-safe form of a run name; a hash suffix keeps altered names distinct."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+    return safe if safe == name else f"{safe}-{uuid.uuid5(uuid.NAMESPACE_URL, name).hex[:8]}"
+
+
+def render_figures(loaded, rows: list[dict], baseline) -> dict[str, tuple[str, bytes]]:
+    """All report figures as key -> (caption, PNG bytes); the key is the file stem in plots/.
+
+    loaded: [(run name, per-epoch records, eval metrics)]; rows: report summary rows;
+    baseline: (ranks, samples/s) of the scaling reference, or None for no scaling plot.
+    """
+    per_epoch = {key: {name: [(e["epoch"], e[key]) for e in epochs] for name, epochs, _ in loaded}
+                 for key in ("train_loss", "val_accuracy")}  # fmt: skip
+    names = [row["run"] for row in rows]
+    figures = {
+        "loss": ("Training loss per epoch",
+                 plot_per_epoch(per_epoch["train_loss"], "train loss", "Training loss")),
+        "val_accuracy": ("Validation accuracy per epoch", plot_per_epoch(
+            per_epoch["val_accuracy"], "validation accuracy", "Validation accuracy")),
+        "throughput": ("Training throughput per run", plot_throughput(
+            names, [row["train_samples_per_s"] for row in rows])),
+    }  # fmt: skip
+    if baseline:
+        points = [(row["run"], row["world_size"], row["train_samples_per_s"]) for row in rows]
+        figures["scaling"] = ("Throughput against ranks", plot_scaling(points, *baseline))
+    for name, _, ev in loaded:
+        png = plot_confusion(name, ev["confusion_matrix"], ev["class_names"], ev["accuracy"])
+        figures[f"confusion_{safe_name(name)}"] = (f"Confusion matrix: {name}", png)
+    return figures

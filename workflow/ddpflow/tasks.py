@@ -1,0 +1,260 @@
+"""What every rank runs: the submitted callables for training and evaluation.
+
+submitit pickles these objects by reference, which is why they live in the installed package.
+A task discovers its rank once, sets up logging, device and the process group, does its work
+and always tears the process group down (even on failure).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import distenv, evaluate, runtime
+from .data import load_split
+from .models import build_model, count_parameters
+from .train import Loop, fit
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Absolute paths one run reads and writes; `work` is never a declared Snakemake output,
+    so a failed job's clean-up cannot delete what lives there (live metrics, rendezvous)."""
+
+    staged: str
+    model: str
+    train_metrics: str
+    train_summary: str
+    eval_metrics: str
+    work: str
+
+    @classmethod
+    def for_run(cls, results_dir: str | Path, run: dict) -> RunPaths:
+        root = Path(results_dir).resolve()
+        out = root / "runs" / run["name"]
+        return cls(
+            staged=str(root / "staged" / run["dataset_id"]),
+            model=str(out / "model.pt"),
+            train_metrics=str(out / "train_metrics.jsonl"),
+            train_summary=str(out / "train_summary.json"),
+            eval_metrics=str(out / "eval_metrics.json"),
+            work=str(root / "work" / run["name"]),
+        )
+
+
+def rank_context(run: dict, rendezvous_dir: str | None):
+    """Discover the rank, then set up logging, threads, device and the process group."""
+    env = distenv.discover()
+    runtime.setup_logging(env.rank)
+    machine = run["machine"]
+    # one rank per core budget: without this every rank spawns threads for all cores
+    torch.set_num_threads(machine["cpus_per_task"])
+    device = runtime.select_device(machine["gpus_per_node"], env.local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    log.info(
+        "rank %d/%d local %d node %d via %s on %s (%s)",
+        env.rank,
+        env.world_size,
+        env.local_rank,
+        env.node_rank,
+        env.launcher,
+        device,
+        backend,
+    )
+    distenv.init_process_group(env, backend, machine["pg_timeout_s"], rendezvous_dir)
+    return env, device
+
+
+def gather_hosts(env) -> list[str]:
+    hosts = [socket.gethostname()]
+    if env.world_size > 1:
+        hosts = [None] * env.world_size
+        dist.all_gather_object(hosts, socket.gethostname())
+    return hosts
+
+
+def load_data(staged: str, device, splits=("train", "val")) -> dict:
+    data: dict = {}
+    for split in splits:
+        images, labels, manifest = load_split(staged, split)
+        data[f"{split}_x"], data[f"{split}_y"] = images.to(device), labels.to(device)
+    shape = [1, len(manifest["mean"]), 1, 1]
+    data["norm"] = (
+        torch.tensor(manifest["mean"], device=device).view(shape),
+        torch.tensor(manifest["std"], device=device).view(shape),
+    )
+    data["num_classes"], data["shape"] = manifest["num_classes"], manifest["shape"]
+    data["manifest"] = manifest
+    return data
+
+
+class DistributedTask:
+    """Base of the submitted callables: rank set-up, guaranteed teardown, rank-0 gating."""
+
+    def __init__(self, run: dict, paths: RunPaths):
+        self.run, self.paths = run, paths
+
+    def __call__(self) -> dict:
+        Path(self.paths.work).mkdir(parents=True, exist_ok=True)
+        env, device = rank_context(self.run, self.paths.work)
+        try:
+            return self.work(env, device, gather_hosts(env))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def work(self, env, device, hosts) -> dict:
+        raise NotImplementedError
+
+
+class TrainTask(DistributedTask):
+    def work(self, env, device, hosts) -> dict:
+        run, paths = self.run, self.paths
+        start = time.perf_counter()
+        data = load_data(paths.staged, device)
+        torch.manual_seed(run["train"]["seed"])  # same init everywhere (DDP also broadcasts)
+        model = build_model(run["model"], data["shape"], data["num_classes"]).to(device)
+        loop = Loop(run, data, env, device, model)
+        live_metrics = Path(paths.work) / "metrics.jsonl"
+        if env.is_master:
+            live_metrics.unlink(missing_ok=True)
+            log.info(
+                "model %s: %d parameters; lr %.4g (scaled for world size %d)",
+                run["model"]["name"],
+                count_parameters(model),
+                loop.lr,
+                env.world_size,
+            )
+
+        def on_epoch(record: dict) -> None:
+            if env.is_master:
+                record.update(run=run["name"], attempt=env.restart_count + 1)
+                runtime.append_jsonl(live_metrics, record)
+                log.info(
+                    "epoch %d/%d loss %.4f val_acc %.4f %.0f samples/s",
+                    record["epoch"],
+                    run["train"]["epochs"],
+                    record["train_loss"],
+                    record["val_accuracy"],
+                    record["samples_per_s"],
+                )
+
+        train_seconds = fit(loop, on_epoch, _progress_bar(run, env))
+        if not env.is_master:
+            return {"rank": env.rank, "host": socket.gethostname()}
+        return self._write_outputs(model, data, env, hosts, train_seconds, start, live_metrics)
+
+    def _write_outputs(self, model, data, env, hosts, train_seconds, start, live_metrics):
+        run, paths = self.run, self.paths
+        runtime.atomic_torch_save(
+            {
+                "state_dict": model.state_dict(),
+                "model": run["model"],
+                "shape": data["shape"],
+                "num_classes": data["num_classes"],
+            },
+            paths.model,
+        )
+        records = [json.loads(line) for line in live_metrics.read_text().splitlines() if line]
+        samples = sum(r["samples"] for r in records) * env.world_size
+        phases = {p: sum(r["seconds"][p] for r in records) for p in records[0]["seconds"]}
+        summary = {
+            "run": run["name"],
+            "world_size": env.world_size,
+            "nodes": env.num_nodes,
+            "hosts": hosts,
+            "launcher": env.launcher,
+            "epochs": run["train"]["epochs"],
+            "attempts": env.restart_count + 1,
+            "train_seconds": train_seconds,
+            "wall_seconds": time.perf_counter() - start,
+            "samples_per_s": samples / train_seconds,
+            "phase_seconds": phases,
+            "device": str(data["train_x"].device),
+        }
+        runtime.atomic_write_bytes(paths.train_metrics, live_metrics.read_bytes())
+        runtime.atomic_write_json(paths.train_summary, summary)
+        return summary
+
+
+def _progress_bar(run: dict, env):
+    if not (env.is_master and run["train"]["progress"]):
+        return None
+
+    def factory(loop):
+        from tqdm import tqdm
+
+        # mininterval keeps batch logs (no TTY) to a line every few seconds
+        return tqdm(
+            total=loop._micro_batches(),
+            desc=f"epoch {loop.epoch + 1}",
+            unit="step",
+            mininterval=2.0,
+            leave=False,
+        )
+
+    return factory
+
+
+class EvalTask(DistributedTask):
+    def work(self, env, device, hosts) -> dict:
+        run, paths = self.run, self.paths
+        split = run["eval"]["split"]
+        data = load_data(paths.staged, device, splits=(split,))
+        images, labels = data[f"{split}_x"], data[f"{split}_y"]
+        checkpoint = torch.load(paths.model, map_location=device, weights_only=True)
+        model = build_model(checkpoint["model"], checkpoint["shape"], checkpoint["num_classes"])
+        model.load_state_dict(checkpoint["state_dict"])
+        model.to(device)
+        result = evaluate.evaluate_split(
+            model,
+            images,
+            labels,
+            data["num_classes"],
+            run["eval"]["batch_size"],
+            data["norm"],
+            env.rank,
+            env.world_size,
+        )
+        if not env.is_master:
+            return {"rank": env.rank, "host": socket.gethostname()}
+        return self._write(result, data, env, hosts)
+
+    def _write(self, result, data, env, hosts) -> dict:
+        run, paths = self.run, self.paths
+        manifest = data["manifest"]
+        result.update(
+            run=run["name"],
+            split=run["eval"]["split"],
+            test_size=manifest["sizes"][run["eval"]["split"]],
+            class_names=manifest["class_names"],
+            world_size=env.world_size,
+            hosts=hosts,
+            train=json.loads(Path(paths.train_summary).read_text()),
+        )
+        if result["samples_evaluated"] != result["test_size"]:
+            raise RuntimeError(
+                f"evaluated {result['samples_evaluated']} samples, the "
+                f"{run['eval']['split']} split has {result['test_size']}"
+            )
+        result["provenance"] = {
+            **runtime.provenance(),
+            "config": run,
+            "hostnames": hosts,
+            "dataset": {k: manifest[k] for k in ("source", "sizes")},
+        }
+        runtime.atomic_write_json(paths.eval_metrics, result)
+        return {k: result[k] for k in ("run", "accuracy", "samples_evaluated", "test_size")}
+
+
+def paths_dict(paths: RunPaths) -> dict:
+    return asdict(paths)

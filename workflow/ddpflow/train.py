@@ -1,0 +1,214 @@
+"""The DDP training loop.
+
+Launch (every launcher reaches the same code through ddpflow.distenv.discover):
+  snakemake --cores 2                                  # local executor, 2 CPU ranks
+  snakemake --profile profiles/slurm                   # submitit's Slurm executor
+  srun python -m ddpflow train --run default ...       # plain sbatch (scripts/sbatch_train.sh)
+  torchrun --nproc-per-node 2 -m ddpflow train ...     # torchrun
+
+The dataset is small enough to live as uint8 tensors on the device (as airbench does): each
+epoch every rank takes a disjoint, seeded, reshuffled shard (the DistributedSampler contract,
+including set_epoch and padding to equal length so all ranks take the same number of steps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import evaluate
+from .runtime import timed
+
+log = logging.getLogger(__name__)
+PHASES = ("data", "forward", "backward_sync", "optimizer")
+
+
+def epoch_indices(n: int, world: int, rank: int, seed: int, epoch: int) -> torch.Tensor:
+    """This rank's sample order for `epoch`: DistributedSampler(shuffle=True, drop_last=False)."""
+    generator = torch.Generator().manual_seed(seed + epoch)
+    order = torch.randperm(n, generator=generator)
+    total = math.ceil(n / world) * world
+    if total > n:  # pad with the first indices, as DistributedSampler does
+        order = torch.cat([order, order[: total - n]])
+    return order[rank:total:world]
+
+
+def effective_lr(train_cfg: dict, world: int) -> float:
+    """The configured lr, scaled with the global batch (Goyal et al.: linear; or sqrt)."""
+    ratio = train_cfg["batch_size"] * train_cfg["grad_accum_steps"] * world
+    ratio /= train_cfg["base_batch_size"]
+    factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[train_cfg["lr_scaling"]]
+    return train_cfg["optimizer"]["lr"] * factor
+
+
+def make_optimizer(params, opt_cfg: dict, lr: float, device: torch.device):
+    # fused kernels exist for CUDA tensors; on CPU the foreach path is the fast one
+    fused = {"fused": True} if device.type == "cuda" else {}
+    wd = opt_cfg["weight_decay"]
+    if opt_cfg["name"] == "sgd":
+        return torch.optim.SGD(
+            params,
+            lr=lr,
+            momentum=opt_cfg["momentum"],
+            weight_decay=wd,
+            nesterov=opt_cfg["nesterov"] and opt_cfg["momentum"] > 0,
+            **fused,
+        )
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[opt_cfg["name"]]
+    return cls(params, lr=lr, betas=tuple(opt_cfg["betas"]), weight_decay=wd, **fused)
+
+
+def lr_schedule(schedule: str, warmup_steps: int, total_steps: int):
+    """Multiplier per optimizer step: linear warmup, then constant or cosine to zero."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def autocast_factory(precision: str, device: torch.device):
+    """A context-manager factory for mixed precision; None means fp32 (always on CPU)."""
+    if precision == "fp32" or device.type != "cuda":
+        return None
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return lambda: torch.autocast("cuda", dtype=dtype)
+
+
+class Loop:
+    """One run's training state and its epoch loop (state is what a checkpoint holds)."""
+
+    def __init__(self, run: dict, data: dict, env, device: torch.device, model: nn.Module):
+        self.run, self.data, self.env, self.device = run, data, env, device
+        tcfg = run["train"]
+        self.tcfg = tcfg
+        self.model = model
+        self.ddp = (
+            DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+            if env.world_size > 1
+            else model
+        )
+        self.lr = effective_lr(tcfg, env.world_size)
+        self.optimizer = make_optimizer(model.parameters(), tcfg["optimizer"], self.lr, device)
+        self.steps_per_epoch = self._optimizer_steps_per_epoch()
+        total = self.steps_per_epoch * tcfg["epochs"]
+        warmup = round(tcfg["warmup_epochs"] * self.steps_per_epoch)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_schedule(tcfg["schedule"], warmup, total)
+        )
+        self.autocast = autocast_factory(tcfg["precision"], device)
+        self.scaler = torch.amp.GradScaler(
+            "cuda", enabled=tcfg["precision"] == "fp16" and device.type == "cuda"
+        )
+        self.loss_fn = nn.CrossEntropyLoss(label_smoothing=tcfg["label_smoothing"])
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else None
+        self.epoch = 0
+
+    def _micro_batches(self) -> int:
+        per_rank = math.ceil(self.data["train_x"].shape[0] / self.env.world_size)
+        return math.ceil(per_rank / self.tcfg["batch_size"])
+
+    def _optimizer_steps_per_epoch(self) -> int:
+        return math.ceil(self._micro_batches() / self.tcfg["grad_accum_steps"])
+
+    def train_epoch(self, progress=None) -> dict:
+        """One epoch; returns the epoch's mean loss and per-phase seconds."""
+        self.ddp.train()
+        tcfg, env, seconds = self.tcfg, self.env, {p: 0.0 for p in PHASES}
+        order = epoch_indices(
+            self.data["train_x"].shape[0], env.world_size, env.rank, tcfg["seed"], self.epoch
+        ).to(self.device)
+        batches = order.split(tcfg["batch_size"])
+        loss_sum = torch.zeros((), device=self.device)
+        for index, batch in enumerate(batches):
+            last_micro = (index + 1) % tcfg["grad_accum_steps"] == 0 or index + 1 == len(batches)
+            loss_sum += self._micro_step(batch, last_micro, len(batches), index, seconds)
+            if progress is not None:
+                progress.update(1)
+        # One host sync per epoch, not per step (the tutorials' .item() every step stalls).
+        mean_loss = float(loss_sum) / len(batches)
+        self.epoch += 1
+        return {
+            "train_loss": mean_loss,
+            "seconds": seconds,
+            "samples": len(order),
+            "micro_steps": len(batches),
+        }
+
+    def _micro_step(self, batch, last_micro, n_batches, index, seconds) -> torch.Tensor:
+        accum = self.tcfg["grad_accum_steps"]
+        # the last group of an epoch may be shorter than grad_accum_steps
+        group = min(accum, n_batches - (index // accum) * accum)
+        with timed(seconds, "data", self.sync):
+            x = evaluate.normalize(self.data["train_x"][batch], *self.data["norm"])
+            y = self.data["train_y"][batch]
+        # no_sync(): skip the gradient all-reduce on all but the last micro-step
+        skip_sync = (
+            self.ddp.no_sync()
+            if (not last_micro and self.env.world_size > 1)
+            else contextlib.nullcontext()
+        )
+        with skip_sync:
+            with (
+                timed(seconds, "forward", self.sync),
+                self.autocast() if self.autocast else contextlib.nullcontext(),
+            ):
+                loss = self.loss_fn(self.ddp(x), y)
+            with timed(seconds, "backward_sync", self.sync):
+                self.scaler.scale(loss / group).backward()
+        if last_micro:
+            with timed(seconds, "optimizer", self.sync):
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.scheduler.step()
+        return loss.detach().float()
+
+    def validate(self) -> dict:
+        images, labels = self.data["val_x"], self.data["val_y"]
+        result = evaluate.evaluate_split(
+            self.model,
+            images,
+            labels,
+            self.data["num_classes"],
+            self.run["eval"]["batch_size"],
+            self.data["norm"],
+            self.env.rank,
+            self.env.world_size,
+            self.autocast,
+        )
+        return {"val_accuracy": result["accuracy"], "val_loss": result["loss"]}
+
+
+def fit(loop: Loop, on_epoch, progress_factory=None) -> float:
+    """Train all epochs; on_epoch(record) is called on every rank after each epoch."""
+    start = time.perf_counter()
+    while loop.epoch < loop.tcfg["epochs"]:
+        epoch_start = time.perf_counter()
+        progress = progress_factory(loop) if progress_factory else None
+        record = loop.train_epoch(progress)
+        if progress is not None:
+            progress.close()
+        train_seconds = time.perf_counter() - epoch_start
+        record.update(loop.validate())
+        record["seconds"].update(train=train_seconds, epoch=time.perf_counter() - epoch_start)
+        record.update(
+            epoch=loop.epoch,
+            step=loop.scheduler.last_epoch,
+            lr=loop.optimizer.param_groups[0]["lr"],
+        )
+        # global samples (all ranks) per second of training, validation excluded
+        record["samples_per_s"] = record["samples"] * loop.env.world_size / train_seconds
+        on_epoch(record)
+    return time.perf_counter() - start

@@ -1,0 +1,50 @@
+# Validation and helpers shared by every rule file; defines no rules.
+import json
+import sys
+
+from ddpflow import config as ddpconfig
+from ddpflow.tasks import RunPaths
+
+try:
+    # validate (schema + cluster-independent checks) and fill defaults before any job runs
+    config.update(ddpconfig.check(config))
+except ddpconfig.ConfigError as err:
+    sys.exit(f"ddpflow: configuration error: {err}")
+
+RESULTS = config["results_dir"]
+LOGS = config["logs_dir"]
+RUNS = {run["name"]: run for run in ddpconfig.resolve_runs(config)}
+
+
+wildcard_constraints:
+    run="|".join(RUNS),
+    dataset="[A-Za-z0-9_]+-[0-9a-f]{10}",
+
+
+def run_cfg(wildcards):
+    return RUNS[wildcards.run]
+
+
+def run_paths(run_name):
+    return RunPaths.for_run(RESULTS, RUNS[run_name])
+
+
+def local_ranks(wildcards):
+    """Cores a train/evaluate job occupies on this machine: all its ranks when local."""
+    run = RUNS[wildcards.run]
+    return run["world_size"] if run["launcher"] == "local" else 1
+
+
+def staged_dir(wildcards):
+    return f"{RESULTS}/staged/{RUNS[wildcards.run]['dataset_id']}"
+
+
+def data_cfg_for(dataset):
+    for run in RUNS.values():
+        if run["dataset_id"] == dataset:
+            return run["data"]
+    raise ValueError(f"no run uses dataset {dataset}")
+
+
+def report_outputs():
+    return [f"{RESULTS}/report/report.md", f"{RESULTS}/report/report.html"]
