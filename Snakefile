@@ -14,5 +14,5 @@ include: "workflow/rules/report.smk"
 
 rule all:
     input:
-        report_outputs(),
+        final_outputs(),
     default_target: True

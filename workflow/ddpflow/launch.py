@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -152,24 +153,62 @@ def wait(job, job_name: str, poll_s: float) -> list:
         raise LaunchError(failure_message(job, job_name, exc)) from exc
 
 
-def failure_message(job, job_name: str, exc: Exception, lines: int = 15) -> str:
-    parts = [f"{job_name}: job {job.job_id} failed: {str(exc).strip().splitlines()[-1:]}"]
-    for index in range(job.num_tasks):
-        task = job.task(index)
-        tail = _tail(task.paths.stderr, lines)
-        if "Traceback" in tail or "Error" in tail:
-            parts.append(f"--- rank {index}: last lines of {task.paths.stderr} ---\n{tail}")
-    if len(parts) == 1:
-        parts.append(f"no rank wrote a traceback; see the logs in {job.paths.folder}")
-    return "\n".join(parts)
+COLLATERAL = re.compile(
+    r"Connection closed by peer|Connection reset|remote worker crash|Broken pipe|"
+    r"communicator was aborted|NCCL error|recvBytes|ProcessGroup.*abort"
+)
+EXCEPTION_LINE = re.compile(
+    r"^(?:\[rank\d+\]:\s*)?([\w.]+(?:Error|Exception|Fault|Interrupt|Exit)\b.*)$"
+)
+HOST_LINE = re.compile(r"\[rank (\d+) (\S+)\]")
 
 
-def _tail(path: Path, lines: int) -> str:
+def rank_failure(stderr: Path) -> dict:
+    """What one rank's log says: its host, its last exception line, and whether that error is
+    only the consequence of another rank dying (a closed connection)."""
+    text = _read(stderr)
+    host = next((m.group(2) for m in HOST_LINE.finditer(text)), "?")
+    errors = [m.group(1) for line in text.splitlines() if (m := EXCEPTION_LINE.match(line))]
+    error = errors[-1] if errors else None
+    return {
+        "host": host,
+        "error": error,
+        "collateral": bool(error and COLLATERAL.search(error)),
+        "log": str(stderr),
+        "tail": "\n".join(text.splitlines()[-15:]),
+    }
+
+
+def failure_message(job, job_name: str, exc: Exception) -> str:
+    """Name the failing ranks, hosts and causes; the first real failure comes first."""
+    ranks = {index: rank_failure(job.task(index).paths.stderr) for index in range(job.num_tasks)}
+    failed = {i: r for i, r in ranks.items() if r["error"]}
+    culprits = [i for i, r in failed.items() if not r["collateral"]] or list(failed)
+    lines = [
+        f"{job_name} failed (job {job.job_id}, {job.num_tasks} ranks, logs in {job.paths.folder})"
+    ]
+    for index in culprits:
+        lines.append(f"  rank {index} on {ranks[index]['host']}: {ranks[index]['error']}")
+    others = sorted(set(failed) - set(culprits))
+    if others:
+        lines.append(f"  ranks {others} then lost their peers (collateral)")
+    silent = sorted(set(ranks) - set(failed))
+    if silent and not culprits:
+        lines.append(
+            f"  no rank wrote an exception; ranks {silent} may have been killed "
+            f"(out of memory, node failure, signal): {str(exc).strip()[:300]}"
+        )
+    for index in culprits[:2]:
+        lines.append(f"--- rank {index}: last lines of {ranks[index]['log']} ---")
+        lines.append(ranks[index]["tail"])
+    return "\n".join(lines)
+
+
+def _read(path: Path) -> str:
     try:
-        text = Path(path).read_text(errors="replace")
+        return Path(path).read_text(errors="replace")
     except OSError:
-        return "(no log file)"
-    return "\n".join(text.splitlines()[-lines:])
+        return ""
 
 
 def read_record(record: str | Path) -> dict | None:

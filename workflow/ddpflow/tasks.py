@@ -100,12 +100,15 @@ def load_data(staged: str, device, splits=("train", "val")) -> dict:
 class DistributedTask:
     """Base of the submitted callables: rank set-up, guaranteed teardown, rank-0 gating."""
 
-    def __init__(self, run: dict, paths: RunPaths):
-        self.run, self.paths = run, paths
+    def __init__(self, run: dict, paths: RunPaths, file_rendezvous: bool = True):
+        # file_rendezvous: rank 0 publishes a self-bound port in the shared work folder
+        # (submitit jobs); False uses MASTER_PORT or the job-id port (srun, torchrun).
+        self.run, self.paths, self.file_rendezvous = run, paths, file_rendezvous
 
     def __call__(self) -> dict:
         Path(self.paths.work).mkdir(parents=True, exist_ok=True)
-        env, device = rank_context(self.run, self.paths.work)
+        rendezvous = self.paths.work if self.file_rendezvous else None
+        env, device = rank_context(self.run, rendezvous)
         try:
             return self.work(env, device, gather_hosts(env))
         finally:

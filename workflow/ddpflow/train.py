@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import evaluate
+from . import evaluate, faults
 from .runtime import timed
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,7 @@ class Loop:
         batches = order.split(tcfg["batch_size"])
         loss_sum = torch.zeros((), device=self.device)
         for index, batch in enumerate(batches):
+            faults.maybe_inject(env.rank, self.epoch, index)
             last_micro = (index + 1) % tcfg["grad_accum_steps"] == 0 or index + 1 == len(batches)
             loss_sum += self._micro_step(batch, last_micro, len(batches), index, seconds)
             if progress is not None:

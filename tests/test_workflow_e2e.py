@@ -1,0 +1,75 @@
+"""End to end: the real Snakemake workflow, real submitit local jobs, 2 real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+
+import matplotlib.image
+import pytest
+from conftest import snakemake, write_config
+
+pytestmark = pytest.mark.e2e
+
+FAST = {"train": {"epochs": 6, "progress": False}, "runs": [{"name": "cnn"}]}
+
+
+def _jobs_planned(workdir, configfile) -> set[str]:
+    """Rule names in the dry run's 'Job stats' table (empty when nothing is to be done)."""
+    dry = snakemake(workdir, configfile, "-n")
+    assert dry.returncode == 0, dry.stderr
+    lines = (dry.stdout + dry.stderr).splitlines()
+    if "Job stats:" not in lines:
+        return set()
+    table = lines[lines.index("Job stats:") + 3 :]
+    return {
+        line.split()[0]
+        for line in table[: table.index(next(l for l in table if l.startswith("total")))]
+    }
+
+
+def test_whole_workflow_then_partial_rerun(workdir):
+    configfile = write_config(workdir / "config.yaml", FAST)
+    result = snakemake(workdir, configfile)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    metrics = json.loads((workdir / "results/runs/cnn/eval_metrics.json").read_text())
+    assert metrics["samples_evaluated"] == metrics["test_size"] == 359
+    assert metrics["world_size"] == 2 and len(metrics["hosts"]) == 2
+    assert metrics["accuracy"] > 0.9
+    assert sum(map(sum, metrics["confusion_matrix"])) == 359
+    assert metrics["provenance"]["config"]["train"]["epochs"] == 6
+
+    report = workdir / "results/report"
+    for name in ("report.md", "report.html", "summary.json", "summary.csv"):
+        assert (report / name).stat().st_size > 0
+    for png in ("loss", "val_accuracy", "throughput", "confusion_cnn"):
+        image = matplotlib.image.imread(report / "plots" / f"{png}.png")
+        assert image.ndim == 3 and image.shape[0] > 100
+    assert (workdir / "logs/submitit/cnn/train").is_dir()
+
+    # delete one output: only it and what depends on it are redone
+    model = workdir / "results/runs/cnn/model.pt"
+    model_mtime = model.stat().st_mtime_ns
+    (workdir / "results/runs/cnn/eval_metrics.json").unlink()
+    assert _jobs_planned(workdir, configfile) == {"evaluate", "report", "all"}
+    rerun = snakemake(workdir, configfile)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert model.stat().st_mtime_ns == model_mtime
+    again = json.loads((workdir / "results/runs/cnn/eval_metrics.json").read_text())
+    assert again["accuracy"] == metrics["accuracy"]
+    assert _jobs_planned(workdir, configfile) == set()
+
+
+def test_failing_rank_gives_clear_error_and_no_partial_output(workdir):
+    configfile = write_config(workdir / "config.yaml", FAST)
+    result = snakemake(workdir, configfile, env={"DDPFLOW_FAULT": "raise:1:1:2"})
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "rank 1 on " in output
+    assert "InjectedFault: injected fault on rank 1 at epoch 1 step 2" in output
+    assert "ranks [0] then lost their peers" in output
+    run_dir = workdir / "results/runs/cnn"
+    leftovers = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else []
+    assert leftovers == [], f"partial outputs left behind: {leftovers}"
+    # the staged data (already computed) survives the failure
+    assert any((workdir / "results/staged").iterdir())

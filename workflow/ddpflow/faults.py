@@ -1,0 +1,56 @@
+"""Fault injection for tests and fire drills (never active unless DDPFLOW_FAULT is set).
+
+DDPFLOW_FAULT="<kind>:<rank>:<epoch>:<step>" makes that rank fail at that (0-based) epoch and
+micro-step: kind `raise` (a Python exception), `kill` (SIGKILL itself, like an OOM kill or a
+lost node) or `hang` (stop making progress, like a stuck NCCL call). Optional
+DDPFLOW_FAULT_ONCE=<file>: fire only if the file does not exist yet, and create it, so that
+a resumed attempt runs clean.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the `raise` fault."""
+
+
+def parse(spec: str | None) -> tuple[str, int, int, int] | None:
+    if not spec:
+        return None
+    kind, rank, epoch, step = spec.split(":")
+    if kind not in ("raise", "kill", "hang"):
+        raise ValueError(f"DDPFLOW_FAULT: unknown kind {kind!r} (raise, kill, hang)")
+    return kind, int(rank), int(epoch), int(step)
+
+
+def maybe_inject(rank: int, epoch: int, step: int) -> None:
+    fault = parse(os.environ.get("DDPFLOW_FAULT"))
+    if fault is None or fault[1:] != (rank, epoch, step) or not _first_time():
+        return
+    kind = fault[0]
+    log.error("injecting fault %r on rank %d at epoch %d step %d", kind, rank, epoch, step)
+    if kind == "raise":
+        raise InjectedFault(f"injected fault on rank {rank} at epoch {epoch} step {step}")
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    while True:  # hang
+        time.sleep(60)
+
+
+def _first_time() -> bool:
+    marker = os.environ.get("DDPFLOW_FAULT_ONCE")
+    if not marker:
+        return True
+    try:
+        Path(marker).touch(exist_ok=False)
+    except FileExistsError:
+        return False
+    return True
