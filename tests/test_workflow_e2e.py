@@ -21,10 +21,8 @@ def _jobs_planned(workdir, configfile) -> set[str]:
     if "Job stats:" not in lines:
         return set()
     table = lines[lines.index("Job stats:") + 3 :]
-    return {
-        line.split()[0]
-        for line in table[: table.index(next(l for l in table if l.startswith("total")))]
-    }
+    rows = table[: next(i for i, row in enumerate(table) if row.startswith("total"))]
+    return {row.split()[0] for row in rows}
 
 
 def test_whole_workflow_then_partial_rerun(workdir):

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -108,43 +109,97 @@ def launch(
     folder: str | Path,
     job_name: str,
     record: str | Path | None = None,
-    poll_s: float = 1.0,
+    fingerprint: str = "",
 ) -> list:
-    """Submit `task` with one process per rank, wait, and return every rank's result."""
+    """Submit `task` with one process per rank (or reattach to the same job if a previous
+    Snakemake was stopped while it ran), wait, and return every rank's result."""
     Path(folder).mkdir(parents=True, exist_ok=True)
-    executor = make_executor(launcher, machine, folder, job_name)
-    with clean_slurm_environment():
-        job = executor.submit(task)
-    log.info(
-        "submitted %s as %s job %s (%d ranks); logs in %s",
-        job_name,
-        launcher,
-        job.job_id,
-        job.num_tasks,
-        folder,
+    job = reattach(record, launcher, folder, fingerprint, total_ranks(machine))
+    if job is None:
+        executor = make_executor(launcher, machine, folder, job_name)
+        with clean_slurm_environment():
+            job = executor.submit(task)
+        log.info(
+            "submitted %s as %s job %s (%d ranks); logs in %s",
+            job_name,
+            launcher,
+            job.job_id,
+            job.num_tasks,
+            folder,
+        )
+        if record:
+            atomic_write_json(
+                record,
+                {
+                    "job_id": job.job_id,
+                    "launcher": launcher,
+                    "folder": str(folder),
+                    "fingerprint": fingerprint,
+                    "num_tasks": job.num_tasks,
+                    "submitted": time.time(),
+                },
+            )
+    poll_s = 1.0 if launcher == "local" else 5.0
+    results = wait(
+        job, job_name, poll_s, cancel=launcher == "local" or machine["cancel_on_interrupt"]
     )
     if record:
-        atomic_write_json(
-            record,
-            {
-                "job_id": job.job_id,
-                "launcher": launcher,
-                "folder": str(folder),
-                "submitted": time.time(),
-            },
+        Path(record).unlink(missing_ok=True)
+    return results
+
+
+def total_ranks(machine: dict) -> int:
+    return machine["nodes"] * tasks_per_node(machine)
+
+
+def reattach(record, launcher: str, folder, fingerprint: str, num_tasks: int):
+    """The job recorded by an earlier, interrupted attempt, if it is still alive (or finished
+    with results) and was submitted for the same config; never a second job for one run."""
+    previous = read_record(record) if record else None
+    if not previous or launcher != "slurm" or previous.get("launcher") != "slurm":
+        return None
+    if previous.get("fingerprint") != fingerprint or previous.get("num_tasks") != num_tasks:
+        log.warning(
+            "not reattaching to job %s: it was submitted for another config", previous["job_id"]
         )
-    return wait(job, job_name, poll_s)
+        return None
+    job = submitit.SlurmJob(folder=folder, job_id=previous["job_id"], tasks=range(num_tasks))
+    finished = all(job.task(i).paths.result_pickle.exists() for i in range(num_tasks))
+    if not (finished or slurm_job_alive(previous["job_id"])):
+        return None
+    log.info("reattaching to Slurm job %s submitted by an earlier attempt", job.job_id)
+    return job
 
 
-def wait(job, job_name: str, poll_s: float) -> list:
+def slurm_job_alive(job_id: str) -> bool:
+    try:
+        out = subprocess.run(
+            ["squeue", "-h", "-j", str(job_id), "-o", "%T"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and bool(out.stdout.strip())
+
+
+def wait(job, job_name: str, poll_s: float, cancel: bool = True) -> list:
     start = time.monotonic()
     try:
         with terminate_as_interrupt():
             while not job.done():
                 time.sleep(poll_s)
     except KeyboardInterrupt:
-        log.warning("interrupted: cancelling job %s", job.job_id)
-        job.cancel(check=False)
+        if cancel:
+            log.warning("interrupted: cancelling job %s", job.job_id)
+            job.cancel(check=False)
+        else:
+            log.warning(
+                "interrupted: job %s keeps running (machine.cancel_on_interrupt is "
+                "false); rerun the same command to reattach to it",
+                job.job_id,
+            )
         raise
     log.info("%s job %s finished in %.1fs", job_name, job.job_id, time.monotonic() - start)
     try:

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from . import data, launch, report, runtime
+from .config import config_hash
 from .tasks import EvalTask, RunPaths, TrainTask
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ def _distributed(task_cls, stage_name: str, run: dict, results_dir: str, logs_di
         folder,
         job_name=f"ddpflow-{stage_name}-{run['name']}",
         record=Path(paths.work) / f"{stage_name}-job.json",
+        fingerprint=config_hash(run),
     )
     log.info(
         "%s of run %r: %d ranks done in %.1fs",

@@ -34,8 +34,8 @@ def epoch_indices(n: int, world: int, rank: int, seed: int, epoch: int) -> torch
     generator = torch.Generator().manual_seed(seed + epoch)
     order = torch.randperm(n, generator=generator)
     total = math.ceil(n / world) * world
-    if total > n:  # pad with the first indices, as DistributedSampler does
-        order = torch.cat([order, order[: total - n]])
+    if total > n:  # pad by repeating the order, as DistributedSampler does
+        order = torch.cat([order, order.repeat(math.ceil((total - n) / n))[: total - n]])
     return order[rank:total:world]
 
 

@@ -1,0 +1,123 @@
+"""Start a real gloo process group the way ddpflow's ranks start one, and collect results.
+
+Each rank is a spawned process that gets submitit's local-executor variables
+(SUBMITIT_EXECUTOR=local, SUBMITIT_LOCAL_*), then goes through the production path:
+ddpflow.distenv.discover() and distenv.init_process_group() with a rendezvous directory
+(rank 0 binds a free port and publishes it in a file). `target(env, *args)` runs on every
+rank and its return value comes back to the test, ordered by rank.
+
+A fresh interpreter needs seconds to import torch, so ranks come from a fork server that
+imported torch and ddpflow once per test session (a clean parent: it never ran a torch op,
+so no thread pool is forked); tests still run one group per world size and do several
+checks inside it. At most 3 ranks at once: the test machine has 2 cores.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import queue
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+MAX_RANKS = 3
+PG_TIMEOUT_S = 30  # a deadlocked collective fails after this instead of hanging the suite
+LAUNCH_TIMEOUT_S = 120
+_JOB_IDS = itertools.count(1)
+_PRELOAD = ["torch", "torch.distributed", "ddpflow.distenv", "ddpflow.evaluate", "ddpflow.train"]
+# launcher variables of an outer job that must not leak into the ranks (see design.md)
+_FOREIGN_PREFIXES = ("SLURM_", "SUBMITIT_", "TORCHELASTIC_")
+_FOREIGN_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+
+
+def submitit_local_env(rank: int, world_size: int, job_id: str) -> dict[str, str]:
+    """The variables submitit's local executor gives task `rank` of a job."""
+    return {
+        "SUBMITIT_EXECUTOR": "local",
+        "SUBMITIT_LOCAL_JOB_ID": job_id,
+        "SUBMITIT_LOCAL_NTASKS": str(world_size),
+        "SUBMITIT_LOCAL_GLOBALID": str(rank),
+        "SUBMITIT_LOCAL_LOCALID": str(rank),
+        "SUBMITIT_LOCAL_NODEID": "0",
+        "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
+    }
+
+
+def _rank_main(rank, world_size, job_id, rendezvous_dir, target, args, results):
+    import torch.distributed as dist
+    from ddpflow import distenv
+
+    for name in list(os.environ):
+        if name.startswith(_FOREIGN_PREFIXES) or name in _FOREIGN_NAMES:
+            del os.environ[name]
+    os.environ.update(submitit_local_env(rank, world_size, job_id))
+    torch.set_num_threads(1)  # several ranks on 2 cores: intra-op threads only contend
+    try:
+        env = distenv.discover()
+        distenv.init_process_group(env, "gloo", PG_TIMEOUT_S, rendezvous_dir)
+        try:
+            # plain pickle: torch's queue would pass tensors as shared-memory file
+            # descriptors, which die with this process before the test reads them
+            results.put((rank, "ok", pickle.dumps(target(env, *args))))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_group(world_size: int, target, args: tuple, rendezvous_dir: Path) -> list:
+    """Run target(env, *args) on `world_size` spawned ranks; return the results by rank.
+
+    Raises AssertionError with the failing ranks' tracebacks if any rank fails or hangs.
+    """
+    assert 1 <= world_size <= MAX_RANKS, "the test machine has 2 cores"
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server first starts
+    results = ctx.Queue()
+    job_id = f"{os.getpid()}{next(_JOB_IDS)}"
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world_size, job_id, str(rendezvous_dir), target, args, results),
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    collected: dict[int, tuple[str, object]] = {}
+    try:
+        while len(collected) < world_size:
+            remaining = deadline - time.monotonic()
+            try:
+                rank, status, value = results.get(timeout=max(0.1, min(1.0, remaining)))
+            except queue.Empty:
+                died = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if remaining <= 0 or died:
+                    exitcodes = [p.exitcode for p in procs]
+                    raise AssertionError(
+                        f"ranks gave {sorted(collected)} of {world_size} results "
+                        f"(exit codes {exitcodes})"
+                    ) from None
+                continue
+            collected[rank] = (status, value)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    errors = [f"rank {r}:\n{v}" for r, (s, v) in sorted(collected.items()) if s != "ok"]
+    assert not errors, "\n".join(errors)
+    return [pickle.loads(collected[rank][1]) for rank in range(world_size)]
+
+
+def port_files(rendezvous_dir: Path) -> list[str]:
+    """Port files rank 0 published in rendezvous_dir (rendezvous-<job>-<restart>.port)."""
+    return sorted(p.name for p in Path(rendezvous_dir).glob("rendezvous-*.port"))

@@ -1,0 +1,244 @@
+"""ddpflow.train: the DistributedSampler contract, learning-rate rules, optimizers, and the
+DDP loop itself (a real 2-rank gloo group for gradient accumulation with no_sync)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from ddpflow import config as ddpconfig
+from ddpflow.distenv import DistEnv
+from ddpflow.models import mlp
+from ddpflow.train import Loop, effective_lr, epoch_indices, fit, lr_schedule, make_optimizer
+from distributed_helpers import run_group
+from torch.utils.data import DistributedSampler
+
+CPU = torch.device("cpu")
+SINGLE = DistEnv(0, 1, 0, 1, 0, 1, "127.0.0.1", 29500, "0", "single")
+
+
+def make_run(**sections) -> dict:
+    """A resolved run as the workflow builds it: schema defaults + these section overrides."""
+    return ddpconfig.resolve_runs(ddpconfig.load(None, sections))[0]
+
+
+def make_data(n_train: int, n_val: int, num_classes: int = 4, seed: int = 0) -> dict:
+    """The dict ddpflow.tasks.load_data returns, from synthetic 8x8 images: class c lights
+    up quadrant c, plus noise (learnable in a few epochs by a small MLP)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def split(n):
+        labels = torch.randint(0, num_classes, (n,), generator=gen)
+        images = torch.randint(0, 120, (n, 1, 8, 8), generator=gen)
+        for c in range(num_classes):
+            row, col = divmod(c, 2)
+            images[labels == c, :, 4 * row : 4 * row + 4, 4 * col : 4 * col + 4] += 120
+        return images.to(torch.uint8), labels.to(torch.int64)
+
+    train_x, train_y = split(n_train)
+    val_x, val_y = split(n_val)
+    scaled = train_x.float() / 255.0
+    shape = [1, 1, 1, 1]
+    return {
+        "train_x": train_x,
+        "train_y": train_y,
+        "val_x": val_x,
+        "val_y": val_y,
+        "norm": (scaled.mean().view(shape), scaled.std().view(shape)),
+        "num_classes": num_classes,
+        "shape": [1, 8, 8],
+    }
+
+
+# --- epoch_indices: the DistributedSampler contract -------------------------------------------
+
+
+def _sampler_order(n, world, rank, seed, epoch) -> list[int]:
+    sampler = DistributedSampler(range(n), world, rank, shuffle=True, seed=seed, drop_last=False)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [2, 5, 10, 37, 1001])
+def test_epoch_indices_equal_distributed_sampler(n, world):
+    for seed in (0, 7):
+        for epoch in (0, 1, 5):
+            for rank in range(world):
+                ours = epoch_indices(n, world, rank, seed, epoch).tolist()
+                assert ours == _sampler_order(n, world, rank, seed, epoch)
+
+
+@pytest.mark.parametrize(("n", "world"), [(10, 3), (37, 4), (1001, 2), (64, 2)])
+def test_epoch_indices_cover_everything_in_equal_shares(n, world):
+    shards = [epoch_indices(n, world, r, seed=3, epoch=2) for r in range(world)]
+    assert {len(s) for s in shards} == {math.ceil(n / world)}  # equal steps on every rank
+    seen = torch.cat(shards).tolist()
+    assert set(seen) == set(range(n))
+    assert len(seen) - n == (-n) % world  # only the padding repeats
+
+
+def test_epoch_indices_reshuffle_per_epoch_and_repeat_per_seed():
+    first = epoch_indices(1001, 2, 0, seed=0, epoch=0)
+    assert torch.equal(first, epoch_indices(1001, 2, 0, seed=0, epoch=0))
+    assert not torch.equal(first, epoch_indices(1001, 2, 0, seed=0, epoch=1))
+    assert not torch.equal(first, epoch_indices(1001, 2, 0, seed=1, epoch=0))
+
+
+@pytest.mark.parametrize(("n", "world"), [(1, 3), (2, 5)])
+def test_epoch_indices_with_more_than_twice_as_many_ranks_as_samples(n, world):
+    for rank in range(world):
+        assert epoch_indices(n, world, rank, 0, 0).tolist() == _sampler_order(n, world, rank, 0, 0)
+
+
+# --- learning rate and optimizers -------------------------------------------------------------
+
+
+def test_effective_lr_scales_with_the_global_batch():
+    train = make_run(train={"batch_size": 32, "grad_accum_steps": 2, "base_batch_size": 64})[
+        "train"
+    ]
+    lr = train["optimizer"]["lr"]
+    expected = {"none": lr, "linear": lr * 4.0, "sqrt": lr * 2.0}  # global 32*2*4 = 4 x 64
+    for scaling, value in expected.items():
+        assert effective_lr({**train, "lr_scaling": scaling}, world=4) == pytest.approx(value)
+    assert effective_lr({**train, "lr_scaling": "linear"}, world=1) == pytest.approx(lr)
+
+
+def test_lr_schedule_warmup_then_cosine_to_zero():
+    f = lr_schedule("cosine", warmup_steps=4, total_steps=20)
+    assert [f(s) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert f(4) == pytest.approx(1.0)  # cosine starts at the full rate
+    assert f(12) == pytest.approx(0.5)  # half-way through the cosine part
+    assert f(20) == pytest.approx(0.0, abs=1e-12)
+    assert f(30) == pytest.approx(0.0, abs=1e-12)  # clamped past the end
+    after = [f(s) for s in range(4, 21)]
+    assert after == sorted(after, reverse=True)
+
+
+def test_lr_schedule_constant_and_no_warmup():
+    constant = lr_schedule("constant", warmup_steps=2, total_steps=10)
+    assert [constant(s) for s in range(5)] == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0])
+    assert lr_schedule("cosine", warmup_steps=0, total_steps=10)(0) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    ("opt", "cls"),
+    [
+        ({"name": "sgd"}, torch.optim.SGD),
+        ({"name": "sgd", "momentum": 0.0}, torch.optim.SGD),
+        ({"name": "adam", "betas": [0.8, 0.99]}, torch.optim.Adam),
+        ({"name": "adamw", "weight_decay": 0.05}, torch.optim.AdamW),
+    ],
+)
+def test_make_optimizer(opt, cls):
+    cfg = make_run(train={"optimizer": opt})["train"]["optimizer"]
+    params = list(mlp(4, [3], 2).parameters())
+    optimizer = make_optimizer(params, cfg, lr=0.123, device=CPU)
+    assert type(optimizer) is cls
+    group = optimizer.param_groups[0]
+    assert group["lr"] == 0.123 and group["weight_decay"] == cfg["weight_decay"]
+    assert not group.get("fused")  # fused kernels only for CUDA tensors
+    if cls is torch.optim.SGD:
+        assert group["momentum"] == cfg["momentum"]
+        assert group["nesterov"] == (cfg["momentum"] > 0)  # torch rejects nesterov without it
+    else:
+        assert group["betas"] == tuple(cfg["betas"])
+
+
+# --- the loop on one rank ---------------------------------------------------------------------
+
+
+def test_single_rank_loop_learns():
+    torch.manual_seed(0)
+    run = make_run(
+        model={"name": "mlp", "mlp_hidden": [32]},
+        train={"epochs": 4, "batch_size": 16, "progress": False, "lr_scaling": "none"},
+        eval={"batch_size": 50},
+        machine={"cpu_ranks_per_node": 1},
+    )
+    data = make_data(n_train=200, n_val=100)
+    loop = Loop(run, data, SINGLE, CPU, mlp(64, [32], 4))
+    assert loop.ddp is loop.model  # one rank: no DDP wrapper
+    records = []
+    fit(loop, records.append)
+    losses = [r["train_loss"] for r in records]
+    assert len(records) == 4 and [r["epoch"] for r in records] == [1, 2, 3, 4]
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert records[-1]["val_accuracy"] > 0.9
+    assert records[-1]["step"] == loop.steps_per_epoch * 4 == math.ceil(200 / 16) * 4
+    assert all(r["samples"] == 200 and r["micro_steps"] == 13 for r in records)
+    assert records[-1]["lr"] == pytest.approx(0.0, abs=1e-3 * loop.lr)  # cosine ran out
+
+
+# --- two real DDP ranks: accumulation with no_sync == one large batch ---------------------------
+
+# (case, n_train, per-rank batch, grad_accum_steps); each pair sees the same samples per
+# optimizer step with the same global batch, hence the same scaled lr
+ACCUMULATION_CASES = [
+    ("one_step_accum", 32, 8, 2),
+    ("one_step_large", 32, 16, 1),
+    ("two_steps_accum", 48, 8, 2),  # 3 micro-batches per rank: the last group is short
+    ("two_steps_large", 48, 16, 1),
+]
+
+
+def _one_epoch(env, data, batch, accum) -> tuple[torch.Tensor, int]:
+    run = make_run(
+        model={"name": "mlp", "mlp_hidden": [16]},
+        train={"epochs": 1, "batch_size": batch, "grad_accum_steps": accum, "progress": False},
+        machine={"cpu_ranks_per_node": env.world_size},
+    )
+    torch.manual_seed(0)  # the same initial weights on every rank and in every case
+    loop = Loop(run, data, env, CPU, mlp(64, [16], 4))
+    entered = []
+    no_sync = loop.ddp.no_sync if env.world_size > 1 else None
+    if no_sync is not None:
+        loop.ddp.no_sync = lambda: (entered.append(1), no_sync())[1]
+    loop.train_epoch()
+    flat = torch.cat([p.detach().flatten() for p in loop.model.parameters()])
+    return flat, loop.scheduler.last_epoch, len(entered)
+
+
+def _accumulation_on_rank(env, datasets):
+    out = {}
+    for name, n, batch, accum in ACCUMULATION_CASES:
+        flat, steps, no_sync_calls = _one_epoch(env, datasets[n], batch, accum)
+        out[name] = {"params": flat, "steps": steps, "no_sync": no_sync_calls}
+    return out
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory):
+    datasets = {n: make_data(n, 8, seed=n) for n in (32, 48)}
+    ranks = run_group(2, _accumulation_on_rank, (datasets,), tmp_path_factory.mktemp("rdzv"))
+    return ranks, datasets
+
+
+@pytest.mark.parametrize("steps", ["one_step", "two_steps"])
+def test_accumulation_with_no_sync_equals_the_large_batch(ddp_results, steps):
+    ranks, _ = ddp_results
+    accum, large = (ranks[0][f"{steps}_{kind}"] for kind in ("accum", "large"))
+    expected_steps = 1 if steps == "one_step" else 2
+    assert accum["steps"] == large["steps"] == expected_steps
+    assert accum["no_sync"] == 1 and large["no_sync"] == 0  # the all-reduce was skipped once
+    torch.testing.assert_close(accum["params"], large["params"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", [c[0] for c in ACCUMULATION_CASES])
+def test_ddp_ranks_end_with_identical_parameters(ddp_results, case):
+    ranks, _ = ddp_results
+    # the ranks trained on different shards: equal weights mean the gradients were averaged
+    assert torch.equal(ranks[0][case]["params"], ranks[1][case]["params"])
+    torch.manual_seed(0)
+    initial = torch.cat([p.detach().flatten() for p in mlp(64, [16], 4).parameters()])
+    assert not torch.allclose(ranks[0][case]["params"], initial)
+
+
+def test_two_ranks_equal_one_rank_with_the_whole_batch(ddp_results):
+    """One step of 2 ranks x 16 samples is one step of 1 rank x 32 samples (same scaled lr)."""
+    ranks, datasets = ddp_results
+    single, steps, _ = _one_epoch(SINGLE, datasets[32], batch=32, accum=1)
+    assert steps == 1
+    torch.testing.assert_close(ranks[0]["one_step_large"]["params"], single, rtol=1e-5, atol=1e-6)
