@@ -86,6 +86,26 @@ def autocast_factory(precision: str, device: torch.device):
     return lambda: torch.autocast("cuda", dtype=dtype)
 
 
+def wrap_ddp(model: nn.Module, device: torch.device, ddp_cfg: dict) -> DDP:
+    """DDP with the configured bucket size, bucket views, static graph and compression hook."""
+    ddp = DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=ddp_cfg["bucket_cap_mb"],
+        gradient_as_bucket_view=ddp_cfg["gradient_as_bucket_view"],
+        static_graph=ddp_cfg["static_graph"],
+    )
+    if ddp_cfg["comm_hook"] != "none":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = {
+            "bf16_compress": default_hooks.bf16_compress_hook,
+            "fp16_compress": default_hooks.fp16_compress_hook,
+        }[ddp_cfg["comm_hook"]]
+        ddp.register_comm_hook(None, hook)
+    return ddp
+
+
 class Loop:
     """One run's training state and its epoch loop (state is what a checkpoint holds)."""
 
@@ -94,11 +114,7 @@ class Loop:
         tcfg = run["train"]
         self.tcfg = tcfg
         self.model = model
-        self.ddp = (
-            DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-            if env.world_size > 1
-            else model
-        )
+        self.ddp = wrap_ddp(model, device, tcfg["ddp"]) if env.world_size > 1 else model
         self.lr = effective_lr(tcfg, env.world_size)
         self.optimizer = make_optimizer(model.parameters(), tcfg["optimizer"], self.lr, device)
         self.steps_per_epoch = self._optimizer_steps_per_epoch()
