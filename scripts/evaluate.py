@@ -4,5 +4,9 @@ from ddpflow import pipeline
 
 smk = snakemake  # noqa: F821 - injected by Snakemake's script directive
 pipeline.run_rule(
-    pipeline.evaluate, smk.log[0], dict(smk.params.run), smk.params.results, smk.config["logs_dir"]
+    pipeline.evaluate,
+    smk.log[0],
+    dict(smk.params.run),
+    smk.config["results_dir"],
+    smk.config["logs_dir"],
 )

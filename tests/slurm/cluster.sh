@@ -7,7 +7,7 @@
 # the root namespace.  Facts behind every choice: docs/slurm-testbed.md
 # (shared docs) and tests/slurm/README.md.
 #
-# Usage: cluster.sh up|down|status|env
+# Usage: cluster.sh up|down|status|env|install  (install: only the apt packages)
 #   DDPFLOW_SLURM_DIR  state dir (default /tmp/ddpflow-slurm): configs, logs, PIDs
 #   NODES              number of compute nodes for `up` (2 or 3, default 2)
 # Exit code 77 from `up` means "this machine cannot host the cluster" (the
@@ -538,8 +538,9 @@ up) cmd_up ;;
 down) cmd_down ;;
 status) cmd_status ;;
 env) cmd_env ;;
+install) install_packages ;;
 *)
-    echo "usage: $0 up|down|status|env" >&2
+    echo "usage: $0 up|down|status|env|install" >&2
     exit 2
     ;;
 esac

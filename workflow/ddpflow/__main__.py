@@ -16,6 +16,7 @@ import sys
 
 from . import config as ddpconfig
 from . import pipeline
+from .data import DataError, verify_staged
 from .tasks import EvalTask, RunPaths, TrainTask
 
 
@@ -24,8 +25,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("command", choices=["stage", "train", "evaluate"])
     parser.add_argument("--config", default="config/config.yaml", help="YAML config file")
     parser.add_argument("--run", default=None, help="run name (default: the first run)")
-    parser.add_argument("--launcher", default=None, choices=["local", "slurm"],
-                        help="override the config's launcher (checks only; ranks come from env)")
+    parser.add_argument(
+        "--launcher",
+        default=None,
+        choices=["local", "slurm"],
+        help="override the config's launcher (checks only; ranks come from env)",
+    )
     return parser.parse_args(argv)
 
 
@@ -39,6 +44,14 @@ def select_run(cfg: dict, name: str | None) -> dict:
     raise ddpconfig.ConfigError(f"--run {name!r}: no such run; runs: {[r['name'] for r in runs]}")
 
 
+def already_staged(staged: str, data_cfg: dict) -> bool:
+    try:
+        manifest = verify_staged(staged)
+    except DataError:
+        return False
+    return manifest.get("data_cfg") == data_cfg
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     overrides = {"launcher": args.launcher} if args.launcher else {}
@@ -50,6 +63,9 @@ def main(argv=None) -> int:
         return 2
     paths = RunPaths.for_run(cfg["results_dir"], run)
     if args.command == "stage":
+        if already_staged(paths.staged, run["data"]):
+            print(f"ddpflow: {paths.staged} is staged and verified; nothing to do")
+            return 0
         pipeline.run_rule(pipeline.stage, None, run["data"], paths.staged)
         return 0
     task_cls = TrainTask if args.command == "train" else EvalTask

@@ -49,6 +49,9 @@ def data_cfg_for(dataset):
 def final_outputs():
     """Every run's model and evaluation plus the report: all are targets, so deleting any
     one of them makes a rerun redo exactly it and what depends on it."""
-    per_run = [f"{RESULTS}/runs/{run}/{name}" for run in RUNS
-               for name in ("model.pt", "eval_metrics.json")]
+    per_run = [
+        f"{RESULTS}/runs/{run}/{name}"
+        for run in RUNS
+        for name in ("model.pt", "eval_metrics.json")
+    ]
     return [*per_run, f"{RESULTS}/report/report.md", f"{RESULTS}/report/report.html"]

@@ -7,12 +7,13 @@ rule evaluate:
         summary=f"{RESULTS}/runs/{{run}}/train_summary.json",
     output:
         metrics=f"{RESULTS}/runs/{{run}}/eval_metrics.json",
-    params:
-        run=run_cfg,
-        results=RESULTS,
     log:
         f"{LOGS}/evaluate/{{run}}.log",
-    threads: local_ranks
     localrule: True
+    conda:
+        "../../envs/ddpflow.yaml"
+    threads: local_ranks
+    params:
+        run=run_cfg,
     script:
         "../../scripts/evaluate.py"

@@ -17,10 +17,12 @@ rule report:
             category="Plots",
         ),
         summary=f"{RESULTS}/report/summary.json",
-    params:
-        runs=list(RUNS),
     log:
         f"{LOGS}/report.log",
     localrule: True
+    conda:
+        "../../envs/ddpflow.yaml"
+    params:
+        runs=list(RUNS),
     script:
         "../../scripts/report.py"

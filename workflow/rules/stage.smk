@@ -2,10 +2,12 @@ rule stage:
     """Stage a dataset into ddpflow's checksummed format (shared by runs with equal data)."""
     output:
         directory(f"{RESULTS}/staged/{{dataset}}"),
-    params:
-        data=lambda wildcards: data_cfg_for(wildcards.dataset),
     log:
         f"{LOGS}/stage/{{dataset}}.log",
     localrule: True
+    conda:
+        "../../envs/ddpflow.yaml"
+    params:
+        data=lambda wildcards: data_cfg_for(wildcards.dataset),
     script:
         "../../scripts/stage.py"
