@@ -6,7 +6,7 @@ import json
 
 import matplotlib.image
 import pytest
-from conftest import snakemake, write_config
+from workflow_helpers import snakemake, write_config
 
 pytestmark = pytest.mark.e2e
 

@@ -3,6 +3,7 @@ import json
 import sys
 
 from ddpflow import config as ddpconfig
+from ddpflow.slurm_checks import check_runs_against_cluster
 from ddpflow.tasks import RunPaths
 
 try:
@@ -14,6 +15,14 @@ except ddpconfig.ConfigError as err:
 RESULTS = config["results_dir"]
 LOGS = config["logs_dir"]
 RUNS = {run["name"]: run for run in ddpconfig.resolve_runs(config)}
+
+# Against the real cluster too (partition, account, nodes, GPUs, time limit), before anything
+# is queued. Only in the main process: jobs re-read this file where sacctmgr may be missing.
+if config["launcher"] == "slurm" and workflow.is_main_process:
+    try:
+        check_runs_against_cluster(list(RUNS.values()))
+    except ddpconfig.ConfigError as err:
+        sys.exit(f"ddpflow: configuration error: {err}")
 
 
 wildcard_constraints:

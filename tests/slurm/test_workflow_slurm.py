@@ -1,0 +1,239 @@
+"""The whole pipeline on the real Slurm test cluster: profiles/slurm, submitit's Slurm
+executor, 2 nodes x 2 ranks across network namespaces; plain sbatch; interrupt/reattach."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from workflow_helpers import BIN, REPO, snakemake, write_config
+
+pytestmark = pytest.mark.slurm
+
+SCIENCE = {"train": {"epochs": 4, "progress": False}}
+CLUSTER_MACHINE = {
+    "nodes": 2,
+    "cpu_ranks_per_node": 2,
+    "partition": "debug",
+    "account": "ddpflow",
+    "mem_gb": 1,
+    "time_min": 10,
+    "pg_timeout_s": 60,
+}
+FAST_POLL = [
+    "--slurm-init-seconds-before-status-checks",
+    "2",
+    "--seconds-between-status-checks",
+    "3",
+    "--latency-wait",
+    "5",
+]
+
+
+def slurm_snakemake(workdir: Path, configfile: Path, *args: str, **kwargs):
+    return snakemake(
+        workdir, configfile, "--profile", str(REPO / "profiles/slurm"), *FAST_POLL, *args, **kwargs
+    )
+
+
+def job_ids(folder: Path) -> list[str]:
+    return sorted({p.name.split("_")[0] for p in folder.glob("*_0_log.out")})
+
+
+def sacct_states(job_id: str, timeout_s: float = 60) -> str:
+    """The job's final state (sacct lags behind squeue: poll until terminal)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = subprocess.run(
+            ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.split()
+        state = out[0] if out else ""
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") or time.monotonic() > deadline:
+            return state
+        time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def slurm_run(slurm_cluster, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("slurm-run")
+    configfile = write_config(
+        workdir / "config.yaml", {**SCIENCE, "machine": CLUSTER_MACHINE, "runs": [{"name": "cnn"}]}
+    )
+    started = time.monotonic()
+    result = slurm_snakemake(workdir, configfile)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return workdir, time.monotonic() - started
+
+
+def test_profile_runs_whole_pipeline_on_two_nodes(slurm_run):
+    workdir, _ = slurm_run
+    metrics = json.loads((workdir / "results/runs/cnn/eval_metrics.json").read_text())
+    train = metrics["train"]
+    assert train["launcher"] == "slurm" and train["world_size"] == 4 and train["nodes"] == 2
+    assert sorted(set(train["hosts"])) == ["node1", "node2"]
+    assert sorted(set(metrics["hosts"])) == ["node1", "node2"]
+    assert metrics["samples_evaluated"] == metrics["test_size"]
+    assert (workdir / "results/report/report.html").stat().st_size > 0
+    for stage in ("train", "evaluate"):
+        ids = job_ids(workdir / "logs/submitit/cnn" / stage)
+        assert len(ids) == 1, f"{stage}: expected one Slurm job, found {ids}"
+        assert sacct_states(ids[0]) == "COMPLETED"
+
+
+def test_accuracy_equals_local_run(slurm_run, tmp_path):
+    """Same config, seed and world size (4) on one machine: gloo sums gradients in the same
+    order whatever the transport, so the results are identical, not just close."""
+    workdir, _ = slurm_run
+    local_machine = {"nodes": 1, "cpu_ranks_per_node": 4}
+    configfile = write_config(
+        tmp_path / "config.yaml", {**SCIENCE, "machine": local_machine, "runs": [{"name": "cnn"}]}
+    )
+    result = snakemake(tmp_path, configfile)
+    assert result.returncode == 0, result.stderr[-3000:]
+    local = json.loads((tmp_path / "results/runs/cnn/eval_metrics.json").read_text())
+    remote = json.loads((workdir / "results/runs/cnn/eval_metrics.json").read_text())
+    assert local["train"]["world_size"] == remote["train"]["world_size"] == 4
+    assert remote["accuracy"] == local["accuracy"]
+    assert remote["confusion_matrix"] == local["confusion_matrix"]
+    losses = [
+        [
+            json.loads(line)["train_loss"]
+            for line in (root / "results/runs/cnn/train_metrics.jsonl").read_text().splitlines()
+        ]
+        for root in (tmp_path, workdir)
+    ]
+    assert losses[0] == losses[1]
+
+
+def test_plain_sbatch_script(slurm_cluster, tmp_path):
+    config = write_config(
+        tmp_path / "config.yaml",
+        {
+            **SCIENCE,
+            "results_dir": str(tmp_path / "results"),
+            "machine": {"cpu_ranks_per_node": 2},
+            "runs": [{"name": "batch"}],
+        },
+    )
+    env = {**os.environ, "DDPFLOW_PYTHON": str(BIN / "python")}
+    result = subprocess.run(
+        [
+            "sbatch",
+            "--wait",
+            "--nodes=2",
+            "--ntasks-per-node=2",
+            "--partition=debug",
+            "--account=ddpflow",
+            "--mem=1G",
+            f"--output={tmp_path}/sbatch-%j.out",
+            str(REPO / "scripts/sbatch_train.sh"),
+            str(config),
+            "batch",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env=env,
+    )
+    logs = "".join(p.read_text() for p in tmp_path.glob("sbatch-*.out"))
+    assert result.returncode == 0, result.stderr + logs[-3000:]
+    metrics = json.loads((tmp_path / "results/runs/batch/eval_metrics.json").read_text())
+    assert metrics["train"]["launcher"] == "slurm"
+    assert sorted(set(metrics["train"]["hosts"])) == ["node1", "node2"]
+    assert metrics["samples_evaluated"] == metrics["test_size"]
+    assert metrics["accuracy"] > 0.8
+
+
+def _start_and_wait_for_running_train(workdir: Path, configfile: Path) -> subprocess.Popen:
+    cmd = [
+        str(BIN / "snakemake"),
+        "--snakefile",
+        str(REPO / "Snakefile"),
+        "--directory",
+        str(workdir),
+        "--cores",
+        "2",
+        "--configfile",
+        str(configfile),
+        "--profile",
+        str(REPO / "profiles/slurm"),
+        *FAST_POLL,
+    ]
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=open(workdir / "smk.err", "w"),  # noqa: SIM115 - lives as long as the process
+        env=env,
+        cwd=workdir,
+        start_new_session=True,
+    )
+    folder = workdir / "logs/submitit/long/train"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        ids = job_ids(folder) if folder.exists() else []
+        if ids and "epoch 1/" in (folder / f"{ids[0]}_0_log.err").read_text(errors="replace"):
+            return proc
+        assert proc.poll() is None, (workdir / "smk.err").read_text()[-3000:]
+        time.sleep(1)
+    proc.kill()
+    raise AssertionError("training never started on the cluster")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)  # what Ctrl-C / a dropped session amounts to
+    proc.wait(timeout=120)
+
+
+def _long_config(workdir: Path, cancel: bool) -> Path:
+    machine = {**CLUSTER_MACHINE, "cancel_on_interrupt": cancel}
+    return write_config(
+        workdir / "config.yaml",
+        {
+            "train": {"epochs": 40, "progress": False},
+            "machine": machine,
+            "runs": [{"name": "long"}],
+        },
+    )
+
+
+def test_stopping_snakemake_cancels_the_job(slurm_cluster, tmp_path):
+    configfile = _long_config(tmp_path, cancel=True)
+    proc = _start_and_wait_for_running_train(tmp_path, configfile)
+    job_id = job_ids(tmp_path / "logs/submitit/long/train")[0]
+    _stop(proc)
+    assert sacct_states(job_id) == "CANCELLED"
+    # COMPLETING (CG) while Slurm kills the ranks (KillWait), then gone: nothing orphaned
+    deadline = time.monotonic() + 60
+    while _in_queue(job_id) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not _in_queue(job_id), "job still in the queue a minute after Snakemake stopped"
+
+
+def _in_queue(job_id: str) -> bool:
+    out = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True)
+    return bool(out.stdout.strip())
+
+
+def test_rerun_reattaches_to_the_running_job(slurm_cluster, tmp_path):
+    configfile = _long_config(tmp_path, cancel=False)
+    proc = _start_and_wait_for_running_train(tmp_path, configfile)
+    folder = tmp_path / "logs/submitit/long/train"
+    job_id = job_ids(folder)[0]
+    _stop(proc)
+    assert _in_queue(job_id), "the job should survive the stop"
+    result = slurm_snakemake(tmp_path, configfile)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert job_ids(folder) == [job_id], "a second training job was submitted"
+    log = (tmp_path / "logs/train/long.log").read_text()
+    assert f"reattaching to Slurm job {job_id}" in log
+    assert sacct_states(job_id) == "COMPLETED"

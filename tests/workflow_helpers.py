@@ -1,0 +1,43 @@
+"""Shared test helpers: where the repository is, and how to run the real Snakemake on it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def snakemake(
+    workdir: Path, configfile: Path | None, *args: str, env: dict | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """Run the repository's workflow in workdir (a fresh directory, like a user's clone)."""
+    cmd = [
+        str(BIN / "snakemake"),
+        "--snakefile",
+        str(REPO / "Snakefile"),
+        "--directory",
+        str(workdir),
+        "--cores",
+        "2",
+    ]
+    if configfile is not None:
+        cmd += ["--configfile", str(configfile)]
+    full_env = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        **(env or {}),
+    }
+    return subprocess.run(
+        [*cmd, *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=workdir
+    )
+
+
+def write_config(path: Path, overrides: dict) -> Path:
+    path.write_text(yaml.safe_dump(overrides, sort_keys=False))
+    return path

@@ -1,0 +1,427 @@
+"""Check every run's `machine` section against the real Slurm cluster before anything is queued.
+
+Why: with Slurm's default EnforcePartLimits=NO, sbatch ACCEPTS a job that asks for more than
+its partition can ever give (nodes, GPUs, CPUs, memory, time) and lets it pend forever (reason
+PartitionTimeLimit, Resources, ...); with AccountingStorageEnforce=none a misspelled account is
+accepted too and the hours are billed nowhere. Each such mistake becomes a ConfigError when
+Snakemake starts, naming the run, the key, the value, what the cluster has, and the fix.
+
+Queries (read-only, each with a timeout): `scontrol --all --oneliner show partition|node` and,
+when a run names an account or qos, `sacctmgr -nP show assoc|account`. Parsing lives in small
+pure functions over the commands' text, unit-tested on captured output (tests/slurm/).
+
+    from ddpflow.slurm_checks import check_runs_against_cluster
+    check_runs_against_cluster(resolved_runs)   # raises ConfigError, returns None when all fit
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pwd
+import re
+import subprocess
+from dataclasses import dataclass
+
+from .config import ConfigError
+from .distenv import expand_nodelist
+from .launch import tasks_per_node
+
+log = logging.getLogger(__name__)
+
+QUERY_TIMEOUT_S = 30.0
+NO_LIMIT = {"INFINITE", "UNLIMITED"}
+# A key starts a record field only after whitespace: values may hold spaces (OS=Linux 6.1 #1
+# SMP, Reason=Not responding) and '=' (TRES=cpu=8,mem=16000M), so a value runs to the next key.
+FIELD_KEY = re.compile(r"(?:^|\s)([A-Za-z]\w*)=")
+
+
+@dataclass(frozen=True)
+class Partition:
+    name: str
+    default: bool
+    max_time: str  # as scontrol prints it, for messages
+    max_nodes: int | None  # None: UNLIMITED
+    max_mem_per_node_mb: int | None
+    node_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    partitions: tuple[str, ...]
+    cpus: int
+    memory_mb: int
+    gpus: int
+    gres: str
+
+
+@dataclass(frozen=True)
+class Association:
+    account: str
+    partition: str  # "" = every partition
+    qos: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    partitions: dict[str, Partition]
+    nodes: tuple[Node, ...]
+    user: str
+    associations: tuple[Association, ...] | None  # None: accounting not available
+    accounts: tuple[str, ...] | None
+
+    def nodes_of(self, partition: Partition) -> list[Node]:
+        named = set(partition.node_names)
+        return [n for n in self.nodes if partition.name in n.partitions or n.name in named]
+
+
+# ---------------------------------------------------------------- pure parsers of Slurm text
+
+
+def parse_oneliner(text: str) -> list[dict[str, str]]:
+    """`scontrol --oneliner show ...` output -> one {key: value} dict per record (line)."""
+    records = []
+    for line in text.splitlines():
+        keys = list(FIELD_KEY.finditer(line))
+        if keys:
+            ends = [m.start() for m in keys[1:]] + [len(line)]
+            records.append(
+                {m.group(1): line[m.end() : end].strip() for m, end in zip(keys, ends, strict=True)}
+            )
+    return records
+
+
+def parse_slurm_time(text: str) -> int | None:
+    """Seconds in a Slurm time limit; None for INFINITE/UNLIMITED. Formats as sbatch --time:
+    MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
+    value = text.strip()
+    if value.upper() in NO_LIMIT:
+        return None
+    if not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}", value):
+        raise ValueError(f"not a Slurm time limit: {text!r}")
+    days, _, clock = value.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if days or len(parts) == 3:
+        # after a day count (or with two colons) the first field is hours
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    else:
+        hours, (minutes, seconds) = 0, (parts + [0])[:2]
+    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def parse_gpu_count(gres: str) -> int:
+    """GPUs in a node's Gres: 'gpu:2', 'gpu:a100:8', 'gpu:a100:4(S:0-1)', 'gpu:a100' (one).
+    Several GPU types are summed: --gpus-per-node without a type takes any of them."""
+    total = 0
+    # socket bindings like (S:0-1) or (S:0,2) are not counts and may contain commas
+    for item in re.sub(r"\([^)]*\)", "", gres).split(","):
+        fields = item.strip().split(":")
+        if fields[0] != "gpu":
+            continue  # (null), shard:8, mps:100, ...
+        count = re.fullmatch(r"(\d+)([KMG]?)", fields[-1]) if len(fields) > 1 else None
+        if count is None:
+            total += 1  # 'gpu' or 'gpu:a100': a count of one
+        else:
+            total += int(count.group(1)) * 1024 ** " KMG".index(count.group(2) or " ")
+    return total
+
+
+def _limit(value: str | None) -> int | None:
+    """An integer limit from scontrol; None when unlimited or absent."""
+    if not value or value.upper() in NO_LIMIT or not value.isdigit():
+        return None
+    return int(value)
+
+
+def parse_partitions(text: str) -> dict[str, Partition]:
+    partitions = {}
+    for rec in parse_oneliner(text):
+        if "PartitionName" not in rec:
+            continue
+        nodes = rec.get("Nodes", "")
+        partitions[rec["PartitionName"]] = Partition(
+            name=rec["PartitionName"],
+            default=rec.get("Default", "NO").upper() == "YES",
+            max_time=rec.get("MaxTime", "UNLIMITED"),
+            max_nodes=_limit(rec.get("MaxNodes")),
+            max_mem_per_node_mb=_limit(rec.get("MaxMemPerNode")),
+            node_names=tuple(expand_nodelist(nodes)) if nodes not in ("", "(null)") else (),
+        )
+    return partitions
+
+
+def parse_nodes(text: str) -> tuple[Node, ...]:
+    nodes = []
+    for rec in parse_oneliner(text):
+        if "NodeName" not in rec:
+            continue
+        # CPUEfctv (Slurm >= 22.05) leaves out cores reserved by CoreSpecCount; MemSpecLimit is
+        # memory reserved for the system: neither can be given to a job.
+        cpus = int(rec.get("CPUEfctv") or rec.get("CPUTot") or 0)
+        memory = int(rec.get("RealMemory") or 0) - int(_limit(rec.get("MemSpecLimit")) or 0)
+        partitions = rec.get("Partitions", "")
+        nodes.append(
+            Node(
+                name=rec["NodeName"],
+                partitions=tuple(p for p in partitions.split(",") if p),
+                cpus=cpus,
+                memory_mb=memory,
+                gpus=parse_gpu_count(rec.get("Gres", "")),
+                gres=rec.get("Gres", "(null)"),
+            )
+        )
+    return tuple(nodes)
+
+
+def parse_associations(text: str) -> tuple[Association, ...]:
+    """`sacctmgr -nP show assoc format=account,partition,qos` lines: 'acct|part|qos1,qos2'."""
+    out = []
+    for line in text.splitlines():
+        fields = (line.split("|") + ["", "", ""])[:3]
+        if fields[0]:
+            qos = tuple(q for q in fields[2].split(",") if q)
+            out.append(Association(fields[0], fields[1], qos))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------- queries (read-only)
+
+
+def _command(cmd: list[str], timeout_s: float) -> str:
+    """stdout of a Slurm client command; every way it can fail becomes a ConfigError."""
+    shown = " ".join(cmd)
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except FileNotFoundError as exc:
+        raise ConfigError(
+            f"launcher is slurm but `{cmd[0]}` is not installed here: the slurm launcher needs "
+            "the Slurm client tools (scontrol, sbatch, sacct); run snakemake on a login node of "
+            "the cluster, or set launcher: local"
+        ) from exc
+    except subprocess.TimeoutExpired as exc:
+        raise ConfigError(
+            f"`{shown}` did not answer within {timeout_s:g} s; is slurmctld reachable from "
+            "here (`scontrol ping`)?"
+        ) from exc
+    if res.returncode != 0:
+        raise ConfigError(f"`{shown}` failed (exit {res.returncode}): {res.stderr.strip()}")
+    return res.stdout
+
+
+def _accounting(user: str, timeout_s: float) -> tuple[tuple | None, tuple | None]:
+    """The user's associations and all account names; (None, None) without accounting, where
+    Slurm cannot check accounts either, so we only warn."""
+    fmt = "format=account,partition,qos"
+    try:
+        assoc = _command(["sacctmgr", "-nP", "show", "assoc", f"user={user}", fmt], timeout_s)
+        accounts = _command(["sacctmgr", "-nP", "show", "account", "format=account"], timeout_s)
+    except ConfigError as err:
+        log.warning("accounting not available, machine.account/qos not checked: %s", err)
+        return None, None
+    names = tuple(line.strip() for line in accounts.splitlines() if line.strip())
+    return parse_associations(assoc), names
+
+
+def current_user() -> str:
+    # Slurm associates by uid, so ask the password database rather than trust $USER.
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return os.environ.get("USER", str(os.getuid()))
+
+
+def query_cluster(need_accounting: bool, timeout_s: float = QUERY_TIMEOUT_S) -> Cluster:
+    # --all: hidden partitions exist and are usable by those allowed in them
+    part_text = _command(["scontrol", "--all", "--oneliner", "show", "partition"], timeout_s)
+    node_text = _command(["scontrol", "--all", "--oneliner", "show", "node"], timeout_s)
+    user = current_user()
+    assoc, accounts = _accounting(user, timeout_s) if need_accounting else (None, None)
+    return Cluster(parse_partitions(part_text), parse_nodes(node_text), user, assoc, accounts)
+
+
+# ---------------------------------------------------------------- checks (pure)
+
+
+def check_runs_against_cluster(runs: list[dict], timeout_s: float = QUERY_TIMEOUT_S) -> None:
+    """Raise ConfigError for the first run whose machine section this cluster cannot run."""
+    if not runs:
+        return
+    need_accounting = any(run["machine"]["account"] or run["machine"]["qos"] for run in runs)
+    cluster = query_cluster(need_accounting, timeout_s)
+    for run in runs:
+        check_run(run, cluster)
+
+
+def check_run(run: dict, cluster: Cluster) -> None:
+    where = f"runs ({run['name']!r})"
+    partition = resolve_partition(where, run["machine"]["partition"], cluster)
+    check_account(where, run["machine"], partition, cluster)
+    check_nodes(where, run["machine"], partition, cluster.nodes_of(partition))
+    check_time(where, run["machine"]["time_min"], partition, cluster)
+
+
+def _partition_list(cluster: Cluster) -> str:
+    return ", ".join(
+        f"{p.name}{' (default)' if p.default else ''}" for p in cluster.partitions.values()
+    )
+
+
+def resolve_partition(where: str, name: str | None, cluster: Cluster) -> Partition:
+    """The named partition, or the cluster's default (Default=YES) for null."""
+    if name is None:
+        default = [p for p in cluster.partitions.values() if p.default]
+        if not default:
+            raise ConfigError(
+                f"{where}: machine.partition is null but this cluster has no default partition; "
+                f"set machine.partition to one of: {_partition_list(cluster)}"
+            )
+        return default[0]
+    if name not in cluster.partitions:
+        raise ConfigError(
+            f"{where}: machine.partition is {name!r} but the cluster has no such partition; "
+            f"existing partitions: {_partition_list(cluster)} (`sinfo -s`); set "
+            "machine.partition to one of them"
+        )
+    return cluster.partitions[name]
+
+
+def check_account(where: str, machine: dict, partition: Partition, cluster: Cluster) -> None:
+    account, qos = machine["account"], machine["qos"]
+    if cluster.associations is None or not (account or qos):
+        return
+    # an association with an empty partition field covers every partition
+    usable = [a for a in cluster.associations if a.partition in ("", partition.name)]
+    mine = sorted({a.account for a in usable})
+    see = f"`sacctmgr show assoc user={cluster.user}`"
+    if account and account not in (cluster.accounts or ()):
+        raise ConfigError(
+            f"{where}: machine.account is {account!r} but the cluster has no such account; "
+            f"user {cluster.user} can use {mine} ({see}); set machine.account to one of them, "
+            "or null for your default account"
+        )
+    if account and account not in mine:
+        raise ConfigError(
+            f"{where}: machine.account is {account!r} but user {cluster.user} is not associated "
+            f"with it on partition {partition.name!r}; the user's accounts there: {mine} ({see}); "
+            "set machine.account to one of them, or ask the cluster admins for access"
+        )
+    allowed = sorted({q for a in usable if not account or a.account == account for q in a.qos})
+    if qos and allowed and qos not in allowed:
+        raise ConfigError(
+            f"{where}: machine.qos is {qos!r} but user {cluster.user} may only use {allowed} "
+            f"here ({see}); set machine.qos to one of them, or null for the default"
+        )
+
+
+def memory_mb(machine: dict) -> int:
+    return int(machine["mem_gb"] * 1024)  # exactly what launch.slurm_parameters asks for
+
+
+def check_nodes(where: str, machine: dict, partition: Partition, nodes: list[Node]) -> None:
+    """Per-node resources first (the clearer message), then the node count, then whether
+    enough nodes have everything at once (partitions may mix node kinds)."""
+    if not nodes:
+        raise ConfigError(
+            f"{where}: machine.partition {partition.name!r} has no nodes; pick another partition"
+        )
+    _check_gpus(where, machine, partition, nodes)
+    _check_cpus(where, machine, partition, nodes)
+    _check_memory(where, machine, partition, nodes)
+    wanted = machine["nodes"]
+    limit = min(len(nodes), partition.max_nodes or len(nodes))
+    if wanted > limit:
+        why = f"MaxNodes={partition.max_nodes}" if limit < len(nodes) else f"{len(nodes)} nodes"
+        raise ConfigError(
+            f"{where}: machine.nodes is {wanted} but partition {partition.name!r} allows at most "
+            f"{limit} ({why}: {','.join(n.name for n in nodes)}); set machine.nodes <= {limit} "
+            "(more ranks per node keep the world size)"
+        )
+    ranks = tasks_per_node(machine)
+    need = (machine["gpus_per_node"], ranks * machine["cpus_per_task"], memory_mb(machine))
+    fitting = [n.name for n in nodes if _fits(n, need)]
+    if wanted > len(fitting):
+        raise ConfigError(
+            f"{where}: machine.nodes is {wanted} but only {len(fitting)} node(s) of partition "
+            f"{partition.name!r} have {need[0]} GPUs, {need[1]} CPUs and {need[2]} MB together "
+            f"({','.join(fitting) or 'none'}); set machine.nodes <= {len(fitting)} or ask for less "
+            "per node"
+        )
+
+
+def _fits(node: Node, need: tuple[int, int, int]) -> bool:
+    return node.gpus >= need[0] and node.cpus >= need[1] and node.memory_mb >= need[2]
+
+
+def _check_gpus(where: str, machine: dict, partition: Partition, nodes: list[Node]) -> None:
+    most = max(n.gpus for n in nodes)
+    if machine["gpus_per_node"] > most:
+        gres = ", ".join(sorted({n.gres for n in nodes}))
+        raise ConfigError(
+            f"{where}: machine.gpus_per_node is {machine['gpus_per_node']} but the nodes of "
+            f"partition {partition.name!r} have at most {most} GPUs (Gres={gres}); set "
+            f"machine.gpus_per_node <= {most} (more machine.nodes give more GPUs), or pick a "
+            "partition with bigger GPU nodes"
+        )
+
+
+def _check_cpus(where: str, machine: dict, partition: Partition, nodes: list[Node]) -> None:
+    ranks, per_task = tasks_per_node(machine), machine["cpus_per_task"]
+    most = max(n.cpus for n in nodes)
+    if ranks * per_task <= most:
+        return
+    rank_key = "machine.gpus_per_node" if machine["gpus_per_node"] else "machine.cpu_ranks_per_node"
+    fix = (
+        f"set machine.cpus_per_task <= {most // ranks}"
+        if most >= ranks
+        else f"set {rank_key} <= {most} and machine.cpus_per_task: 1"
+    )
+    raise ConfigError(
+        f"{where}: machine.cpus_per_task is {per_task} with {ranks} ranks per node ({rank_key}): "
+        f"{ranks * per_task} CPUs per node, but the nodes of partition {partition.name!r} have "
+        f"at most {most} CPUs; {fix}"
+    )
+
+
+def _check_memory(where: str, machine: dict, partition: Partition, nodes: list[Node]) -> None:
+    most = max(n.memory_mb for n in nodes)
+    cap = partition.max_mem_per_node_mb
+    limit, source = (cap, "MaxMemPerNode") if cap and cap < most else (most, "RealMemory")
+    if memory_mb(machine) <= limit:
+        return
+    raise ConfigError(
+        f"{where}: machine.mem_gb is {machine['mem_gb']} ({memory_mb(machine)} MB per node) but "
+        f"partition {partition.name!r} gives a node at most {limit} MB ({source}); set "
+        f"machine.mem_gb <= {int(limit / 1024 * 10) / 10}"
+    )
+
+
+def _allows(partition: Partition, time_min: int) -> bool:
+    try:
+        limit_s = parse_slurm_time(partition.max_time)
+    except ValueError:
+        return False
+    return limit_s is None or time_min * 60 <= limit_s
+
+
+def check_time(where: str, time_min: int, partition: Partition, cluster: Cluster) -> None:
+    try:
+        limit_s = parse_slurm_time(partition.max_time)
+    except ValueError:
+        # an unexpected format must not block a run that may well be fine: warn only
+        log.warning(
+            "partition %s: MaxTime=%r unreadable; time_min not checked",
+            partition.name,
+            partition.max_time,
+        )
+        return
+    if limit_s is None or time_min * 60 <= limit_s:
+        return
+    longer = [p.name for p in cluster.partitions.values() if _allows(p, time_min)]
+    other = f", or use a partition that allows it: {', '.join(longer)}" if longer else ""
+    raise ConfigError(
+        f"{where}: machine.time_min is {time_min} but partition {partition.name!r} allows at "
+        f"most {limit_s // 60} min (MaxTime={partition.max_time}); Slurm would accept the job "
+        f"and leave it pending forever (PartitionTimeLimit); set machine.time_min <= "
+        f"{limit_s // 60}{other}"
+    )
