@@ -60,7 +60,9 @@ def slurm_parameters(machine: dict, job_name: str) -> dict:
     return params
 
 
-def make_executor(launcher: str, machine: dict, folder: str | Path, job_name: str):
+def make_executor(
+    launcher: str, machine: dict, folder: str | Path, job_name: str, max_requeues: int = 3
+):
     if launcher == "local":
         executor = submitit.LocalExecutor(folder=str(folder))
         executor.update_parameters(
@@ -70,7 +72,8 @@ def make_executor(launcher: str, machine: dict, folder: str | Path, job_name: st
             timeout_min=machine["time_min"],
         )
         return executor
-    executor = submitit.SlurmExecutor(folder=str(folder))
+    # max_num_timeout: requeues after hitting the time limit (preemptions are not counted)
+    executor = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=max_requeues)
     executor.update_parameters(**slurm_parameters(machine, job_name))
     return executor
 
@@ -110,13 +113,14 @@ def launch(
     job_name: str,
     record: str | Path | None = None,
     fingerprint: str = "",
+    max_requeues: int = 3,
 ) -> list:
     """Submit `task` with one process per rank (or reattach to the same job if a previous
     Snakemake was stopped while it ran), wait, and return every rank's result."""
     Path(folder).mkdir(parents=True, exist_ok=True)
     job = reattach(record, launcher, folder, fingerprint, total_ranks(machine))
     if job is None:
-        executor = make_executor(launcher, machine, folder, job_name)
+        executor = make_executor(launcher, machine, folder, job_name, max_requeues)
         with clean_slurm_environment():
             job = executor.submit(task)
         log.info(
@@ -184,28 +188,63 @@ def slurm_job_alive(job_id: str) -> bool:
     return out.returncode == 0 and bool(out.stdout.strip())
 
 
-def wait(job, job_name: str, poll_s: float, cancel: bool = True) -> list:
+def wait(job, job_name: str, poll_s: float, cancel: bool = True, grace_s: float = 10.0) -> list:
+    """Wait for every rank. Fail fast: once one rank has failed, the others get `grace_s` to
+    write their own errors, then the job is cancelled (a hung or blocked rank would otherwise
+    keep it alive until its time limit)."""
     start = time.monotonic()
+    failed_at = None
     try:
         with terminate_as_interrupt():
             while not job.done():
+                if failed_at is None and (rank := first_failed_rank(job)) is not None:
+                    failed_at = time.monotonic()
+                    log.error(
+                        "rank %d of job %s failed after %.1fs; stopping the other ranks",
+                        rank,
+                        job.job_id,
+                        failed_at - start,
+                    )
+                if failed_at is not None and time.monotonic() - failed_at > grace_s:
+                    job.cancel(check=False)
+                    break
                 time.sleep(poll_s)
     except KeyboardInterrupt:
-        if cancel:
-            log.warning("interrupted: cancelling job %s", job.job_id)
-            job.cancel(check=False)
-        else:
-            log.warning(
-                "interrupted: job %s keeps running (machine.cancel_on_interrupt is "
-                "false); rerun the same command to reattach to it",
-                job.job_id,
-            )
+        _interrupted(job, cancel)
         raise
-    log.info("%s job %s finished in %.1fs", job_name, job.job_id, time.monotonic() - start)
+    log.info("%s job %s ended after %.1fs", job_name, job.job_id, time.monotonic() - start)
     try:
         return job.results()
     except Exception as exc:  # noqa: BLE001 - every submitit failure becomes one clear error
         raise LaunchError(failure_message(job, job_name, exc)) from exc
+
+
+def _interrupted(job, cancel: bool) -> None:
+    if cancel:
+        log.warning("interrupted: cancelling job %s", job.job_id)
+        job.cancel(check=False)
+    else:
+        log.warning(
+            "interrupted: job %s keeps running (machine.cancel_on_interrupt is false); "
+            "rerun the same command to reattach to it",
+            job.job_id,
+        )
+
+
+def first_failed_rank(job) -> int | None:
+    """A rank that has written an error result (submitit's result pickle), if any."""
+    from submitit.core.utils import pickle_load
+
+    for index in range(job.num_tasks):
+        path = job.task(index).paths.result_pickle
+        if path.exists():
+            try:
+                outcome = pickle_load(path)[0]
+            except Exception:  # noqa: BLE001 - being written right now: look again next poll
+                continue
+            if outcome == "error":
+                return index
+    return None
 
 
 COLLATERAL = re.compile(

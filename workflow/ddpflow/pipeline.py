@@ -38,6 +38,7 @@ def _distributed(task_cls, stage_name: str, run: dict, results_dir: str, logs_di
         job_name=f"ddpflow-{stage_name}-{run['name']}",
         record=Path(paths.work) / f"{stage_name}-job.json",
         fingerprint=config_hash(run),
+        max_requeues=run["train"]["max_requeues"],
     )
     log.info(
         "%s of run %r: %d ranks done in %.1fs",

@@ -7,6 +7,7 @@ and always tears the process group down (even on failure).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -14,10 +15,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import submitit
 import torch
 import torch.distributed as dist
 
 from . import distenv, evaluate, runtime
+from .checkpoint import Checkpointer, Preempted
 from .data import load_split
 from .models import build_model, count_parameters
 from .train import Loop, fit
@@ -119,7 +122,11 @@ class DistributedTask:
         raise NotImplementedError
 
 
-class TrainTask(DistributedTask):
+class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
+    """Train one run. Resumes from the newest valid checkpoint; on Slurm's time-limit or
+    preemption signal all ranks stop at one step, rank 0 saves, and submitit requeues the job
+    (checkpoint() returns this same task, which resumes)."""
+
     def work(self, env, device, hosts) -> dict:
         run, paths = self.run, self.paths
         start = time.perf_counter()
@@ -127,20 +134,18 @@ class TrainTask(DistributedTask):
         torch.manual_seed(run["train"]["seed"])  # same init everywhere (DDP also broadcasts)
         model = build_model(run["model"], data["shape"], data["num_classes"]).to(device)
         loop = Loop(run, data, env, device, model)
+        ckpt = Checkpointer(run, paths.work, env)
         live_metrics = Path(paths.work) / "metrics.jsonl"
+        resumed = ckpt.restore(loop)
+        ckpt.attempt = _next_attempt(Path(paths.work), resumed is not None, env)
         if env.is_master:
-            live_metrics.unlink(missing_ok=True)
-            log.info(
-                "model %s: %d parameters; lr %.4g (scaled for world size %d)",
-                run["model"]["name"],
-                count_parameters(model),
-                loop.lr,
-                env.world_size,
-            )
+            _start_log(run, model, loop, resumed, ckpt.attempt, live_metrics)
+        loop.on_step = ckpt.on_step
 
         def on_epoch(record: dict) -> None:
+            record.update(run=run["name"], attempt=ckpt.attempt)
+            ckpt.on_epoch(loop)  # before the record is logged: a resume never repeats it
             if env.is_master:
-                record.update(run=run["name"], attempt=env.restart_count + 1)
                 runtime.append_jsonl(live_metrics, record)
                 log.info(
                     "epoch %d/%d loss %.4f val_acc %.4f %.0f samples/s",
@@ -151,12 +156,17 @@ class TrainTask(DistributedTask):
                     record["samples_per_s"],
                 )
 
-        train_seconds = fit(loop, on_epoch, _progress_bar(run, env))
+        with stop_on_signal(ckpt):
+            try:
+                fit(loop, on_epoch, _progress_bar(run, env))
+            except Preempted:
+                _hand_over_to_requeue(env, ckpt.submitit_handler)
+                raise
         if not env.is_master:
             return {"rank": env.rank, "host": socket.gethostname()}
-        return self._write_outputs(model, data, env, hosts, train_seconds, start, live_metrics)
+        return self._write_outputs(model, data, env, hosts, loop, ckpt.attempt, start, live_metrics)
 
-    def _write_outputs(self, model, data, env, hosts, train_seconds, start, live_metrics):
+    def _write_outputs(self, model, data, env, hosts, loop, attempt, start, live_metrics):
         run, paths = self.run, self.paths
         runtime.atomic_torch_save(
             {
@@ -167,7 +177,8 @@ class TrainTask(DistributedTask):
             },
             paths.model,
         )
-        records = [json.loads(line) for line in live_metrics.read_text().splitlines() if line]
+        records = loop.history
+        train_seconds = sum(r["seconds"]["train"] for r in records)
         samples = sum(r["samples"] for r in records) * env.world_size
         phases = {p: sum(r["seconds"][p] for r in records) for p in records[0]["seconds"]}
         summary = {
@@ -177,16 +188,91 @@ class TrainTask(DistributedTask):
             "hosts": hosts,
             "launcher": env.launcher,
             "epochs": run["train"]["epochs"],
-            "attempts": env.restart_count + 1,
+            "attempts": attempt,
             "train_seconds": train_seconds,
             "wall_seconds": time.perf_counter() - start,
-            "samples_per_s": samples / train_seconds,
+            "samples_per_s": samples / train_seconds if train_seconds else 0.0,
             "phase_seconds": phases,
             "device": str(data["train_x"].device),
         }
         runtime.atomic_write_bytes(paths.train_metrics, live_metrics.read_bytes())
         runtime.atomic_write_json(paths.train_summary, summary)
         return summary
+
+
+def _next_attempt(work: Path, resumed: bool, env) -> int:
+    """Attempts of this run's training: counted across requeues and reruns, reset when no
+    checkpoint exists (a fresh start). Every rank computes it; rank 0 records it."""
+    counter = work / "attempts"
+    try:
+        previous = int(counter.read_text()) if resumed else 0
+    except (OSError, ValueError):
+        previous = 1 if resumed else 0
+    _barrier_if_distributed(env)  # everyone has read before rank 0 writes
+    if env.is_master:
+        runtime.atomic_write_bytes(counter, f"{previous + 1}\n".encode())
+    return previous + 1
+
+
+def _barrier_if_distributed(env) -> None:
+    if env.world_size > 1:
+        dist.barrier()
+
+
+def _start_log(run, model, loop, resumed, attempt, live_metrics: Path) -> None:
+    # the live metrics file always equals the checkpoint's history plus what follows
+    lines = "".join(json.dumps(r, sort_keys=True) + "\n" for r in loop.history)
+    runtime.atomic_write_bytes(live_metrics, lines.encode())
+    log.info(
+        "model %s: %d parameters; lr %.4g (scaled for world size %d); attempt %d",
+        run["model"]["name"],
+        count_parameters(model),
+        loop.lr,
+        loop.env.world_size,
+        attempt,
+    )
+    if resumed:
+        log.info(
+            "RESUMED from step %d (epoch %d, batch %d) of attempt %d",
+            resumed["step"],
+            resumed["epoch"] + 1,
+            resumed["batch_index"],
+            resumed["attempt"],
+        )
+
+
+@contextlib.contextmanager
+def stop_on_signal(ckpt: Checkpointer):
+    """Slurm sends USR2 before the time limit (and submitit's preemption path uses it too):
+    only set a flag here; the ranks agree on a step, save, then hand over to submitit."""
+    import signal
+
+    previous = signal.getsignal(signal.SIGUSR2)
+
+    def handler(signum, frame):
+        log.warning(
+            "received %s: saving a checkpoint at the next agreed step", signal.Signals(signum).name
+        )
+        ckpt.stop_requested = True
+
+    signal.signal(signal.SIGUSR2, handler)
+    ckpt.submitit_handler = previous
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def _hand_over_to_requeue(env, handler) -> None:
+    """After the checkpoint: rank 0 lets submitit requeue the job (scontrol requeue, then it
+    exits); the other ranks wait to be stopped by that requeue instead of failing the step.
+    Without submitit (plain srun) the Preempted error ends the step; a rerun resumes."""
+    import signal
+
+    if env.is_master and callable(handler) and getattr(handler, "__self__", None) is not None:
+        handler(signal.SIGUSR2, None)  # submitit: checkpoint() -> requeue -> sys.exit
+    elif not env.is_master:
+        time.sleep(120)
 
 
 def _progress_bar(run: dict, env):

@@ -129,7 +129,13 @@ class Loop:
         )
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=tcfg["label_smoothing"])
         self.sync = torch.cuda.synchronize if device.type == "cuda" else None
-        self.epoch = 0
+        # position and partial-epoch accumulators: all of it goes into a checkpoint, so a
+        # resumed run continues mid-epoch exactly where the interrupted one stopped
+        self.epoch, self.batch_index = 0, 0
+        self.epoch_loss = torch.zeros((), device=device)
+        self.epoch_seconds = dict.fromkeys(PHASES, 0.0)
+        self.history: list[dict] = []
+        self.on_step = None  # called after every optimizer step (checkpoint / stop checks)
 
     def _micro_batches(self) -> int:
         per_rank = math.ceil(self.data["train_x"].shape[0] / self.env.world_size)
@@ -139,32 +145,63 @@ class Loop:
         return math.ceil(self._micro_batches() / self.tcfg["grad_accum_steps"])
 
     def train_epoch(self, progress=None) -> dict:
-        """One epoch; returns the epoch's mean loss and per-phase seconds."""
+        """Finish the current epoch from self.batch_index; returns its mean loss and seconds."""
         self.ddp.train()
-        tcfg, env, seconds = self.tcfg, self.env, {p: 0.0 for p in PHASES}
+        tcfg, env, seconds = self.tcfg, self.env, self.epoch_seconds
         order = epoch_indices(
             self.data["train_x"].shape[0], env.world_size, env.rank, tcfg["seed"], self.epoch
         ).to(self.device)
         batches = order.split(tcfg["batch_size"])
-        loss_sum = torch.zeros((), device=self.device)
-        for index, batch in enumerate(batches):
+        if progress is not None:
+            progress.update(self.batch_index)
+        for index in range(self.batch_index, len(batches)):
             faults.maybe_inject(env.rank, self.epoch, index)
             last_micro = (index + 1) % tcfg["grad_accum_steps"] == 0 or index + 1 == len(batches)
-            loss_sum += self._micro_step(batch, last_micro, len(batches), index, seconds)
+            self.epoch_loss += self._micro_step(batches[index], last_micro, len(batches), index)
+            self.batch_index = index + 1
             if progress is not None:
                 progress.update(1)
+            if last_micro and self.on_step is not None:
+                self.on_step(self)
         # One host sync per epoch, not per step (the tutorials' .item() every step stalls).
-        mean_loss = float(loss_sum) / len(batches)
-        self.epoch += 1
-        return {
-            "train_loss": mean_loss,
-            "seconds": seconds,
+        record = {
+            "train_loss": float(self.epoch_loss) / len(batches),
+            "seconds": dict(seconds),
             "samples": len(order),
             "micro_steps": len(batches),
         }
+        self.epoch, self.batch_index = self.epoch + 1, 0
+        self.epoch_loss.zero_()
+        self.epoch_seconds = dict.fromkeys(PHASES, 0.0)
+        return record
 
-    def _micro_step(self, batch, last_micro, n_batches, index, seconds) -> torch.Tensor:
-        accum = self.tcfg["grad_accum_steps"]
+    def state_dict(self) -> dict:
+        """Everything an exact resume needs (the caller adds RNG states and the config hash)."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "epoch": self.epoch,
+            "batch_index": self.batch_index,
+            "step": self.scheduler.last_epoch,
+            "epoch_loss": self.epoch_loss.detach().cpu(),
+            "epoch_seconds": dict(self.epoch_seconds),
+            "history": list(self.history),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.epoch, self.batch_index = state["epoch"], state["batch_index"]
+        self.epoch_loss = state["epoch_loss"].to(self.device)
+        self.epoch_seconds = dict(state["epoch_seconds"])
+        self.history = list(state["history"])
+
+    def _micro_step(self, batch, last_micro, n_batches, index) -> torch.Tensor:
+        accum, seconds = self.tcfg["grad_accum_steps"], self.epoch_seconds
         # the last group of an epoch may be shorter than grad_accum_steps
         group = min(accum, n_batches - (index // accum) * accum)
         with timed(seconds, "data", self.sync):
@@ -209,7 +246,8 @@ class Loop:
 
 
 def fit(loop: Loop, on_epoch, progress_factory=None) -> float:
-    """Train all epochs; on_epoch(record) is called on every rank after each epoch."""
+    """Train the remaining epochs; on_epoch(record) runs on every rank after each epoch, after
+    the record joined loop.history (so a checkpoint written there includes it)."""
     start = time.perf_counter()
     while loop.epoch < loop.tcfg["epochs"]:
         epoch_start = time.perf_counter()
@@ -227,5 +265,6 @@ def fit(loop: Loop, on_epoch, progress_factory=None) -> float:
         )
         # global samples (all ranks) per second of training, validation excluded
         record["samples_per_s"] = record["samples"] * loop.env.world_size / train_seconds
+        loop.history.append(record)
         on_epoch(record)
     return time.perf_counter() - start

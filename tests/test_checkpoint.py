@@ -1,0 +1,125 @@
+"""Checkpoint files: atomic, checksummed, pruned, verified on load, refused under another config."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from ddpflow import checkpoint
+from ddpflow import config as ddpconfig
+
+
+def _state(step: int, config_hash: str = "h1") -> dict:
+    return {
+        "model": {"w": torch.full((4,), float(step))},
+        "epoch": 1,
+        "batch_index": step,
+        "step": step,
+        "attempt": 1,
+        "config_hash": config_hash,
+        "rng": [],
+    }
+
+
+def test_save_prunes_to_keep_and_loads_newest(tmp_path):
+    for step in (2, 4, 6, 8):
+        checkpoint.save(_state(step), tmp_path, step, keep=3)
+    names = sorted(p.name for p in tmp_path.glob("ckpt-*.pt"))
+    assert names == ["ckpt-000000004.pt", "ckpt-000000006.pt", "ckpt-000000008.pt"]
+    assert len(list(tmp_path.glob("*.sha256"))) == 3
+    assert checkpoint.load_latest(tmp_path, "h1")["step"] == 8
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "no_sidecar"])
+def test_damaged_newest_falls_back_to_previous(tmp_path, caplog, damage):
+    for step in (4, 8):
+        checkpoint.save(_state(step), tmp_path, step, keep=3)
+    newest = tmp_path / "ckpt-000000008.pt"
+    data = bytearray(newest.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+        newest.write_bytes(bytes(data))
+    elif damage == "truncate":
+        newest.write_bytes(bytes(data[: len(data) // 3]))
+    else:
+        (tmp_path / "ckpt-000000008.pt.sha256").unlink()
+    with caplog.at_level(logging.WARNING):
+        state = checkpoint.load_latest(tmp_path, "h1")
+    assert state["step"] == 4
+    assert "skipping checkpoint ckpt-000000008.pt" in caplog.text
+
+
+def test_no_valid_checkpoint_means_fresh_start(tmp_path):
+    assert checkpoint.load_latest(tmp_path, "h1") is None
+
+
+def test_checkpoint_of_another_config_is_refused(tmp_path):
+    checkpoint.save(_state(4, config_hash="old"), tmp_path, 4, keep=3)
+    with pytest.raises(checkpoint.CheckpointMismatch, match="different config"):
+        checkpoint.load_latest(tmp_path, "new")
+
+
+def test_start_over_keeps_old_checkpoints_aside(tmp_path):
+    directory = tmp_path / "checkpoints"
+    checkpoint.save(_state(4, config_hash="old"), directory, 4, keep=3)
+    moved = checkpoint.set_aside(directory)
+    assert not directory.exists() and (moved / "ckpt-000000004.pt").exists()
+
+
+def test_training_hash_ignores_volatile_keys_but_not_science():
+    run = ddpconfig.resolve_runs(ddpconfig.load(None))[0]
+    base = checkpoint.training_hash(run)
+    run["train"]["progress"] = not run["train"]["progress"]
+    run["train"]["checkpoint"]["keep"] = 9
+    assert checkpoint.training_hash(run) == base
+    run["train"]["optimizer"]["lr"] *= 2
+    assert checkpoint.training_hash(run) != base
+    run["train"]["optimizer"]["lr"] /= 2
+    run["world_size"] = 8
+    assert checkpoint.training_hash(run) != base
+
+
+def test_loading_runs_no_pickled_code(tmp_path):
+    """weights_only=True: a checkpoint carrying an arbitrary object is rejected, not executed."""
+    path = tmp_path / "ckpt-000000001.pt"
+    torch.save({"format": 1, "payload": subprocess.Popen}, path)
+    import hashlib
+
+    (tmp_path / "ckpt-000000001.pt.sha256").write_text(
+        hashlib.sha256(path.read_bytes()).hexdigest()
+    )
+    with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
+        checkpoint.load_latest(tmp_path, "h1")
+
+
+def test_full_disk_during_write_keeps_previous_checkpoint(tmp_path):
+    """A file size limit (RLIMIT_FSIZE) makes the second, larger write fail mid-way, as a
+    full disk would: the previous checkpoint stays valid and no partial file is left."""
+    checkpoint.save(_state(4), tmp_path, 4, keep=3)
+    script = textwrap.dedent(f"""
+        import resource, signal, torch
+        from ddpflow import checkpoint
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # get EFBIG instead of being killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+        state = {{"model": {{"w": torch.zeros(1_000_000)}}, "epoch": 2, "batch_index": 0,
+                 "step": 8, "attempt": 1, "config_hash": "h1", "rng": []}}
+        try:
+            checkpoint.save(state, __import__("pathlib").Path({str(tmp_path)!r}), 8, keep=3)
+        except OSError as exc:
+            print("write failed:", exc.errno)
+        else:
+            raise SystemExit("the write should have failed")
+    """)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and "write failed" in out.stdout, out.stdout + out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-000000004.pt",
+        "ckpt-000000004.pt.sha256",
+    ]
+    assert checkpoint.load_latest(tmp_path, "h1")["step"] == 4

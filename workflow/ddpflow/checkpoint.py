@@ -1,0 +1,237 @@
+"""Training checkpoints: atomic, checksummed, the last K kept, outside Snakemake's outputs.
+
+A checkpoint holds everything an exact resume needs: model, optimizer, LR schedule and grad
+scaler state, the position in the data order (epoch and micro-batch index: the order itself
+is a pure function of seed and epoch), the epoch's partial loss sum, every rank's RNG state,
+the per-epoch metrics so far, and a hash of the config it was written under. It is loaded
+with `weights_only=True` (no pickled code runs on load).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from .config import config_hash
+from .runtime import atomic_write_bytes
+
+log = logging.getLogger(__name__)
+FORMAT = 1
+# keys that may change between attempts without invalidating a checkpoint
+VOLATILE_TRAIN_KEYS = ("progress", "checkpoint", "max_requeues")
+
+
+class CheckpointMismatch(RuntimeError):
+    """The newest checkpoint was written under another config."""
+
+
+def training_hash(run: dict) -> str:
+    """What a checkpoint must agree with: the science and the world size (sharding, lr)."""
+    train = {k: v for k, v in run["train"].items() if k not in VOLATILE_TRAIN_KEYS}
+    return config_hash(
+        {
+            "data": run["data"],
+            "model": run["model"],
+            "train": train,
+            "world_size": run["world_size"],
+        }
+    )
+
+
+def checkpoint_dir(work: str | Path) -> Path:
+    return Path(work) / "checkpoints"
+
+
+def save(state: dict, directory: Path, step: int, keep: int) -> Path:
+    """Write ckpt-<step>.pt atomically, then its sha256 sidecar; prune to the newest `keep`.
+    A crash or a full disk at any point leaves the previous checkpoints intact."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({**state, "format": FORMAT, "saved_at": time.time()}, buffer)
+    data = buffer.getvalue()
+    path = directory / f"ckpt-{step:09d}.pt"
+    atomic_write_bytes(path, data)
+    atomic_write_bytes(_sidecar(path), f"{hashlib.sha256(data).hexdigest()}\n".encode())
+    for old in candidates(directory)[keep:]:
+        old.unlink(missing_ok=True)
+        _sidecar(old).unlink(missing_ok=True)
+    return path
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def candidates(directory: Path) -> list[Path]:
+    """Checkpoints, newest first."""
+    return sorted(directory.glob("ckpt-*.pt"), reverse=True)
+
+
+def load_latest(directory: Path, expected_hash: str, map_location="cpu") -> dict | None:
+    """The newest checkpoint that verifies; a corrupt or truncated one is skipped with a
+    warning. CheckpointMismatch if the newest valid one belongs to another config."""
+    for path in candidates(directory):
+        state = _load_verified(path, map_location)
+        if state is None:
+            continue
+        if state["config_hash"] != expected_hash:
+            raise CheckpointMismatch(
+                f"{path} was written under a different config (hash {state['config_hash'][:12]}"
+                f", now {expected_hash[:12]}): the data, model, training settings or world size "
+                "changed. Restore the old config to resume, or set "
+                "train.checkpoint.on_config_change: start_over (old checkpoints are kept aside)"
+            )
+        log.info(
+            "resuming from %s (epoch %d, batch %d, step %d, written by attempt %d)",
+            path.name,
+            state["epoch"],
+            state["batch_index"],
+            state["step"],
+            state["attempt"],
+        )
+        return state
+    return None
+
+
+def _load_verified(path: Path, map_location) -> dict | None:
+    try:
+        data = path.read_bytes()
+        expected = _sidecar(path).read_text().strip()
+    except OSError as exc:
+        log.warning("skipping checkpoint %s: %s", path.name, exc)
+        return None
+    if hashlib.sha256(data).hexdigest() != expected:
+        log.warning(
+            "skipping checkpoint %s: checksum mismatch (corrupt or truncated); "
+            "falling back to the one before",
+            path.name,
+        )
+        return None
+    import io
+
+    state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    if state.get("format") != FORMAT:
+        log.warning("skipping checkpoint %s: format %s", path.name, state.get("format"))
+        return None
+    return state
+
+
+def set_aside(directory: Path) -> Path | None:
+    """Move existing checkpoints out of the way (start over without losing them)."""
+    if not candidates(directory):
+        return None
+    target = directory.with_name(f"checkpoints.old-{time.strftime('%Y%m%d-%H%M%S')}")
+    directory.rename(target)
+    log.warning("config changed: previous checkpoints moved to %s; starting over", target)
+    return target
+
+
+class Preempted(Exception):
+    """All ranks agreed to stop after the time-limit / preemption signal; state is saved."""
+
+
+class Checkpointer:
+    """When to save and how to resume one run's training (every rank holds one)."""
+
+    def __init__(self, run: dict, work: str | Path, env, stop_check_steps: int = 10):
+        cfg = run["train"]["checkpoint"]
+        self.every_steps, self.every_epochs, self.keep = (
+            cfg["every_steps"],
+            cfg["every_epochs"],
+            cfg["keep"],
+        )
+        self.on_config_change = cfg["on_config_change"]
+        self.epochs = run["train"]["epochs"]
+        self.directory = checkpoint_dir(work)
+        self.hash = training_hash(run)
+        self.env, self.stop_check_steps = env, stop_check_steps
+        self.stop_requested = False  # set from a signal handler
+        self.attempt = 1
+
+    def restore(self, loop) -> dict | None:
+        """Load the newest valid checkpoint into loop (and this rank's RNG state)."""
+        try:
+            state = load_latest(self.directory, self.hash, map_location=loop.device)
+        except CheckpointMismatch:
+            if self.on_config_change != "start_over":
+                raise
+            if self.env.is_master:
+                set_aside(self.directory)
+            _barrier(self.env)
+            state = None
+        if state is None:
+            return None
+        loop.load_state_dict(state)
+        rng = state["rng"]
+        if len(rng) == self.env.world_size:
+            torch.set_rng_state(rng[self.env.rank]["cpu"])
+            if "cuda" in rng[self.env.rank] and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng[self.env.rank]["cuda"])
+        return state
+
+    def save(self, loop, reason: str) -> None:
+        """Collective: gathers every rank's RNG state; rank 0 writes."""
+        rng = _gather_rng(self.env)
+        if self.env.is_master:
+            state = {
+                **loop.state_dict(),
+                "rng": rng,
+                "config_hash": self.hash,
+                "attempt": self.attempt,
+                "reason": reason,
+            }
+            path = save(state, self.directory, loop.scheduler.last_epoch, self.keep)
+            log.info("checkpoint %s (%s)", path.name, reason)
+
+    def on_step(self, loop) -> None:
+        step = loop.scheduler.last_epoch
+        if self.every_steps and step % self.every_steps == 0:
+            self.save(loop, f"every {self.every_steps} steps")
+        if step % self.stop_check_steps == 0 and self.stop_agreed():
+            self.save(loop, "stop signal")
+            raise Preempted(f"stopped at step {step} after a signal; checkpoint saved")
+
+    def on_epoch(self, loop) -> None:
+        if loop.epoch == self.epochs or (self.every_epochs and loop.epoch % self.every_epochs == 0):
+            self.save(loop, f"end of epoch {loop.epoch}")
+
+    def stop_agreed(self) -> bool:
+        """True on every rank once any rank got the signal (ranks must stop at one step)."""
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0])
+        if self.env.world_size > 1:
+            import torch.distributed as dist
+
+            backend = dist.get_backend()
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if backend == "nccl"
+                else torch.device("cpu")
+            )
+            flag = flag.to(device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def _gather_rng(env) -> list[dict]:
+    local = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        local["cuda"] = torch.cuda.get_rng_state()
+    if env.world_size == 1:
+        return [local]
+    import torch.distributed as dist
+
+    gathered: list = [None] * env.world_size
+    dist.all_gather_object(gathered, local)
+    return gathered
+
+
+def _barrier(env) -> None:
+    if env.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
