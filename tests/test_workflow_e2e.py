@@ -11,6 +11,11 @@ from workflow_helpers import snakemake, write_config
 pytestmark = pytest.mark.e2e
 
 FAST = {"train": {"epochs": 6, "progress": False}, "runs": [{"name": "cnn"}]}
+# two named runs in one config: both trained, evaluated and compared in one report
+TWO_RUNS = {
+    **FAST,
+    "runs": [{"name": "cnn"}, {"name": "mlp", "model": {"name": "mlp"}, "train": {"epochs": 4}}],
+}
 
 
 def _jobs_planned(workdir, configfile) -> set[str]:
@@ -26,7 +31,7 @@ def _jobs_planned(workdir, configfile) -> set[str]:
 
 
 def test_whole_workflow_then_partial_rerun(workdir):
-    configfile = write_config(workdir / "config.yaml", FAST)
+    configfile = write_config(workdir / "config.yaml", TWO_RUNS)
     result = snakemake(workdir, configfile)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -44,6 +49,12 @@ def test_whole_workflow_then_partial_rerun(workdir):
         image = matplotlib.image.imread(report / "plots" / f"{png}.png")
         assert image.ndim == 3 and image.shape[0] > 100
     assert (workdir / "logs/submitit/cnn/train").is_dir()
+    summary = json.loads((report / "summary.json").read_text())
+    assert "cnn" in json.dumps(summary) and "mlp" in json.dumps(summary)
+    mlp = json.loads((workdir / "results/runs/mlp/eval_metrics.json").read_text())
+    assert mlp["provenance"]["config"]["model"]["name"] == "mlp"
+    assert mlp["provenance"]["config"]["train"]["epochs"] == 4
+    assert "mlp" in (report / "report.md").read_text()
 
     # delete one output: only it and what depends on it are redone
     model = workdir / "results/runs/cnn/model.pt"

@@ -23,6 +23,7 @@ from . import distenv, evaluate, runtime
 from .checkpoint import Checkpointer, Preempted
 from .data import load_split
 from .models import build_model, count_parameters
+from .preflight import run_preflight
 from .train import Loop, fit
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,8 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
     def work(self, env, device, hosts) -> dict:
         run, paths = self.run, self.paths
         start = time.perf_counter()
+        if run["machine"]["preflight"]["enabled"]:
+            run_preflight(run["machine"]["preflight"], env, device, hosts)
         data = load_data(paths.staged, device)
         torch.manual_seed(run["train"]["seed"])  # same init everywhere (DDP also broadcasts)
         model = build_model(run["model"], data["shape"], data["num_classes"]).to(device)
