@@ -68,6 +68,12 @@ def test_whole_workflow_then_partial_rerun(workdir):
     assert again["accuracy"] == metrics["accuracy"]
     assert _jobs_planned(workdir, configfile) == set()
 
+    # Snakemake's own report, with the items registered through report()
+    smk_report = snakemake(workdir, configfile, "--report", str(workdir / "smk-report.html"))
+    assert smk_report.returncode == 0, smk_report.stderr[-2000:]
+    html = (workdir / "smk-report.html").read_text(errors="replace")
+    assert "report.html" in html and "loss.png" in html
+
 
 def test_failing_rank_gives_clear_error_and_no_partial_output(workdir):
     configfile = write_config(workdir / "config.yaml", FAST)
