@@ -13,10 +13,10 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-def snakemake(
-    workdir: Path, configfile: Path | None, *args: str, env: dict | None = None, timeout: int = 600
-) -> subprocess.CompletedProcess:
-    """Run the repository's workflow in workdir (a fresh directory, like a user's clone)."""
+def snakemake_command(
+    workdir: Path, configfile: Path | None, *args: str, env: dict | None = None
+) -> tuple[list[str], dict]:
+    """The command line and environment that run the repository's workflow in workdir."""
     cmd = [
         str(BIN / "snakemake"),
         "--snakefile",
@@ -33,8 +33,16 @@ def snakemake(
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         **(env or {}),
     }
+    return [*cmd, *args], full_env
+
+
+def snakemake(
+    workdir: Path, configfile: Path | None, *args: str, env: dict | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """Run the repository's workflow in workdir (a fresh directory, like a user's clone)."""
+    cmd, full_env = snakemake_command(workdir, configfile, *args, env=env)
     return subprocess.run(
-        [*cmd, *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=workdir
+        cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=workdir
     )
 
 

@@ -4,14 +4,13 @@ training resumes from its checkpoint; a SIGKILLed rank fails the whole job fast.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from test_workflow_slurm import CLUSTER_MACHINE, FAST_POLL, job_ids, sacct_states
-from workflow_helpers import BIN, REPO, snakemake, write_config
+from workflow_helpers import REPO, snakemake, snakemake_command, write_config
 
 pytestmark = pytest.mark.slurm
 
@@ -32,21 +31,9 @@ def _config(workdir: Path, time_min: int) -> Path:
 
 
 def _popen_workflow(workdir: Path, configfile: Path) -> subprocess.Popen:
-    cmd = [
-        str(BIN / "snakemake"),
-        "--snakefile",
-        str(REPO / "Snakefile"),
-        "--directory",
-        str(workdir),
-        "--cores",
-        "2",
-        "--configfile",
-        str(configfile),
-        "--profile",
-        str(REPO / "profiles/slurm"),
-        *FAST_POLL,
-    ]
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    cmd, env = snakemake_command(
+        workdir, configfile, "--profile", str(REPO / "profiles/slurm"), *FAST_POLL
+    )
     return subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=workdir
     )

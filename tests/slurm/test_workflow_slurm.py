@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from workflow_helpers import BIN, REPO, snakemake, write_config
+from workflow_helpers import BIN, REPO, snakemake, snakemake_command, write_config
 
 pytestmark = pytest.mark.slurm
 
@@ -154,21 +154,9 @@ def test_plain_sbatch_script(slurm_cluster, tmp_path):
 
 
 def _start_and_wait_for_running_train(workdir: Path, configfile: Path) -> subprocess.Popen:
-    cmd = [
-        str(BIN / "snakemake"),
-        "--snakefile",
-        str(REPO / "Snakefile"),
-        "--directory",
-        str(workdir),
-        "--cores",
-        "2",
-        "--configfile",
-        str(configfile),
-        "--profile",
-        str(REPO / "profiles/slurm"),
-        *FAST_POLL,
-    ]
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    cmd, env = snakemake_command(
+        workdir, configfile, "--profile", str(REPO / "profiles/slurm"), *FAST_POLL
+    )
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.DEVNULL,
