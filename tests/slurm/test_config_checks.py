@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from ddpflow import config as ddpconfig
 from ddpflow import slurm_checks as sc
+from ddpflow import slurm_parse as sp
 from ddpflow.config import ConfigError
 
 CAPTURED = Path(__file__).resolve().parents[1] / "golden" / "slurm"
@@ -27,11 +28,11 @@ def captured(name: str) -> str:
 
 def cluster_from(prefix: str, accounting: bool = True) -> sc.Cluster:
     """A Cluster built from captured text exactly as query_cluster builds it from live output."""
-    assoc = sc.parse_associations(captured(f"{prefix}_assoc.txt")) if accounting else None
+    assoc = sp.parse_associations(captured(f"{prefix}_assoc.txt")) if accounting else None
     accounts = tuple(captured(f"{prefix}_accounts.txt").split()) if accounting else None
     return sc.Cluster(
-        sc.parse_partitions(captured(f"{prefix}_partitions.txt")),
-        sc.parse_nodes(captured(f"{prefix}_nodes.txt")),
+        sp.parse_partitions(captured(f"{prefix}_partitions.txt")),
+        sp.parse_nodes(captured(f"{prefix}_nodes.txt")),
         "alice",
         assoc,
         accounts,
@@ -69,13 +70,13 @@ def error_of(machine: dict, cluster: sc.Cluster) -> str:
     ],
 )
 def test_parse_slurm_time(text, seconds):
-    assert sc.parse_slurm_time(text) == seconds
+    assert sp.parse_slurm_time(text) == seconds
 
 
 @pytest.mark.parametrize("text", ["", "1:2:3:4", "soon", "1-", "-5", "NONE"])
 def test_parse_slurm_time_rejects_garbage(text):
     with pytest.raises(ValueError, match="not a Slurm time limit"):
-        sc.parse_slurm_time(text)
+        sp.parse_slurm_time(text)
 
 
 @pytest.mark.parametrize(
@@ -94,12 +95,12 @@ def test_parse_slurm_time_rejects_garbage(text):
     ],
 )
 def test_parse_gpu_count(gres, gpus):
-    assert sc.parse_gpu_count(gres) == gpus
+    assert sp.parse_gpu_count(gres) == gpus
 
 
 def test_parse_oneliner_keeps_values_with_spaces_and_equals():
     line = "NodeName=n1 Sockets=1  OS=Linux 6.1 #1 SMP  CfgTRES=cpu=4,mem=8000M Reason=No [x]"
-    [record] = sc.parse_oneliner(line + "\n\n")
+    [record] = sp.parse_oneliner(line + "\n\n")
     assert record == {
         "NodeName": "n1",
         "Sockets": "1",
@@ -107,7 +108,7 @@ def test_parse_oneliner_keeps_values_with_spaces_and_equals():
         "CfgTRES": "cpu=4,mem=8000M",
         "Reason": "No [x]",
     }
-    assert sc.parse_oneliner("No partitions in the system\n") == []
+    assert sp.parse_oneliner("No partitions in the system\n") == []
 
 
 def test_parse_testbed_capture():
@@ -137,7 +138,7 @@ def test_parse_production_like_capture():
     assert nodes["gpu05"].partitions == ("gpu", "preempt", "quick")
     assert [n.name for n in cluster.nodes_of(cluster.partitions["quick"])] == ["gpu05"]
     proj = [a for a in cluster.associations if a.account == "proj"]
-    assert proj[0] == sc.Association("proj", "gpu", ("normal", "high"))
+    assert proj[0] == sp.Association("proj", "gpu", ("normal", "high"))
 
 
 # ---------------------------------------------------------------- checks on captured clusters

@@ -1,10 +1,10 @@
 """Report figures: every function builds one figure and returns it as PNG bytes.
 
-report.py writes the bytes atomically and embeds the same bytes in report.html, so a figure
-is rendered once. Figures use matplotlib's object API on an explicit Agg canvas instead of
-pyplot: rendering is headless, the caller's backend is never switched (a notebook that calls
-build_report keeps its own), and nothing is registered in pyplot's figure list, so there is
-no figure left open to leak between calls.
+report.py writes the bytes atomically and render.py embeds the same bytes in report.html,
+so a figure is rendered once. Figures use matplotlib's object API on an explicit Agg canvas
+instead of pyplot: rendering is headless, the caller's backend is never switched (a notebook
+that calls build_report keeps its own), and nothing is registered in pyplot's figure list, so
+there is no figure left open to leak between calls.
 """
 
 from __future__ import annotations

@@ -1,0 +1,177 @@
+"""Report rendering: run rows, figures and provenance -> report.md and report.html text.
+
+report.py loads and validates the runs and computes the rows; here they become a list of
+format-neutral blocks, ("h2", text), ("p", text), ("table", headers, body, best_index),
+("img", caption, path, png), ("details", summary, code), so that both formats show the same
+content and a new section is written once. Pure: nothing here touches the file system.
+
+    blocks = document(loaded, rows, figures, "2025-01-01 00:00 UTC")
+    markdown, page = to_markdown("ddpflow report", blocks), to_html("ddpflow report", blocks)
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import re
+
+import yaml
+
+__all__ = ["PHASES", "document", "to_html", "to_markdown"]
+
+# The timed phases of a training epoch, in the order train.py measures them (columns here,
+# keys of every epoch's "seconds" record and of the summary rows in report.py).
+PHASES = ("data", "forward", "backward_sync", "optimizer")
+
+
+def _seconds(value: float) -> str:
+    if value < 120:
+        return f"{value:.1f} s"
+    return f"{value / 60:.1f} min" if value < 7200 else f"{value / 3600:.2f} h"
+
+
+def _hosts(hosts: list) -> str:
+    # A 32-node run would drown the table; summary.json keeps the full list.
+    shown = ", ".join(map(str, hosts[:4]))
+    return shown + (f", … (+{len(hosts) - 4})" if len(hosts) > 4 else "")
+
+
+def _runs_table(rows: list[dict], scaling: bool) -> tuple:
+    headers = ["Run", "Test accuracy", "Evaluated / test size", "World size", "Nodes", "Hosts",
+               "Train samples/s", "Train wall time", "Attempts", "Eval time"]  # fmt: skip
+    if scaling:
+        headers[7:7] = ["Speedup", "Efficiency"]
+    body, best = [], None
+    for index, row in enumerate(rows):
+        cells = [row["run"] + (" ★ best" if row["best"] else ""), f"{row['accuracy']:.2%}",
+                 f"{row['samples_evaluated']} / {row['test_size']}", str(row["world_size"]),
+                 str(row["nodes"]), _hosts(row["hosts"]),
+                 f"{row['train_samples_per_s']:.1f}", _seconds(row["train_wall_seconds"]),
+                 str(row["attempts"]), _seconds(row["eval_seconds"])]  # fmt: skip
+        if scaling:
+            cells[7:7] = [f"{row['speedup']:.2f}×", f"{row['efficiency']:.1%}"]
+        body.append(cells)
+        best = index if row["best"] else best
+    return ("table", headers, body, best)
+
+
+def _phase_table(rows: list[dict]) -> tuple:
+    body = []
+    for row in rows:
+        total = row["epoch_seconds"] or 1.0  # a zero total would divide by zero; shares are 0
+        shares = [f"{_seconds(row[f'{p}_seconds'])} ({row[f'{p}_seconds'] / total:.0%})"
+                  for p in PHASES]  # fmt: skip
+        body.append([row["run"], *shares, _seconds(row["epoch_seconds"])])
+    return ("table", ["Run", *PHASES, "epochs total"], body, None)
+
+
+def _class_tables(loaded) -> list[tuple]:
+    """One table per distinct class list (runs on the same dataset share a table)."""
+    groups: dict[tuple, list] = {}
+    for name, _, ev in loaded:
+        groups.setdefault(tuple(map(str, ev["class_names"])), []).append((name, ev))
+    tables = []
+    for classes, members in groups.items():
+        body = [[cls, *(f"{ev['per_class_accuracy'][i]:.2%}" for _, ev in members)]
+                for i, cls in enumerate(classes)]  # fmt: skip
+        tables.append(("table", ["Class", *(name for name, _ in members)], body, None))
+    return tables
+
+
+def _provenance_blocks(loaded) -> list[tuple]:
+    blocks = []
+    for name, _, ev in loaded:
+        prov = ev["provenance"]
+        hosts = ", ".join(map(str, prov["hostnames"])) or "unknown"
+        blocks += [
+            ("h3", name),
+            ("p", f"git commit: {prov['git_commit'] or 'unknown (not a git checkout)'}; "
+                  f"created: {prov['created']}; hosts: {hosts}"),
+            ("table", ["Package", "Version"],
+             [[str(k), str(v)] for k, v in sorted(prov["versions"].items())], None),
+            ("details", "Resolved config (YAML)",
+             yaml.safe_dump(prov["config"], sort_keys=False, allow_unicode=True).rstrip()),
+        ]  # fmt: skip
+    return blocks
+
+
+def document(loaded, rows, figures, generated: str) -> list[tuple]:
+    best = next(row["run"] for row in rows if row["best"])
+    scaling = rows[0]["speedup"] is not None
+    blocks = [("p", f"Generated {generated}. {len(rows)} run(s); best test accuracy: {best}.")]
+    blocks += [("h2", "Runs"), _runs_table(rows, scaling)]
+    if scaling:
+        blocks.append(("p", "Speedup and efficiency are relative to the fastest run at the "
+                            "smallest world size (ideal: linear in ranks)."))  # fmt: skip
+    blocks += [("h2", "Time per phase (sum over epochs, share of epoch time)"), _phase_table(rows)]
+    blocks += [("h2", "Per-class test accuracy"), *_class_tables(loaded)]
+    blocks.append(("h2", "Plots"))
+    blocks += [("img", caption, f"plots/{key}.png", png) for key, (caption, png) in figures.items()]
+    return blocks + [("h2", "Provenance"), *_provenance_blocks(loaded)]
+
+
+def _md(text) -> str:
+    text = html.escape(str(text), quote=False).replace("\n", " ")
+    return re.sub(r"([\\`*_\[\]|#])", r"\\\1", text)
+
+
+def to_markdown(title: str, blocks: list[tuple]) -> str:
+    out = [f"# {_md(title)}"]
+    for block in blocks:
+        match block:
+            case ("h2" | "h3" as tag, text):
+                out.append(f"{'#' * int(tag[1])} {_md(text)}")
+            case ("p", text):
+                out.append(_md(text))
+            case ("table", headers, body, best):
+                lines = ["| " + " | ".join(map(_md, headers)) + " |", "|---" * len(headers) + "|"]
+                for index, cells in enumerate(body):
+                    cells = [f"**{_md(c)}**" if index == best else _md(c) for c in cells]
+                    lines.append("| " + " | ".join(cells) + " |")
+                out.append("\n".join(lines))
+            case ("img", caption, path, _):
+                out.append(f"![{_md(caption)}]({path})")
+            case ("details", summary, code):
+                # A fence longer than any backtick run inside keeps the block closed.
+                fence = "`" * max(3, 1 + max(map(len, re.findall(r"`+", code)), default=0))
+                out.append(f"<details><summary>{html.escape(summary)}</summary>\n\n"
+                           f"{fence}yaml\n{code}\n{fence}\n\n</details>")  # fmt: skip
+    return "\n\n".join(out) + "\n"
+
+
+_CSS = """
+body { font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; color: #222; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left; }
+th { background: #f0f0f0; }
+tr.best td { background: #e3f4e1; font-weight: 600; }
+figure { margin: 1em 0; } img { max-width: 100%; }
+pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; }
+"""
+
+
+def _html_block(block: tuple) -> str:
+    esc = html.escape
+    match block:
+        case ("h2" | "h3" | "p" as tag, text):
+            return f"<{tag}>{esc(str(text))}</{tag}>"
+        case ("table", headers, body, best):
+            head = "".join(f"<th>{esc(h)}</th>" for h in headers)
+            trs = [("<tr class='best'>" if index == best else "<tr>")
+                   + "".join(f"<td>{esc(c)}</td>" for c in cells) + "</tr>"
+                   for index, cells in enumerate(body)]  # fmt: skip
+            return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(trs)}</tbody></table>"
+        case ("img", caption, _, png):
+            data = base64.b64encode(png).decode("ascii")
+            return (f"<figure><img alt='{esc(caption)}' src='data:image/png;base64,{data}'>"
+                    f"<figcaption>{esc(caption)}</figcaption></figure>")  # fmt: skip
+        case ("details", summary, code):
+            return f"<details><summary>{esc(summary)}</summary><pre>{esc(code)}</pre></details>"
+    raise ValueError(f"unknown report block {block[0]!r}")
+
+
+def to_html(title: str, blocks: list[tuple]) -> str:
+    body = "\n".join(_html_block(block) for block in blocks)
+    return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+            f"<title>{html.escape(title)}</title><style>{_CSS}</style></head>\n"
+            f"<body><h1>{html.escape(title)}</h1>\n{body}\n</body></html>\n")  # fmt: skip
