@@ -5,11 +5,14 @@ time. Real Snakemake, real submitit local jobs, 2 real gloo ranks."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import time
 
 import pytest
 import torch
-from workflow_helpers import snakemake, write_config
+from workflow_helpers import snakemake, snakemake_command, write_config
 
 pytestmark = pytest.mark.e2e
 
@@ -87,3 +90,39 @@ def test_hung_rank_ends_the_job_in_bounded_time(workdir):
     assert "rank 0 on" in output, output[-3000:]
     # pg_timeout_s (20) + grace (10) + start-up; far below the 60-minute job time limit
     assert elapsed < 150, f"hang detected only after {elapsed:.0f}s"
+
+
+def test_snakemake_stopped_mid_training_then_rerun_gives_identical_result(uninterrupted, workdir):
+    """The login session drops (SIGTERM to Snakemake's process group) while rank 0 trains;
+    the local job is cancelled, and the same command rerun resumes to the same result."""
+    configfile = write_config(workdir / "config.yaml", CONFIG)
+    cmd, env = snakemake_command(workdir, configfile)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        cwd=workdir,
+        start_new_session=True,
+    )
+    checkpoints = workdir / "results/work/cnn/checkpoints"
+    deadline = time.monotonic() + 300
+    while not list(checkpoints.glob("ckpt-*.pt")) and time.monotonic() < deadline:
+        assert proc.poll() is None, "the workflow ended before it could be interrupted"
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=120)
+    assert not (workdir / "results/runs/cnn/model.pt").exists(), "stopped too late"
+
+    rerun = snakemake(workdir, configfile)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    rank0 = "".join(
+        p.read_text() for p in (workdir / "logs/submitit/cnn/train").glob("*_0_log.err")
+    )
+    assert "RESUMED from step" in rank0
+    clean, resumed = _model(uninterrupted), _model(workdir)
+    assert all(torch.equal(clean[key], resumed[key]) for key in clean)
+    strip = ("seconds", "samples_per_s", "attempt")
+    assert [{k: v for k, v in r.items() if k not in strip} for r in _metrics(workdir)] == [
+        {k: v for k, v in r.items() if k not in strip} for r in _metrics(uninterrupted)
+    ]
