@@ -9,6 +9,7 @@ with `weights_only=True` (no pickled code runs on load).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
@@ -235,3 +236,37 @@ def _barrier(env) -> None:
         import torch.distributed as dist
 
         dist.barrier()
+
+
+@contextlib.contextmanager
+def stop_on_signal(ckpt: Checkpointer):
+    """Slurm sends USR2 before the time limit (and submitit's preemption path uses it too):
+    only set a flag here; the ranks agree on a step, save, then hand over to submitit."""
+    import signal
+
+    previous = signal.getsignal(signal.SIGUSR2)
+
+    def handler(signum, frame):
+        log.warning(
+            "received %s: saving a checkpoint at the next agreed step", signal.Signals(signum).name
+        )
+        ckpt.stop_requested = True
+
+    signal.signal(signal.SIGUSR2, handler)
+    ckpt.submitit_handler = previous
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def hand_over_to_requeue(env, handler) -> None:
+    """After the checkpoint: rank 0 lets submitit requeue the job (scontrol requeue, then it
+    exits); the other ranks wait to be stopped by that requeue instead of failing the step.
+    Without submitit (plain srun) the Preempted error ends the step; a rerun resumes."""
+    import signal
+
+    if env.is_master and callable(handler) and getattr(handler, "__self__", None) is not None:
+        handler(signal.SIGUSR2, None)  # submitit: checkpoint() -> requeue -> sys.exit
+    elif not env.is_master:
+        time.sleep(120)

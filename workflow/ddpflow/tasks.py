@@ -7,12 +7,11 @@ and always tears the process group down (even on failure).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import submitit
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import distenv, evaluate, runtime
-from .checkpoint import Checkpointer, Preempted
+from .checkpoint import Checkpointer, Preempted, hand_over_to_requeue, stop_on_signal
 from .data import load_split
 from .models import build_model, count_parameters
 from .preflight import run_preflight
@@ -163,7 +162,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             try:
                 fit(loop, on_epoch, _progress_bar(run, env))
             except Preempted:
-                _hand_over_to_requeue(env, ckpt.submitit_handler)
+                hand_over_to_requeue(env, ckpt.submitit_handler)
                 raise
         if not env.is_master:
             return {"rank": env.rank, "host": socket.gethostname()}
@@ -244,40 +243,6 @@ def _start_log(run, model, loop, resumed, attempt, live_metrics: Path) -> None:
         )
 
 
-@contextlib.contextmanager
-def stop_on_signal(ckpt: Checkpointer):
-    """Slurm sends USR2 before the time limit (and submitit's preemption path uses it too):
-    only set a flag here; the ranks agree on a step, save, then hand over to submitit."""
-    import signal
-
-    previous = signal.getsignal(signal.SIGUSR2)
-
-    def handler(signum, frame):
-        log.warning(
-            "received %s: saving a checkpoint at the next agreed step", signal.Signals(signum).name
-        )
-        ckpt.stop_requested = True
-
-    signal.signal(signal.SIGUSR2, handler)
-    ckpt.submitit_handler = previous
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGUSR2, previous)
-
-
-def _hand_over_to_requeue(env, handler) -> None:
-    """After the checkpoint: rank 0 lets submitit requeue the job (scontrol requeue, then it
-    exits); the other ranks wait to be stopped by that requeue instead of failing the step.
-    Without submitit (plain srun) the Preempted error ends the step; a rerun resumes."""
-    import signal
-
-    if env.is_master and callable(handler) and getattr(handler, "__self__", None) is not None:
-        handler(signal.SIGUSR2, None)  # submitit: checkpoint() -> requeue -> sys.exit
-    elif not env.is_master:
-        time.sleep(120)
-
-
 def _progress_bar(run: dict, env):
     if not (env.is_master and run["train"]["progress"]):
         return None
@@ -346,7 +311,3 @@ class EvalTask(DistributedTask):
         }
         runtime.atomic_write_json(paths.eval_metrics, result)
         return {k: result[k] for k in ("run", "accuracy", "samples_evaluated", "test_size")}
-
-
-def paths_dict(paths: RunPaths) -> dict:
-    return asdict(paths)
