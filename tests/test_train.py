@@ -139,7 +139,7 @@ def test_make_optimizer(opt, cls):
     assert type(optimizer) is cls
     group = optimizer.param_groups[0]
     assert group["lr"] == 0.123 and group["weight_decay"] == cfg["weight_decay"]
-    assert not group.get("fused")  # fused kernels only for CUDA tensors
+    assert group["fused"] is True  # one fused kernel for all parameters, on CPU too
     if cls is torch.optim.SGD:
         assert group["momentum"] == cfg["momentum"]
         assert group["nesterov"] == (cfg["momentum"] > 0)  # torch rejects nesterov without it

@@ -152,6 +152,7 @@ class Checkpointer:
         self.hash = training_hash(run)
         self.env, self.stop_check_steps = env, stop_check_steps
         self.stop_requested = False  # set from a signal handler
+        self.watch_signal = env.launcher == "slurm"
         self.attempt = 1
 
     def restore(self, loop) -> dict | None:
@@ -193,7 +194,9 @@ class Checkpointer:
         step = loop.scheduler.last_epoch
         if self.every_steps and step % self.every_steps == 0:
             self.save(loop, f"every {self.every_steps} steps")
-        if step % self.stop_check_steps == 0 and self.stop_agreed():
+        # only Slurm sends the stop signal: elsewhere skip the agreement (a collective and a
+        # host sync every stop_check_steps)
+        if self.watch_signal and step % self.stop_check_steps == 0 and self.stop_agreed():
             self.save(loop, "stop signal")
             raise Preempted(f"stopped at step {step} after a signal; checkpoint saved")
 

@@ -1,0 +1,470 @@
+"""Training throughput: ddpflow's loop vs the raw PyTorch DDP tutorial loop.
+
+Both loops train the same model (ddpflow.models) on the same synthetic uint8 images,
+normalised with the same per-channel mean/std, with the same per-rank batch, world size,
+optimizer (the shipped config's SGD) and initial weights:
+
+* ``raw``: the FashionMNIST DDP tutorial, as written there: TensorDataset + DataLoader
+  (batch_size, sampler=DistributedSampler, pin_memory on CUDA), ``sampler.set_epoch``,
+  per-step ``.to(device)``, zero_grad/backward/step, ``loss.item()`` every step, the model
+  always wrapped in DDP (a 1-rank process group at world size 1).
+* ``ddpflow``: ``ddpflow.train.Loop`` built as ``tasks.TrainTask`` builds it (the shipped
+  config, the dataset held as tensors on the device, the checkpointer's per-step hook), one
+  ``train_epoch()`` per repeat.
+
+One repeat is one epoch; its time is the slowest rank's (barrier before, MAX all-reduce
+after) and samples/s = global samples / that time. The two loops alternate repeat by
+repeat (after --warmup untimed epochs each), so machine noise hits both; the reported
+value is the median over --repeats. Ranks are ``python this-file --worker ...`` processes
+with a real gloo (CPU) or nccl (GPU) process group on 127.0.0.1.
+
+    python bench/throughput.py                                    # CPU: mlp, cnn, resnet18
+    python bench/throughput.py --cases mlp --world-sizes 1 --repeats 1 --warmup 0
+    python bench/throughput.py --gpu [--compile]                  # ResNet-18 32x32, batch 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from ddpflow import config as ddpconfig
+from ddpflow import runtime
+from ddpflow.checkpoint import Checkpointer
+from ddpflow.distenv import DistEnv
+from ddpflow.models import build_model, forward_flops
+from ddpflow.train import Loop
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+REPO = Path(__file__).resolve().parents[1]
+# samples: global samples per epoch (= per repeat); ResNet-18 is kept to a few batches on CPU
+CASES = {
+    "mlp": {"model": "mlp", "shape": [1, 28, 28], "samples": 8192},
+    "cnn": {"model": "cnn", "shape": [1, 28, 28], "samples": 1024},
+    "resnet18": {"model": "resnet18", "shape": [3, 32, 32], "samples": 256},
+}
+GPU_CASE = {"model": "resnet18", "shape": [3, 32, 32], "samples": 512 * 40}
+NUM_CLASSES = 10
+# dense bf16 peak, TFLOP/s (vendor datasheets; SXM parts); --peak-tflops overrides
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0}
+WORKER_TIMEOUT_S = 1800
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
+    p.add_argument("--world-sizes", type=int, nargs="+", default=None, help="CPU: 1 2; GPU: 1")
+    p.add_argument("--batch", type=int, default=None, help="per rank (CPU 32, GPU 512)")
+    p.add_argument("--threads", type=int, default=None, help="per rank (CPU: 1)")
+    p.add_argument("--repeats", type=int, default=5, help="timed epochs per loop")
+    p.add_argument("--warmup", type=int, default=1, help="untimed epochs per loop")
+    p.add_argument("--samples-scale", type=float, default=1.0, help="scale epoch sizes")
+    p.add_argument("--gpu", action="store_true", help="ResNet-18 on CUDA: bf16, channels_last")
+    p.add_argument("--compile", action="store_true", help="--gpu: torch.compile ddpflow's model")
+    p.add_argument("--peak-tflops", type=float, default=None, help="GPU peak for MFU")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out/throughput.json")
+    p.add_argument("--worker", type=json.loads, default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# --- worker process: the two loops --------------------------------------------------
+
+
+def synthetic(shape: list[int], samples: int, seed: int = 0):
+    """uint8 images, random labels, and their per-channel mean/std in 0..1 units."""
+    gen = torch.Generator().manual_seed(seed)
+    images = torch.randint(0, 256, (samples, *shape), generator=gen, dtype=torch.uint8)
+    labels = torch.randint(0, NUM_CLASSES, (samples,), generator=gen)
+    scaled = images.double().div(255.0)
+    dims = [0, 2, 3]
+    mean, std = scaled.mean(dims).float(), scaled.std(dims, unbiased=False).float()
+    view = [1, shape[0], 1, 1]
+    return images, labels, (mean.view(view), std.view(view))
+
+
+def ddpflow_run(cfg: dict) -> dict:
+    """The shipped config with this benchmark's model, batch, epochs and machine."""
+    cuda = cfg["device"] == "cuda"
+    overrides = {
+        "model": {"name": cfg["case"]["model"]},
+        "train": {
+            "batch_size": cfg["batch"],
+            "epochs": cfg["warmup"] + cfg["repeats"],
+            "progress": False,
+            "precision": "bf16" if cuda else "fp32",
+            "ddp": cfg.get("ddp", {}),
+        },
+        "machine": {
+            "gpus_per_node": 1 if cuda else 0,
+            "cpu_ranks_per_node": cfg["world_size"],
+            "cpus_per_task": cfg["threads"],
+        },
+        "runs": [{"name": "bench"}],
+    }
+    loaded = ddpconfig.load(REPO / "config" / "config.yaml", overrides)
+    return ddpconfig.resolve_runs(loaded)[0]
+
+
+def ddpflow_epoch(cfg: dict, run: dict, images, labels, norm, env: DistEnv, device):
+    """ddpflow's Loop as TrainTask builds it; returns (epoch function, loop)."""
+    data = {
+        "train_x": images.to(device),
+        "train_y": labels.to(device),
+        "val_x": images[:64].to(device),
+        "val_y": labels[:64].to(device),
+        "norm": tuple(t.to(device) for t in norm),
+        "num_classes": NUM_CLASSES,
+        "shape": cfg["case"]["shape"],
+    }
+    torch.manual_seed(run["train"]["seed"])
+    model = build_model(run["model"], data["shape"], NUM_CLASSES).to(device)
+    if device.type == "cuda":
+        model = model.to(memory_format=torch.channels_last)
+    loop = Loop(run, data, env, device, model)
+    # what TrainTask runs after every optimizer step (checkpoint and stop-signal checks);
+    # the shipped config checkpoints per epoch, outside train_epoch(), so nothing is written
+    loop.on_step = Checkpointer(run, cfg["work"], env).on_step
+    if cfg.get("compile"):
+        loop.ddp = torch.compile(loop.ddp)
+    return (lambda: loop.train_epoch()), loop
+
+
+def raw_epoch(cfg: dict, run: dict, lr: float, images, labels, norm, device):
+    """The tutorial's loop, verbatim in spirit; returns the epoch function."""
+    rank, world = cfg["rank"], cfg["world_size"]
+    dataset = TensorDataset(images, labels)
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(
+        dataset, batch_size=cfg["batch"], sampler=sampler, pin_memory=device.type == "cuda"
+    )
+    torch.manual_seed(run["train"]["seed"])
+    model = build_model(run["model"], cfg["case"]["shape"], NUM_CLASSES).to(device)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = run["train"]["optimizer"]
+    if opt["name"] != "sgd":  # the tutorial's optimizer; the shipped config's too
+        raise ValueError(f"raw loop: only sgd is written out, config has {opt['name']!r}")
+    optimizer = torch.optim.SGD(
+        ddp.parameters(),
+        lr=lr,
+        momentum=opt["momentum"],
+        nesterov=opt["nesterov"],
+        weight_decay=opt["weight_decay"],
+    )
+    loss_fn = nn.CrossEntropyLoss()
+    mean, std = (t.to(device) for t in norm)
+    state = {"epoch": 0}
+
+    def epoch() -> dict:
+        sampler.set_epoch(state["epoch"])
+        state["epoch"] += 1
+        ddp.train()
+        running_loss = 0.0
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            x = (x.float() / 255.0 - mean) / std
+            loss = loss_fn(ddp(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            running_loss += loss.item()
+        return {"samples": len(sampler), "train_loss": running_loss / len(loader)}
+
+    return epoch
+
+
+def timed_epoch(epoch_fn, world: int, device, sync) -> tuple[float, float, dict]:
+    """One epoch: global samples per wall second (slowest rank) and per CPU second (all
+    ranks' process time summed: robust to other processes sharing the cores)."""
+    sync()
+    dist.barrier()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    record = epoch_fn()
+    sync()
+    seconds = torch.tensor(time.perf_counter() - start, dtype=torch.float64, device=device)
+    cpu = torch.tensor(time.process_time() - cpu_start, dtype=torch.float64, device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
+    samples = record["samples"] * world
+    return samples / float(seconds), samples / float(cpu), record
+
+
+def measure(loops: dict, cfg: dict, device, sync) -> dict:
+    """Warm each loop up, then alternate them repeat by repeat (order flipped each time)."""
+    world = cfg["world_size"]
+    for fn in loops.values():
+        for _ in range(cfg["warmup"]):
+            timed_epoch(fn, world, device, sync)
+    rates = {name: ([], []) for name in loops}
+    phases = []
+    for repeat in range(cfg["repeats"]):
+        names = list(loops) if repeat % 2 == 0 else list(reversed(loops))
+        for name in names:
+            rate, cpu_rate, record = timed_epoch(loops[name], world, device, sync)
+            rates[name][0].append(rate)
+            rates[name][1].append(cpu_rate)
+            if name == "ddpflow":
+                phases.append({k: v / record["micro_steps"] for k, v in record["seconds"].items()})
+    out = {
+        name: {
+            "samples_per_s": statistics.median(wall),
+            "all": wall,
+            "samples_per_cpu_s": statistics.median(cpu),
+            "all_per_cpu_s": cpu,
+        }
+        for name, (wall, cpu) in rates.items()
+    }
+    out["ddpflow"]["phase_seconds_per_step"] = {
+        k: statistics.median(p[k] for p in phases) for k in phases[0]
+    }
+    return out
+
+
+def run_worker(cfg: dict) -> int:
+    rank, world = cfg["rank"], cfg["world_size"]
+    torch.set_num_threads(cfg["threads"])
+    if cfg["device"] == "cuda":
+        device, backend, sync = torch.device("cuda", rank), "nccl", torch.cuda.synchronize
+        torch.cuda.set_device(device)
+    else:
+        device, backend, sync = torch.device("cpu"), "gloo", lambda: None
+    # the tutorial's set-up; both loops share this one real process group
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        env = DistEnv(rank, world, rank, world, 0, 1, "127.0.0.1", cfg["port"], "bench", "bench")
+        run = ddpflow_run(cfg)
+        images, labels, norm = synthetic(cfg["case"]["shape"], cfg["samples"])
+        ours, loop = ddpflow_epoch(cfg, run, images, labels, norm, env, device)
+        raw = raw_epoch(cfg, run, loop.lr, images, labels, norm, device)
+        result = measure({"raw": raw, "ddpflow": ours}, cfg, device, sync)
+        result["lr"] = loop.lr
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        Path(cfg["result_file"]).write_text(json.dumps(result))
+    return 0
+
+
+# --- driver -------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(cfg: dict) -> dict:
+    """One (case, world size) in fresh worker processes; rank 0's measurements."""
+    with tempfile.TemporaryDirectory(prefix="ddpflow-bench-") as tmp:
+        cfg = {**cfg, "port": free_port(), "result_file": f"{tmp}/result.json", "work": tmp}
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--worker", json.dumps({**cfg, "rank": rank})]
+            )
+            for rank in range(cfg["world_size"])
+        ]
+        try:
+            codes = [proc.wait(timeout=WORKER_TIMEOUT_S) for proc in procs]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+        if any(codes):
+            raise RuntimeError(f"benchmark workers failed with exit codes {codes}")
+        return json.loads(Path(cfg["result_file"]).read_text())
+
+
+def train_flops_per_sample(case: dict) -> int:
+    """3 x forward FLOPs (forward + backward), torch's FLOP counter on one sample."""
+    model = build_model({"name": case["model"], "mlp_hidden": [200, 200], "cnn_channels": 32},
+                        case["shape"], NUM_CLASSES)  # fmt: skip
+    return 3 * forward_flops(model, case["shape"])
+
+
+def peak_flops(args: argparse.Namespace) -> float | None:
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    if not (args.gpu and torch.cuda.is_available()):
+        return None
+    name = torch.cuda.get_device_name(0)
+    return next((v * 1e12 for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def threads(args: argparse.Namespace, cores: int, world: int) -> int:
+    """Torch threads per rank: 1 on CPU by default (world x threads <= cores, and every
+    world size runs the same per-rank conditions); cores // world on GPU (collation)."""
+    count = args.threads or (max(1, cores // world) if args.gpu else 1)
+    if count * world > cores:
+        print(f"warning: {world} ranks x {count} threads > {cores} cores", file=sys.stderr)
+    return count
+
+
+def plan(args: argparse.Namespace) -> list[dict]:
+    cores = os.cpu_count() or 1
+    if args.gpu:
+        cases, device = {"resnet18": GPU_CASE}, "cuda"
+        worlds, batch = args.world_sizes or [1], args.batch or 512
+    else:
+        cases, device = {name: CASES[name] for name in args.cases}, "cpu"
+        worlds, batch = args.world_sizes or [1, 2], args.batch or 32
+    configs = []
+    for world in worlds:
+        for name, case in cases.items():
+            # whole batches on every rank: no ragged last step (and no recompile)
+            step = batch * world
+            samples = max(step, round(case["samples"] * args.samples_scale / step) * step)
+            configs.append(
+                {
+                    "name": name,
+                    "case": case,
+                    "device": device,
+                    "world_size": world,
+                    "batch": batch,
+                    "threads": threads(args, cores, world),
+                    "samples": samples,
+                    "repeats": args.repeats,
+                    "warmup": max(args.warmup, 1) if args.compile else args.warmup,
+                    "compile": args.compile,
+                }
+            )
+    if not args.gpu and "mlp" in cases:
+        configs += ddp_variants(configs)
+    return configs
+
+
+# DDP settings exposed in the config (train.ddp), measured where communication dominates:
+# the MLP at world size > 1 (its step is ~2.8 ms of compute and ~5 ms of gradient sync)
+DDP_VARIANTS = {
+    "bucket1mb": {"bucket_cap_mb": 1},
+    "no_bucket_view": {"gradient_as_bucket_view": False},
+    "static_graph": {"static_graph": True},
+    "bf16_compress": {"comm_hook": "bf16_compress"},
+}
+
+
+def ddp_variants(configs: list[dict]) -> list[dict]:
+    base = [c for c in configs if c["name"] == "mlp" and c["world_size"] > 1]
+    return [
+        {**c, "name": f"mlp+{label}", "ddp": settings}
+        for c in base
+        for label, settings in DDP_VARIANTS.items()
+    ]
+
+
+def format_table(rows: list[dict]) -> str:
+    first = rows[0]
+    w = max(9, *(len(r["name"]) for r in rows))
+    lines = [
+        f"# training throughput, {first['device']}, batch {first['batch']}/rank; median of "
+        f"{first['repeats']} epochs after {first['warmup']} warmup; slowest rank",
+        f"{'case':<{w}} {'world':>5} {'threads':>7} {'samples':>7} | {'raw samp/s':>10} "
+        f"{'ddpflow samp/s':>14} {'speedup':>7} | {'by CPU s':>8} | {'GFLOP/s':>7} {'MFU':>11}",
+    ]
+    for r in rows:
+        mfu = "-"
+        if r["ddpflow"].get("mfu") is not None:  # GPU: raw / ddpflow
+            mfu = f"{r['raw']['mfu']:.1%}/{r['ddpflow']['mfu']:.1%}"
+        lines.append(
+            f"{r['name']:<{w}} {r['world_size']:>5} {r['threads']:>7} {r['samples']:>7} | "
+            f"{r['raw']['samples_per_s']:10.1f} {r['ddpflow']['samples_per_s']:14.1f} "
+            f"{r['speedup']:6.2f}x | {r['cpu_time_speedup']:7.2f}x | "
+            f"{r['ddpflow']['gflops']:7.1f} {mfu:>11}"
+        )
+    lines.append(
+        "(samples/s: all ranks together, wall time; 'by CPU s': the same ratio in samples per "
+        "CPU-second of all ranks, robust to other load; GFLOP/s: ddpflow, 3 x forward FLOPs; "
+        "MFU: raw/ddpflow vs dense bf16 peak, GPU only)"
+    )
+    return "\n".join(lines)
+
+
+def machine_info() -> dict:
+    cpu_model = platform.processor()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        cpu_model = next(ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                         if ln.startswith("model name"))  # fmt: skip
+    except (OSError, StopIteration):
+        pass
+    info = {
+        "hostname": socket.gethostname(),
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    }
+    if hasattr(os, "getloadavg"):  # a busy machine explains noisy CPU numbers
+        info["loadavg_at_start"] = os.getloadavg()
+    return info
+
+
+def finish_row(cfg: dict, result: dict, peak: float | None) -> dict:
+    flops = train_flops_per_sample(cfg["case"])
+    for name in ("raw", "ddpflow"):
+        rate = result[name]["samples_per_s"]
+        result[name]["gflops"] = rate * flops / 1e9
+        result[name]["mfu"] = rate * flops / peak if peak else None
+    speedup = result["ddpflow"]["samples_per_s"] / result["raw"]["samples_per_s"]
+    cpu_ratio = result["ddpflow"]["samples_per_cpu_s"] / result["raw"]["samples_per_cpu_s"]
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None  # others' work = noise
+    row = {**cfg, **result, "train_flops_per_sample": flops, "speedup": speedup}
+    row["cpu_time_speedup"] = cpu_ratio
+    return {**row, "loadavg_after": load}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        return run_worker(args.worker)
+    if args.gpu and not torch.cuda.is_available():
+        print("--gpu: no CUDA device visible", file=sys.stderr)
+        return 2
+    peak = peak_flops(args)
+    report = {
+        "benchmark": "training throughput: ddpflow.train.Loop vs raw PyTorch DDP tutorial loop",
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "provenance": runtime.provenance(),
+        "conditions": {
+            "timing": "one epoch per repeat, barrier before, slowest rank; median of repeats",
+            "order": "raw and ddpflow alternate each repeat, order flipped every repeat",
+            "repeats": args.repeats,
+            "warmup_epochs": args.warmup,
+            "data": "synthetic uint8 images, random labels, normalised by per-channel mean/std",
+            "raw": "TensorDataset+DataLoader(DistributedSampler), .to(device), loss.item() "
+            "per step, DDP-wrapped at every world size (1-rank group at world 1)",
+            "ddpflow": "Loop from the shipped config (SGD nesterov, cosine schedule); "
+            "DDP only when world > 1; "
+            + ("bf16 autocast, channels_last, fused SGD" if args.gpu else "fp32"),
+            "launch": "one process per rank, tcp rendezvous on 127.0.0.1",
+            "peak_flops": peak,
+        },
+        "runs": [],
+    }
+    for cfg in plan(args):
+        print(f"running {cfg['name']} at world size {cfg['world_size']} ...", flush=True)
+        report["runs"].append(finish_row(cfg, launch(cfg), peak))
+    print(format_table(report["runs"]), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
