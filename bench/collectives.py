@@ -27,7 +27,6 @@ import platform
 import re
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from ddpflow.collectives import bus_bandwidth, naive_all_reduce, ring_all_reduce
+from workers import spawn_ranks
 
 IMPLS = ("torch", "ring", "naive")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
@@ -179,21 +179,7 @@ def launch(cfg: dict) -> list[dict]:
     """Run one (backend, world size) in fresh worker processes; rank 0's rows."""
     with tempfile.TemporaryDirectory(prefix="ddpflow-bench-") as tmp:
         cfg = {**cfg, "init_method": f"file://{tmp}/rendezvous", "result_file": f"{tmp}/r.json"}
-        procs = [
-            subprocess.Popen(
-                [sys.executable, __file__, "--worker", json.dumps({**cfg, "rank": rank})]
-            )
-            for rank in range(cfg["world_size"])
-        ]
-        try:
-            codes = [proc.wait(timeout=WORKER_TIMEOUT_S) for proc in procs]
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-        if any(codes):
-            raise RuntimeError(f"benchmark workers failed with exit codes {codes}")
-        return json.loads(Path(cfg["result_file"]).read_text())
+        return spawn_ranks(__file__, cfg, WORKER_TIMEOUT_S)
 
 
 def format_table(run: dict) -> str:

@@ -32,7 +32,6 @@ import os
 import platform
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ from ddpflow.train import Loop
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from workers import spawn_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 # samples: global samples per epoch (= per repeat); ResNet-18 is kept to a few batches on CPU
@@ -272,21 +272,7 @@ def launch(cfg: dict) -> dict:
     """One (case, world size) in fresh worker processes; rank 0's measurements."""
     with tempfile.TemporaryDirectory(prefix="ddpflow-bench-") as tmp:
         cfg = {**cfg, "port": free_port(), "result_file": f"{tmp}/result.json", "work": tmp}
-        procs = [
-            subprocess.Popen(
-                [sys.executable, __file__, "--worker", json.dumps({**cfg, "rank": rank})]
-            )
-            for rank in range(cfg["world_size"])
-        ]
-        try:
-            codes = [proc.wait(timeout=WORKER_TIMEOUT_S) for proc in procs]
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-        if any(codes):
-            raise RuntimeError(f"benchmark workers failed with exit codes {codes}")
-        return json.loads(Path(cfg["result_file"]).read_text())
+        return spawn_ranks(__file__, cfg, WORKER_TIMEOUT_S)
 
 
 def train_flops_per_sample(case: dict) -> int:
