@@ -5,13 +5,27 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ddpflow-installed
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench clean profile
 
-run: $(STAMP)
+run: $(STAMP) profile
 	$(BIN)/snakemake
 
-test: $(STAMP)
+test: $(STAMP) profile
 	$(BIN)/python -m pytest
+
+# `snakemake --profile slurm`, the name as users type it: Snakemake looks for named profiles
+# in the working directory, then in its user config folder (platformdirs: $XDG_CONFIG_HOME or
+# ~/.config/snakemake). Link this clone's profiles/slurm there, unless a profile called slurm
+# that is not a ddpflow link is already installed (then: --profile profiles/slurm).
+USER_PROFILES := $(or $(XDG_CONFIG_HOME),$(HOME)/.config)/snakemake
+profile:
+	@link="$(USER_PROFILES)/slurm"; \
+	if [ -e "$$link" ] && ! readlink "$$link" | grep -q '/profiles/slurm$$'; then \
+	  echo "ddpflow: $$link exists and is not ddpflow's: use --profile profiles/slurm"; \
+	else \
+	  mkdir -p "$(USER_PROFILES)" && ln -sfn "$(CURDIR)/profiles/slurm" "$$link" && \
+	  echo "ddpflow: snakemake --profile slurm uses $(CURDIR)/profiles/slurm"; \
+	fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,12 +1,13 @@
 """Snakemake adapter for rule train: see ddpflow.pipeline.train."""
 
 from ddpflow import pipeline
+from ddpflow.config import run_by_name
 
 smk = snakemake  # noqa: F821 - injected by Snakemake's script directive
 pipeline.run_rule(
     pipeline.train,
     smk.log[0],
-    dict(smk.params.run),
+    run_by_name(smk.config, smk.wildcards.run),
     smk.config["results_dir"],
     smk.config["logs_dir"],
 )

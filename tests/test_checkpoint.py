@@ -66,7 +66,7 @@ def test_checkpoint_of_another_config_is_refused(tmp_path):
 def test_start_over_keeps_old_checkpoints_aside(tmp_path):
     directory = tmp_path / "checkpoints"
     checkpoint.save(_state(4, config_hash="old"), directory, 4, keep=3)
-    moved = checkpoint.set_aside(directory)
+    moved = checkpoint.set_aside(directory, "test")
     assert not directory.exists() and (moved / "ckpt-000000004.pt").exists()
 
 

@@ -6,7 +6,7 @@ import json
 
 import matplotlib.image
 import pytest
-from workflow_helpers import snakemake, write_config
+from workflow_helpers import jobs_planned, snakemake, write_config
 
 pytestmark = pytest.mark.e2e
 
@@ -16,18 +16,6 @@ TWO_RUNS = {
     **FAST,
     "runs": [{"name": "cnn"}, {"name": "mlp", "model": {"name": "mlp"}, "train": {"epochs": 4}}],
 }
-
-
-def _jobs_planned(workdir, configfile) -> set[str]:
-    """Rule names in the dry run's 'Job stats' table (empty when nothing is to be done)."""
-    dry = snakemake(workdir, configfile, "-n")
-    assert dry.returncode == 0, dry.stderr
-    lines = (dry.stdout + dry.stderr).splitlines()
-    if "Job stats:" not in lines:
-        return set()
-    table = lines[lines.index("Job stats:") + 3 :]
-    rows = table[: next(i for i, row in enumerate(table) if row.startswith("total"))]
-    return {row.split()[0] for row in rows}
 
 
 def test_whole_workflow_then_partial_rerun(workdir):
@@ -60,13 +48,13 @@ def test_whole_workflow_then_partial_rerun(workdir):
     model = workdir / "results/runs/cnn/model.pt"
     model_mtime = model.stat().st_mtime_ns
     (workdir / "results/runs/cnn/eval_metrics.json").unlink()
-    assert _jobs_planned(workdir, configfile) == {"evaluate", "report", "all"}
+    assert jobs_planned(workdir, configfile) == {"evaluate", "report", "all"}
     rerun = snakemake(workdir, configfile)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert model.stat().st_mtime_ns == model_mtime
     again = json.loads((workdir / "results/runs/cnn/eval_metrics.json").read_text())
     assert again["accuracy"] == metrics["accuracy"]
-    assert _jobs_planned(workdir, configfile) == set()
+    assert jobs_planned(workdir, configfile) == set()
 
     # Snakemake's own report, with the items registered through report()
     smk_report = snakemake(workdir, configfile, "--report", str(workdir / "smk-report.html"))

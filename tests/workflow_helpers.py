@@ -49,3 +49,15 @@ def snakemake(
 def write_config(path: Path, overrides: dict) -> Path:
     path.write_text(yaml.safe_dump(overrides, sort_keys=False))
     return path
+
+
+def jobs_planned(workdir: Path, configfile: Path | None, *args: str) -> set[str]:
+    """Rule names in the dry run's 'Job stats' table (empty when nothing is to be done)."""
+    dry = snakemake(workdir, configfile, "-n", *args)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    lines = (dry.stdout + dry.stderr).splitlines()
+    if "Job stats:" not in lines:
+        return set()
+    table = lines[lines.index("Job stats:") + 3 :]
+    rows = table[: next(i for i, row in enumerate(table) if row.startswith("total"))]
+    return {row.split()[0] for row in rows}

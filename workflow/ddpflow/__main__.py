@@ -17,7 +17,8 @@ import sys
 from . import config as ddpconfig
 from . import pipeline
 from .data import DataError, verify_staged
-from .tasks import EvalTask, RunPaths, TrainTask
+from .paths import RunPaths
+from .tasks import EvalTask, TrainTask
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import torch
 
-from .config import config_hash
+from .config import config_hash, training_fingerprint
 from .runtime import atomic_write_bytes
+from .workspace import candidates, checkpoint_dir, set_aside, sidecar
 
 log = logging.getLogger(__name__)
 FORMAT = 1
-# keys that may change between attempts without invalidating a checkpoint
-VOLATILE_TRAIN_KEYS = ("progress", "checkpoint", "max_requeues")
 
 
 class CheckpointMismatch(RuntimeError):
@@ -31,20 +30,9 @@ class CheckpointMismatch(RuntimeError):
 
 
 def training_hash(run: dict) -> str:
-    """What a checkpoint must agree with: the science and the world size (sharding, lr)."""
-    train = {k: v for k, v in run["train"].items() if k not in VOLATILE_TRAIN_KEYS}
-    return config_hash(
-        {
-            "data": run["data"],
-            "model": run["model"],
-            "train": train,
-            "world_size": run["world_size"],
-        }
-    )
-
-
-def checkpoint_dir(work: str | Path) -> Path:
-    return Path(work) / "checkpoints"
+    """What a checkpoint must agree with: every key that determines the trained model (the
+    same keys as the train rule's params, ddpflow.config.training_fingerprint)."""
+    return config_hash(training_fingerprint(run))
 
 
 def save(state: dict, directory: Path, step: int, keep: int) -> Path:
@@ -57,20 +45,11 @@ def save(state: dict, directory: Path, step: int, keep: int) -> Path:
     data = buffer.getvalue()
     path = directory / f"ckpt-{step:09d}.pt"
     atomic_write_bytes(path, data)
-    atomic_write_bytes(_sidecar(path), f"{hashlib.sha256(data).hexdigest()}\n".encode())
+    atomic_write_bytes(sidecar(path), f"{hashlib.sha256(data).hexdigest()}\n".encode())
     for old in candidates(directory)[keep:]:
         old.unlink(missing_ok=True)
-        _sidecar(old).unlink(missing_ok=True)
+        sidecar(old).unlink(missing_ok=True)
     return path
-
-
-def _sidecar(path: Path) -> Path:
-    return path.with_name(path.name + ".sha256")
-
-
-def candidates(directory: Path) -> list[Path]:
-    """Checkpoints, newest first."""
-    return sorted(directory.glob("ckpt-*.pt"), reverse=True)
 
 
 def load_latest(directory: Path, expected_hash: str, map_location="cpu") -> dict | None:
@@ -85,7 +64,8 @@ def load_latest(directory: Path, expected_hash: str, map_location="cpu") -> dict
                 f"{path} was written under a different config (hash {state['config_hash'][:12]}"
                 f", now {expected_hash[:12]}): the data, model, training settings or world size "
                 "changed. Restore the old config to resume, or set "
-                "train.checkpoint.on_config_change: start_over (old checkpoints are kept aside)"
+                "train.checkpoint.on_config_change: start_over (the default; old checkpoints "
+                "are set aside)"
             )
         log.info(
             "resuming from %s (epoch %d, batch %d, step %d, written by attempt %d)",
@@ -102,7 +82,7 @@ def load_latest(directory: Path, expected_hash: str, map_location="cpu") -> dict
 def _load_verified(path: Path, map_location) -> dict | None:
     try:
         data = path.read_bytes()
-        expected = _sidecar(path).read_text().strip()
+        expected = sidecar(path).read_text().strip()
     except OSError as exc:
         log.warning("skipping checkpoint %s: %s", path.name, exc)
         return None
@@ -120,16 +100,6 @@ def _load_verified(path: Path, map_location) -> dict | None:
         log.warning("skipping checkpoint %s: format %s", path.name, state.get("format"))
         return None
     return state
-
-
-def set_aside(directory: Path) -> Path | None:
-    """Move existing checkpoints out of the way (start over without losing them)."""
-    if not candidates(directory):
-        return None
-    target = directory.with_name(f"checkpoints.old-{time.strftime('%Y%m%d-%H%M%S')}")
-    directory.rename(target)
-    log.warning("config changed: previous checkpoints moved to %s; starting over", target)
-    return target
 
 
 class Preempted(Exception):
@@ -163,7 +133,7 @@ class Checkpointer:
             if self.on_config_change != "start_over":
                 raise
             if self.env.is_master:
-                set_aside(self.directory)
+                set_aside(self.directory, "the checkpoints belong to another config")
             _barrier(self.env)
             state = None
         if state is None:

@@ -18,6 +18,8 @@ import yaml
 
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
 SECTIONS = ("data", "model", "train", "eval", "machine")
+# train keys that cannot change a run's result: changing them retrains nothing
+VOLATILE_TRAIN_KEYS = ("progress", "checkpoint", "max_requeues")
 TORCHVISION_DIRS = {
     "mnist": "MNIST/raw",
     "fashion_mnist": "FashionMNIST/raw",
@@ -151,6 +153,60 @@ def dataset_id(data: dict) -> str:
 
 def config_hash(section: Any) -> str:
     return hashlib.sha256(json.dumps(section, sort_keys=True).encode()).hexdigest()
+
+
+def run_by_name(config: dict, name: str) -> dict:
+    """The resolved run called `name` of a validated config."""
+    for run in resolve_runs(config):
+        if run["name"] == name:
+            return run
+    raise ConfigError(f"no run named {name!r}; runs: {[r['name'] for r in config['runs']]}")
+
+
+def flatten(section: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay whole (they are one value to the user)."""
+    if not isinstance(section, dict):
+        return {prefix: section}
+    out: dict[str, Any] = {}
+    for key, value in section.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else key))
+    return out
+
+
+def training_fingerprint(run: dict) -> dict[str, Any]:
+    """Every key that determines a trained model, flat: the data, model and training settings,
+    the world size (data sharding, lr scaling, reduction order) and the device kind. Not in
+    it: where and how the ranks run (launcher, partition, account, time limit, memory,
+    logging, progress, checkpoint cadence): changing those retrains nothing. The eval section
+    is the evaluate rule's (training's validation metrics are exact counts, except the float
+    validation loss, whose last bits may depend on eval.batch_size)."""
+    train = {k: v for k, v in run["train"].items() if k not in VOLATILE_TRAIN_KEYS}
+    flat = flatten({"data": run["data"], "model": run["model"], "train": train})
+    flat["world_size"] = run["world_size"]
+    flat["device"] = "cuda" if run["machine"]["gpus_per_node"] else "cpu"
+    return flat
+
+
+def evaluation_fingerprint(run: dict) -> dict[str, Any]:
+    """What determines an evaluation besides the model file: the eval section."""
+    return flatten({"eval": run["eval"]})
+
+
+def as_params(fingerprint: dict[str, Any]) -> list[str]:
+    """One `key=value` string per key: Snakemake compares a rule's params as a set and names
+    the differing members, so its rerun reason lists exactly the keys that changed."""
+    return [f"{key}={json.dumps(value)}" for key, value in sorted(fingerprint.items())]
+
+
+def describe_changes(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """'train.optimizer.lr 0.05 -> 0.02, world_size 2 -> 4' (empty when nothing changed)."""
+    keys = sorted(set(old) | set(new))
+    missing = "<unset>"
+    return ", ".join(
+        f"{key} {json.dumps(old.get(key, missing))} -> {json.dumps(new.get(key, missing))}"
+        for key in keys
+        if old.get(key, missing) != new.get(key, missing)
+    )
 
 
 def _check_run(run: dict, launcher: str) -> None:

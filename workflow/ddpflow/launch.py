@@ -92,6 +92,16 @@ def clean_slurm_environment():
 
 
 @contextlib.contextmanager
+def ignore_stop_signals():
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
 def terminate_as_interrupt():
     """Snakemake stops a running rule with SIGTERM: treat it like Ctrl-C so we cancel the job."""
 
@@ -118,38 +128,53 @@ def launch(
     """Submit `task` with one process per rank (or reattach to the same job if a previous
     Snakemake was stopped while it ran), wait, and return every rank's result."""
     Path(folder).mkdir(parents=True, exist_ok=True)
-    job = reattach(record, launcher, folder, fingerprint, total_ranks(machine))
-    if job is None:
-        executor = make_executor(launcher, machine, folder, job_name, max_requeues)
-        with clean_slurm_environment():
-            job = executor.submit(task)
-        log.info(
-            "submitted %s as %s job %s (%d ranks); logs in %s",
-            job_name,
-            launcher,
-            job.job_id,
-            job.num_tasks,
-            folder,
-        )
-        if record:
-            atomic_write_json(
-                record,
-                {
-                    "job_id": job.job_id,
-                    "launcher": launcher,
-                    "folder": str(folder),
-                    "fingerprint": fingerprint,
-                    "num_tasks": job.num_tasks,
-                    "submitted": time.time(),
-                },
-            )
-    poll_s = 1.0 if launcher == "local" else 5.0
-    results = wait(
-        job, job_name, poll_s, cancel=launcher == "local" or machine["cancel_on_interrupt"]
-    )
+    cancel = launcher == "local" or machine["cancel_on_interrupt"]
+    job = None
+    try:
+        # SIGTERM (Snakemake, ddpflow.interrupts) or Ctrl-C from here on cancels the job
+        with terminate_as_interrupt():
+            job = reattach(record, launcher, folder, fingerprint, total_ranks(machine))
+            if job is None:
+                job = submit(
+                    task, launcher, machine, folder, job_name, record, fingerprint, max_requeues
+                )
+            results = wait(job, job_name, poll_s=1.0 if launcher == "local" else 5.0)
+    except KeyboardInterrupt:
+        if job is not None:
+            with ignore_stop_signals():  # a second Ctrl-C must not abandon the cancel
+                _interrupted(job, cancel)
+        raise
     if record:
         Path(record).unlink(missing_ok=True)
     return results
+
+
+def submit(task, launcher, machine, folder, job_name, record, fingerprint, max_requeues):
+    """Submit one job with one task per rank and record its id (for a later reattach)."""
+    executor = make_executor(launcher, machine, folder, job_name, max_requeues)
+    with clean_slurm_environment():
+        job = executor.submit(task)
+    log.info(
+        "submitted %s as %s job %s (%d ranks); logs in %s",
+        job_name,
+        launcher,
+        job.job_id,
+        job.num_tasks,
+        folder,
+    )
+    if record:
+        atomic_write_json(
+            record,
+            {
+                "job_id": job.job_id,
+                "launcher": launcher,
+                "folder": str(folder),
+                "fingerprint": fingerprint,
+                "num_tasks": job.num_tasks,
+                "submitted": time.time(),
+            },
+        )
+    return job
 
 
 def total_ranks(machine: dict) -> int:
@@ -188,30 +213,25 @@ def slurm_job_alive(job_id: str) -> bool:
     return out.returncode == 0 and bool(out.stdout.strip())
 
 
-def wait(job, job_name: str, poll_s: float, cancel: bool = True, grace_s: float = 10.0) -> list:
+def wait(job, job_name: str, poll_s: float, grace_s: float = 10.0) -> list:
     """Wait for every rank. Fail fast: once one rank has failed, the others get `grace_s` to
     write their own errors, then the job is cancelled (a hung or blocked rank would otherwise
     keep it alive until its time limit)."""
     start = time.monotonic()
     failed_at = None
-    try:
-        with terminate_as_interrupt():
-            while not job.done():
-                if failed_at is None and (rank := first_failed_rank(job)) is not None:
-                    failed_at = time.monotonic()
-                    log.error(
-                        "rank %d of job %s failed after %.1fs; stopping the other ranks",
-                        rank,
-                        job.job_id,
-                        failed_at - start,
-                    )
-                if failed_at is not None and time.monotonic() - failed_at > grace_s:
-                    job.cancel(check=False)
-                    break
-                time.sleep(poll_s)
-    except KeyboardInterrupt:
-        _interrupted(job, cancel)
-        raise
+    while not job.done():
+        if failed_at is None and (rank := first_failed_rank(job)) is not None:
+            failed_at = time.monotonic()
+            log.error(
+                "rank %d of job %s failed after %.1fs; stopping the other ranks",
+                rank,
+                job.job_id,
+                failed_at - start,
+            )
+        if failed_at is not None and time.monotonic() - failed_at > grace_s:
+            job.cancel(check=False)
+            break
+        time.sleep(poll_s)
     log.info("%s job %s ended after %.1fs", job_name, job.job_id, time.monotonic() - start)
     try:
         return job.results()
@@ -219,16 +239,31 @@ def wait(job, job_name: str, poll_s: float, cancel: bool = True, grace_s: float 
         raise LaunchError(failure_message(job, job_name, exc)) from exc
 
 
-def _interrupted(job, cancel: bool) -> None:
+def _interrupted(job, cancel: bool, timeout_s: float = 30.0) -> None:
     if cancel:
         log.warning("interrupted: cancelling job %s", job.job_id)
         job.cancel(check=False)
+        # cancel only asks (submitit's local runner: SIGINT, then SIGKILL after ~1 s; Slurm:
+        # scancel): return once the ranks are really gone, so that nothing is left running
+        deadline = time.monotonic() + timeout_s
+        while _still_running(job) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _still_running(job):
+            log.error("job %s still runs %.0fs after the cancel", job.job_id, timeout_s)
+        else:
+            log.warning("job %s cancelled; nothing of it is running", job.job_id)
     else:
         log.warning(
             "interrupted: job %s keeps running (machine.cancel_on_interrupt is false); "
             "rerun the same command to reattach to it",
             job.job_id,
         )
+
+
+def _still_running(job) -> bool:
+    if isinstance(job, submitit.SlurmJob):
+        return slurm_job_alive(job.job_id)
+    return not job.done()
 
 
 def first_failed_rank(job) -> int | None:

@@ -6,9 +6,10 @@ import logging
 import time
 from pathlib import Path
 
-from . import data, launch, report, runtime
+from . import data, launch, report, runtime, workspace
 from .config import config_hash
-from .tasks import EvalTask, RunPaths, TrainTask
+from .paths import RunPaths
+from .tasks import EvalTask, TrainTask
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,12 @@ def _distributed(task_cls, stage_name: str, run: dict, results_dir: str, logs_di
 
 
 def train(run: dict, results_dir: str, logs_dir: str) -> dict:
+    """Train one run: resume only an interrupted attempt of this very config (else from
+    scratch, saying why), then keep the work folder lean."""
+    work = RunPaths.for_run(results_dir, run).work
+    workspace.prepare(run, work)
     summary = _distributed(TrainTask, "train", run, results_dir, logs_dir)[0]
+    workspace.finish(run, work)
     log.info(
         "train %r: %.0f samples/s on %d ranks (%s)",
         run["name"],
@@ -64,6 +70,7 @@ def train(run: dict, results_dir: str, logs_dir: str) -> dict:
 
 def evaluate(run: dict, results_dir: str, logs_dir: str) -> dict:
     result = _distributed(EvalTask, "evaluate", run, results_dir, logs_dir)[0]
+    workspace.remove_rendezvous_files(RunPaths.for_run(results_dir, run).work)
     log.info(
         "evaluate %r: accuracy %.4f (%d/%d samples)",
         run["name"],
@@ -84,6 +91,15 @@ def build_report(run_names: list[str], results_dir: str, out_dir: str) -> dict:
         for name in run_names
     ]
     return report.build_report(runs, out_dir)
+
+
+def clean_work(work_root: str) -> list[str]:
+    """Every run folder under results/work/: see ddpflow.workspace.clean."""
+    removed: list[str] = []
+    for work in sorted(p for p in Path(work_root).glob("*") if p.is_dir()):
+        removed += [str(path) for path in workspace.clean(work)]
+    log.info("clean_work removed %d item(s)%s", len(removed), "".join(f"\n  {r}" for r in removed))
+    return removed
 
 
 def run_rule(function, log_file: str | None, *args):

@@ -11,7 +11,6 @@ import json
 import logging
 import socket
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import submitit
@@ -22,36 +21,11 @@ from . import distenv, evaluate, runtime
 from .checkpoint import Checkpointer, Preempted, hand_over_to_requeue, stop_on_signal
 from .data import load_split
 from .models import build_model, count_parameters
+from .paths import RunPaths
 from .preflight import run_preflight
 from .train import Loop, fit
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RunPaths:
-    """Absolute paths one run reads and writes; `work` is never a declared Snakemake output,
-    so a failed job's clean-up cannot delete what lives there (live metrics, rendezvous)."""
-
-    staged: str
-    model: str
-    train_metrics: str
-    train_summary: str
-    eval_metrics: str
-    work: str
-
-    @classmethod
-    def for_run(cls, results_dir: str | Path, run: dict) -> RunPaths:
-        root = Path(results_dir).resolve()
-        out = root / "runs" / run["name"]
-        return cls(
-            staged=str(root / "staged" / run["dataset_id"]),
-            model=str(out / "model.pt"),
-            train_metrics=str(out / "train_metrics.jsonl"),
-            train_summary=str(out / "train_summary.json"),
-            eval_metrics=str(out / "eval_metrics.json"),
-            work=str(root / "work" / run["name"]),
-        )
 
 
 def rank_context(run: dict, rendezvous_dir: str | None):

@@ -1,10 +1,9 @@
 # Validation and helpers shared by every rule file; defines no rules.
-import json
+# Parse-time code imports no torch or submitit: `snakemake -n` and `--lint` stay fast.
 import sys
 
 from ddpflow import config as ddpconfig
-from ddpflow.slurm_checks import check_runs_against_cluster
-from ddpflow.tasks import RunPaths
+from ddpflow import paths as ddppaths
 
 try:
     # validate (schema + cluster-independent checks) and fill defaults before any job runs
@@ -19,6 +18,8 @@ RUNS = {run["name"]: run for run in ddpconfig.resolve_runs(config)}
 # Against the real cluster too (partition, account, nodes, GPUs, time limit), before anything
 # is queued. Only in the main process: jobs re-read this file where sacctmgr may be missing.
 if config["launcher"] == "slurm" and workflow.is_main_process:
+    from ddpflow.slurm_checks import check_runs_against_cluster
+
     try:
         check_runs_against_cluster(list(RUNS.values()))
     except ddpconfig.ConfigError as err:
@@ -30,12 +31,29 @@ wildcard_constraints:
     dataset="[A-Za-z0-9_]+-[0-9a-f]{10}",
 
 
-def run_cfg(wildcards):
-    return RUNS[wildcards.run]
+def run_file(key):
+    """results/runs/{run}/<name>: the declared output `key` of every run (ddpflow.paths)."""
+    return f"{RESULTS}/runs/{{run}}/{ddppaths.RUN_FILES[key]}"
 
 
-def run_paths(run_name):
-    return RunPaths.for_run(RESULTS, RUNS[run_name])
+def report_file(key):
+    return f"{ddppaths.report_dir(RESULTS)}/{ddppaths.REPORT_FILES[key]}"
+
+
+def fingerprint_params(fingerprint):
+    """Rule params: one `key=value` string per key that determines the rule's result.
+    Snakemake reruns a job when its params change and names the differing ones, so an edit
+    of config.yaml redoes exactly what it affects and the reason says which keys changed;
+    keys that cannot change a result (launcher, partition, time limit, ...) are not in them.
+    The run's full config reaches the script through snakemake.config."""
+    keys = sorted(set().union(*(fingerprint(run) for run in RUNS.values())))
+
+    def param(key):
+        return lambda wildcards: ddpconfig.as_params(
+            {key: fingerprint(RUNS[wildcards.run]).get(key)}
+        )[0]
+
+    return [param(key) for key in keys]
 
 
 def local_ranks(wildcards):
@@ -45,7 +63,7 @@ def local_ranks(wildcards):
 
 
 def staged_dir(wildcards):
-    return f"{RESULTS}/staged/{RUNS[wildcards.run]['dataset_id']}"
+    return str(ddppaths.staged_dir(RESULTS, RUNS[wildcards.run]["dataset_id"]))
 
 
 def data_cfg_for(dataset):
@@ -58,9 +76,8 @@ def data_cfg_for(dataset):
 def final_outputs():
     """Every run's model and evaluation plus the report: all are targets, so deleting any
     one of them makes a rerun redo exactly it and what depends on it."""
-    per_run = [
-        f"{RESULTS}/runs/{run}/{name}"
-        for run in RUNS
-        for name in ("model.pt", "eval_metrics.json")
-    ]
-    return [*per_run, f"{RESULTS}/report/report.md", f"{RESULTS}/report/report.html"]
+    per_run = expand(
+        [run_file("model"), run_file("eval_metrics")],
+        run=RUNS,
+    )
+    return [*per_run, report_file("markdown"), report_file("html")]

@@ -3,10 +3,10 @@ rule evaluate:
     integer counts summed with one all_reduce."""
     input:
         staged=staged_dir,
-        model=f"{RESULTS}/runs/{{run}}/model.pt",
-        summary=f"{RESULTS}/runs/{{run}}/train_summary.json",
+        model=run_file("model"),
+        summary=run_file("train_summary"),
     output:
-        metrics=f"{RESULTS}/runs/{{run}}/eval_metrics.json",
+        metrics=run_file("eval_metrics"),
     log:
         f"{LOGS}/evaluate/{{run}}.log",
     localrule: True
@@ -14,6 +14,6 @@ rule evaluate:
         "../../envs/ddpflow.yaml"
     threads: local_ranks
     params:
-        run=run_cfg,
+        *fingerprint_params(ddpconfig.evaluation_fingerprint),
     script:
         "../../scripts/evaluate.py"

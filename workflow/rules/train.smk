@@ -5,9 +5,9 @@ rule train:
     input:
         staged=staged_dir,
     output:
-        model=f"{RESULTS}/runs/{{run}}/model.pt",
-        metrics=f"{RESULTS}/runs/{{run}}/train_metrics.jsonl",
-        summary=f"{RESULTS}/runs/{{run}}/train_summary.json",
+        model=run_file("model"),
+        metrics=run_file("train_metrics"),
+        summary=run_file("train_summary"),
     log:
         f"{LOGS}/train/{{run}}.log",
     localrule: True
@@ -15,6 +15,6 @@ rule train:
         "../../envs/ddpflow.yaml"
     threads: local_ranks
     params:
-        run=run_cfg,
+        *fingerprint_params(ddpconfig.training_fingerprint),
     script:
         "../../scripts/train.py"

@@ -1,0 +1,188 @@
+"""The user's own loop, end to end: run, edit config.yaml, rerun; delete an output, rerun;
+stop Snakemake, rerun. Every rerun redoes exactly what the edit affects, says why in one
+short line, and never resumes a checkpoint that belongs to another config or to a finished
+training. Real Snakemake, real submitit local jobs, 2 real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from workflow_helpers import jobs_planned, snakemake, snakemake_command, write_config
+
+pytestmark = pytest.mark.e2e
+
+BASE = {
+    "train": {"epochs": 2, "progress": False, "checkpoint": {"every_epochs": 1, "keep": 3}},
+    "runs": [{"name": "cnn"}],
+}
+
+
+def _edit(base: dict, section: str, **values) -> dict:
+    """base with section.<key> set (one level of nesting: 'optimizer__lr' -> optimizer.lr)."""
+    out = json.loads(json.dumps(base))
+    for key, value in values.items():
+        target = out.setdefault(section, {})
+        *parents, leaf = key.split("__")
+        for parent in parents:
+            target = target.setdefault(parent, {})
+        target[leaf] = value
+    return out
+
+
+def _newest_rank0_log(workdir: Path, stage: str) -> str:
+    logs = sorted(
+        (workdir / f"logs/submitit/cnn/{stage}").glob("*_0_log.err"),
+        key=lambda p: p.stat().st_mtime,
+    )
+    return logs[-1].read_text()
+
+
+def _train_records(workdir: Path) -> list[dict]:
+    text = (workdir / "results/runs/cnn/train_metrics.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def _ok(result) -> str:
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    return output
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("loop")
+    _ok(snakemake(workdir, write_config(workdir / "config.yaml", BASE)))
+    return workdir
+
+
+def test_success_leaves_a_lean_work_folder(trained):
+    work = trained / "results/work/cnn"
+    assert len(list((work / "checkpoints").glob("ckpt-*.pt"))) == 1  # keep_after_success: 1
+    assert not list(work.glob("rendezvous-*")), "stale rendezvous files left behind"
+    assert (work / "finished.json").exists()
+
+
+def test_changes_that_cannot_change_results_redo_nothing(trained):
+    """Where and how the ranks run, logging and checkpoint cadence: nothing is redone."""
+    machine = _edit(BASE, "machine", time_min=30, mem_gb=2, pg_timeout_s=99, cpus_per_task=1)
+    edited = _edit(machine, "train", progress=True, max_requeues=1, checkpoint__keep=5)
+    configfile = write_config(trained / "harmless.yaml", edited)
+    assert jobs_planned(trained, configfile) == set()
+
+
+def test_eval_edit_reevaluates_without_retraining(trained, tmp_path):
+    configfile = write_config(tmp_path / "eval.yaml", _edit(BASE, "eval", batch_size=100))
+    dry = snakemake(trained, configfile, "-n")
+    assert jobs_planned(trained, configfile) == {"evaluate", "report", "all"}
+    reason = next(line for line in dry.stdout.splitlines() if "Params have changed" in line)
+    assert "eval.batch_size=100" in reason and "eval.batch_size=512" in reason
+    assert len(reason) < 300, f"the rerun reason is not one short line: {reason}"
+
+
+def test_hyperparameter_edit_retrains_from_scratch_and_names_the_change(trained):
+    """Finding 1: lr edited after a finished training used to fail with a checkpoint refusal
+    (reported as 'ranks may have been killed'), after Snakemake had deleted the old model."""
+    configfile = write_config(trained / "config.yaml", _edit(BASE, "train", optimizer__lr=0.02))
+    dry = snakemake(trained, configfile, "-n")
+    reason = next(line for line in dry.stdout.splitlines() if "Params have changed" in line)
+    assert "train.optimizer.lr=0.02" in reason and "train.optimizer.lr=0.05" in reason
+    assert len(reason) < 300, f"the rerun reason is not one short line: {reason}"
+
+    _ok(snakemake(trained, configfile))
+    rule_log = (trained / "logs/train/cnn.log").read_text()
+    assert "train.optimizer.lr 0.05 -> 0.02: training from scratch" in rule_log, rule_log
+    assert "RESUMED" not in _newest_rank0_log(trained, "train")
+    assert [r["epoch"] for r in _train_records(trained)] == [1, 2]
+    set_aside = list((trained / "results/work/cnn").glob("checkpoints.old-*/ckpt-*.pt"))
+    assert set_aside, "the old config's checkpoints were not set aside"
+    metrics = json.loads((trained / "results/runs/cnn/eval_metrics.json").read_text())
+    assert metrics["provenance"]["config"]["train"]["optimizer"]["lr"] == 0.02
+    assert "lr: 0.02" in (trained / "results/report/report.md").read_text()
+
+
+def test_deleted_model_retrains_from_scratch(trained):
+    """Finding 2: deleting model.pt used to restore the finished training's last checkpoint
+    ('RESUMED from step N', zero epochs trained)."""
+    configfile = write_config(trained / "config.yaml", _edit(BASE, "train", optimizer__lr=0.02))
+    (trained / "results/runs/cnn/model.pt").unlink()
+    assert jobs_planned(trained, configfile) == {"train", "evaluate", "report", "all"}
+    _ok(snakemake(trained, configfile))
+    rank0 = _newest_rank0_log(trained, "train")
+    assert "RESUMED" not in rank0, rank0[-2000:]
+    assert rank0.count(" epoch 1/2 ") == 1 and rank0.count(" epoch 2/2 ") == 1, rank0[-2000:]
+    assert "previous training finished" in (trained / "logs/train/cnn.log").read_text()
+
+
+def test_clean_work_removes_set_aside_and_finished_checkpoints(trained):
+    work = trained / "results/work/cnn"
+    assert list(work.glob("checkpoints.old-*"))
+    configfile = write_config(trained / "config.yaml", _edit(BASE, "train", optimizer__lr=0.02))
+    # the target goes first: --configfile takes every name after it
+    output = _ok(snakemake(trained, None, "clean_work", "--configfile", str(configfile)))
+    assert not list(work.glob("checkpoints.old-*")), output[-2000:]
+    assert not (work / "checkpoints").exists()
+    assert (trained / "results/runs/cnn/model.pt").exists()
+    assert jobs_planned(trained, configfile) == set(), "clean_work invalidated an output"
+
+
+def _start(workdir: Path, configfile: Path) -> subprocess.Popen:
+    cmd, env = snakemake_command(workdir, configfile)
+    log = open(workdir / "snakemake.out", "ab")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(cmd, stdout=log, stderr=log, env=env, cwd=workdir)
+
+
+def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert proc.poll() is None, f"the workflow ended before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.3)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is gone for every purpose here
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _job_pids(folder: Path) -> list[int]:
+    """submitit's local job id is the PID of the process that runs the job's ranks."""
+    return sorted({int(p.name.split("_")[0]) for p in folder.glob("*_log.err")})
+
+
+def test_signals_to_snakemake_stop_the_jobs_and_rerun_recovers(workdir):
+    """Finding 7: SIGINT to Snakemake (its PID only) during a local evaluation let the job
+    run on. Now SIGTERM during training and SIGINT during evaluation both stop the job at
+    once (nothing left running); the rerun resumes training, then redoes evaluation."""
+    slow = _edit(BASE, "train", epochs=4, checkpoint__every_steps=5)
+    configfile = write_config(workdir / "config.yaml", slow)
+    train_logs = workdir / "logs/submitit/cnn/train"
+    proc = _start(workdir, configfile)
+    _wait_for(lambda: list(workdir.glob("results/work/cnn/checkpoints/ckpt-*.pt")), proc, "a ckpt")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=90) != 0
+    assert not any(_alive(pid) for pid in _job_pids(train_logs)), "training job left running"
+    assert not (workdir / "results/runs/cnn/model.pt").exists(), "stopped too late"
+
+    proc = _start(workdir, configfile)
+    eval_logs = workdir / "logs/submitit/cnn/evaluate"
+    _wait_for(lambda: _job_pids(eval_logs), proc, "the evaluation job")
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=90) != 0
+    assert not any(_alive(pid) for pid in _job_pids(eval_logs)), "evaluation job left running"
+    assert "RESUMED from step" in _newest_rank0_log(workdir, "train")
+    assert not (workdir / "results/runs/cnn/eval_metrics.json").exists(), "stopped too late"
+
+    output = _ok(snakemake(workdir, configfile))
+    assert "rule train" not in output, "training redone although it had finished"
+    metrics = json.loads((workdir / "results/runs/cnn/eval_metrics.json").read_text())
+    assert metrics["samples_evaluated"] == metrics["test_size"]

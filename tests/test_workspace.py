@@ -1,0 +1,124 @@
+"""Which keys retrain a run, and what the train rule does with a run's work folder before
+and after training (ddpflow.config fingerprints, ddpflow.workspace). Real files, no mocks."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from ddpflow import config as ddpconfig
+from ddpflow import workspace
+
+
+@pytest.fixture
+def run() -> dict:
+    return ddpconfig.resolve_runs(ddpconfig.load(None))[0]
+
+
+def _edited(run: dict, path: str, value) -> dict:
+    out = copy.deepcopy(run)
+    *parents, leaf = path.split(".")
+    target = out
+    for key in parents:
+        target = target[key]
+    target[leaf] = value
+    return out
+
+
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        ("launcher", "slurm"),
+        ("machine.partition", "gpu"),
+        ("machine.account", "proj"),
+        ("machine.time_min", 999),
+        ("machine.mem_gb", 64),
+        ("machine.pg_timeout_s", 5),
+        ("machine.cancel_on_interrupt", False),
+        ("train.progress", False),
+        ("train.max_requeues", 0),
+        ("train.checkpoint.every_steps", 7),
+        ("eval.batch_size", 100),
+    ],
+)
+def test_keys_that_cannot_change_the_model_are_not_in_the_training_fingerprint(run, path, value):
+    before = ddpconfig.training_fingerprint(run)
+    assert ddpconfig.training_fingerprint(_edited(run, path, value)) == before
+
+
+@pytest.mark.parametrize(
+    "path, value, key",
+    [
+        ("train.optimizer.lr", 0.02, "train.optimizer.lr"),
+        ("train.epochs", 3, "train.epochs"),
+        ("model.name", "mlp", "model.name"),
+        ("data.seed", 1, "data.seed"),
+        ("world_size", 4, "world_size"),
+        ("machine.gpus_per_node", 2, "device"),
+    ],
+)
+def test_keys_that_determine_the_model_are(run, path, value, key):
+    before = ddpconfig.training_fingerprint(run)
+    after = ddpconfig.training_fingerprint(_edited(run, path, value))
+    assert ddpconfig.describe_changes(before, after).startswith(f"{key} ")
+
+
+def test_describe_changes_is_one_short_line(run):
+    edited = _edited(_edited(run, "train.optimizer.lr", 0.02), "world_size", 4)
+    text = ddpconfig.describe_changes(
+        ddpconfig.training_fingerprint(run), ddpconfig.training_fingerprint(edited)
+    )
+    assert text == "train.optimizer.lr 0.05 -> 0.02, world_size 2 -> 4"
+
+
+def _checkpoint(work, step: int) -> None:
+    directory = workspace.checkpoint_dir(work)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"ckpt-{step:09d}.pt").write_bytes(b"x")
+    (directory / f"ckpt-{step:09d}.pt.sha256").write_text("x\n")
+
+
+def test_interrupted_attempt_of_the_same_config_resumes(run, tmp_path):
+    assert workspace.prepare(run, tmp_path) == "fresh"
+    _checkpoint(tmp_path, 10)
+    assert workspace.prepare(run, tmp_path).startswith("resume")
+    assert workspace.candidates(workspace.checkpoint_dir(tmp_path))
+
+
+def test_edited_config_sets_old_checkpoints_aside(run, tmp_path):
+    workspace.prepare(run, tmp_path)
+    _checkpoint(tmp_path, 10)
+    decision = workspace.prepare(_edited(run, "train.optimizer.lr", 0.02), tmp_path)
+    assert decision == "retrain: train.optimizer.lr 0.05 -> 0.02"
+    assert not workspace.candidates(workspace.checkpoint_dir(tmp_path))
+    (aside,) = tmp_path.glob("checkpoints.old-*")
+    assert (aside / "ckpt-000000010.pt").exists()
+
+
+def test_finished_training_is_never_resumed(run, tmp_path):
+    workspace.prepare(run, tmp_path)
+    for step in (10, 20, 30):
+        _checkpoint(tmp_path, step)
+    (tmp_path / "rendezvous-1-0.port").write_text("host 1\n")
+    workspace.finish(run, tmp_path)
+    kept = workspace.candidates(workspace.checkpoint_dir(tmp_path))
+    assert [p.name for p in kept] == ["ckpt-000000030.pt"]  # keep_after_success: 1
+    assert not list(tmp_path.glob("rendezvous-*"))
+    assert json.loads((tmp_path / "finished.json").read_text())["fingerprint"]
+
+    decision = workspace.prepare(run, tmp_path)  # model.pt deleted: the rule runs again
+    assert decision.startswith("retrain: the previous training finished")
+    assert not workspace.candidates(workspace.checkpoint_dir(tmp_path))
+    assert not (tmp_path / "finished.json").exists()
+
+
+def test_clean_keeps_an_interrupted_trainings_checkpoints(run, tmp_path):
+    workspace.prepare(run, tmp_path)
+    _checkpoint(tmp_path, 10)
+    workspace.prepare(_edited(run, "train.epochs", 3), tmp_path)  # old ones set aside
+    _checkpoint(tmp_path, 5)  # the new config's interrupted attempt
+    removed = workspace.clean(tmp_path)
+    assert [p.name for p in removed][0].startswith("checkpoints.old-")
+    assert workspace.candidates(workspace.checkpoint_dir(tmp_path)), "resume state removed"

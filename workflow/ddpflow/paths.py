@@ -1,0 +1,71 @@
+"""Where a run's files live: the one place that names them.
+
+The rules (workflow/rules/*.smk) declare these paths as outputs, the ranks write them
+(ddpflow.tasks), the report reads them; all take the names from here. Importing this module
+imports no torch: the Snakefile reads it at parse time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+# a run's declared outputs, in results/runs/<run>/
+RUN_FILES = {
+    "model": "model.pt",
+    "train_metrics": "train_metrics.jsonl",
+    "train_summary": "train_summary.json",
+    "eval_metrics": "eval_metrics.json",
+}
+# the report's declared outputs, in results/report/
+REPORT_FILES = {
+    "markdown": "report.md",
+    "html": "report.html",
+    "summary": "summary.json",
+    "summary_csv": "summary.csv",
+    "plots": "plots",
+}
+# results/work/<run>/ is never a declared output: Snakemake's clean-up of a failed job cannot
+# delete what lives there (checkpoints, live metrics, rendezvous, job records)
+CHECKPOINTS = "checkpoints"
+SET_ASIDE_PREFIX = "checkpoints.old-"
+FINGERPRINT = "fingerprint.json"  # the config the checkpoints belong to
+FINISHED = "finished.json"  # written once a training's outputs are published
+
+
+def run_dir(results_dir: str | Path, run_name: str) -> Path:
+    return Path(results_dir) / "runs" / run_name
+
+
+def work_dir(results_dir: str | Path, run_name: str) -> Path:
+    return Path(results_dir) / "work" / run_name
+
+
+def staged_dir(results_dir: str | Path, dataset_id: str) -> Path:
+    return Path(results_dir) / "staged" / dataset_id
+
+
+def report_dir(results_dir: str | Path) -> Path:
+    return Path(results_dir) / "report"
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Absolute paths one run reads and writes (what a rank needs, wherever it runs)."""
+
+    staged: str
+    model: str
+    train_metrics: str
+    train_summary: str
+    eval_metrics: str
+    work: str
+
+    @classmethod
+    def for_run(cls, results_dir: str | Path, run: dict) -> RunPaths:
+        root = Path(results_dir).resolve()
+        out = run_dir(root, run["name"])
+        return cls(
+            staged=str(staged_dir(root, run["dataset_id"])),
+            work=str(work_dir(root, run["name"])),
+            **{key: str(out / name) for key, name in RUN_FILES.items()},
+        )
