@@ -7,7 +7,6 @@ import copy
 import json
 
 import pytest
-
 from ddpflow import config as ddpconfig
 from ddpflow import workspace
 

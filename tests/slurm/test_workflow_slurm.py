@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from workflow_helpers import BIN, REPO, snakemake, snakemake_command, write_config
+from snakemake.common import get_appdirs
+from workflow_helpers import BIN, REPO, jobs_planned, snakemake, snakemake_command, write_config
 
 pytestmark = pytest.mark.slurm
 
@@ -61,6 +62,14 @@ def sacct_states(job_id: str, timeout_s: float = 60) -> str:
         time.sleep(1)
 
 
+def named_profile_snakemake(workdir: Path, configfile: Path, *args: str, **kwargs):
+    """`snakemake --profile slurm`, the profile found by name as users type it: `make run` /
+    `make test` link profiles/slurm into Snakemake's user profile folder."""
+    linked = Path(get_appdirs().user_config_dir) / "slurm"
+    assert (linked / "config.yaml").is_file(), f"{linked} missing: run `make profile`"
+    return snakemake(workdir, configfile, "--profile", "slurm", *FAST_POLL, *args, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def slurm_run(slurm_cluster, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("slurm-run")
@@ -68,7 +77,7 @@ def slurm_run(slurm_cluster, tmp_path_factory):
         workdir / "config.yaml", {**SCIENCE, "machine": CLUSTER_MACHINE, "runs": [{"name": "cnn"}]}
     )
     started = time.monotonic()
-    result = slurm_snakemake(workdir, configfile)
+    result = named_profile_snakemake(workdir, configfile)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return workdir, time.monotonic() - started
 
@@ -111,6 +120,23 @@ def test_accuracy_equals_local_run(slurm_run, tmp_path):
         for root in (tmp_path, workdir)
     ]
     assert losses[0] == losses[1]
+
+    # The same science switched between launchers retrains nothing, in both directions:
+    # the local outputs are up to date for --profile slurm (2 nodes x 2 ranks) ...
+    slurm_config = write_config(
+        tmp_path / "slurm.yaml", {**SCIENCE, "machine": CLUSTER_MACHINE, "runs": [{"name": "cnn"}]}
+    )
+    slurm_args = ("--profile", "slurm", *FAST_POLL)
+    assert jobs_planned(tmp_path, slurm_config, *slurm_args) == set()
+    # ... and the Slurm outputs for the local launcher (1 node x 4 ranks)
+    assert jobs_planned(workdir, configfile) == set()
+    # a change that does matter is named in one short line
+    seed = {"train": {**SCIENCE["train"], "seed": 1}, "machine": local_machine}
+    dry = snakemake(
+        tmp_path, write_config(tmp_path / "seed.yaml", {**seed, "runs": [{"name": "cnn"}]}), "-n"
+    )
+    reason = next(line for line in dry.stdout.splitlines() if "Params have changed" in line)
+    assert "train.seed=1" in reason and len(reason) < 300, reason
 
 
 def test_plain_sbatch_script(slurm_cluster, tmp_path):
@@ -195,10 +221,13 @@ def _long_config(workdir: Path, cancel: bool) -> Path:
 
 
 def test_stopping_snakemake_cancels_the_job(slurm_cluster, tmp_path):
+    """SIGINT to Snakemake's own PID (not its process group: Snakemake itself does not signal
+    running rules) cancels the Slurm job; nothing is left in the queue."""
     configfile = _long_config(tmp_path, cancel=True)
     proc = _start_and_wait_for_running_train(tmp_path, configfile)
     job_id = job_ids(tmp_path / "logs/submitit/long/train")[0]
-    _stop(proc)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) != 0
     assert sacct_states(job_id) == "CANCELLED"
     # COMPLETING (CG) while Slurm kills the ranks (KillWait), then gone: nothing orphaned
     deadline = time.monotonic() + 60

@@ -1,8 +1,8 @@
 """Fault injection for tests and fire drills (never active unless DDPFLOW_FAULT is set).
 
-DDPFLOW_FAULT="<kind>:<rank>:<epoch>:<step>" makes that rank fail at that (0-based) epoch and
-micro-step: kind `raise` (a Python exception), `kill` (SIGKILL itself, like an OOM kill or a
-lost node) or `hang` (stop making progress, like a stuck NCCL call). Optional
+DDPFLOW_FAULT="<kind>:<rank>[,<rank>...]:<epoch>:<step>" makes those ranks fail at that
+(0-based) epoch and micro-step: kind `raise` (a Python exception), `kill` (SIGKILL itself,
+like an OOM kill or a lost node) or `hang` (stop making progress, like a stuck NCCL call). Optional
 DDPFLOW_FAULT_ONCE=<file>: fire only if the file does not exist yet, and create it, so that
 a resumed attempt runs clean.
 """
@@ -22,18 +22,21 @@ class InjectedFault(RuntimeError):
     """Raised by the `raise` fault."""
 
 
-def parse(spec: str | None) -> tuple[str, int, int, int] | None:
+def parse(spec: str | None) -> tuple[str, tuple[int, ...], int, int] | None:
+    """'kill:2,3:1:5' -> ('kill', (2, 3), 1, 5): several ranks fail at once (a whole node)."""
     if not spec:
         return None
-    kind, rank, epoch, step = spec.split(":")
+    kind, ranks, epoch, step = spec.split(":")
     if kind not in ("raise", "kill", "hang"):
         raise ValueError(f"DDPFLOW_FAULT: unknown kind {kind!r} (raise, kill, hang)")
-    return kind, int(rank), int(epoch), int(step)
+    return kind, tuple(int(r) for r in ranks.split(",")), int(epoch), int(step)
 
 
 def maybe_inject(rank: int, epoch: int, step: int) -> None:
     fault = parse(os.environ.get("DDPFLOW_FAULT"))
-    if fault is None or fault[1:] != (rank, epoch, step) or not _first_time():
+    if fault is None or rank not in fault[1] or fault[2:] != (epoch, step):
+        return
+    if not _first_time():
         return
     kind = fault[0]
     log.error("injecting fault %r on rank %d at epoch %d step %d", kind, rank, epoch, step)
