@@ -11,7 +11,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import signal
 import subprocess
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import submitit
 
+from . import failures
 from .runtime import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ def wait(job, job_name: str, poll_s: float, grace_s: float = 10.0) -> list:
     write their own errors, then the job is cancelled (a hung or blocked rank would otherwise
     keep it alive until its time limit)."""
     start = time.monotonic()
-    failed_at = None
+    failed_at, cancelled = None, False
     while not job.done():
         if failed_at is None and (rank := first_failed_rank(job)) is not None:
             failed_at = time.monotonic()
@@ -230,13 +230,14 @@ def wait(job, job_name: str, poll_s: float, grace_s: float = 10.0) -> list:
             )
         if failed_at is not None and time.monotonic() - failed_at > grace_s:
             job.cancel(check=False)
+            cancelled = True
             break
         time.sleep(poll_s)
     log.info("%s job %s ended after %.1fs", job_name, job.job_id, time.monotonic() - start)
     try:
         return job.results()
     except Exception as exc:  # noqa: BLE001 - every submitit failure becomes one clear error
-        raise LaunchError(failure_message(job, job_name, exc)) from exc
+        raise LaunchError(failure_message(job, job_name, cancelled)) from exc
 
 
 def _interrupted(job, cancel: bool, timeout_s: float = 30.0) -> None:
@@ -282,62 +283,14 @@ def first_failed_rank(job) -> int | None:
     return None
 
 
-COLLATERAL = re.compile(
-    r"Connection closed by peer|Connection reset|remote worker crash|Broken pipe|"
-    r"communicator was aborted|NCCL error|recvBytes|ProcessGroup.*abort"
-)
-EXCEPTION_LINE = re.compile(
-    r"^(?:\[rank\d+\]:\s*)?([\w.]+(?:Error|Exception|Fault|Interrupt|Exit)\b.*)$"
-)
-HOST_LINE = re.compile(r"\[rank (\d+) (\S+)\]")
-
-
-def rank_failure(stderr: Path) -> dict:
-    """What one rank's log says: its host, its last exception line, and whether that error is
-    only the consequence of another rank dying (a closed connection)."""
-    text = _read(stderr)
-    host = next((m.group(2) for m in HOST_LINE.finditer(text)), "?")
-    errors = [m.group(1) for line in text.splitlines() if (m := EXCEPTION_LINE.match(line))]
-    error = errors[-1] if errors else None
-    return {
-        "host": host,
-        "error": error,
-        "collateral": bool(error and COLLATERAL.search(error)),
-        "log": str(stderr),
-        "tail": "\n".join(text.splitlines()[-15:]),
-    }
-
-
-def failure_message(job, job_name: str, exc: Exception) -> str:
-    """Name the failing ranks, hosts and causes; the first real failure comes first."""
-    ranks = {index: rank_failure(job.task(index).paths.stderr) for index in range(job.num_tasks)}
-    failed = {i: r for i, r in ranks.items() if r["error"]}
-    culprits = [i for i, r in failed.items() if not r["collateral"]] or list(failed)
-    lines = [
-        f"{job_name} failed (job {job.job_id}, {job.num_tasks} ranks, logs in {job.paths.folder})"
-    ]
-    for index in culprits:
-        lines.append(f"  rank {index} on {ranks[index]['host']}: {ranks[index]['error']}")
-    others = sorted(set(failed) - set(culprits))
-    if others:
-        lines.append(f"  ranks {others} then lost their peers (collateral)")
-    silent = sorted(set(ranks) - set(failed))
-    if silent and not culprits:
-        lines.append(
-            f"  no rank wrote an exception; ranks {silent} may have been killed "
-            f"(out of memory, node failure, signal): {str(exc).strip()[:300]}"
-        )
-    for index in culprits[:2]:
-        lines.append(f"--- rank {index}: last lines of {ranks[index]['log']} ---")
-        lines.append(ranks[index]["tail"])
-    return "\n".join(lines)
-
-
-def _read(path: Path) -> str:
-    try:
-        return Path(path).read_text(errors="replace")
-    except OSError:
-        return ""
+def failure_message(job, job_name: str, cancelled: bool = False) -> str:
+    """The LaunchError text: culprit ranks with host and cause, then the collateral ones
+    (ddpflow.failures reads each rank's result pickle, log and srun's report)."""
+    ranks = []
+    for index in range(job.num_tasks):
+        paths = job.task(index).paths
+        ranks.append(failures.read_rank(index, paths.stderr, paths.stdout, paths.result_pickle))
+    return failures.explain(job_name, job.job_id, job.paths.folder, ranks, cancelled)
 
 
 def read_record(record: str | Path) -> dict | None:
