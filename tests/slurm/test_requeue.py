@@ -88,7 +88,10 @@ def test_interrupted_job_requeues_and_resumes(slurm_cluster, tmp_path, case, tim
     assert "attempts" in (tmp_path / "results/report/report.md").read_text().lower()
 
 
-def test_killed_rank_fails_the_job_fast(slurm_cluster, tmp_path):
+def test_killed_node_fails_the_job_fast_and_is_named(slurm_cluster, tmp_path):
+    """Every rank on node2 SIGKILLed (a lost node, the OOM killer): the rule fails fast and
+    names ranks 2 and 3 on node2 as killed, before the survivors that only lost their peers
+    (they used to be blamed: 'rank 0 on node1: Connection reset by peer')."""
     configfile = _config(tmp_path, 15)
     started = time.monotonic()
     result = snakemake(
@@ -99,15 +102,19 @@ def test_killed_rank_fails_the_job_fast(slurm_cluster, tmp_path):
         *FAST_POLL,
         "--retries",
         "0",
-        env={"DDPFLOW_FAULT": "kill:3:1:2"},
+        env={"DDPFLOW_FAULT": "kill:2,3:1:2"},
         timeout=600,
     )
     elapsed = time.monotonic() - started
     assert result.returncode != 0
     output = result.stdout + result.stderr
     assert "ddpflow-train-rq failed" in output, output[-3000:]
+    culprits = output.index("rank 2 on node2: killed by SIGKILL")
+    assert culprits < output.index("rank 3 on node2: killed by SIGKILL"), output[-3000:]
+    assert culprits < output.index("ranks [0, 1] then lost their peers (collateral)")
+    assert "srun: error: node2: tasks 2-3: Killed" in output
     job_id = job_ids(tmp_path / "logs/submitit/rq/train")[0]
     assert sacct_states(job_id) in ("FAILED", "CANCELLED")
     queue = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True)
     assert queue.stdout.strip() == "" or " CG " in queue.stdout
-    print(f"kill -9 of rank 3 on node2: rule failed {elapsed:.0f}s after start")
+    print(f"kill -9 of node2's ranks: rule failed {elapsed:.0f}s after start")
