@@ -53,7 +53,7 @@ def set_aside(directory: Path, reason: str) -> Path | None:
         target = directory.with_name(f"{paths.SET_ASIDE_PREFIX}{stamp}-{suffix}")
         suffix += 1
     directory.rename(target)
-    log.warning("%s: previous checkpoints moved to %s; training from scratch", reason, target)
+    log.info("%s: old checkpoints set aside in %s (snakemake clean_work frees)", reason, target)
     return target
 
 
@@ -74,26 +74,25 @@ def prepare(run: dict, work: str | Path) -> str:
     old = _read_json(work / paths.FINGERPRINT)
     finished = _read_json(work / paths.FINISHED)
     if finished is not None:
-        # the finished training's state; only its own config's is deleted (it is the model
-        # being redone), another config's is set aside like any other
+        # a finished training's state: only its own config's is deleted (it is the model
+        # being redone); another config's is set aside like any other
         old = finished.get("fingerprint", old)
         (work / paths.FINISHED).unlink()
         changes = describe_changes(old or {}, new)
-        if changes:
-            decision = f"retrain: {changes}"
-            set_aside(ckpts, f"run {run['name']!r}: {changes}")
-        else:
-            decision = "retrain: the previous training finished; its outputs are being redone"
-            shutil.rmtree(ckpts, ignore_errors=True)
+        redo = "the previous training finished; its outputs are being redone"
+        decision = f"retrain: {changes or redo}"
     elif candidates(ckpts) and old is not None and old != new:
         decision = f"retrain: {describe_changes(old, new)}"
-        set_aside(ckpts, f"run {run['name']!r}: {decision[len('retrain: ') :]}")
     elif candidates(ckpts):
         decision = f"resume: an interrupted attempt of this config left {ckpts}"
     else:
         decision = "fresh"
     if decision.startswith("retrain"):
         log.info("run %r: %s: training from scratch", run["name"], decision[len("retrain: ") :])
+        if finished is not None and not changes:
+            shutil.rmtree(ckpts, ignore_errors=True)
+        else:
+            set_aside(ckpts, f"run {run['name']!r}")
     elif decision.startswith("resume"):
         log.info("run %r: %s; resuming from its newest checkpoint", run["name"], decision[8:])
     atomic_write_json(work / paths.FINGERPRINT, new)
