@@ -200,6 +200,49 @@ class Loop:
         self.epoch_loss = state["epoch_loss"].to(self.device)
         self.epoch_seconds = dict(state["epoch_seconds"])
         self.history = list(state["history"])
+        self.prime_ddp()
+
+    def prime_ddp(self) -> None:
+        """Put DDP's gradient buckets in the state an uninterrupted run has at this step, and
+        change nothing else: synchronised forward/backward passes whose gradients, BatchNorm
+        buffer updates and RNG draws are all discarded (weights and optimizer stay untouched).
+
+        Why: DDP lays its buckets out in reverse parameter order, then rebuilds them once, in
+        the order gradients became ready, at the forward after the first synchronised backward
+        (static_graph: after the second; the first only counts the gradient hooks). gloo's ring
+        all-reduce adds an element's per-rank values in an order that depends on the element's
+        offset in the bucket, so from 3 ranks on (2 ranks: a + b == b + a) a resumed run whose
+        fresh DDP still had the initial layout summed gradients in another order than the
+        uninterrupted run did at the same step: the last bits differed, then the whole run.
+        Collective: every rank calls it (Loop.load_state_dict does). The iteration counts
+        follow torch's DDP internals; tests/test_resume_exact.py fails if a torch upgrade
+        moves the rebuild.
+        """
+        if not isinstance(self.ddp, DDP):
+            return
+        # synchronised backwards the uninterrupted run had done: one per optimizer step
+        iterations = min(self.scheduler.last_epoch, 2 if self.ddp.static_graph else 1)
+        if iterations == 0:
+            return
+        size = min(self.tcfg["batch_size"], self.data["train_x"].shape[0])
+        x = evaluate.normalize(self.data["train_x"][:size], *self.data["norm"])
+        y = self.data["train_y"][:size]
+        buffers = [b.detach().clone() for b in self.model.buffers()]  # BatchNorm statistics
+        was_training = self.ddp.training
+        cuda = [self.device] if self.device.type == "cuda" else []
+        # the graph of a training step (train mode, autocast, outside no_sync), so gradients
+        # become ready in the same order
+        with torch.random.fork_rng(devices=cuda), torch.enable_grad():
+            self.ddp.train()
+            for _ in range(iterations):
+                with self.autocast() if self.autocast else contextlib.nullcontext():
+                    loss = self.loss_fn(self.ddp(x), y)
+                loss.backward()
+                self.model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for buffer, saved in zip(self.model.buffers(), buffers, strict=True):
+                buffer.copy_(saved)
+        self.ddp.train(was_training)
 
     def _micro_step(self, batch, last_micro, n_batches, index) -> torch.Tensor:
         accum, seconds = self.tcfg["grad_accum_steps"], self.epoch_seconds

@@ -1,0 +1,169 @@
+"""A resumed run is bitwise identical to an uninterrupted one at 3 ranks (real gloo groups).
+
+With 2 ranks every float all-reduce is order-free (a + b == b + a); from 3 ranks on it is
+not, so anything that sums gradients in another order after a restart shows up here. The
+cause this guards against: DDP rebuilds its gradient buckets once, after the first
+synchronised backward (static_graph: the second), and gloo's ring all-reduce adds an
+element's per-rank values in an order that depends on its offset in the bucket, so a fresh
+DDP in a resumed run summed gradients differently from the run it continues
+(Loop.prime_ddp). One process group trains every case uninterrupted and writes, mid-epoch,
+the checkpoint Checkpointer would write (Loop.state_dict plus every rank's RNG state); a
+second, fresh group loads it and finishes. Two groups in all: ranks are slow to start.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from ddpflow import config as ddpconfig
+from ddpflow.models import build_model
+from ddpflow.train import Loop, fit
+from distributed_helpers import run_group
+
+CPU = torch.device("cpu")
+WORLD = 3
+# name -> (model, train overrides, step of the checkpoint); 5 micro-batches per rank and
+# epoch (120 samples, 3 ranks, batch 8), 2 epochs; every checkpoint is mid-epoch
+CASES = {
+    "cnn": ({"name": "cnn", "cnn_channels": 16}, {}, 7),  # BatchNorm buffers
+    "cnn_static_graph": (
+        {"name": "cnn", "cnn_channels": 16},
+        {"ddp": {"static_graph": True}},
+        7,
+    ),
+    # 3 optimizer steps per epoch, the last one over a short group of 1 micro-batch
+    "cnn_grad_accum": ({"name": "cnn", "cnn_channels": 16}, {"grad_accum_steps": 2}, 4),
+    "mlp_adamw": (
+        {"name": "mlp", "mlp_hidden": [64, 64]},
+        {"optimizer": {"name": "adamw", "lr": 0.002}},
+        3,
+    ),
+    # checkpoints before DDP rebuilt its buckets (static graph: rebuilt one step later)
+    "cnn_first_step": ({"name": "cnn", "cnn_channels": 16}, {}, 1),
+    "cnn_static_graph_first_step": (
+        {"name": "cnn", "cnn_channels": 16},
+        {"ddp": {"static_graph": True}},
+        1,
+    ),
+}
+
+
+def _run(case: str) -> dict:
+    model, train, _ = CASES[case]
+    sections = {
+        "model": model,
+        "train": {"epochs": 2, "batch_size": 8, "progress": False, **train},
+        "machine": {"cpu_ranks_per_node": WORLD},
+    }
+    return ddpconfig.resolve_runs(ddpconfig.load(None, sections))[0]
+
+
+def _data(n_train: int = 120, n_val: int = 30, num_classes: int = 4) -> dict:
+    """Synthetic 8x8 images: class c lights up quadrant c, plus noise."""
+    gen = torch.Generator().manual_seed(0)
+
+    def split(n):
+        labels = torch.randint(0, num_classes, (n,), generator=gen)
+        images = torch.randint(0, 120, (n, 1, 8, 8), generator=gen)
+        for c in range(num_classes):
+            row, col = divmod(c, 2)
+            images[labels == c, :, 4 * row : 4 * row + 4, 4 * col : 4 * col + 4] += 120
+        return images.to(torch.uint8), labels
+
+    (train_x, train_y), (val_x, val_y) = split(n_train), split(n_val)
+    scaled = train_x.float() / 255.0
+    return {
+        "train_x": train_x,
+        "train_y": train_y,
+        "val_x": val_x,
+        "val_y": val_y,
+        "norm": (scaled.mean().view(1, 1, 1, 1), scaled.std().view(1, 1, 1, 1)),
+        "num_classes": num_classes,
+        "shape": [1, 8, 8],
+    }
+
+
+def _loop(env, case: str) -> Loop:
+    run, data = _run(case), _data()
+    torch.manual_seed(run["train"]["seed"])  # as TrainTask.work
+    model = build_model(run["model"], data["shape"], data["num_classes"])
+    return Loop(run, data, env, CPU, model)
+
+
+def _result(loop: Loop) -> dict:
+    strip = ("seconds", "samples_per_s")
+    return {
+        "state": {k: v.clone() for k, v in loop.model.state_dict().items()},
+        "momentum": [s.clone() for st in loop.optimizer.state.values() for s in st.values()],
+        "history": [{k: v for k, v in r.items() if k not in strip} for r in loop.history],
+    }
+
+
+def _uninterrupted(env) -> dict:
+    """Train every case to the end; at the case's step, serialize what Checkpointer.save
+    writes (rank 0's Loop.state_dict and all ranks' RNG states)."""
+    import torch.distributed as dist
+
+    out = {}
+    for case, (_, _, at_step) in CASES.items():
+        loop = _loop(env, case)
+        saved = {}
+
+        def on_step(lp, at_step=at_step, saved=saved):
+            if lp.scheduler.last_epoch == at_step:
+                rng: list = [None] * env.world_size
+                dist.all_gather_object(rng, {"cpu": torch.get_rng_state()})
+                buffer = io.BytesIO()
+                torch.save({**lp.state_dict(), "rng": rng}, buffer)
+                saved["checkpoint"] = buffer.getvalue()
+
+        loop.on_step = on_step
+        fit(loop, lambda record: None)
+        out[case] = {**_result(loop), "checkpoint": saved["checkpoint"] if env.rank == 0 else None}
+    return out
+
+
+def _resumed(env, checkpoints: dict) -> dict:
+    """Fresh processes, fresh DDP: load the checkpoint as Checkpointer.restore does, finish."""
+    out = {}
+    for case, blob in checkpoints.items():
+        loop = _loop(env, case)
+        state = torch.load(io.BytesIO(blob), map_location=CPU, weights_only=True)
+        loop.load_state_dict(state)
+        torch.set_rng_state(state["rng"][env.rank]["cpu"])
+        # loading (and priming DDP) changed nothing but the position and the weights
+        loaded = loop.model.state_dict()
+        unchanged = all(torch.equal(loaded[k], v) for k, v in state["model"].items())
+        unchanged &= all(p.grad is None for p in loop.model.parameters())
+        position = (state["epoch"], state["batch_index"])
+        fit(loop, lambda record: None)
+        out[case] = {**_result(loop), "load_unchanged": unchanged, "position": position}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    clean = run_group(WORLD, _uninterrupted, (), tmp_path_factory.mktemp("clean"))
+    checkpoints = {case: clean[0][case]["checkpoint"] for case in CASES}
+    resumed = run_group(WORLD, _resumed, (checkpoints,), tmp_path_factory.mktemp("resumed"))
+    return clean, resumed
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_resume_at_three_ranks_is_bitwise_identical(runs, case):
+    clean, resumed = runs
+    for rank in range(WORLD):
+        expected, got = clean[rank][case], resumed[rank][case]
+        assert got["load_unchanged"], "loading the checkpoint changed the model or left grads"
+        assert got["position"][1] > 0, "the checkpoint should be mid-epoch"
+        assert expected["state"].keys() == got["state"].keys()
+        for key, value in expected["state"].items():
+            assert torch.equal(value, got["state"][key]), f"rank {rank}: {key} differs"
+        assert len(expected["momentum"]) > 0
+        pairs = zip(expected["momentum"], got["momentum"], strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs), f"rank {rank}: optimizer state differs"
+    # the metrics rank 0 writes; other ranks' train_loss is their own shard's and a checkpoint
+    # holds rank 0's (nothing reads theirs)
+    assert resumed[0][case]["history"] == clean[0][case]["history"], "losses/accuracy differ"
