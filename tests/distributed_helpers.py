@@ -121,3 +121,31 @@ def run_group(world_size: int, target, args: tuple, rendezvous_dir: Path) -> lis
 def port_files(rendezvous_dir: Path) -> list[str]:
     """Port files rank 0 published in rendezvous_dir (rendezvous-<job>-<restart>.port)."""
     return sorted(p.name for p in Path(rendezvous_dir).glob("rendezvous-*.port"))
+
+
+def make_data(n_train: int, n_val: int, num_classes: int = 4, seed: int = 0) -> dict:
+    """The dict ddpflow.tasks.load_data returns, from synthetic 8x8 images: class c lights
+    up quadrant c, plus noise (learnable in a few epochs by a small MLP)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def split(n):
+        labels = torch.randint(0, num_classes, (n,), generator=gen)
+        images = torch.randint(0, 120, (n, 1, 8, 8), generator=gen)
+        for c in range(num_classes):
+            row, col = divmod(c, 2)
+            images[labels == c, :, 4 * row : 4 * row + 4, 4 * col : 4 * col + 4] += 120
+        return images.to(torch.uint8), labels.to(torch.int64)
+
+    train_x, train_y = split(n_train)
+    val_x, val_y = split(n_val)
+    scaled = train_x.float() / 255.0
+    shape = [1, 1, 1, 1]
+    return {
+        "train_x": train_x,
+        "train_y": train_y,
+        "val_x": val_x,
+        "val_y": val_y,
+        "norm": (scaled.mean().view(shape), scaled.std().view(shape)),
+        "num_classes": num_classes,
+        "shape": [1, 8, 8],
+    }

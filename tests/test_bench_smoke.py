@@ -9,9 +9,8 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from workflow_helpers import REPO
 
 
 def test_throughput_tiny_run_writes_complete_json(tmp_path):

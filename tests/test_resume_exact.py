@@ -17,10 +17,10 @@ import io
 
 import pytest
 import torch
-from ddpflow import config as ddpconfig
 from ddpflow.models import build_model
 from ddpflow.train import Loop, fit
-from distributed_helpers import run_group
+from distributed_helpers import make_data, run_group
+from workflow_helpers import make_run
 
 CPU = torch.device("cpu")
 WORLD = 3
@@ -52,41 +52,15 @@ CASES = {
 
 def _run(case: str) -> dict:
     model, train, _ = CASES[case]
-    sections = {
-        "model": model,
-        "train": {"epochs": 2, "batch_size": 8, "progress": False, **train},
-        "machine": {"cpu_ranks_per_node": WORLD},
-    }
-    return ddpconfig.resolve_runs(ddpconfig.load(None, sections))[0]
-
-
-def _data(n_train: int = 120, n_val: int = 30, num_classes: int = 4) -> dict:
-    """Synthetic 8x8 images: class c lights up quadrant c, plus noise."""
-    gen = torch.Generator().manual_seed(0)
-
-    def split(n):
-        labels = torch.randint(0, num_classes, (n,), generator=gen)
-        images = torch.randint(0, 120, (n, 1, 8, 8), generator=gen)
-        for c in range(num_classes):
-            row, col = divmod(c, 2)
-            images[labels == c, :, 4 * row : 4 * row + 4, 4 * col : 4 * col + 4] += 120
-        return images.to(torch.uint8), labels
-
-    (train_x, train_y), (val_x, val_y) = split(n_train), split(n_val)
-    scaled = train_x.float() / 255.0
-    return {
-        "train_x": train_x,
-        "train_y": train_y,
-        "val_x": val_x,
-        "val_y": val_y,
-        "norm": (scaled.mean().view(1, 1, 1, 1), scaled.std().view(1, 1, 1, 1)),
-        "num_classes": num_classes,
-        "shape": [1, 8, 8],
-    }
+    return make_run(
+        model=model,
+        train={"epochs": 2, "batch_size": 8, "progress": False, **train},
+        machine={"cpu_ranks_per_node": WORLD},
+    )
 
 
 def _loop(env, case: str) -> Loop:
-    run, data = _run(case), _data()
+    run, data = _run(case), make_data(120, 30)
     torch.manual_seed(run["train"]["seed"])  # as TrainTask.work
     model = build_model(run["model"], data["shape"], data["num_classes"])
     return Loop(run, data, env, CPU, model)

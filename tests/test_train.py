@@ -7,48 +7,26 @@ import math
 
 import pytest
 import torch
-from ddpflow import config as ddpconfig
 from ddpflow.distenv import DistEnv
 from ddpflow.models import mlp
 from ddpflow.train import Loop, effective_lr, epoch_indices, fit, lr_schedule, make_optimizer
-from distributed_helpers import run_group
+from distributed_helpers import make_data, run_group
 from torch.utils.data import DistributedSampler
+from workflow_helpers import make_run
 
 CPU = torch.device("cpu")
-SINGLE = DistEnv(0, 1, 0, 1, 0, 1, "127.0.0.1", 29500, "0", "single")
-
-
-def make_run(**sections) -> dict:
-    """A resolved run as the workflow builds it: schema defaults + these section overrides."""
-    return ddpconfig.resolve_runs(ddpconfig.load(None, sections))[0]
-
-
-def make_data(n_train: int, n_val: int, num_classes: int = 4, seed: int = 0) -> dict:
-    """The dict ddpflow.tasks.load_data returns, from synthetic 8x8 images: class c lights
-    up quadrant c, plus noise (learnable in a few epochs by a small MLP)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def split(n):
-        labels = torch.randint(0, num_classes, (n,), generator=gen)
-        images = torch.randint(0, 120, (n, 1, 8, 8), generator=gen)
-        for c in range(num_classes):
-            row, col = divmod(c, 2)
-            images[labels == c, :, 4 * row : 4 * row + 4, 4 * col : 4 * col + 4] += 120
-        return images.to(torch.uint8), labels.to(torch.int64)
-
-    train_x, train_y = split(n_train)
-    val_x, val_y = split(n_val)
-    scaled = train_x.float() / 255.0
-    shape = [1, 1, 1, 1]
-    return {
-        "train_x": train_x,
-        "train_y": train_y,
-        "val_x": val_x,
-        "val_y": val_y,
-        "norm": (scaled.mean().view(shape), scaled.std().view(shape)),
-        "num_classes": num_classes,
-        "shape": [1, 8, 8],
-    }
+SINGLE = DistEnv(
+    rank=0,
+    world_size=1,
+    local_rank=0,
+    local_world_size=1,
+    node_rank=0,
+    num_nodes=1,
+    master_addr="127.0.0.1",
+    master_port=29500,
+    job_id="0",
+    launcher="single",
+)
 
 
 # --- epoch_indices: the DistributedSampler contract -------------------------------------------

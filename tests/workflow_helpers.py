@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from ddpflow import config as ddpconfig
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -61,3 +62,8 @@ def jobs_planned(workdir: Path, configfile: Path | None, *args: str) -> set[str]
     table = lines[lines.index("Job stats:") + 3 :]
     rows = table[: next(i for i, row in enumerate(table) if row.startswith("total"))]
     return {row.split()[0] for row in rows}
+
+
+def make_run(**sections) -> dict:
+    """A resolved run as the workflow builds it: schema defaults + these section overrides."""
+    return ddpconfig.resolve_runs(ddpconfig.load(None, sections))[0]

@@ -12,34 +12,21 @@ import time
 from pathlib import Path
 
 import pytest
+from slurm_helpers import sacct_state
+from workflow_helpers import REPO
 
 pytestmark = pytest.mark.slurm
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 VENV_PY = REPO / ".venv" / "bin" / "python"
 PYTHON = str(VENV_PY) if os.path.exists(VENV_PY) else sys.executable  # never raises
 SNAKEMAKE = str(Path(PYTHON).with_name("snakemake"))
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 
 
 def run(cmd: list[str], timeout: float = 60, **kw) -> subprocess.CompletedProcess[str]:
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
     assert res.returncode == 0, f"{cmd} -> {res.returncode}\n{res.stdout}\n{res.stderr}"
     return res
-
-
-def sacct_state(job_id: str, timeout: float = 60) -> str:
-    """Poll sacct to a terminal state: it lags squeue by a few seconds."""
-    deadline = time.monotonic() + timeout
-    state = ""
-    while time.monotonic() < deadline:
-        out = run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"]).stdout.split()
-        state = out[0].split()[0] if out else ""  # "CANCELLED by 0" -> CANCELLED
-        if state in TERMINAL:
-            return state
-        time.sleep(1)
-    pytest.fail(f"job {job_id} not terminal after {timeout}s (last sacct state {state!r})")
 
 
 def test_srun_spans_two_nodes(slurm_cluster):

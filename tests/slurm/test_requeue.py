@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_workflow_slurm import CLUSTER_MACHINE, FAST_POLL, job_ids, sacct_states
+from slurm_helpers import job_ids, sacct_state
+from test_workflow_slurm import CLUSTER_MACHINE, FAST_POLL
 from workflow_helpers import REPO, snakemake, snakemake_command, write_config
 
 pytestmark = pytest.mark.slurm
@@ -70,7 +71,7 @@ def test_interrupted_job_requeues_and_resumes(slurm_cluster, tmp_path, case, tim
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, output[-4000:]
     assert job_ids(folder) == [job_id], "a requeue keeps the job id"
-    assert sacct_states(job_id) == "COMPLETED"
+    assert sacct_state(job_id) == "COMPLETED"
     rank0 = (folder / f"{job_id}_0_log.err").read_text(errors="replace")
     kind = "timed-out" if case == "timeout" else "preempted"
     assert f"this job is {kind}" in rank0
@@ -114,7 +115,7 @@ def test_killed_node_fails_the_job_fast_and_is_named(slurm_cluster, tmp_path):
     assert culprits < output.index("ranks [0, 1] then lost their peers (collateral)")
     assert "srun: error: node2: tasks 2-3: Killed" in output
     job_id = job_ids(tmp_path / "logs/submitit/rq/train")[0]
-    assert sacct_states(job_id) in ("FAILED", "CANCELLED")
+    assert sacct_state(job_id) in ("FAILED", "CANCELLED")
     queue = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True)
     assert queue.stdout.strip() == "" or " CG " in queue.stdout
     print(f"kill -9 of node2's ranks: rule failed {elapsed:.0f}s after start")

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from slurm_helpers import job_ids, sacct_state
 from snakemake.common import get_appdirs
 from workflow_helpers import BIN, REPO, jobs_planned, snakemake, snakemake_command, write_config
 
@@ -40,26 +41,6 @@ def slurm_snakemake(workdir: Path, configfile: Path, *args: str, **kwargs):
     return snakemake(
         workdir, configfile, "--profile", str(REPO / "profiles/slurm"), *FAST_POLL, *args, **kwargs
     )
-
-
-def job_ids(folder: Path) -> list[str]:
-    return sorted({p.name.split("_")[0] for p in folder.glob("*_0_log.out")})
-
-
-def sacct_states(job_id: str, timeout_s: float = 60) -> str:
-    """The job's final state (sacct lags behind squeue: poll until terminal)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        out = subprocess.run(
-            ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout.split()
-        state = out[0] if out else ""
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") or time.monotonic() > deadline:
-            return state
-        time.sleep(1)
 
 
 def named_profile_snakemake(workdir: Path, configfile: Path, *args: str, **kwargs):
@@ -94,7 +75,7 @@ def test_profile_runs_whole_pipeline_on_two_nodes(slurm_run):
     for stage in ("train", "evaluate"):
         ids = job_ids(workdir / "logs/submitit/cnn" / stage)
         assert len(ids) == 1, f"{stage}: expected one Slurm job, found {ids}"
-        assert sacct_states(ids[0]) == "COMPLETED"
+        assert sacct_state(ids[0]) == "COMPLETED"
 
 
 def test_accuracy_equals_local_run(slurm_run, tmp_path):
@@ -228,7 +209,7 @@ def test_stopping_snakemake_cancels_the_job(slurm_cluster, tmp_path):
     job_id = job_ids(tmp_path / "logs/submitit/long/train")[0]
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) != 0
-    assert sacct_states(job_id) == "CANCELLED"
+    assert sacct_state(job_id) == "CANCELLED"
     # COMPLETING (CG) while Slurm kills the ranks (KillWait), then gone: nothing orphaned
     deadline = time.monotonic() + 60
     while _in_queue(job_id) and time.monotonic() < deadline:
@@ -253,4 +234,4 @@ def test_rerun_reattaches_to_the_running_job(slurm_cluster, tmp_path):
     assert job_ids(folder) == [job_id], "a second training job was submitted"
     log = (tmp_path / "logs/train/long.log").read_text()
     assert f"reattaching to Slurm job {job_id}" in log
-    assert sacct_states(job_id) == "COMPLETED"
+    assert sacct_state(job_id) == "COMPLETED"

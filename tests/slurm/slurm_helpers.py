@@ -1,0 +1,35 @@
+"""Helpers the Slurm tests share: job ids from submitit's log folder, sacct polled to a
+terminal state (sacct lags squeue by a few seconds). Every wait is bounded."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
+def job_ids(folder: Path) -> list[str]:
+    """The Slurm job ids submitit logged into folder (<jobid>_<task>_log.out)."""
+    return sorted({p.name.split("_")[0] for p in Path(folder).glob("*_0_log.out")})
+
+
+def sacct_state(job_id: str, timeout: float = 60) -> str:
+    """The job's terminal state ("CANCELLED by 0" -> CANCELLED); fails after `timeout`."""
+    deadline = time.monotonic() + timeout
+    state = ""
+    while time.monotonic() < deadline:
+        out = subprocess.run(
+            ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.split()
+        state = out[0] if out else ""
+        if state in TERMINAL:
+            return state
+        time.sleep(1)
+    pytest.fail(f"job {job_id} not terminal after {timeout}s (last sacct state {state!r})")
