@@ -17,11 +17,12 @@ import re
 
 import yaml
 
+from ddpflow.runtime import PHASES
+
 __all__ = ["PHASES", "document", "to_html", "to_markdown"]
 
 # The timed phases of a training epoch, in the order train.py measures them (columns here,
 # keys of every epoch's "seconds" record and of the summary rows in report.py).
-PHASES = ("data", "forward", "backward_sync", "optimizer")
 
 
 def _seconds(value: float) -> str:

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+# the phases of a training step that `timed` measures (train.Loop) and the report shows
+PHASES = ("data", "forward", "backward_sync", "optimizer")
 
 
 def setup_logging(rank: int | None = None, level: int = logging.INFO) -> None:

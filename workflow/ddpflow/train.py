@@ -23,10 +23,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import evaluate, faults
-from .runtime import timed
+from .runtime import PHASES, timed
 
 log = logging.getLogger(__name__)
-PHASES = ("data", "forward", "backward_sync", "optimizer")
 
 
 def epoch_indices(n: int, world: int, rank: int, seed: int, epoch: int) -> torch.Tensor:
