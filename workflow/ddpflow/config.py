@@ -16,6 +16,8 @@ from typing import Any
 import jsonschema
 import yaml
 
+from .errors import UserError
+
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
 SECTIONS = ("data", "model", "train", "eval", "machine")
 # train keys that cannot change a run's result: changing them retrains nothing
@@ -28,7 +30,7 @@ TORCHVISION_DIRS = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration problem, with the key path and how to fix it."""
 
 

@@ -19,13 +19,14 @@ from pathlib import Path
 import submitit
 
 from . import failures
+from .errors import UserError
 from .runtime import atomic_write_json
 
 log = logging.getLogger(__name__)
 CLEANED_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")
 
 
-class LaunchError(RuntimeError):
+class LaunchError(UserError, RuntimeError):
     """A distributed job failed; the message names the ranks and shows their log tails."""
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from . import data, launch, report, runtime, workspace
 from .config import config_hash
+from .errors import UserError
 from .paths import RunPaths
 from .tasks import EvalTask, TrainTask
 
@@ -113,7 +114,8 @@ def run_rule(function, log_file: str | None, *args):
         logging.getLogger().addHandler(handler)
     try:
         return function(*args)
-    except (launch.LaunchError, data.DataError, ValueError) as exc:
+    except UserError as exc:
+        # the message names what to fix: a traceback would only bury it
         log.error("%s failed:\n%s", function.__name__, exc)
         raise SystemExit(1) from None
     except BaseException:

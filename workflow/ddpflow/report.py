@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ddpflow import plots
+from ddpflow.errors import ReportInputError
 from ddpflow.render import PHASES, document, to_html, to_markdown
 from ddpflow.runtime import atomic_write_bytes
 
@@ -54,11 +55,11 @@ _EVAL_SPEC = {
 def _check(obj: dict, spec: dict, where: str, prefix: str = "") -> None:
     for key, kind in spec.items():
         if key not in obj:
-            raise ValueError(f"{where}: missing key {prefix + key!r}")
+            raise ReportInputError(f"{where}: missing key {prefix + key!r}")
         value, expected = obj[key], dict if isinstance(kind, dict) else kind
         # bool is an int subclass; a JSON true where a count belongs is a producer bug
         if isinstance(value, bool) or not isinstance(value, expected):
-            raise ValueError(f"{where}: key {prefix + key!r} has type {type(value).__name__}")
+            raise ReportInputError(f"{where}: key {prefix + key!r} has type {type(value).__name__}")
         if isinstance(kind, dict):
             _check(value, kind, where, f"{prefix}{key}.")
 
@@ -67,7 +68,7 @@ def _read_text(path, where: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"{where}: cannot read file ({err})") from err
+        raise ReportInputError(f"{where}: cannot read file ({err})") from err
 
 
 def load_train_metrics(name: str, path) -> list[dict]:
@@ -80,13 +81,13 @@ def load_train_metrics(name: str, path) -> list[dict]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{where}: line {number} is not JSON ({err.msg})") from err
+            raise ReportInputError(f"{where}: line {number} is not JSON ({err.msg})") from err
         if not isinstance(record, dict):
-            raise ValueError(f"{where}: line {number} is not a JSON object")
+            raise ReportInputError(f"{where}: line {number} is not a JSON object")
         _check(record, _TRAIN_SPEC, f"{where} line {number}")
         by_epoch[record["epoch"]] = record
     if not by_epoch:
-        raise ValueError(f"{where}: no epochs recorded")
+        raise ReportInputError(f"{where}: no epochs recorded")
     return [by_epoch[epoch] for epoch in sorted(by_epoch)]
 
 
@@ -96,15 +97,15 @@ def load_eval_metrics(name: str, path) -> dict:
     try:
         data = json.loads(_read_text(path, where))
     except json.JSONDecodeError as err:
-        raise ValueError(f"{where}: not JSON ({err.msg})") from err
+        raise ReportInputError(f"{where}: not JSON ({err.msg})") from err
     if not isinstance(data, dict):
-        raise ValueError(f"{where}: not a JSON object")
+        raise ReportInputError(f"{where}: not a JSON object")
     _check(data, _EVAL_SPEC, where)
     n, matrix = len(data["class_names"]), data["confusion_matrix"]
     if len(data["per_class_accuracy"]) != n or len(matrix) != n:
-        raise ValueError(f"{where}: class_names, per_class_accuracy, confusion_matrix differ")
+        raise ReportInputError(f"{where}: class_names, per_class_accuracy, confusion_matrix differ")
     if any(not isinstance(row, list) or len(row) != n for row in matrix):
-        raise ValueError(f"{where}: confusion_matrix is not {n}x{n}")
+        raise ReportInputError(f"{where}: confusion_matrix is not {n}x{n}")
     # Padded samplers double-count (design.md): make a count mismatch loud, not fatal.
     total = sum(sum(row) for row in matrix)
     if not data["samples_evaluated"] == data["test_size"] == total:
@@ -115,15 +116,15 @@ def load_eval_metrics(name: str, path) -> dict:
 
 def _load_runs(runs: list[dict]) -> list[tuple[str, list[dict], dict]]:
     if not runs:
-        raise ValueError("build_report: no runs given")
+        raise ReportInputError("build_report: no runs given")
     loaded, names = [], set()
     for run in runs:
         missing = {"name", "train_metrics", "eval_metrics"} - set(run)
         if missing:
-            raise ValueError(f"run {run.get('name')!r}: missing {sorted(missing)}")
+            raise ReportInputError(f"run {run.get('name')!r}: missing {sorted(missing)}")
         name = str(run["name"])
         if name in names:
-            raise ValueError(f"run {name!r}: listed twice")
+            raise ReportInputError(f"run {name!r}: listed twice")
         names.add(name)
         evals = load_eval_metrics(name, run["eval_metrics"])
         loaded.append((name, load_train_metrics(name, run["train_metrics"]), evals))

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import UserError
+
 log = logging.getLogger(__name__)
 
 # config name -> torchvision.datasets class name
@@ -28,7 +30,7 @@ TORCHVISION_SOURCES = {
 }
 
 
-class DataError(Exception):
+class DataError(UserError):
     """A dataset problem the user can fix; the message names the file or key and the fix."""
 
 
