@@ -111,13 +111,18 @@ def test_clean_slurm_environment_hides_and_restores(monkeypatch):
         "SBATCH_PARTITION": "debug",
         "SRUN_CPUS_PER_TASK": "2",
         "SALLOC_ACCOUNT": "x",
+        "SLURMD_NODENAME": "node1",
+        "SUBMITIT_FOLDER": "/outer",
+        "MASTER_ADDR": "node1",
+        "RANK": "3",
     }
     for key, value in outer.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("SLURMISH_BUT_NOT", "kept")  # only the exact prefixes are hidden
     with clean_slurm_environment():
         assert not [k for k in os.environ if k.startswith(("SLURM_", "SBATCH_", "SRUN_"))]
-        assert "SALLOC_ACCOUNT" not in os.environ
+        assert not {"SALLOC_ACCOUNT", "SLURMD_NODENAME", "SUBMITIT_FOLDER"} & set(os.environ)
+        assert not {"MASTER_ADDR", "RANK"} & set(os.environ)
         assert os.environ["SLURMISH_BUT_NOT"] == "kept"
     assert {k: os.environ[k] for k in outer} == outer
     with pytest.raises(RuntimeError), clean_slurm_environment():

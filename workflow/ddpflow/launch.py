@@ -23,7 +23,6 @@ from .errors import UserError
 from .runtime import atomic_write_json
 
 log = logging.getLogger(__name__)
-CLEANED_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")
 
 
 class LaunchError(UserError, RuntimeError):
@@ -81,15 +80,14 @@ def make_executor(
 
 @contextlib.contextmanager
 def clean_slurm_environment():
-    """Hide an outer allocation's SLURM_* variables while submitting: sbatch and srun read them
-    (SLURM_MEM_PER_CPU, SLURM_NTASKS, ...) and a nested job would inherit the wrong shape."""
-    saved = {k: v for k, v in os.environ.items() if k.startswith(CLEANED_PREFIXES)}
-    for key in saved:
-        del os.environ[key]
-    try:
+    """Hide an outer allocation's variables while submitting: sbatch and srun read SLURM_*
+    (SLURM_MEM_PER_CPU, SLURM_NTASKS, ...) and a nested job would inherit the wrong shape;
+    MASTER_*/RANK/WORLD_SIZE and SUBMITIT_* would mislead the new job's rank discovery.
+    submitit.helpers.clean_env hides all of those (SLURM_, SLURMD_, SRUN_, SBATCH_, SUBMITIT_,
+    the torch.distributed names); salloc's SALLOC_* it misses are passed by name."""
+    salloc = [key for key in os.environ if key.startswith("SALLOC_")]
+    with submitit.helpers.clean_env(extra_names=salloc):
         yield
-    finally:
-        os.environ.update(saved)
 
 
 @contextlib.contextmanager
