@@ -143,9 +143,18 @@ def resolve_runs(config: dict) -> list[dict]:
     return runs
 
 
+def ranks_per_node(machine: dict) -> int:
+    """One rank per GPU; without GPUs, cpu_ranks_per_node CPU ranks (Slurm: tasks per node)."""
+    return machine["gpus_per_node"] or machine["cpu_ranks_per_node"]
+
+
 def world_size(machine: dict) -> int:
-    per_node = machine["gpus_per_node"] or machine["cpu_ranks_per_node"]
-    return machine["nodes"] * per_node
+    return machine["nodes"] * ranks_per_node(machine)
+
+
+def memory_mb(machine: dict) -> int:
+    """Memory per node in MB: what the Slurm job asks for and what the checks compare."""
+    return int(machine["mem_gb"] * 1024)
 
 
 def dataset_id(data: dict) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 import submitit
 
 from . import failures
+from .config import memory_mb, ranks_per_node, world_size
 from .errors import UserError
 from .runtime import atomic_write_json
 
@@ -29,19 +30,15 @@ class LaunchError(UserError, RuntimeError):
     """A distributed job failed; the message names the ranks and shows their log tails."""
 
 
-def tasks_per_node(machine: dict) -> int:
-    return machine["gpus_per_node"] or machine["cpu_ranks_per_node"]
-
-
 def slurm_parameters(machine: dict, job_name: str) -> dict:
     """submitit SlurmExecutor parameters for a run's `machine` section."""
     cpus = machine["cpus_per_task"]
     params = {
         "job_name": job_name,
         "nodes": machine["nodes"],
-        "ntasks_per_node": tasks_per_node(machine),
+        "ntasks_per_node": ranks_per_node(machine),
         "cpus_per_task": cpus,
-        "mem": f"{int(machine['mem_gb'] * 1024)}M",
+        "mem": f"{memory_mb(machine)}M",
         "time": machine["time_min"],
         "partition": machine["partition"],
         "signal_delay_s": 120,
@@ -67,7 +64,7 @@ def make_executor(
         executor = submitit.LocalExecutor(folder=str(folder))
         executor.update_parameters(
             nodes=1,
-            tasks_per_node=tasks_per_node(machine),
+            tasks_per_node=ranks_per_node(machine),
             gpus_per_node=machine["gpus_per_node"],
             timeout_min=machine["time_min"],
         )
@@ -132,7 +129,7 @@ def launch(
     try:
         # SIGTERM (Snakemake, ddpflow.interrupts) or Ctrl-C from here on cancels the job
         with terminate_as_interrupt():
-            job = reattach(record, launcher, folder, fingerprint, total_ranks(machine))
+            job = reattach(record, launcher, folder, fingerprint, world_size(machine))
             if job is None:
                 job = submit(
                     task, launcher, machine, folder, job_name, record, fingerprint, max_requeues
@@ -174,10 +171,6 @@ def submit(task, launcher, machine, folder, job_name, record, fingerprint, max_r
             },
         )
     return job
-
-
-def total_ranks(machine: dict) -> int:
-    return machine["nodes"] * tasks_per_node(machine)
 
 
 def reattach(record, launcher: str, folder, fingerprint: str, num_tasks: int):

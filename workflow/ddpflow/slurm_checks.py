@@ -22,8 +22,7 @@ import pwd
 import subprocess
 from dataclasses import dataclass
 
-from .config import ConfigError
-from .launch import tasks_per_node
+from .config import ConfigError, memory_mb, ranks_per_node
 from .slurm_parse import (
     Association,
     Node,
@@ -181,10 +180,6 @@ def check_account(where: str, machine: dict, partition: Partition, cluster: Clus
         )
 
 
-def memory_mb(machine: dict) -> int:
-    return int(machine["mem_gb"] * 1024)  # exactly what launch.slurm_parameters asks for
-
-
 def check_nodes(where: str, machine: dict, partition: Partition, nodes: list[Node]) -> None:
     """Per-node resources first (the clearer message), then the node count, then whether
     enough nodes have everything at once (partitions may mix node kinds)."""
@@ -204,7 +199,7 @@ def check_nodes(where: str, machine: dict, partition: Partition, nodes: list[Nod
             f"{limit} ({why}: {','.join(n.name for n in nodes)}); set machine.nodes <= {limit} "
             "(more ranks per node keep the world size)"
         )
-    ranks = tasks_per_node(machine)
+    ranks = ranks_per_node(machine)
     need = (machine["gpus_per_node"], ranks * machine["cpus_per_task"], memory_mb(machine))
     fitting = [n.name for n in nodes if _fits(n, need)]
     if wanted > len(fitting):
@@ -233,7 +228,7 @@ def _check_gpus(where: str, machine: dict, partition: Partition, nodes: list[Nod
 
 
 def _check_cpus(where: str, machine: dict, partition: Partition, nodes: list[Node]) -> None:
-    ranks, per_task = tasks_per_node(machine), machine["cpus_per_task"]
+    ranks, per_task = ranks_per_node(machine), machine["cpus_per_task"]
     most = max(n.cpus for n in nodes)
     if ranks * per_task <= most:
         return
@@ -263,12 +258,16 @@ def _check_memory(where: str, machine: dict, partition: Partition, nodes: list[N
     )
 
 
+def _fits(limit_s: int | None, time_min: int) -> bool:
+    """A time limit of time_min minutes within MaxTime (None: unlimited)."""
+    return limit_s is None or time_min * 60 <= limit_s
+
+
 def _allows(partition: Partition, time_min: int) -> bool:
     try:
-        limit_s = parse_slurm_time(partition.max_time)
+        return _fits(parse_slurm_time(partition.max_time), time_min)
     except ValueError:
         return False
-    return limit_s is None or time_min * 60 <= limit_s
 
 
 def check_time(where: str, time_min: int, partition: Partition, cluster: Cluster) -> None:
@@ -282,7 +281,7 @@ def check_time(where: str, time_min: int, partition: Partition, cluster: Cluster
             partition.max_time,
         )
         return
-    if limit_s is None or time_min * 60 <= limit_s:
+    if _fits(limit_s, time_min):
         return
     longer = [p.name for p in cluster.partitions.values() if _allows(p, time_min)]
     other = f", or use a partition that allows it: {', '.join(longer)}" if longer else ""
