@@ -258,14 +258,14 @@ def _check_memory(where: str, machine: dict, partition: Partition, nodes: list[N
     )
 
 
-def _fits(limit_s: int | None, time_min: int) -> bool:
+def _within_max_time(limit_s: int | None, time_min: int) -> bool:
     """A time limit of time_min minutes within MaxTime (None: unlimited)."""
     return limit_s is None or time_min * 60 <= limit_s
 
 
 def _allows(partition: Partition, time_min: int) -> bool:
     try:
-        return _fits(parse_slurm_time(partition.max_time), time_min)
+        return _within_max_time(parse_slurm_time(partition.max_time), time_min)
     except ValueError:
         return False
 
@@ -281,7 +281,7 @@ def check_time(where: str, time_min: int, partition: Partition, cluster: Cluster
             partition.max_time,
         )
         return
-    if _fits(limit_s, time_min):
+    if _within_max_time(limit_s, time_min):
         return
     longer = [p.name for p in cluster.partitions.values() if _allows(p, time_min)]
     other = f", or use a partition that allows it: {', '.join(longer)}" if longer else ""
