@@ -23,9 +23,7 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import re
-import socket
 import statistics
 import sys
 import tempfile
@@ -34,8 +32,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from ddpflow import runtime
 from ddpflow.collectives import bus_bandwidth, naive_all_reduce, ring_all_reduce
-from workers import spawn_ranks
+from workers import machine_info, spawn_ranks
 
 IMPLS = ("torch", "ring", "naive")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
@@ -201,20 +200,6 @@ def format_table(run: dict) -> str:
     return "\n".join(lines)
 
 
-def machine_info() -> dict:
-    info = {
-        "hostname": socket.gethostname(),
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-    }
-    if hasattr(os, "getloadavg"):  # a busy machine explains noisy CPU numbers
-        info["loadavg_at_start"] = os.getloadavg()
-    return info
-
-
 def plan(args: argparse.Namespace) -> list[dict]:
     """One config per (backend, world size) that this machine can run."""
     gpus = torch.cuda.device_count()
@@ -250,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "all_reduce: torch.distributed vs ddpflow.collectives (p2p)",
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
+        "provenance": runtime.provenance(),
         "conditions": {
             "timing": "per-iteration wall time after a barrier, slowest rank, median",
             "busbw": "algbw * 2(n-1)/n (nccl-tests all_reduce)",

@@ -29,7 +29,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -48,7 +47,7 @@ from ddpflow.train import Loop
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-from workers import spawn_ranks
+from workers import machine_info, spawn_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 # samples: global samples per epoch (= per repeat); ResNet-18 is kept to a few batches on CPU
@@ -377,26 +376,6 @@ def format_table(rows: list[dict]) -> str:
         "MFU: raw/ddpflow vs dense bf16 peak, GPU only)"
     )
     return "\n".join(lines)
-
-
-def machine_info() -> dict:
-    cpu_model = platform.processor()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        cpu_model = next(ln.split(":", 1)[1].strip() for ln in text.splitlines()
-                         if ln.startswith("model name"))  # fmt: skip
-    except (OSError, StopIteration):
-        pass
-    info = {
-        "hostname": socket.gethostname(),
-        "cpu_model": cpu_model,
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-    }
-    if hasattr(os, "getloadavg"):  # a busy machine explains noisy CPU numbers
-        info["loadavg_at_start"] = os.getloadavg()
-    return info
 
 
 def finish_row(cfg: dict, result: dict, peak: float | None) -> dict:

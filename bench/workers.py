@@ -1,9 +1,13 @@
-"""Start a benchmark's ranks as fresh processes and collect rank 0's result (shared by the
-bench scripts; each runs `python <script> --worker <json config with its rank>`)."""
+"""Shared by the bench scripts: start a benchmark's ranks as fresh processes and collect
+rank 0's result (each runs `python <script> --worker <json config with its rank>`), and
+describe the machine a result was measured on."""
 
 from __future__ import annotations
 
 import json
+import os
+import platform
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,3 +29,28 @@ def spawn_ranks(script: str, cfg: dict, timeout_s: float):
     if any(codes):
         raise RuntimeError(f"benchmark workers failed with exit codes {codes}")
     return json.loads(Path(cfg["result_file"]).read_text())
+
+
+def machine_info() -> dict:
+    """What a measurement depends on: host, CPU model and count, platform, devices, load."""
+    import torch
+
+    cpu_model = platform.processor()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        cpu_model = next(ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                         if ln.startswith("model name"))  # fmt: skip
+    except (OSError, StopIteration):
+        pass
+    info = {
+        "hostname": socket.gethostname(),
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    }
+    if hasattr(os, "getloadavg"):  # a busy machine explains noisy CPU numbers
+        info["loadavg_at_start"] = os.getloadavg()
+    return info
