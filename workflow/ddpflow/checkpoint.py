@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from .config import config_hash, training_fingerprint
-from .runtime import atomic_write_bytes
+from .distenv import barrier
+from .runtime import atomic_torch_save, atomic_write_bytes
 from .workspace import candidates, checkpoint_dir, set_aside, sidecar
 
 log = logging.getLogger(__name__)
@@ -38,14 +39,9 @@ def training_hash(run: dict) -> str:
 def save(state: dict, directory: Path, step: int, keep: int) -> Path:
     """Write ckpt-<step>.pt atomically, then its sha256 sidecar; prune to the newest `keep`.
     A crash or a full disk at any point leaves the previous checkpoints intact."""
-    import io
-
-    buffer = io.BytesIO()
-    torch.save({**state, "format": FORMAT, "saved_at": time.time()}, buffer)
-    data = buffer.getvalue()
     path = directory / f"ckpt-{step:09d}.pt"
-    atomic_write_bytes(path, data)
-    atomic_write_bytes(sidecar(path), f"{hashlib.sha256(data).hexdigest()}\n".encode())
+    digest = atomic_torch_save({**state, "format": FORMAT, "saved_at": time.time()}, path)
+    atomic_write_bytes(sidecar(path), f"{digest}\n".encode())
     for old in candidates(directory)[keep:]:
         old.unlink(missing_ok=True)
         sidecar(old).unlink(missing_ok=True)
@@ -134,7 +130,7 @@ class Checkpointer:
                 raise
             if self.env.is_master:
                 set_aside(self.directory, "the checkpoints belong to another config")
-            _barrier(self.env)
+            barrier(self.env)
             state = None
         if state is None:
             return None
@@ -202,13 +198,6 @@ def _gather_rng(env) -> list[dict]:
     gathered: list = [None] * env.world_size
     dist.all_gather_object(gathered, local)
     return gathered
-
-
-def _barrier(env) -> None:
-    if env.world_size > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
 
 
 @contextlib.contextmanager

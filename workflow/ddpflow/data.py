@@ -52,9 +52,7 @@ def stage_dataset(data_cfg: dict, out_dir, seed: int) -> dict:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    sizes = manifest["sizes"]
-    log.info("staged %s into %s: %s", data_cfg["source"], out_dir, sizes)
-    return manifest
+    return manifest  # pipeline.stage logs it, with the time taken
 
 
 def make_splits(raw: RawSource, data_cfg: dict, seed: int) -> dict:

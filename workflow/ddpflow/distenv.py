@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from .runtime import atomic_write_bytes
+
 log = logging.getLogger(__name__)
 
 PORT_BASE, PORT_SPAN = 20000, 20000
@@ -192,9 +194,7 @@ def _make_store(env: DistEnv, timeout: datetime.timedelta, rendezvous_dir):
         store = dist.TCPStore(
             "0.0.0.0", 0, env.world_size, True, timeout=timeout, wait_for_workers=False
         )
-        tmp = port_file.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(f"{socket.gethostname()} {store.port}\n")
-        os.replace(tmp, port_file)
+        atomic_write_bytes(port_file, f"{socket.gethostname()} {store.port}\n".encode())
         return store
     port = _wait_for_port(port_file, timeout.total_seconds())
     return dist.TCPStore(env.master_addr, port, env.world_size, False, timeout=timeout)
@@ -207,3 +207,11 @@ def _wait_for_port(port_file: Path, timeout_s: float) -> int:
             return int(port_file.read_text().split()[1])
         time.sleep(0.05)
     raise TimeoutError(f"rank 0 did not publish its port in {port_file} within {timeout_s:.0f}s")
+
+
+def barrier(env: DistEnv) -> None:
+    """Wait for every rank (nothing to wait for in a single-process run)."""
+    if env.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()

@@ -57,14 +57,16 @@ def select_device(gpus_per_node: int, local_rank: int):
     return torch.device("cuda", index)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write to a temporary sibling, fsync, rename: readers never see a partial file."""
+@contextmanager
+def atomic_writer(path: str | Path) -> Iterator:
+    """A binary file handle on a temporary sibling of `path`: on success it is fsynced and
+    renamed over `path`, on any error removed. Readers never see a partial file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as fh:
-            fh.write(data)
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -72,18 +74,27 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_writer(path) as fh:
+        fh.write(data)
+
+
 def atomic_write_json(path: str | Path, obj) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def atomic_torch_save(obj, path: str | Path) -> None:
+def atomic_torch_save(obj, path: str | Path) -> str:
+    """torch.save, atomically; returns the sha256 of the bytes written (a checksum sidecar)."""
+    import hashlib
     import io
 
     import torch
 
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    atomic_write_bytes(path, buffer.getvalue())
+    data = buffer.getvalue()
+    atomic_write_bytes(path, data)
+    return hashlib.sha256(data).hexdigest()
 
 
 def append_jsonl(path: str | Path, record: dict) -> None:

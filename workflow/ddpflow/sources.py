@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import UserError
+from .runtime import atomic_writer
 
 log = logging.getLogger(__name__)
 
@@ -164,10 +165,8 @@ def _gunzip_if_needed(path: Path) -> None:
     if path.is_file() or not gz.is_file():
         return
     log.info("extracting %s -> %s", gz, path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with gzip.open(gz, "rb") as src, open(tmp, "wb") as dst:
+    with gzip.open(gz, "rb") as src, atomic_writer(path) as dst:
         shutil.copyfileobj(src, dst)
-    os.replace(tmp, path)
 
 
 def _missing_message(cls, source, root, files, missing, corrupt) -> str:

@@ -184,15 +184,10 @@ def _next_attempt(work: Path, resumed: bool, env) -> int:
         previous = int(counter.read_text()) if resumed else 0
     except (OSError, ValueError):
         previous = 1 if resumed else 0
-    _barrier_if_distributed(env)  # everyone has read before rank 0 writes
+    distenv.barrier(env)  # everyone has read before rank 0 writes
     if env.is_master:
         runtime.atomic_write_bytes(counter, f"{previous + 1}\n".encode())
     return previous + 1
-
-
-def _barrier_if_distributed(env) -> None:
-    if env.world_size > 1:
-        dist.barrier()
 
 
 def _start_log(run, model, loop, resumed, attempt, live_metrics: Path) -> None:
