@@ -260,18 +260,12 @@ def _still_running(job) -> bool:
 
 
 def first_failed_rank(job) -> int | None:
-    """A rank that has written an error result (submitit's result pickle), if any."""
-    from submitit.core.utils import pickle_load
-
+    """A rank that has written an error result (submitit's result pickle), if any; a pickle
+    being written right now reads as unreadable and is looked at again next poll."""
     for index in range(job.num_tasks):
-        path = job.task(index).paths.result_pickle
-        if path.exists():
-            try:
-                outcome = pickle_load(path)[0]
-            except Exception:  # noqa: BLE001 - being written right now: look again next poll
-                continue
-            if outcome == "error":
-                return index
+        outcome = failures.read_result(job.task(index).paths.result_pickle)
+        if outcome is not None and outcome[0] == "error":
+            return index
     return None
 
 
