@@ -30,7 +30,8 @@ PG_TIMEOUT_S = 30  # a deadlocked collective fails after this instead of hanging
 LAUNCH_TIMEOUT_S = 120
 _JOB_IDS = itertools.count(1)
 _PRELOAD = ["torch", "torch.distributed", "ddpflow.distenv", "ddpflow.evaluate", "ddpflow.train"]
-# launcher variables of an outer job that must not leak into the ranks (see design.md)
+# launcher variables of an outer job that must not leak into the ranks (a nested job would
+# inherit the outer one's rank and shape)
 _FOREIGN_PREFIXES = ("SLURM_", "SUBMITIT_", "TORCHELASTIC_")
 _FOREIGN_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
 

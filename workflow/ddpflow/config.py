@@ -1,8 +1,9 @@
 """Load, validate and resolve the ddpflow configuration.
 
 One source of truth for the Snakefile (workflow/rules/common.smk), the scripts and the tests:
-the JSON schema in workflow/schemas/config.schema.yaml holds types, ranges and defaults; this
-module adds the checks a schema cannot express and expands the list of named runs.
+the JSON schema config.schema.yaml beside this module (package data, so a non-editable install
+has it) holds types, ranges and defaults; this module adds the checks a schema cannot express
+and expands the list of named runs.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import yaml
 
 from .errors import UserError
 
-SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
+SCHEMA = "config.schema.yaml"  # package data: found by importlib.resources in any install
 SECTIONS = ("data", "model", "train", "eval", "machine")
 # train keys that cannot change a run's result: changing them retrains nothing
 VOLATILE_TRAIN_KEYS = ("progress", "checkpoint", "max_requeues")
@@ -29,8 +31,7 @@ class ConfigError(UserError, ValueError):
 
 
 def load_schema() -> dict:
-    with open(SCHEMA_PATH) as fh:
-        return yaml.safe_load(fh)
+    return yaml.safe_load(resources.files("ddpflow").joinpath(SCHEMA).read_text())
 
 
 def _defaulting_validator(schema: dict) -> jsonschema.protocols.Validator:

@@ -106,7 +106,7 @@ def load_eval_metrics(name: str, path) -> dict:
         raise ReportInputError(f"{where}: class_names, per_class_accuracy, confusion_matrix differ")
     if any(not isinstance(row, list) or len(row) != n for row in matrix):
         raise ReportInputError(f"{where}: confusion_matrix is not {n}x{n}")
-    # Padded samplers double-count (design.md): make a count mismatch loud, not fatal.
+    # Padded samplers double-count (README: Exact evaluation): a count mismatch is loud, not fatal.
     total = sum(sum(row) for row in matrix)
     if not data["samples_evaluated"] == data["test_size"] == total:
         log.warning("%s: %d samples evaluated, test size %d, confusion total %d", where,
