@@ -9,6 +9,7 @@ pipeline.run_rule(
     pipeline.build_report,
     smk.log[0],
     list(smk.params.runs),
-    smk.config["results_dir"],
+    list(smk.input.train),
+    list(smk.input.evaluation),
     str(Path(smk.output.markdown).parent),
 )

@@ -112,14 +112,20 @@ def deep_merge(base: dict, override: dict) -> dict:
 
 def check(config: dict) -> dict:
     """Schema-validate the whole config, then every resolved run; returns the validated config."""
+    return check_runs(config)[0]
+
+
+def check_runs(config: dict) -> tuple[dict, list[dict]]:
+    """check() and the resolved runs, validating each run once (the Snakefile's parse)."""
     config = validate(copy.deepcopy(config))
     names = [run["name"] for run in config["runs"]]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ConfigError(f"runs: run names must be unique; repeated: {duplicates}")
-    for run in resolve_runs(config):
+    runs = resolve_runs(config)
+    for run in runs:
         _check_run(run, config["launcher"])
-    return config
+    return config, runs
 
 
 def resolve_runs(config: dict) -> list[dict]:

@@ -82,14 +82,14 @@ def evaluate(run: dict, results_dir: str, logs_dir: str) -> dict:
     return result
 
 
-def build_report(run_names: list[str], results_dir: str, out_dir: str) -> dict:
+def build_report(
+    run_names: list[str], train_metrics: list[str], eval_metrics: list[str], out_dir: str
+) -> dict:
+    """The report over every run, from the files the rule declares as its inputs (in the
+    order of run_names)."""
     runs = [
-        {
-            "name": name,
-            "train_metrics": str(Path(results_dir) / "runs" / name / "train_metrics.jsonl"),
-            "eval_metrics": str(Path(results_dir) / "runs" / name / "eval_metrics.json"),
-        }
-        for name in run_names
+        {"name": name, "train_metrics": train, "eval_metrics": evaluation}
+        for name, train, evaluation in zip(run_names, train_metrics, eval_metrics, strict=True)
     ]
     return report.build_report(runs, out_dir)
 

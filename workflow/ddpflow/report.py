@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ddpflow import plots
 from ddpflow.errors import ReportInputError
+from ddpflow.paths import REPORT_FILES
 from ddpflow.render import PHASES, document, to_html, to_markdown
 from ddpflow.runtime import atomic_write_bytes
 
@@ -192,16 +193,17 @@ def _summary(loaded, rows, baseline, generated: str) -> dict:
 
 
 def _write_all(out_dir: Path, figures: dict, texts: dict) -> dict[str, Path]:
-    (out_dir / "plots").mkdir(parents=True, exist_ok=True)
+    plots_dir = out_dir / REPORT_FILES["plots"]
+    plots_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
     for key, (_, png) in figures.items():
-        paths[f"plot_{key}"] = out_dir / "plots" / f"{key}.png"
+        paths[f"plot_{key}"] = plots_dir / f"{key}.png"
         atomic_write_bytes(paths[f"plot_{key}"], png)
     if "scaling" not in figures:  # a scaling plot left by an earlier set of runs would mislead
-        (out_dir / "plots" / "scaling.png").unlink(missing_ok=True)
+        (plots_dir / "scaling.png").unlink(missing_ok=True)
     for key, (filename, text) in texts.items():  # the reports last: they reference the rest
         paths[key] = out_dir / filename
-        atomic_write_bytes(paths[key], text.encode("utf-8"))
+        atomic_write_bytes(paths[key], (text.rstrip("\n") + "\n").encode("utf-8"))
     return paths
 
 
@@ -225,10 +227,13 @@ def build_report(runs: list[dict], out_dir) -> dict[str, Path]:
     summary = _summary(loaded, rows, baseline, generated)
     title = "ddpflow report"
     texts = {
-        "summary_json": ("summary.json", json.dumps(summary, indent=2, default=str) + "\n"),
-        "summary_csv": ("summary.csv", _summary_csv(rows)),
-        "markdown": ("report.md", to_markdown(title, blocks)),
-        "html": ("report.html", to_html(title, blocks)),
+        "summary_json": (
+            REPORT_FILES["summary"],
+            json.dumps(summary, indent=2, default=str) + "\n",
+        ),
+        "summary_csv": (REPORT_FILES["summary_csv"], _summary_csv(rows)),
+        "markdown": (REPORT_FILES["markdown"], to_markdown(title, blocks)),
+        "html": (REPORT_FILES["html"], to_html(title, blocks)),
     }
     paths = _write_all(Path(out_dir), figures, texts)
     log.info("report: %d run(s), best %r -> %s", len(rows), best["run"], out_dir)

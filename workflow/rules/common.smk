@@ -6,14 +6,16 @@ from ddpflow import config as ddpconfig
 from ddpflow import paths as ddppaths
 
 try:
-    # validate (schema + cluster-independent checks) and fill defaults before any job runs
-    config.update(ddpconfig.check(config))
+    # validate (schema + cluster-independent checks) and fill defaults before any job runs;
+    # the schema runs once for the config and once per run
+    checked, resolved = ddpconfig.check_runs(config)
 except ddpconfig.ConfigError as err:
     sys.exit(f"ddpflow: configuration error: {err}")
+config.update(checked)
 
 RESULTS = config["results_dir"]
 LOGS = config["logs_dir"]
-RUNS = {run["name"]: run for run in ddpconfig.resolve_runs(config)}
+RUNS = {run["name"]: run for run in resolved}
 
 # Against the real cluster too (partition, account, nodes, GPUs, time limit), before anything
 # is queued. Only in the main process: jobs re-read this file where sacctmgr may be missing.

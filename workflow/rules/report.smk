@@ -1,22 +1,23 @@
 rule report:
     """Collect every run into Markdown + self-contained HTML with plots."""
     input:
-        train=expand(f"{RESULTS}/runs/{{run}}/train_metrics.jsonl", run=RUNS),
-        evaluation=expand(f"{RESULTS}/runs/{{run}}/eval_metrics.json", run=RUNS),
+        train=expand(run_file("train_metrics"), run=RUNS),
+        evaluation=expand(run_file("eval_metrics"), run=RUNS),
     output:
-        markdown=f"{RESULTS}/report/report.md",
+        markdown=report_file("markdown"),
         html=report(
-            f"{RESULTS}/report/report.html",
+            report_file("html"),
             caption="../report/report.rst",
             category="Summary",
         ),
         plots=report(
-            directory(f"{RESULTS}/report/plots"),
+            directory(report_file("plots")),
             patterns=["{name}.png"],
             caption="../report/plots.rst",
             category="Plots",
         ),
-        summary=f"{RESULTS}/report/summary.json",
+        summary=report_file("summary"),
+        summary_csv=report_file("summary_csv"),
     log:
         f"{LOGS}/report.log",
     localrule: True
