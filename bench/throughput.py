@@ -8,7 +8,7 @@ optimizer (the shipped config's SGD) and initial weights:
   (batch_size, sampler=DistributedSampler, pin_memory on CUDA), ``sampler.set_epoch``,
   per-step ``.to(device)``, zero_grad/backward/step, ``loss.item()`` every step, the model
   always wrapped in DDP (a 1-rank process group at world size 1).
-* ``ddpflow``: ``ddpflow.train.Loop`` built as ``tasks.TrainTask`` builds it (the shipped
+* ``ddpflow``: ``ddpflow.loop.Loop`` built as ``tasks.TrainTask`` builds it (the shipped
   config, the dataset held as tensors on the device, the checkpointer's per-step hook), one
   ``train_epoch()`` per repeat.
 
@@ -42,8 +42,8 @@ from ddpflow import config as ddpconfig
 from ddpflow import runtime
 from ddpflow.checkpoint import Checkpointer
 from ddpflow.distenv import DistEnv
+from ddpflow.loop import Loop
 from ddpflow.models import build_model, forward_flops
-from ddpflow.train import Loop
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     peak = peak_flops(args)
     report = {
-        "benchmark": "training throughput: ddpflow.train.Loop vs raw PyTorch DDP tutorial loop",
+        "benchmark": "training throughput: ddpflow.loop.Loop vs raw PyTorch DDP tutorial loop",
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "provenance": runtime.provenance(),

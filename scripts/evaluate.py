@@ -1,11 +1,11 @@
-"""Snakemake adapter for rule evaluate: see ddpflow.pipeline.evaluate."""
+"""Snakemake adapter for rule evaluate: see ddpflow.pipeline.evaluate_run."""
 
 from ddpflow import pipeline
 from ddpflow.config import run_by_name
 
 smk = snakemake  # noqa: F821 - injected by Snakemake's script directive
 pipeline.run_rule(
-    pipeline.evaluate,
+    pipeline.evaluate_run,
     smk.log[0],
     run_by_name(smk.config, smk.wildcards.run),
     smk.config["results_dir"],

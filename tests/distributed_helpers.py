@@ -29,7 +29,7 @@ MAX_RANKS = 3
 PG_TIMEOUT_S = 30  # a deadlocked collective fails after this instead of hanging the suite
 LAUNCH_TIMEOUT_S = 120
 _JOB_IDS = itertools.count(1)
-_PRELOAD = ["torch", "torch.distributed", "ddpflow.distenv", "ddpflow.evaluate", "ddpflow.train"]
+_PRELOAD = ["torch", "torch.distributed", "ddpflow.distenv", "ddpflow.evaluate", "ddpflow.loop"]
 # launcher variables of an outer job that must not leak into the ranks (a nested job would
 # inherit the outer one's rank and shape)
 _FOREIGN_PREFIXES = ("SLURM_", "SUBMITIT_", "TORCHELASTIC_")

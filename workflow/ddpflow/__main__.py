@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         if already_staged(paths.staged, run["data"]):
             print(f"ddpflow: {paths.staged} is staged and verified; nothing to do")
             return 0
-        pipeline.run_rule(pipeline.stage, None, run["data"], paths.staged)
+        pipeline.run_rule(pipeline.stage_data, None, run["data"], paths.staged)
         return 0
     task_cls = TrainTask if args.command == "train" else EvalTask
     result = task_cls(run, paths, file_rendezvous=False)()

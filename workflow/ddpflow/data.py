@@ -52,7 +52,7 @@ def stage_dataset(data_cfg: dict, out_dir, seed: int) -> dict:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return manifest  # pipeline.stage logs it, with the time taken
+    return manifest  # pipeline.stage_data logs it, with the time taken
 
 
 def make_splits(raw: RawSource, data_cfg: dict, seed: int) -> dict:

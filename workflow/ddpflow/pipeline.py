@@ -1,4 +1,7 @@
-"""One function per workflow rule; scripts/<rule>.py are thin adapters that call these."""
+"""What each workflow rule does on the machine Snakemake runs on (the login node): one
+function per rule, called by its thin adapter scripts/<rule>.py. train_run and evaluate_run
+submit the run's job (one submitit task per rank: ddpflow.tasks) and wait for it; the ranks
+themselves run ddpflow.tasks -> ddpflow.loop (training) or ddpflow.evaluate (scoring)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from .tasks import EvalTask, TrainTask
 log = logging.getLogger(__name__)
 
 
-def stage(data_cfg: dict, out_dir: str) -> dict:
+def stage_data(data_cfg: dict, out_dir: str) -> dict:
     start = time.perf_counter()
     manifest = data.stage_dataset(data_cfg, out_dir, seed=data_cfg["seed"])
     log.info(
@@ -52,7 +55,7 @@ def _distributed(task_cls, stage_name: str, run: dict, results_dir: str, logs_di
     return results
 
 
-def train(run: dict, results_dir: str, logs_dir: str) -> dict:
+def train_run(run: dict, results_dir: str, logs_dir: str) -> dict:
     """Train one run: resume only an interrupted attempt of this very config (else from
     scratch, saying why), then keep the work folder lean."""
     work = RunPaths.for_run(results_dir, run).work
@@ -69,7 +72,7 @@ def train(run: dict, results_dir: str, logs_dir: str) -> dict:
     return summary
 
 
-def evaluate(run: dict, results_dir: str, logs_dir: str) -> dict:
+def evaluate_run(run: dict, results_dir: str, logs_dir: str) -> dict:
     result = _distributed(EvalTask, "evaluate", run, results_dir, logs_dir)[0]
     workspace.remove_rendezvous_files(RunPaths.for_run(results_dir, run).work)
     log.info(

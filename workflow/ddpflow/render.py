@@ -21,9 +21,6 @@ from ddpflow.runtime import PHASES
 
 __all__ = ["PHASES", "document", "to_html", "to_markdown"]
 
-# The timed phases of a training epoch, in the order train.py measures them (columns here,
-# keys of every epoch's "seconds" record and of the summary rows in report.py).
-
 
 def _seconds(value: float) -> str:
     if value < 120:

@@ -15,7 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-# the phases of a training step that `timed` measures (train.Loop) and the report shows
+# the timed phases of a training step, in order: loop.Loop measures them with `timed`, every
+# epoch's "seconds" record and the report's columns and summary rows use these keys
 PHASES = ("data", "forward", "backward_sync", "optimizer")
 
 

@@ -20,10 +20,10 @@ import torch.distributed as dist
 from . import distenv, evaluate, runtime
 from .checkpoint import Checkpointer, Preempted, hand_over_to_requeue, stop_on_signal
 from .data import load_split
+from .loop import Loop, fit
 from .models import build_model, count_parameters
 from .paths import RunPaths
 from .preflight import run_preflight
-from .train import Loop, fit
 
 log = logging.getLogger(__name__)
 

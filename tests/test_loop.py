@@ -1,4 +1,4 @@
-"""ddpflow.train: the DistributedSampler contract, learning-rate rules, optimizers, and the
+"""ddpflow.loop: the DistributedSampler contract, learning-rate rules, optimizers, and the
 DDP loop itself (a real 2-rank gloo group for gradient accumulation with no_sync)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 from ddpflow.distenv import DistEnv
+from ddpflow.loop import Loop, effective_lr, epoch_indices, fit, lr_schedule, make_optimizer
 from ddpflow.models import mlp
-from ddpflow.train import Loop, effective_lr, epoch_indices, fit, lr_schedule, make_optimizer
 from distributed_helpers import make_data, run_group
 from torch.utils.data import DistributedSampler
 from workflow_helpers import make_run
