@@ -38,7 +38,10 @@ def test_whole_workflow_then_partial_rerun(workdir):
         assert image.ndim == 3 and image.shape[0] > 100
     assert (workdir / "logs/submitit/cnn/train").is_dir()
     summary = json.loads((report / "summary.json").read_text())
-    assert "cnn" in json.dumps(summary) and "mlp" in json.dumps(summary)
+    rows = {row["run"]: row for row in summary["runs"]}
+    assert sorted(rows) == ["cnn", "mlp"]
+    assert rows["cnn"]["accuracy"] == metrics["accuracy"] and rows["cnn"]["epochs"] == 6
+    assert rows["mlp"]["epochs"] == 4 and summary["best_run"] in rows
     mlp = json.loads((workdir / "results/runs/mlp/eval_metrics.json").read_text())
     assert mlp["provenance"]["config"]["model"]["name"] == "mlp"
     assert mlp["provenance"]["config"]["train"]["epochs"] == 4
