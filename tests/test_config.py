@@ -8,17 +8,15 @@ before scheduling (and so before submitting) anything.
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from ddpflow import config as ddpconfig
 from ddpflow.config import ConfigError
+from workflow_helpers import REPO, snakemake_command
 
-REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "config" / "config.yaml"
-SNAKEMAKE = Path(sys.executable).parent / "snakemake"
 
 
 def load_yaml(tmp_path: Path, text: str) -> dict:
@@ -242,20 +240,9 @@ def workflow_runs(tmp_path_factory):
         workdir = tmp_path_factory.mktemp(name)
         configfile = workdir / "bad.yaml"
         configfile.write_text(yaml.safe_dump(overrides))
-        cmd = [
-            str(SNAKEMAKE),
-            "-n",
-            "--snakefile",
-            str(REPO / "Snakefile"),
-            "--directory",
-            str(workdir),
-            "--configfile",
-            str(configfile),
-            "--cores",
-            "1",
-        ]
+        cmd, env = snakemake_command(workdir, configfile, "-n")
         proc = subprocess.Popen(
-            cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         started[name] = (workdir, proc)
     out = {}
