@@ -7,7 +7,7 @@ imports no torch: the Snakefile reads it at parse time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 # a run's declared outputs, in results/runs/<run>/
@@ -69,3 +69,15 @@ class RunPaths:
             work=str(work_dir(root, run["name"])),
             **{key: str(out / name) for key, name in RUN_FILES.items()},
         )
+
+    @classmethod
+    def for_rule(cls, results_dir: str | Path, run: dict, files) -> RunPaths:
+        """The paths of a rule's job: every field the rule declares as a named input or
+        output (snakemake.input / snakemake.output, named like the fields) is taken from
+        there, absolute; the rest (the work folder) from for_run."""
+        declared = {
+            field: str(Path(files[field]).resolve())
+            for field in cls.__dataclass_fields__
+            if field in files
+        }
+        return replace(cls.for_run(results_dir, run), **declared)

@@ -31,8 +31,7 @@ def stage_data(data_cfg: dict, out_dir: str) -> dict:
     return manifest
 
 
-def _distributed(task_cls, stage_name: str, run: dict, results_dir: str, logs_dir: str) -> list:
-    paths = RunPaths.for_run(results_dir, run)
+def _distributed(task_cls, stage_name: str, run: dict, paths: RunPaths, logs_dir: str) -> list:
     folder = Path(logs_dir).resolve() / "submitit" / run["name"] / stage_name
     start = time.perf_counter()
     results = launch.launch(
@@ -55,13 +54,12 @@ def _distributed(task_cls, stage_name: str, run: dict, results_dir: str, logs_di
     return results
 
 
-def train_run(run: dict, results_dir: str, logs_dir: str) -> dict:
+def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     """Train one run: resume only an interrupted attempt of this very config (else from
     scratch, saying why), then keep the work folder lean."""
-    work = RunPaths.for_run(results_dir, run).work
-    workspace.prepare(run, work)
-    summary = _distributed(TrainTask, "train", run, results_dir, logs_dir)[0]
-    workspace.finish(run, work)
+    workspace.prepare(run, paths.work)
+    summary = _distributed(TrainTask, "train", run, paths, logs_dir)[0]
+    workspace.finish(run, paths.work)
     log.info(
         "train %r: %.0f samples/s on %d ranks (%s)",
         run["name"],
@@ -72,9 +70,9 @@ def train_run(run: dict, results_dir: str, logs_dir: str) -> dict:
     return summary
 
 
-def evaluate_run(run: dict, results_dir: str, logs_dir: str) -> dict:
-    result = _distributed(EvalTask, "evaluate", run, results_dir, logs_dir)[0]
-    workspace.remove_rendezvous_files(RunPaths.for_run(results_dir, run).work)
+def evaluate_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
+    result = _distributed(EvalTask, "evaluate", run, paths, logs_dir)[0]
+    workspace.remove_rendezvous_files(paths.work)
     log.info(
         "evaluate %r: accuracy %.4f (%d/%d samples)",
         run["name"],

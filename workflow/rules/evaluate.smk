@@ -4,9 +4,9 @@ rule evaluate:
     input:
         staged=staged_dir,
         model=run_file("model"),
-        summary=run_file("train_summary"),
+        train_summary=run_file("train_summary"),
     output:
-        metrics=run_file("eval_metrics"),
+        eval_metrics=run_file("eval_metrics"),
     log:
         f"{LOGS}/evaluate/{{run}}.log",
     localrule: True

@@ -6,8 +6,8 @@ rule train:
         staged=staged_dir,
     output:
         model=run_file("model"),
-        metrics=run_file("train_metrics"),
-        summary=run_file("train_summary"),
+        train_metrics=run_file("train_metrics"),
+        train_summary=run_file("train_summary"),
     log:
         f"{LOGS}/train/{{run}}.log",
     localrule: True
