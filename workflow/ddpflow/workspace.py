@@ -53,7 +53,9 @@ def set_aside(directory: Path, reason: str) -> Path | None:
         target = directory.with_name(f"{paths.SET_ASIDE_PREFIX}{stamp}-{suffix}")
         suffix += 1
     directory.rename(target)
-    log.info("%s: old checkpoints set aside in %s (snakemake clean_work frees)", reason, target)
+    log.info(
+        "%s: old checkpoints set aside in %s; snakemake clean_work removes them", reason, target
+    )
     return target
 
 
