@@ -235,3 +235,29 @@ def test_rerun_reattaches_to_the_running_job(slurm_cluster, tmp_path):
     log = (tmp_path / "logs/train/long.log").read_text()
     assert f"reattaching to Slurm job {job_id}" in log
     assert sacct_state(job_id) == "COMPLETED"
+
+
+def test_edited_config_cancels_the_detached_job_instead_of_reattaching(slurm_cluster, tmp_path):
+    """A job kept running after Snakemake stopped (cancel_on_interrupt: false), then the
+    config edited: the rerun must not reattach to the outdated job, nor leave it running
+    and writing into the run's work folder; it cancels it and trains the new config."""
+    configfile = _long_config(tmp_path, cancel=False)
+    proc = _start_and_wait_for_running_train(tmp_path, configfile)
+    folder = tmp_path / "logs/submitit/long/train"
+    old_job = job_ids(folder)[0]
+    _stop(proc)
+    assert _in_queue(old_job), "the job should survive the stop"
+    edited = {
+        "train": {"epochs": 2, "progress": False, "optimizer": {"lr": 0.02}},
+        "machine": {**CLUSTER_MACHINE, "cancel_on_interrupt": False},
+        "runs": [{"name": "long"}],
+    }
+    result = slurm_snakemake(tmp_path, write_config(tmp_path / "config.yaml", edited))
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert sacct_state(old_job) == "CANCELLED"
+    new_jobs = [job for job in job_ids(folder) if job != old_job]
+    assert len(new_jobs) == 1 and sacct_state(new_jobs[0]) == "COMPLETED"
+    log = (tmp_path / "logs/train/long.log").read_text()
+    assert f"cancelling Slurm job {old_job}" in log
+    assert "train.optimizer.lr 0.05 -> 0.02" in log and "training from scratch" in log
+    assert "reattaching" not in log

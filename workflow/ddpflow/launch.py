@@ -180,9 +180,15 @@ def reattach(record, launcher: str, folder, fingerprint: str, num_tasks: int):
     if not previous or launcher != "slurm" or previous.get("launcher") != "slurm":
         return None
     if previous.get("fingerprint") != fingerprint or previous.get("num_tasks") != num_tasks:
-        log.warning(
-            "not reattaching to job %s: it was submitted for another config", previous["job_id"]
-        )
+        # the config was edited while the job ran on (cancel_on_interrupt: false): its result
+        # is not wanted any more, and it would keep writing into this run's work folder
+        if slurm_job_alive(previous["job_id"]):
+            log.warning(
+                "cancelling Slurm job %s: it was submitted for a config that has been edited "
+                "since; submitting a new one",
+                previous["job_id"],
+            )
+            cancel_and_wait(submitit.SlurmJob(folder=folder, job_id=previous["job_id"]))
         return None
     job = submitit.SlurmJob(folder=folder, job_id=previous["job_id"], tasks=range(num_tasks))
     finished = all(job.task(i).paths.result_pickle.exists() for i in range(num_tasks))
@@ -232,25 +238,29 @@ def wait(job, job_name: str, poll_s: float, grace_s: float = 10.0) -> list:
         raise LaunchError(failure_message(job, job_name, cancelled)) from exc
 
 
-def _interrupted(job, cancel: bool, timeout_s: float = 30.0) -> None:
+def _interrupted(job, cancel: bool) -> None:
     if cancel:
         log.warning("interrupted: cancelling job %s", job.job_id)
-        job.cancel(check=False)
-        # cancel only asks (submitit's local runner: SIGINT, then SIGKILL after ~1 s; Slurm:
-        # scancel): return once the ranks are really gone, so that nothing is left running
-        deadline = time.monotonic() + timeout_s
-        while _still_running(job) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if _still_running(job):
-            log.error("job %s still runs %.0fs after the cancel", job.job_id, timeout_s)
-        else:
-            log.warning("job %s cancelled; nothing of it is running", job.job_id)
+        cancel_and_wait(job)
     else:
         log.warning(
             "interrupted: job %s keeps running (machine.cancel_on_interrupt is false); "
             "rerun the same command to reattach to it",
             job.job_id,
         )
+
+
+def cancel_and_wait(job, timeout_s: float = 30.0) -> None:
+    """Cancel only asks (submitit's local runner: SIGINT, then SIGKILL after ~1 s; Slurm:
+    scancel): return once the ranks are really gone, so that nothing is left running."""
+    job.cancel(check=False)
+    deadline = time.monotonic() + timeout_s
+    while _still_running(job) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _still_running(job):
+        log.error("job %s still runs %.0fs after the cancel", job.job_id, timeout_s)
+    else:
+        log.warning("job %s cancelled; nothing of it is running", job.job_id)
 
 
 def _still_running(job) -> bool:

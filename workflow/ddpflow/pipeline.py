@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from . import data, launch, report, runtime, workspace
-from .config import config_hash
+from .config import config_hash, evaluation_fingerprint, training_fingerprint
 from .errors import UserError
 from .paths import RunPaths
 from .tasks import EvalTask, TrainTask
@@ -41,7 +41,13 @@ def _distributed(task_cls, stage_name: str, run: dict, paths: RunPaths, logs_dir
         folder,
         job_name=f"ddpflow-{stage_name}-{run['name']}",
         record=Path(paths.work) / f"{stage_name}-job.json",
-        fingerprint=config_hash(run),
+        # what the job computes: a rerun reattaches to a job of the same fingerprint and
+        # cancels one of an edited config (launch.reattach)
+        fingerprint=config_hash(
+            {**training_fingerprint(run), **evaluation_fingerprint(run)}
+            if stage_name == "evaluate"
+            else training_fingerprint(run)
+        ),
         max_requeues=run["train"]["max_requeues"],
     )
     log.info(
