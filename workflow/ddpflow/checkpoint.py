@@ -137,9 +137,11 @@ class Checkpointer:
         loop.load_state_dict(state)
         rng = state["rng"]
         if len(rng) == self.env.world_size:
-            torch.set_rng_state(rng[self.env.rank]["cpu"])
+            # RNG states are CPU byte tensors, also on a GPU rank, where map_location moved
+            # every tensor of the checkpoint to the device (set_rng_state refuses those)
+            torch.set_rng_state(rng[self.env.rank]["cpu"].cpu())
             if "cuda" in rng[self.env.rank] and torch.cuda.is_available():
-                torch.cuda.set_rng_state(rng[self.env.rank]["cuda"])
+                torch.cuda.set_rng_state(rng[self.env.rank]["cuda"].cpu())
         return state
 
     def save(self, loop, reason: str) -> None:
