@@ -26,6 +26,7 @@ with a real gloo (CPU) or nccl (GPU) process group on 127.0.0.1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -43,7 +44,7 @@ from ddpflow import runtime
 from ddpflow.checkpoint import Checkpointer
 from ddpflow.distenv import DistEnv
 from ddpflow.loop import Loop
-from ddpflow.models import build_model, forward_flops
+from ddpflow.models import build_model, forward_flops, place
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -130,9 +131,7 @@ def ddpflow_epoch(cfg: dict, run: dict, images, labels, norm, env: DistEnv, devi
         "shape": cfg["case"]["shape"],
     }
     torch.manual_seed(run["train"]["seed"])
-    model = build_model(run["model"], data["shape"], NUM_CLASSES).to(device)
-    if device.type == "cuda":
-        model = model.to(memory_format=torch.channels_last)
+    model = place(build_model(run["model"], data["shape"], NUM_CLASSES), device, True)
     loop = Loop(run, data, env, device, model)
     # what TrainTask runs after every optimizer step (checkpoint and stop-signal checks);
     # the shipped config checkpoints per epoch, outside train_epoch(), so nothing is written
@@ -140,6 +139,31 @@ def ddpflow_epoch(cfg: dict, run: dict, images, labels, norm, env: DistEnv, devi
     if cfg.get("compile"):
         loop.ddp = torch.compile(loop.ddp)
     return (lambda: loop.train_epoch()), loop
+
+
+class SyncClock(runtime.PhaseClock):
+    """The per-phase timing ddpflow had before CUDA events: torch.cuda.synchronize before and
+    after every phase (8 per step), wall time in between."""
+
+    @contextlib.contextmanager
+    def phase(self, store, key):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        torch.cuda.synchronize()
+        store[key] = store.get(key, 0.0) + time.perf_counter() - start
+
+
+class NoClock(runtime.PhaseClock):
+    """No per-phase timing at all: the floor the other two are compared with."""
+
+    @contextlib.contextmanager
+    def phase(self, store, key):
+        yield
+
+
+# GPU: what per-phase timing costs, each a separate Loop in the same run (bench/README.md)
+TIMING_VARIANTS = {"ddpflow_sync_timing": SyncClock, "ddpflow_no_timing": NoClock}
 
 
 def raw_epoch(cfg: dict, run: dict, lr: float, images, labels, norm, device):
@@ -238,6 +262,7 @@ def run_worker(cfg: dict) -> int:
     if cfg["device"] == "cuda":
         device, backend, sync = torch.device("cuda", rank), "nccl", torch.cuda.synchronize
         torch.cuda.set_device(device)
+        runtime.configure_cuda(deterministic=False)  # as TrainTask does (cuDNN autotuning)
     else:
         device, backend, sync = torch.device("cpu"), "gloo", lambda: None
     # the tutorial's set-up; both loops share this one real process group
@@ -249,7 +274,12 @@ def run_worker(cfg: dict) -> int:
         images, labels, norm = synthetic(cfg["case"]["shape"], cfg["samples"])
         ours, loop = ddpflow_epoch(cfg, run, images, labels, norm, env, device)
         raw = raw_epoch(cfg, run, loop.lr, images, labels, norm, device)
-        result = measure({"raw": raw, "ddpflow": ours}, cfg, device, sync)
+        loops = {"raw": raw, "ddpflow": ours}
+        if cfg["device"] == "cuda" and not cfg.get("compile"):
+            for name, clock in TIMING_VARIANTS.items():
+                loops[name], variant = ddpflow_epoch(cfg, run, images, labels, norm, env, device)
+                variant.clock = clock(device)
+        result = measure(loops, cfg, device, sync)
         result["lr"] = loop.lr
     finally:
         dist.destroy_process_group()
@@ -425,6 +455,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"running {cfg['name']} at world size {cfg['world_size']} ...", flush=True)
         report["runs"].append(finish_row(cfg, launch(cfg), peak))
     print(format_table(report["runs"]), flush=True)
+    for row in report["runs"]:
+        if "ddpflow_no_timing" in row:
+            rates = {n: row[n]["samples_per_s"] for n in ("ddpflow_no_timing", "ddpflow")}
+            rates["ddpflow_sync_timing"] = row["ddpflow_sync_timing"]["samples_per_s"]
+            base = rates["ddpflow_no_timing"]
+            print("# per-phase timing cost, samples/s (vs no timing): " + ", ".join(
+                f"{n.removeprefix('ddpflow_') if n != 'ddpflow' else 'cuda events (shipped)'} "
+                f"{r:.0f} ({r / base - 1:+.1%})" for n, r in rates.items()))  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

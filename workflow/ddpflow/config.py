@@ -24,6 +24,8 @@ SCHEMA = "config.schema.yaml"  # package data: found by importlib.resources in a
 SECTIONS = ("data", "model", "train", "eval", "machine")
 # train keys that cannot change a run's result: changing them retrains nothing
 VOLATILE_TRAIN_KEYS = ("progress", "checkpoint", "max_requeues")
+# train keys that act on GPUs only: on CPU ranks they change nothing, so nothing retrains
+GPU_ONLY_TRAIN_KEYS = ("precision", "channels_last", "deterministic")
 
 
 class ConfigError(UserError, ValueError):
@@ -192,10 +194,12 @@ def training_fingerprint(run: dict) -> dict[str, Any]:
     logging, progress, checkpoint cadence): changing those retrains nothing. The eval section
     is the evaluate rule's (training's validation metrics are exact counts, except the float
     validation loss, whose last bits may depend on eval.batch_size)."""
-    train = {k: v for k, v in run["train"].items() if k not in VOLATILE_TRAIN_KEYS}
+    gpu = bool(run["machine"]["gpus_per_node"])
+    ignored = VOLATILE_TRAIN_KEYS if gpu else VOLATILE_TRAIN_KEYS + GPU_ONLY_TRAIN_KEYS
+    train = {k: v for k, v in run["train"].items() if k not in ignored}
     flat = flatten({"data": run["data"], "model": run["model"], "train": train})
     flat["world_size"] = run["world_size"]
-    flat["device"] = "cuda" if run["machine"]["gpus_per_node"] else "cpu"
+    flat["device"] = "cuda" if gpu else "cpu"
     return flat
 
 

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import evaluate, faults
-from .runtime import PHASES, timed
+from .runtime import PHASES, PhaseClock
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class Loop:
             "cuda", enabled=tcfg["precision"] == "fp16" and device.type == "cuda"
         )
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=tcfg["label_smoothing"])
-        self.sync = torch.cuda.synchronize if device.type == "cuda" else None
+        self.clock = PhaseClock(device)
         # position and partial-epoch accumulators: all of it goes into a checkpoint, so a
         # resumed run continues mid-epoch exactly where the interrupted one stopped
         self.epoch, self.batch_index = 0, 0
@@ -164,6 +164,7 @@ class Loop:
             if last_micro and self.on_step is not None:
                 self.on_step(self)
         # One host sync per epoch, not per step (the tutorials' .item() every step stalls).
+        self.clock.settle()
         record = {
             "train_loss": float(self.epoch_loss) / len(batches),
             "seconds": dict(seconds),
@@ -177,6 +178,7 @@ class Loop:
 
     def state_dict(self) -> dict:
         """Everything an exact resume needs (the caller adds RNG states and the config hash)."""
+        self.clock.settle()  # the partial epoch's phase seconds are part of the state
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -247,7 +249,8 @@ class Loop:
         accum, seconds = self.tcfg["grad_accum_steps"], self.epoch_seconds
         # the last group of an epoch may be shorter than grad_accum_steps
         group = min(accum, n_batches - (index // accum) * accum)
-        with timed(seconds, "data", self.sync):
+        self.clock.step()
+        with self.clock.phase(seconds, "data"):
             # index_select: a plain gather, ~5x cheaper than advanced indexing per batch
             x = evaluate.normalize(self.data["train_x"].index_select(0, batch), *self.data["norm"])
             y = self.data["train_y"].index_select(0, batch)
@@ -259,15 +262,15 @@ class Loop:
         )
         with skip_sync:
             with (
-                timed(seconds, "forward", self.sync),
+                self.clock.phase(seconds, "forward"),
                 self.autocast() if self.autocast else contextlib.nullcontext(),
             ):
                 loss = self.loss_fn(self.ddp(x), y)
-            with timed(seconds, "backward_sync", self.sync):
+            with self.clock.phase(seconds, "backward_sync"):
                 # mean over the accumulation group (no extra kernel when there is none)
                 self.scaler.scale(loss / group if group > 1 else loss).backward()
         if last_micro:
-            with timed(seconds, "optimizer", self.sync):
+            with self.clock.phase(seconds, "optimizer"):
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
                 self.optimizer.zero_grad(set_to_none=True)

@@ -62,6 +62,16 @@ def small_resnet(name: str, in_channels: int, num_classes: int) -> nn.Module:
     return model
 
 
+def place(model: nn.Module, device: torch.device, channels_last: bool) -> nn.Module:
+    """Move the model to its device; on CUDA, convolutional models in channels_last (cuDNN
+    then picks NHWC kernels and the inputs follow the weights' layout)."""
+    model = model.to(device)
+    has_conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
+    if device.type == "cuda" and channels_last and has_conv:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

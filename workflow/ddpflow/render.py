@@ -36,18 +36,18 @@ def _hosts(hosts: list) -> str:
 
 def _runs_table(rows: list[dict], scaling: bool) -> tuple:
     headers = ["Run", "Test accuracy", "Evaluated / test size", "World size", "Nodes", "Hosts",
-               "Train samples/s", "Train wall time", "Attempts", "Eval time"]  # fmt: skip
+               "Device", "Train samples/s", "Train wall time", "Attempts", "Eval time"]  # fmt: skip
     if scaling:
-        headers[7:7] = ["Speedup", "Efficiency"]
+        headers[8:8] = ["Speedup", "Efficiency"]
     body, best = [], None
     for index, row in enumerate(rows):
         cells = [row["run"] + (" ★ best" if row["best"] else ""), f"{row['accuracy']:.2%}",
                  f"{row['samples_evaluated']} / {row['test_size']}", str(row["world_size"]),
-                 str(row["nodes"]), _hosts(row["hosts"]),
+                 str(row["nodes"]), _hosts(row["hosts"]), f"{row['device']} ({row['precision']})",
                  f"{row['train_samples_per_s']:.1f}", _seconds(row["train_wall_seconds"]),
                  str(row["attempts"]), _seconds(row["eval_seconds"])]  # fmt: skip
         if scaling:
-            cells[7:7] = [f"{row['speedup']:.2f}×", f"{row['efficiency']:.1%}"]
+            cells[8:8] = [f"{row['speedup']:.2f}×", f"{row['efficiency']:.1%}"]
         body.append(cells)
         best = index if row["best"] else best
     return ("table", headers, body, best)

@@ -143,6 +143,9 @@ def _summary_row(name: str, epochs: list[dict], ev: dict) -> dict:
         "eval_world_size": ev["world_size"], "final_train_loss": epochs[-1]["train_loss"],
         "final_val_accuracy": epochs[-1]["val_accuracy"],
         "git_commit": ev["provenance"]["git_commit"],
+        # device name and precision: written since the GPU path ran (older files: cpu/cuda)
+        "device": train.get("device_name", str(train.get("device", "cpu")).split(":")[0]),
+        "precision": train.get("precision", "fp32"),
     }  # fmt: skip
     # Summed over the kept (deduplicated) epochs: the time of the final, complete history.
     for phase in (*PHASES, "epoch"):

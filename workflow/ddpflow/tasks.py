@@ -21,7 +21,7 @@ from . import distenv, evaluate, runtime
 from .checkpoint import Checkpointer, Preempted, hand_over_to_requeue, stop_on_signal
 from .data import load_split
 from .loop import Loop, fit
-from .models import build_model, count_parameters
+from .models import build_model, count_parameters, place
 from .paths import RunPaths
 from .preflight import run_preflight
 
@@ -35,6 +35,8 @@ def rank_context(run: dict, rendezvous_dir: str | None):
     machine = run["machine"]
     # one rank per core budget: without this every rank spawns threads for all cores
     torch.set_num_threads(machine["cpus_per_task"])
+    if machine["gpus_per_node"]:
+        runtime.configure_cuda(run["train"]["deterministic"])
     device = runtime.select_device(machine["gpus_per_node"], env.local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     log.info(
@@ -108,7 +110,8 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             run_preflight(run["machine"]["preflight"], env, device, hosts)
         data = load_data(paths.staged, device)
         torch.manual_seed(run["train"]["seed"])  # same init everywhere (DDP also broadcasts)
-        model = build_model(run["model"], data["shape"], data["num_classes"]).to(device)
+        model = build_model(run["model"], data["shape"], data["num_classes"])
+        model = place(model, device, run["train"]["channels_last"])
         loop = Loop(run, data, env, device, model)
         ckpt = Checkpointer(run, paths.work, env)
         live_metrics = Path(paths.work) / "metrics.jsonl"
@@ -170,6 +173,8 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             "samples_per_s": samples / train_seconds if train_seconds else 0.0,
             "phase_seconds": phases,
             "device": str(data["train_x"].device),
+            "device_name": runtime.device_name(data["train_x"].device),
+            "precision": run["train"]["precision"] if loop.autocast else "fp32",
         }
         runtime.atomic_write_bytes(paths.train_metrics, live_metrics.read_bytes())
         runtime.atomic_write_json(paths.train_summary, summary)
@@ -240,7 +245,7 @@ class EvalTask(DistributedTask):
         checkpoint = torch.load(paths.model, map_location=device, weights_only=True)
         model = build_model(checkpoint["model"], checkpoint["shape"], checkpoint["num_classes"])
         model.load_state_dict(checkpoint["state_dict"])
-        model.to(device)
+        model = place(model, device, run["train"]["channels_last"])
         result = evaluate.evaluate_split(
             model,
             images,
