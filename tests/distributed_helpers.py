@@ -49,7 +49,7 @@ def submitit_local_env(rank: int, world_size: int, job_id: str) -> dict[str, str
     }
 
 
-def _rank_main(rank, world_size, job_id, rendezvous_dir, target, args, results):
+def _rank_main(rank, world_size, job_id, rendezvous_dir, target, args, results, backend):
     import torch.distributed as dist
     from ddpflow import distenv
 
@@ -60,7 +60,13 @@ def _rank_main(rank, world_size, job_id, rendezvous_dir, target, args, results):
     torch.set_num_threads(1)  # several ranks on 2 cores: intra-op threads only contend
     try:
         env = distenv.discover()
-        distenv.init_process_group(env, "gloo", PG_TIMEOUT_S, rendezvous_dir)
+        if backend == "nccl":  # one GPU per rank, chosen before NCCL creates a communicator
+            torch.cuda.set_device(env.local_rank)
+        distenv.init_process_group(env, backend, PG_TIMEOUT_S, rendezvous_dir)
+        if backend == "nccl" and world_size == 1:  # distenv needs no group for one rank
+            dist.init_process_group(
+                backend, init_method=f"file://{rendezvous_dir}/nccl-store", rank=0, world_size=1
+            )
         try:
             # plain pickle: torch's queue would pass tensors as shared-memory file
             # descriptors, which die with this process before the test reads them
@@ -72,12 +78,16 @@ def _rank_main(rank, world_size, job_id, rendezvous_dir, target, args, results):
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_group(world_size: int, target, args: tuple, rendezvous_dir: Path) -> list:
+def run_group(
+    world_size: int, target, args: tuple, rendezvous_dir: Path, backend: str = "gloo"
+) -> list:
     """Run target(env, *args) on `world_size` spawned ranks; return the results by rank.
+    backend "nccl": rank r uses GPU r (tests/test_gpu.py).
 
     Raises AssertionError with the failing ranks' tracebacks if any rank fails or hangs.
     """
     assert 1 <= world_size <= MAX_RANKS, "the test machine has 2 cores"
+    Path(rendezvous_dir).mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server first starts
     results = ctx.Queue()
@@ -85,7 +95,7 @@ def run_group(world_size: int, target, args: tuple, rendezvous_dir: Path) -> lis
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, job_id, str(rendezvous_dir), target, args, results),
+            args=(rank, world_size, job_id, str(rendezvous_dir), target, args, results, backend),
         )
         for rank in range(world_size)
     ]

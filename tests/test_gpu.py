@@ -1,0 +1,337 @@
+"""The CUDA path on a real GPU: NCCL, mixed precision, GradScaler, channels_last, device
+selection, exact evaluation, checkpoint and exact resume, and the whole workflow.
+
+`pytest -m gpu` runs these; without a CUDA device they skip with the reason (CI has none),
+and DDPFLOW_REQUIRE_GPU=1 turns that skip into a failure. Every case runs in spawned rank
+processes (a 1-rank NCCL group: one GPU per rank, and NCCL refuses two ranks on one GPU),
+so each gets a fresh CUDA context, as a real rank (and a requeued one) does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddpflow import evaluate, runtime
+from ddpflow.checkpoint import Checkpointer
+from ddpflow.loop import Loop, fit
+from ddpflow.models import build_model, place
+from ddpflow.preflight import _timed_all_reduce
+from distributed_helpers import make_data, run_group
+from workflow_helpers import make_run, snakemake, write_config
+
+pytestmark = pytest.mark.gpu
+
+
+def _run(precision="fp32", deterministic=True, channels_last=True, epochs=3, **train):
+    return make_run(
+        model={"name": "cnn", "cnn_channels": 16},
+        train={
+            "epochs": epochs,
+            "batch_size": 16,
+            "progress": False,
+            "precision": precision,
+            "deterministic": deterministic,
+            "channels_last": channels_last,
+            **train,
+        },
+        machine={"gpus_per_node": 1},
+    )
+
+
+def _loop(env, run, n_train=256, n_val=64) -> Loop:
+    """A Loop on this rank's GPU, built as TrainTask.work builds it."""
+    runtime.configure_cuda(run["train"]["deterministic"])
+    device = runtime.select_device(1, env.local_rank)
+    data = make_data(n_train, n_val)
+    data = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in data.items()}
+    data["norm"] = tuple(t.to(device) for t in data["norm"])
+    torch.manual_seed(run["train"]["seed"])
+    model = place(build_model(run["model"], data["shape"], data["num_classes"]), device, True)
+    return Loop(run, data, env, device, model)
+
+
+def _weights(loop: Loop) -> dict:
+    return {k: v.detach().cpu().clone() for k, v in loop.model.state_dict().items()}
+
+
+def _parameters(loop: Loop) -> dict:
+    """Only what the optimizer steps (BatchNorm statistics move with every forward)."""
+    return {k: v.detach().cpu().clone() for k, v in loop.model.named_parameters()}
+
+
+# --- process group and device ------------------------------------------------------------
+
+
+def _nccl_and_devices(env):
+    device = runtime.select_device(1, env.local_rank)
+    counts = torch.arange(16, dtype=torch.int64, device=device)
+    dist.all_reduce(counts)  # int64 confusion counts travel this way in evaluation
+    seconds = _timed_all_reduce(torch.ones(1 << 20, device=device), 5, torch.cuda.synchronize)
+    return {
+        "backend": dist.get_backend(),
+        "device": str(device),
+        "current": torch.cuda.current_device(),
+        "counts": counts.cpu().tolist(),
+        "all_reduce_s": seconds,
+        # per-task GPU binding (each task sees one device) maps any local rank to device 0
+        "bound": str(runtime.select_device(1, torch.cuda.device_count() + 3)),
+        "cpu": str(runtime.select_device(0, 0)),
+        "name": runtime.device_name(device),
+    }
+
+
+def test_nccl_group_and_device_selection(tmp_path):
+    (result,) = run_group(1, _nccl_and_devices, (), tmp_path, backend="nccl")
+    assert result["backend"] == "nccl"
+    assert result["device"] == "cuda:0" and result["current"] == 0
+    assert result["counts"] == list(range(16))
+    assert 0 < result["all_reduce_s"] < 1.0
+    assert result["bound"] == "cuda:0" and result["cpu"] == "cpu"
+    assert result["name"] == torch.cuda.get_device_name(0)
+
+
+# --- mixed precision ---------------------------------------------------------------------
+
+
+def _precisions(env):
+    out = {}
+    for precision in ("fp32", "bf16", "fp16"):
+        loop = _loop(env, _run(precision, deterministic=False))
+        x = evaluate.normalize(loop.data["train_x"][:8], *loop.data["norm"])
+        with loop.autocast() if loop.autocast else torch.autocast("cuda", enabled=False):
+            logits_dtype = loop.model(x).dtype
+        fit(loop, lambda record: None)
+        out[precision] = {
+            "logits_dtype": str(logits_dtype),
+            "param_dtypes": sorted({str(p.dtype) for p in loop.model.parameters()}),
+            "scaler_enabled": loop.scaler.is_enabled(),
+            "losses": [r["train_loss"] for r in loop.history],
+            "val_accuracy": loop.history[-1]["val_accuracy"],
+            "phases": loop.history[-1]["seconds"],
+        }
+    return out
+
+
+def test_training_in_fp32_bf16_and_fp16(tmp_path):
+    (out,) = run_group(1, _precisions, (), tmp_path, backend="nccl")
+    assert out["fp32"]["logits_dtype"] == "torch.float32"
+    assert out["bf16"]["logits_dtype"] == "torch.bfloat16"
+    assert out["fp16"]["logits_dtype"] == "torch.float16"
+    for precision, result in out.items():
+        # autocast computes in low precision; the master weights stay fp32
+        assert result["param_dtypes"] == ["torch.float32"], precision
+        assert result["scaler_enabled"] == (precision == "fp16")
+        losses = result["losses"]
+        assert all(map(torch.isfinite, torch.tensor(losses))), (precision, losses)
+        assert losses[-1] < losses[0], (precision, losses)
+        assert result["val_accuracy"] > 0.8, (precision, result)
+        # per-phase GPU time from CUDA events: every phase measured, none negative
+        phases = result["phases"]
+        assert all(phases[p] > 0 for p in runtime.PHASES), phases
+        # estimated from sampled steps: GPU time of the phases, within the epoch's wall time
+        assert sum(phases[p] for p in runtime.PHASES) < 1.25 * phases["train"], phases
+
+
+def _scaler_skips_inf(env):
+    loop = _loop(env, _run("fp16", deterministic=False))
+    first = next(loop.model.parameters())
+    fired = []
+
+    def poison(grad):  # one non-finite gradient, as an fp16 overflow produces
+        if not fired:
+            fired.append(True)
+            return torch.full_like(grad, float("inf"))
+        return grad
+
+    handle = first.register_hook(poison)
+    scale_before = loop.scaler.get_scale()
+    before = _parameters(loop)
+    batches = torch.arange(16, device=loop.device)
+    loop._micro_step(batches, last_micro=True, n_batches=2, index=0)
+    skipped = {
+        "unchanged": all(torch.equal(before[k], v) for k, v in _parameters(loop).items()),
+        "scale": (scale_before, loop.scaler.get_scale()),
+    }
+    loop._micro_step(batches, last_micro=True, n_batches=2, index=1)
+    handle.remove()
+    after = _parameters(loop)
+    skipped["then_steps"] = any(not torch.equal(before[k], after[k]) for k in before)
+    return skipped
+
+
+def test_grad_scaler_skips_a_step_with_inf_gradients(tmp_path):
+    (result,) = run_group(1, _scaler_skips_inf, (), tmp_path, backend="nccl")
+    assert result["unchanged"], "the optimizer stepped on inf gradients"
+    before, after = result["scale"]
+    assert after == before / 2, "GradScaler should halve its scale after an overflow"
+    assert result["then_steps"], "the next, finite step must update the weights"
+
+
+# --- channels_last -----------------------------------------------------------------------
+
+
+def _channels_last(env):
+    out = {}
+    for channels_last in (True, False):
+        run = _run(channels_last=channels_last, deterministic=True)
+        runtime.configure_cuda(True)
+        device = runtime.select_device(1, env.local_rank)
+        torch.manual_seed(0)
+        model = place(build_model(run["model"], [1, 8, 8], 4), device, channels_last)
+        # the last conv: with one input channel (the first) both layouts have equal strides
+        conv = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)][-1]
+        x = torch.randn(32, 1, 8, 8, device=device)
+        out[channels_last] = {
+            "weight_nhwc": conv.weight.is_contiguous(memory_format=torch.channels_last),
+            "logits": model.eval()(x).detach().cpu(),
+        }
+    mlp_cfg = make_run(model={"name": "mlp"})["model"]
+    mlp = place(build_model(mlp_cfg, [1, 8, 8], 4), device, True)
+    out["mlp_untouched"] = all(p.is_contiguous() for p in mlp.parameters())
+    return out
+
+
+def test_channels_last_models_compute_the_same_logits(tmp_path):
+    (out,) = run_group(1, _channels_last, (), tmp_path, backend="nccl")
+    assert out[True]["weight_nhwc"] and not out[False]["weight_nhwc"]
+    assert out["mlp_untouched"]
+    # the same function, other kernels: equal up to fp32 rounding
+    torch.testing.assert_close(out[True]["logits"], out[False]["logits"], atol=1e-4, rtol=1e-4)
+
+
+# --- exact evaluation ----------------------------------------------------------------------
+
+
+def _evaluation(env):
+    loop = _loop(env, _run(epochs=2))
+    fit(loop, lambda record: None)
+    model, data = loop.model, loop.data
+    x, y, n = data["val_x"], data["val_y"], data["num_classes"]
+    whole = evaluate.evaluate_split(model, x, y, n, 64, data["norm"], 0, 1)
+    # what 3 ranks evaluate, shard by shard (batches of 7: other shapes than the whole run)
+    shards = [evaluate.shard_bounds(x.shape[0], 3, r) for r in range(3)]
+    confusion = sum(
+        evaluate.shard_counts(model, x[a:b], y[a:b], n, 7, data["norm"])[0] for a, b in shards
+    )
+    dist.all_reduce(confusion)  # int64 over NCCL, as evaluate_split sums shards
+    cpu = evaluate.evaluate_split(
+        model.cpu().float(), x.cpu(), y.cpu(), n, 64, tuple(t.cpu() for t in data["norm"]), 0, 1
+    )
+    return {
+        "whole": whole["confusion_matrix"],
+        "sharded": confusion.cpu().tolist(),
+        "cpu": cpu["confusion_matrix"],
+        "accuracy": whole["accuracy"],
+    }
+
+
+def test_sharded_evaluation_on_cuda_equals_single_process(tmp_path):
+    (out,) = run_group(1, _evaluation, (), tmp_path, backend="nccl")
+    assert out["sharded"] == out["whole"], "sharded CUDA evaluation differs from one process"
+    assert out["whole"] == out["cpu"], "CUDA and CPU evaluation of the same weights differ"
+    assert sum(map(sum, out["whole"])) == 64 and out["accuracy"] > 0.8
+
+
+# --- checkpoint and exact resume -----------------------------------------------------------
+
+RESUME_CASES = {  # name -> (precision, deterministic); checkpoint at step 21 of 48, mid-epoch
+    "fp32_deterministic": ("fp32", True),
+    "bf16_deterministic": ("bf16", True),
+    "fp16_deterministic": ("fp16", True),
+    "bf16_autotuned": ("bf16", False),
+}
+AT_STEP = 21
+
+
+def _resume_run(case):
+    precision, deterministic = RESUME_CASES[case]
+    return _run(precision, deterministic=deterministic, epochs=3)
+
+
+def _uninterrupted(env, work: str):
+    out = {}
+    for case in RESUME_CASES:
+        loop = _loop(env, _resume_run(case))
+        ckpt = Checkpointer(_resume_run(case), f"{work}/{case}", env)
+
+        def on_step(lp, ckpt=ckpt):
+            if lp.scheduler.last_epoch == AT_STEP:
+                ckpt.save(lp, "test")
+
+        loop.on_step = on_step
+        fit(loop, lambda record: None)
+        out[case] = {"weights": _weights(loop), "losses": [r["train_loss"] for r in loop.history]}
+    return out
+
+
+def _resumed(env, work: str):
+    out = {}
+    for case in RESUME_CASES:
+        loop = _loop(env, _resume_run(case))
+        state = Checkpointer(_resume_run(case), f"{work}/{case}", env).restore(loop)
+        position = (state["step"], state["epoch"], state["batch_index"])
+        fit(loop, lambda record: None)
+        out[case] = {
+            "weights": _weights(loop),
+            "losses": [r["train_loss"] for r in loop.history],
+            "position": position,
+            "weights_on": str(next(loop.model.parameters()).device),
+        }
+    return out
+
+
+def test_checkpoint_resume_on_cuda(tmp_path):
+    """Deterministic kernels: bitwise the uninterrupted run, in every precision. cuDNN
+    autotuning (the default) may pick another algorithm in the new process: equal within
+    the tolerance the README states."""
+    (clean,) = run_group(1, _uninterrupted, (str(tmp_path),), tmp_path / "a", backend="nccl")
+    (resumed,) = run_group(1, _resumed, (str(tmp_path),), tmp_path / "b", backend="nccl")
+    report = {}
+    for case, (_, deterministic) in RESUME_CASES.items():
+        got, expected = resumed[case], clean[case]
+        assert got["position"][0] == AT_STEP and got["position"][2] > 0, got["position"]
+        assert got["weights_on"] == "cuda:0"
+        diff = max(
+            (got["weights"][k] - v).abs().max().item()
+            for k, v in expected["weights"].items()
+            if v.is_floating_point()
+        )
+        report[case] = diff
+        if deterministic:
+            for key, value in expected["weights"].items():
+                assert torch.equal(value, got["weights"][key]), f"{case}: {key} differs"
+            assert got["losses"] == expected["losses"], case
+        else:
+            torch.testing.assert_close(got["losses"], expected["losses"], rtol=2e-2, atol=0)
+            assert diff < 5e-2, (case, diff)
+    print("max |weight difference| resumed vs uninterrupted:", json.dumps(report))
+
+
+# --- the whole workflow --------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_workflow_on_the_gpu(workdir, precision):
+    config = {
+        "train": {"epochs": 6, "progress": False, "precision": precision},
+        "machine": {"gpus_per_node": 1},
+        "runs": [{"name": "gpu"}],
+    }
+    configfile = write_config(workdir / "config.yaml", config)
+    result = snakemake(workdir, configfile)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    metrics = json.loads((workdir / "results/runs/gpu/eval_metrics.json").read_text())
+    train = metrics["train"]
+    assert train["device"] == "cuda:0" and train["world_size"] == 1
+    assert train["device_name"] == torch.cuda.get_device_name(0)
+    assert train["precision"] == precision
+    assert metrics["samples_evaluated"] == metrics["test_size"]
+    assert metrics["accuracy"] > 0.9
+    report = (workdir / "results/report/report.md").read_text()
+    assert f"{torch.cuda.get_device_name(0)} ({precision})" in report
+    assert os.path.getsize(workdir / "results/report/report.html") > 0
