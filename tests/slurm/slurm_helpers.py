@@ -33,3 +33,18 @@ def sacct_state(job_id: str, timeout: float = 60) -> str:
             return state
         time.sleep(1)
     pytest.fail(f"job {job_id} not terminal after {timeout}s (last sacct state {state!r})")
+
+
+def job_story(job_id: str, folder: Path | None = None, tail: int = 1500) -> str:
+    """What to print when a job ended in an unexpected state: every step's state and exit
+    code from sacct, and the end of each task's submitit logs."""
+    steps = subprocess.run(
+        ["sacct", "-n", "-P", "-j", job_id, "-o", "JobID,State,ExitCode,DerivedExitCode,Elapsed"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+    story = [f"sacct -j {job_id}:\n{steps}"]
+    for log in sorted(Path(folder).glob(f"{job_id}_*_log.*")) if folder else []:
+        story.append(f"--- {log.name}:\n{log.read_text(errors='replace')[-tail:]}")
+    return "\n".join(story)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_helpers import job_ids, sacct_state
+from slurm_helpers import job_ids, job_story, sacct_state
 from snakemake.common import get_appdirs
 from workflow_helpers import BIN, REPO, jobs_planned, snakemake, snakemake_command, write_config
 
@@ -234,7 +234,7 @@ def test_rerun_reattaches_to_the_running_job(slurm_cluster, tmp_path):
     assert job_ids(folder) == [job_id], "a second training job was submitted"
     log = (tmp_path / "logs/train/long.log").read_text()
     assert f"reattaching to Slurm job {job_id}" in log
-    assert sacct_state(job_id) == "COMPLETED"
+    assert sacct_state(job_id) == "COMPLETED", job_story(job_id, folder)
 
 
 def test_edited_config_cancels_the_detached_job_instead_of_reattaching(slurm_cluster, tmp_path):
