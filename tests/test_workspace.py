@@ -40,6 +40,10 @@ def _edited(run: dict, path: str, value) -> dict:
         ("train.max_requeues", 0),
         ("train.checkpoint.every_steps", 7),
         ("eval.batch_size", 100),
+        # GPU-only settings on CPU ranks (the default config has gpus_per_node: 0)
+        ("train.precision", "bf16"),
+        ("train.channels_last", False),
+        ("train.deterministic", True),
     ],
 )
 def test_keys_that_cannot_change_the_model_are_not_in_the_training_fingerprint(run, path, value):
@@ -62,6 +66,16 @@ def test_keys_that_determine_the_model_are(run, path, value, key):
     before = ddpconfig.training_fingerprint(run)
     after = ddpconfig.training_fingerprint(_edited(run, path, value))
     assert ddpconfig.describe_changes(before, after).startswith(f"{key} ")
+
+
+@pytest.mark.parametrize(
+    "path, value", [("precision", "fp16"), ("channels_last", False), ("deterministic", True)]
+)
+def test_gpu_only_keys_retrain_gpu_runs(run, path, value):
+    gpu = _edited(run, "machine.gpus_per_node", 1)
+    before = ddpconfig.training_fingerprint(gpu)
+    after = ddpconfig.training_fingerprint(_edited(gpu, f"train.{path}", value))
+    assert ddpconfig.describe_changes(before, after).startswith(f"train.{path} ")
 
 
 def test_describe_changes_is_one_short_line(run):
