@@ -190,6 +190,23 @@ BAD_CONFIGS = [
     ("not-a-mapping", "- train\n- epochs\n", ["config.yaml", "mapping"]),
     ("scalar-file", "just a string\n", ["config.yaml", "mapping"]),
     ("invalid-yaml", "train: {epochs: 3\n", ["config.yaml", "not valid YAML"]),
+    # guard rails: each names the key, the value and the fix
+    ("run-name-space", "runs: [{name: my run}]", ["runs[0].name", "'my run'", "letters, digits"]),
+    ("lr-word", "train: {optimizer: {lr: fast}}", ["train.optimizer.lr", "'fast'", "in quotes"]),
+    ("epochs-fraction-string", "train: {epochs: '2.5'}", ["train.epochs", "'2.5'", "integer"]),
+    ("time-min-words", "machine: {time_min: an hour}", ["machine.time_min", "1:30:00"]),
+    ("time-min-zero-string", "machine: {time_min: '0:00:00'}", ["machine.time_min"]),
+    ("lr-nan-string", "train: {optimizer: {lr: nan}}", ["train.optimizer.lr", "'nan'"]),
+    (
+        "max-train-samples-below-ranks",
+        "data: {max_train_samples: 1}",
+        ["data.max_train_samples is 1", "2 ranks", "at least 2"],
+    ),
+    (
+        "run-max-train-samples-below-ranks",
+        "runs: [{name: tiny, data: {max_train_samples: 3}, machine: {cpu_ranks_per_node: 4}}]",
+        ["'tiny'", "data.max_train_samples is 3", "4 ranks"],
+    ),
 ]
 
 
@@ -223,12 +240,83 @@ def test_integer_keys_reject_floats(tmp_path, text):
         load_yaml(tmp_path, text)
 
 
+# --- what the user plainly meant is accepted -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "value"),
+    [
+        ("train: {optimizer: {lr: 1e-3}}", ("train", "optimizer", "lr"), 0.001),  # YAML 1.1
+        ("train: {optimizer: {lr: 2.5E-4}}", ("train", "optimizer", "lr"), 0.00025),
+        ("train: {epochs: '12'}", ("train", "epochs"), 12),
+        ("machine: {time_min: '1:00:00'}", ("machine", "time_min"), 60),
+        ("machine: {time_min: '2-00'}", ("machine", "time_min"), 2880),
+        ("machine: {time_min: '1-12:30:00'}", ("machine", "time_min"), 2190),
+        ("machine: {time_min: '10:30'}", ("machine", "time_min"), 11),  # M:S rounds up
+        ("machine: {time_min: 90}", ("machine", "time_min"), 90),
+    ],
+)
+def test_numbers_and_slurm_times_written_as_strings_are_accepted(tmp_path, text, key, value):
+    loaded = load_yaml(tmp_path, text)
+    for part in key:
+        loaded = loaded[part]
+    assert loaded == value and type(loaded) is type(value)
+
+
+def test_run_override_strings_are_accepted_too():
+    config = ddpconfig.check({"runs": [{"name": "a", "train": {"optimizer": {"lr": "1e-2"}}}]})
+    assert ddpconfig.resolve_runs(config)[0]["train"]["optimizer"]["lr"] == 0.01
+
+
+def test_gpus_on_a_machine_without_them_are_refused_for_the_local_launcher(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ConfigError) as info:
+        ddpconfig.check_runs({"machine": {"gpus_per_node": 1}})
+    message = str(info.value)
+    assert "machine.gpus_per_node is 1" in message and "no NVIDIA GPU" in message
+    assert "gpus_per_node: 0" in message
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(ConfigError, match="has 1 GPU"):
+        ddpconfig.check_runs({"machine": {"gpus_per_node": 2}})
+    ddpconfig.check_runs({"machine": {"gpus_per_node": 1}})  # enough GPUs: fine
+    # on Slurm the GPUs are the cluster's (checked against its nodes, tests/slurm)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    ddpconfig.check_runs({"launcher": "slurm", "machine": {"gpus_per_node": 4}})
+
+
+def _warnings(config: dict) -> list[str]:
+    checked, runs = ddpconfig.check_runs(config)
+    return [w for run in runs for w in ddpconfig.run_warnings(run, checked["launcher"])]
+
+
+def test_suspicious_settings_are_warned_about():
+    assert _warnings({}) == []  # the shipped defaults are not suspicious
+    (warmup,) = _warnings({"train": {"warmup_epochs": 50, "epochs": 3}})
+    assert "train.warmup_epochs 50 is more than train.epochs 3" in warmup and "6%" in warmup
+    (tiny,) = _warnings({"data": {"max_train_samples": 20}})
+    assert "data.max_train_samples 20" in tiny and "one global batch (64)" in tiny
+    (crowded,) = _warnings({"machine": {"cpu_ranks_per_node": 4096}})
+    assert "cpu_ranks_per_node 4096" in crowded and "cores" in crowded
+    assert _warnings({"launcher": "slurm", "machine": {"cpu_ranks_per_node": 4096}}) == []
+
+
+def test_a_batch_larger_than_a_ranks_share_is_refused():
+    run = ddpconfig.resolve_runs(ddpconfig.check({"train": {"batch_size": 100000}}))[0]
+    with pytest.raises(ConfigError) as info:
+        ddpconfig.check_batch_fits(run, 1293)
+    message = str(info.value)
+    assert "train.batch_size is 100000" in message and "only 647 training samples" in message
+    assert "at most 647" in message
+    ddpconfig.check_batch_fits({**run, "train": {**run["train"], "batch_size": 647}}, 1293)
+
+
 # --- bad configs through the real workflow ----------------------------------------------------
 
 WORKFLOW_CASES = [
     ("epochs-string", {"train": {"epochs": "ten"}}, "train.epochs"),
     ("unknown-dataset", {"data": {"source": "imagenet"}}, "data.source"),
     ("nodes-2-local", {"machine": {"nodes": 2}}, "machine.nodes"),
+    ("gpus-local-without-gpu", {"machine": {"gpus_per_node": 1}}, "no NVIDIA GPU"),
 ]
 
 
@@ -240,7 +328,8 @@ def workflow_runs(tmp_path_factory):
         workdir = tmp_path_factory.mktemp(name)
         configfile = workdir / "bad.yaml"
         configfile.write_text(yaml.safe_dump(overrides))
-        cmd, env = snakemake_command(workdir, configfile, "-n")
+        # no GPU visible, whatever machine runs the tests
+        cmd, env = snakemake_command(workdir, configfile, "-n", env={"CUDA_VISIBLE_DEVICES": ""})
         proc = subprocess.Popen(
             cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -265,3 +354,28 @@ def test_workflow_refuses_bad_config_before_submitting(workflow_runs, name, key)
     for directory in ("results", "logs"):
         assert not (workdir / directory).exists(), f"{directory}/ was created:\n{output}"
     assert not any(workdir.rglob("*submitit*"))
+
+
+def test_warnings_are_printed_by_the_dry_run(tmp_path):
+    configfile = tmp_path / "odd.yaml"
+    configfile.write_text(yaml.safe_dump({"train": {"warmup_epochs": 50, "epochs": 3}}))
+    cmd, env = snakemake_command(tmp_path, configfile, "-n")
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "ddpflow: warning: run 'default': train.warmup_epochs 50" in done.stderr
+
+
+@pytest.mark.e2e
+def test_oversized_batch_fails_the_train_rule_before_submitting(tmp_path):
+    """Known only once the data are staged: the train rule refuses before any job exists."""
+    configfile = tmp_path / "big.yaml"
+    configfile.write_text(yaml.safe_dump({"train": {"batch_size": 100000}}))
+    cmd, env = snakemake_command(tmp_path, configfile)
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    log = (tmp_path / "logs/train/default.log").read_text()
+    assert "train.batch_size is 100000" in log and "at most 647" in log, log
+    assert "Traceback" not in log, log
+    assert not (tmp_path / "logs/submitit/default/train").exists(), "a job was submitted"
+    assert not (tmp_path / "results/runs/default/model.pt").exists()
+    assert any((tmp_path / "results/staged").iterdir()), "staging should have run and stayed"

@@ -11,6 +11,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
+import os
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -63,8 +66,81 @@ def _key_path(error: jsonschema.ValidationError) -> str:
     return "".join(parts).lstrip(".") or "<top level>"
 
 
+# Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
+_SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+def slurm_minutes(text: str) -> int | None:
+    """Minutes of a Slurm time string ('1:30:00' -> 90, '2-00' -> 2880, '90' -> 90; seconds
+    round up), None if it is not one."""
+    match = _SLURM_TIME.match(text.strip())
+    if not match:
+        return None
+    days, first, second, third = match.groups()
+    if days is not None:  # D-H, D-H:M, D-H:M:S
+        h, m, sec = int(first), int(second or 0), int(third or 0)
+        seconds = ((int(days) * 24 + h) * 60 + m) * 60 + sec
+    elif third is not None:  # H:M:S
+        seconds = (int(first) * 60 + int(second)) * 60 + int(third)
+    elif second is not None:  # M:S
+        seconds = int(first) * 60 + int(second)
+    else:  # M
+        seconds = int(first) * 60
+    return math.ceil(seconds / 60)
+
+
+def _as_number(text: str) -> float | None:
+    """'1e-3' -> 0.001: PyYAML follows YAML 1.1, where a float needs a dot ('1.0e-3'), so
+    '1e-3' arrives as a string although the user plainly wrote a number."""
+    try:
+        value = float(text.strip())
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _coerced(error: jsonschema.ValidationError):
+    """The value the user unambiguously meant for a string of the wrong type, or None."""
+    if error.validator != "type" or not isinstance(error.instance, str):
+        return None
+    expected = error.validator_value
+    expected = [expected] if isinstance(expected, str) else list(expected)
+    path = list(error.absolute_path)
+    if path and path[-1] == "time_min":
+        return slurm_minutes(error.instance)
+    number = _as_number(error.instance)
+    if number is None:
+        return None
+    if "number" in expected:
+        return number
+    if "integer" in expected and number == int(number):
+        return int(number)
+    return None
+
+
+def _set_path(config: dict, path: list, value) -> None:
+    target = config
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+
+
+def _type_hint(error: jsonschema.ValidationError) -> str:
+    path = list(error.absolute_path)
+    if path and path[-1] == "time_min":
+        return " (minutes, e.g. 90, or a Slurm time such as 1:30:00 or 1-12:00:00)"
+    if isinstance(error.instance, str):
+        return " (in YAML, a value in quotes is a string: write numbers and true/false bare)"
+    return ""
+
+
 def _describe(error: jsonschema.ValidationError) -> str:
     path = _key_path(error)
+    if error.validator == "pattern" and path.endswith(".name"):
+        return (
+            f"{path}: {error.instance!r} is not a valid run name: use letters, digits, '_', "
+            "'.' and '-', starting with a letter or digit (it names folders)"
+        )
     if error.validator == "additionalProperties":
         allowed = sorted(error.schema.get("properties", {}))
         extra = sorted(set(error.instance) - set(allowed))
@@ -72,13 +148,23 @@ def _describe(error: jsonschema.ValidationError) -> str:
     if error.validator == "enum":
         return f"{path}: {error.instance!r} is not one of {error.validator_value}"
     if error.validator == "type":
-        return f"{path}: {error.instance!r} has the wrong type; expected {error.validator_value}"
+        return (
+            f"{path}: {error.instance!r} has the wrong type; expected {error.validator_value}"
+            + _type_hint(error)
+        )
     return f"{path}: {error.message}"
 
 
 def validate(config: dict, where: str = "config") -> dict:
     """Validate in place, filling defaults; ConfigError names the first problem."""
     validator = _defaulting_validator(load_schema())
+    for _ in range(1000):  # accept numbers written as strings and Slurm time strings
+        fixes = [(list(e.absolute_path), _coerced(e)) for e in validator.iter_errors(config)]
+        fixes = [(path, value) for path, value in fixes if value is not None]
+        for path, value in fixes:
+            _set_path(config, path, value)
+        if not fixes:
+            break
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if errors:
         raise ConfigError(f"{where}: {_describe(errors[0])}")
@@ -233,6 +319,15 @@ def _check_run(run: dict, launcher: str) -> None:
             f"{where}: machine.nodes is {machine['nodes']} but the local launcher runs on one "
             "machine; set machine.nodes: 1 or run with --profile profiles/slurm"
         )
+    if launcher == "local" and machine["gpus_per_node"]:
+        _check_local_gpus(where, machine["gpus_per_node"])
+    samples = run["data"]["max_train_samples"]
+    if samples is not None and samples < run["world_size"]:
+        raise ConfigError(
+            f"{where}: data.max_train_samples is {samples} but the run has {run['world_size']} "
+            f"ranks, so some ranks would train on padding only; set it to at least "
+            f"{run['world_size']} (or null for the whole split)"
+        )
     # torch 2.14 fails an internal assert at the first no_sync micro-step with a static graph
     # (pytorch/pytorch#143580): refuse it here, not minutes later on every rank
     if train["ddp"]["static_graph"] and train["grad_accum_steps"] > 1 and run["world_size"] > 1:
@@ -241,4 +336,79 @@ def _check_run(run: dict, launcher: str) -> None:
             f"{train['grad_accum_steps']}: DDP's static graph does not support skipping the "
             "all-reduce on accumulation steps; set train.ddp.static_graph: false or "
             "train.grad_accum_steps: 1"
+        )
+
+
+def _check_local_gpus(where: str, wanted: int) -> None:
+    """The local launcher runs on this machine: it must have the GPUs asked for (counted
+    without importing torch: CUDA_VISIBLE_DEVICES, else the NVIDIA driver's device list)."""
+    if os.environ.get("DDPFLOW_ALLOW_CPU_FALLBACK") == "1":
+        return
+    found = local_gpu_count()
+    if found >= wanted:
+        return
+    have = "no NVIDIA GPU" if found == 0 else f"{found} GPU(s)"
+    raise ConfigError(
+        f"{where}: machine.gpus_per_node is {wanted} but this machine has {have} (counted from "
+        "CUDA_VISIBLE_DEVICES, else /dev/nvidia*) and the local launcher runs here; set "
+        "machine.gpus_per_node: 0 for CPU ranks, or run on a GPU machine or cluster "
+        "(--profile slurm)"
+    )
+
+
+def local_gpu_count() -> int:
+    """GPUs a process here may use: CUDA_VISIBLE_DEVICES when set, else the NVIDIA device
+    files (/dev/nvidia0, ...: what a container is given), else the driver's list."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    devices = [p for p in Path("/dev").glob("nvidia*") if p.name[len("nvidia") :].isdigit()]
+    if devices:
+        return len(devices)
+    driver = Path("/proc/driver/nvidia/gpus")
+    return len(list(driver.iterdir())) if driver.is_dir() else 0
+
+
+def run_warnings(run: dict, launcher: str) -> list[str]:
+    """Legal but suspicious settings: the run starts, and these lines say what looks wrong."""
+    where = f"run {run['name']!r}"
+    machine, train, out = run["machine"], run["train"], []
+    if train["warmup_epochs"] > train["epochs"]:
+        reached = train["epochs"] / train["warmup_epochs"]
+        out.append(
+            f"{where}: train.warmup_epochs {train['warmup_epochs']} is more than train.epochs "
+            f"{train['epochs']}: the learning rate only reaches {reached:.0%} of its value; "
+            "lower warmup_epochs"
+        )
+    samples = run["data"]["max_train_samples"]
+    global_batch = train["batch_size"] * train["grad_accum_steps"] * run["world_size"]
+    if samples is not None and samples < global_batch:
+        out.append(
+            f"{where}: data.max_train_samples {samples} is less than one global batch "
+            f"({global_batch}): every epoch is a single optimizer step on {samples} sample(s)"
+        )
+    if launcher == "local" and not machine["gpus_per_node"]:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        wanted = machine["cpu_ranks_per_node"] * machine["cpus_per_task"]
+        if cores and wanted > cores:
+            out.append(
+                f"{where}: machine.cpu_ranks_per_node {machine['cpu_ranks_per_node']} x "
+                f"cpus_per_task {machine['cpus_per_task']} = {wanted} threads on this "
+                f"machine's {cores} cores: the ranks will contend and train slower than "
+                f"fewer would; set cpu_ranks_per_node to at most "
+                f"{max(1, cores // machine['cpus_per_task'])}"
+            )
+    return out
+
+
+def check_batch_fits(run: dict, train_samples: int) -> None:
+    """Before the training job is submitted: a per-rank batch larger than the rank's share of
+    the staged training split would silently shrink to that share (and the lr, scaled by the
+    configured batch, would be far too large)."""
+    per_rank = math.ceil(train_samples / run["world_size"])
+    if run["train"]["batch_size"] > per_rank:
+        raise ConfigError(
+            f"run {run['name']!r}: train.batch_size is {run['train']['batch_size']} but each of "
+            f"the {run['world_size']} ranks has only {per_rank} training samples "
+            f"({train_samples} in the staged split); set train.batch_size to at most {per_rank}"
         )

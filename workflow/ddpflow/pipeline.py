@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from . import data, launch, report, runtime, workspace
-from .config import config_hash, evaluation_fingerprint, training_fingerprint
+from .config import check_batch_fits, config_hash, evaluation_fingerprint, training_fingerprint
 from .errors import UserError
 from .paths import RunPaths
 from .tasks import EvalTask, TrainTask
@@ -63,6 +63,7 @@ def _distributed(task_cls, stage_name: str, run: dict, paths: RunPaths, logs_dir
 def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     """Train one run: resume only an interrupted attempt of this very config (else from
     scratch, saying why), then keep the work folder lean."""
+    check_batch_fits(run, data.read_manifest(paths.staged)["sizes"]["train"])
     workspace.prepare(run, paths.work)
     summary = _distributed(TrainTask, "train", run, paths, logs_dir)[0]
     workspace.finish(run, paths.work)

@@ -12,6 +12,10 @@ try:
 except ddpconfig.ConfigError as err:
     sys.exit(f"ddpflow: configuration error: {err}")
 config.update(checked)
+if workflow.is_main_process:
+    for run in resolved:
+        for warning in ddpconfig.run_warnings(run, config["launcher"]):
+            print(f"ddpflow: warning: {warning}", file=sys.stderr)
 
 RESULTS = config["results_dir"]
 LOGS = config["logs_dir"]
