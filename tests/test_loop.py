@@ -8,7 +8,15 @@ import math
 import pytest
 import torch
 from ddpflow.distenv import DistEnv
-from ddpflow.loop import Loop, effective_lr, epoch_indices, fit, lr_schedule, make_optimizer
+from ddpflow.loop import (
+    Diverged,
+    Loop,
+    effective_lr,
+    epoch_indices,
+    fit,
+    lr_schedule,
+    make_optimizer,
+)
 from ddpflow.models import mlp
 from distributed_helpers import make_data, run_group
 from torch.utils.data import DistributedSampler
@@ -148,6 +156,73 @@ def test_single_rank_loop_learns():
     assert records[-1]["step"] == loop.steps_per_epoch * 4 == math.ceil(200 / 16) * 4
     assert all(r["samples"] == 200 and r["micro_steps"] == 13 for r in records)
     assert records[-1]["lr"] == pytest.approx(0.0, abs=1e-3 * loop.lr)  # cosine ran out
+
+
+# --- divergence: a NaN/inf loss stops every rank at one step ----------------------------------
+
+
+def _huge_lr_run(on_nonfinite: str, world: int = 1) -> dict:
+    return make_run(
+        model={"name": "mlp", "mlp_hidden": [32]},
+        train={
+            "epochs": 3,
+            "batch_size": 16,
+            "progress": False,
+            "warmup_epochs": 0,
+            "optimizer": {"lr": 1e12},
+            "on_nonfinite": on_nonfinite,
+        },
+        machine={"cpu_ranks_per_node": world},
+    )
+
+
+def test_a_huge_lr_stops_training_with_run_epoch_and_step():
+    torch.manual_seed(0)
+    loop = Loop(_huge_lr_run("fail"), make_data(200, 50), SINGLE, CPU, mlp(64, [32], 4))
+    with pytest.raises(Diverged) as info:
+        fit(loop, lambda record: None)
+    message = str(info.value)
+    step = loop.scheduler.last_epoch
+    assert step < loop.steps_per_epoch, "it should stop in the first epoch, not train on"
+    assert (
+        f"run 'default': the training loss became NaN or infinite at epoch 1, optimizer step {step}"
+        in message
+    )
+    assert "Lower train.optimizer.lr" in message and "on_nonfinite: warn" in message
+    assert loop.history == []  # no epoch record of a diverged epoch
+
+
+def test_on_nonfinite_warn_trains_on_and_says_so_once(caplog):
+    torch.manual_seed(0)
+    loop = Loop(_huge_lr_run("warn"), make_data(200, 50), SINGLE, CPU, mlp(64, [32], 4))
+    with caplog.at_level("WARNING", logger="ddpflow.loop"):
+        fit(loop, lambda record: None)
+    assert len(loop.history) == 3
+    warnings = [r.message for r in caplog.records if "NaN or infinite" in r.message]
+    assert len(warnings) == 1 and "training on (train.on_nonfinite: warn)" in warnings[0]
+
+
+def _poisoned_rank(env):
+    """Rank 1 alone sees a non-finite loss (inputs divided by a zero std) from its first
+    step; rank 0's loss stays finite, yet both must stop at the same step."""
+    data = make_data(64, 16)
+    if env.rank == 1:
+        data["norm"] = (data["norm"][0], torch.zeros_like(data["norm"][1]))
+    torch.manual_seed(0)
+    run = _huge_lr_run("fail", world=2)
+    run["train"]["optimizer"]["lr"] = 0.01
+    loop = Loop(run, data, env, CPU, mlp(64, [32], 4))
+    try:
+        fit(loop, lambda record: None)
+    except Diverged as exc:
+        return {"step": loop.scheduler.last_epoch, "message": str(exc)}
+    return {"step": None, "message": "trained on"}
+
+
+def test_a_rank_whose_loss_is_not_finite_stops_every_rank_at_that_step(tmp_path):
+    ranks = run_group(2, _poisoned_rank, (), tmp_path)
+    assert [r["step"] for r in ranks] == [1, 1], ranks
+    assert all("optimizer step 1" in r["message"] for r in ranks)
 
 
 # --- two real DDP ranks: accumulation with no_sync == one large batch ---------------------------

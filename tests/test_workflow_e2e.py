@@ -79,3 +79,19 @@ def test_failing_rank_gives_clear_error_and_no_partial_output(workdir):
     assert leftovers == [], f"partial outputs left behind: {leftovers}"
     # the staged data (already computed) survives the failure
     assert any((workdir / "results/staged").iterdir())
+
+
+def test_a_diverging_run_fails_its_rule_naming_run_epoch_and_step(workdir):
+    """train.optimizer.lr far too large: the loss turns NaN/inf, every rank stops at that
+    step, the train rule fails with the reason, and nothing downstream runs."""
+    diverging = {
+        "train": {"epochs": 3, "progress": False, "warmup_epochs": 0, "optimizer": {"lr": 1e12}},
+        "runs": [{"name": "wild"}],
+    }
+    result = snakemake(workdir, write_config(workdir / "config.yaml", diverging))
+    assert result.returncode != 0
+    log = (workdir / "logs/train/wild.log").read_text()
+    assert "run 'wild': the training loss became NaN or infinite at epoch 1" in log, log[-3000:]
+    assert "Lower train.optimizer.lr" in log
+    assert not (workdir / "results/runs/wild/model.pt").exists()
+    assert not (workdir / "results/runs/wild/eval_metrics.json").exists()

@@ -38,6 +38,7 @@ def _edited(run: dict, path: str, value) -> dict:
         ("machine.cancel_on_interrupt", False),
         ("train.progress", False),
         ("train.max_requeues", 0),
+        ("train.on_nonfinite", "warn"),
         ("train.checkpoint.every_steps", 7),
         ("eval.batch_size", 100),
         # GPU-only settings on CPU ranks (the default config has gpus_per_node: 0)

@@ -28,6 +28,10 @@ from .runtime import PHASES, PhaseClock
 log = logging.getLogger(__name__)
 
 
+class Diverged(RuntimeError):
+    """The training loss became NaN or infinite (train.on_nonfinite: fail)."""
+
+
 def epoch_indices(n: int, world: int, rank: int, seed: int, epoch: int) -> torch.Tensor:
     """This rank's sample order for `epoch`: DistributedSampler(shuffle=True, drop_last=False)."""
     generator = torch.Generator().manual_seed(seed + epoch)
@@ -136,6 +140,12 @@ class Loop:
         self.epoch_seconds = dict.fromkeys(PHASES, 0.0)
         self.history: list[dict] = []
         self.on_step = None  # called after every optimizer step (checkpoint / stop checks)
+        # divergence watch: 1.0 once a micro-step's loss was non-finite, per optimizer step,
+        # MAX-reduced over ranks so that every rank decides alike at the same step; on CUDA
+        # read one step late (the host never waits for the step it just queued)
+        self._nonfinite = torch.zeros((), device=device)
+        self._unread: tuple | None = None  # (flag, epoch, step) not yet looked at
+        self._warned_nonfinite = False
 
     def _micro_batches(self) -> int:
         per_rank = math.ceil(self.data["train_x"].shape[0] / self.env.world_size)
@@ -163,6 +173,7 @@ class Loop:
                 progress.update(1)
             if last_micro and self.on_step is not None:
                 self.on_step(self)
+        self._read_nonfinite(None)  # the epoch's last step (the host syncs here anyway)
         # One host sync per epoch, not per step (the tutorials' .item() every step stalls).
         self.clock.settle()
         record = {
@@ -269,13 +280,49 @@ class Loop:
             with self.clock.phase(seconds, "backward_sync"):
                 # mean over the accumulation group (no extra kernel when there is none)
                 self.scaler.scale(loss / group if group > 1 else loss).backward()
+        loss = loss.detach().float()
+        torch.maximum(self._nonfinite, (~torch.isfinite(loss)).float(), out=self._nonfinite)
         if last_micro:
             with self.clock.phase(seconds, "optimizer"):
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.scheduler.step()
-        return loss.detach().float()
+            self._watch_nonfinite()
+        return loss
+
+    def _watch_nonfinite(self) -> None:
+        flag, self._nonfinite = self._nonfinite, torch.zeros((), device=self.device)
+        if self.env.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        current = (flag, self.epoch, self.scheduler.last_epoch)
+        if self.device.type == "cuda":
+            self._read_nonfinite(current)  # reads the previous step's flag
+        else:
+            self._unread = current
+            self._read_nonfinite(None)
+
+    def _read_nonfinite(self, replace_with: tuple | None) -> None:
+        unread, self._unread = self._unread, replace_with
+        if unread is None or not float(unread[0]):
+            return
+        _, epoch, step = unread
+        where = f"run {self.run['name']!r}: the training loss became NaN or infinite at epoch "
+        where += f"{epoch + 1}, optimizer step {step} (on at least one rank)"
+        advice = (
+            f"Lower train.optimizer.lr (the effective lr is {self.lr:.4g}), raise "
+            "train.warmup_epochs, or check the data"
+        )
+        if self.tcfg["on_nonfinite"] == "fail":
+            raise Diverged(
+                f"{where}; every rank stopped there. {advice}; "
+                "train.on_nonfinite: warn trains on regardless"
+            )
+        if not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            log.warning("%s; training on (train.on_nonfinite: warn). %s", where, advice)
 
     def validate(self) -> dict:
         images, labels = self.data["val_x"], self.data["val_y"]
