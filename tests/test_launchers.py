@@ -40,6 +40,7 @@ def test_torchrun_two_processes(workdir):
                 "-m",
                 "ddpflow",
                 command,
+                "tr",  # positional: torchrun would take `--run` for its own --run-path
                 "--config",
                 str(config),
             ],
@@ -55,6 +56,31 @@ def test_torchrun_two_processes(workdir):
     assert metrics["world_size"] == 2 and metrics["train"]["world_size"] == 2
     assert metrics["samples_evaluated"] == metrics["test_size"]
     assert metrics["accuracy"] > 0.9
+    report = subprocess.run(
+        [str(BIN / "python"), "-m", "ddpflow", "report", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert report.returncode == 0, report.stderr
+    assert (workdir / "results/report/report.html").stat().st_size > 0
+    assert "tr" in (workdir / "results/report/summary.json").read_text()
+
+
+def test_cli_help_lists_every_command():
+    done = subprocess.run(
+        [str(BIN / "python"), "-m", "ddpflow", "--help"], capture_output=True, text=True
+    )
+    assert done.returncode == 0
+    for command in ("stage", "train", "evaluate", "report"):
+        assert f"    {command}" in done.stdout, done.stdout
+    both = subprocess.run(
+        [str(BIN / "python"), "-m", "ddpflow", "train", "a", "--run", "b"],
+        capture_output=True,
+        text=True,
+    )
+    assert both.returncode == 2 and "two run names" in both.stderr
 
 
 def test_scaling_config_reports_speedup(workdir):

@@ -1,11 +1,15 @@
 """Command line: the same tasks Snakemake submits, for launchers that start the ranks themselves.
 
-  python -m ddpflow stage    --config config/config.yaml                # once, one process
-  srun python -m ddpflow train    --config config/config.yaml --run default
-  torchrun --nproc-per-node 2 -m ddpflow evaluate --config config/config.yaml --run default
+  python -m ddpflow stage                                     # once, one process
+  srun python -m ddpflow train default                        # every rank (plain sbatch)
+  torchrun --nproc-per-node 2 -m ddpflow evaluate default     # every rank (torchrun)
+  python -m ddpflow report                                    # once, after evaluation
 
-Every rank runs this module; the rank comes from the launcher's environment
-(ddpflow.distenv.discover). scripts/sbatch_train.sh is a ready batch script.
+RUN is a run name of the config (default: its first run); --config picks the file
+(default config/config.yaml). Write the run as a positional argument under torchrun: torchrun
+reads `--run` as an abbreviation of its own --run-path and stops. Every rank runs this module;
+the rank comes from the launcher's environment (ddpflow.distenv.discover).
+scripts/sbatch_train.sh is a ready batch script.
 """
 
 from __future__ import annotations
@@ -17,22 +21,43 @@ import sys
 from . import config as ddpconfig
 from . import pipeline
 from .data import DataError, verify_staged
-from .paths import RunPaths
+from .paths import REPORT_FILES, RunPaths, report_dir
 from .tasks import EvalTask, TrainTask
+
+COMMANDS = {
+    "stage": "stage the run's dataset into results/staged (one process; verified, atomic)",
+    "train": "train RUN on every rank the launcher started (resumes an interrupted attempt)",
+    "evaluate": "evaluate RUN's model on every rank: exact distributed accuracy",
+    "report": "build results/report from every run's metrics (one process)",
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m ddpflow", description=__doc__.split("\n")[0])
-    parser.add_argument("command", choices=["stage", "train", "evaluate"])
-    parser.add_argument("--config", default="config/config.yaml", help="YAML config file")
-    parser.add_argument("--run", default=None, help="run name (default: the first run)")
-    parser.add_argument(
-        "--launcher",
-        default=None,
-        choices=["local", "slurm"],
-        help="override the config's launcher (checks only; ranks come from env)",
+    parser = argparse.ArgumentParser(
+        prog="python -m ddpflow",
+        description=__doc__.split("\n")[0],
+        epilog="\n".join(__doc__.split("\n")[1:6]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    return parser.parse_args(argv)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("--config", default="config/config.yaml", help="YAML config file")
+        if name != "report":
+            sub.add_argument("run_name", nargs="?", metavar="RUN", help="run name")
+            sub.add_argument("--run", default=None, help="run name (not under torchrun)")
+        sub.add_argument(
+            "--launcher",
+            default=None,
+            choices=["local", "slurm"],
+            help="override the config's launcher (checks only; ranks come from env)",
+        )
+    args = parser.parse_args(argv)
+    if args.command != "report":
+        if args.run and args.run_name and args.run != args.run_name:
+            parser.error(f"two run names: {args.run_name!r} and --run {args.run!r}")
+        args.run = args.run or args.run_name
+    return args
 
 
 def select_run(cfg: dict, name: str | None) -> dict:
@@ -58,10 +83,12 @@ def main(argv=None) -> int:
     overrides = {"launcher": args.launcher} if args.launcher else {}
     try:
         cfg = ddpconfig.load(args.config, overrides)
-        run = select_run(cfg, args.run)
+        run = select_run(cfg, getattr(args, "run", None))
     except ddpconfig.ConfigError as exc:
         print(f"ddpflow: configuration error: {exc}", file=sys.stderr)
         return 2
+    if args.command == "report":
+        return _report(cfg)
     paths = RunPaths.for_run(cfg["results_dir"], run)
     if args.command == "stage":
         if already_staged(paths.staged, run["data"]):
@@ -72,6 +99,22 @@ def main(argv=None) -> int:
     task_cls = TrainTask if args.command == "train" else EvalTask
     result = task_cls(run, paths, file_rendezvous=False)()
     print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+def _report(cfg: dict) -> int:
+    runs = ddpconfig.resolve_runs(cfg)
+    files = [RunPaths.for_run(cfg["results_dir"], run) for run in runs]
+    out = report_dir(cfg["results_dir"])
+    pipeline.run_rule(
+        pipeline.build_report,
+        None,
+        [run["name"] for run in runs],
+        [f.train_metrics for f in files],
+        [f.eval_metrics for f in files],
+        str(out),
+    )
+    print(f"ddpflow: report in {out / REPORT_FILES['html']}")
     return 0
 
 

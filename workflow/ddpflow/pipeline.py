@@ -81,11 +81,12 @@ def evaluate_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     result = _distributed(EvalTask, "evaluate", run, paths, logs_dir)[0]
     workspace.remove_rendezvous_files(paths.work)
     log.info(
-        "evaluate %r: accuracy %.4f (%d/%d samples)",
+        "evaluate %r on the %s split: %d of %d samples correct, accuracy %.4f",
         run["name"],
-        result["accuracy"],
+        result["split"],
+        result["correct"],
         result["samples_evaluated"],
-        result["test_size"],
+        result["accuracy"],
     )
     return result
 

@@ -284,4 +284,5 @@ class EvalTask(DistributedTask):
             "dataset": {k: manifest[k] for k in ("source", "sizes")},
         }
         runtime.atomic_write_json(paths.eval_metrics, result)
-        return {k: result[k] for k in ("run", "accuracy", "samples_evaluated", "test_size")}
+        keys = ("run", "split", "accuracy", "correct", "samples_evaluated", "test_size")
+        return {k: result[k] for k in keys}
