@@ -148,7 +148,11 @@ def test_speedup_and_efficiency(report):
     _, _, out = report
     summary = json.loads((out / "summary.json").read_text())
     by_run = {row["run"]: row for row in summary["runs"]}
-    assert summary["scaling_baseline"] == {"world_size": 1, "samples_per_s": 1000.0}
+    assert summary["scaling_baseline"] == {
+        "world_size": 1,
+        "samples_per_s": 1000.0,
+        "runs": ["r1", "<b>x", "r4"],
+    }
     assert by_run["r1"]["speedup"] == pytest.approx(1.0)
     assert by_run["<b>x"]["speedup"] == pytest.approx(1.9)
     assert by_run["<b>x"]["efficiency"] == pytest.approx(0.95)
@@ -180,6 +184,54 @@ def test_no_scaling_with_one_world_size(tmp_path):
     assert summary["scaling_baseline"] is None
     assert all(row["speedup"] is None for row in summary["runs"])
     assert "Speedup" not in paths["html"].read_text()
+
+
+def _with_config(run: dict, model: str, world: int) -> dict:
+    """A run whose provenance holds a real-looking config: its model and machine shape."""
+    path = run["eval_metrics"]
+    ev = json.loads(path.read_text())
+    ev["provenance"]["config"] = {
+        "data": {"source": "digits"},
+        "model": {"name": model},
+        "train": {"epochs": 4, "batch_size": 32, "progress": False},
+        "machine": {"gpus_per_node": 0, "cpu_ranks_per_node": world},
+    }
+    ev["train"].update(parameters=1234, lr=0.05, global_batch=32 * world, precision="fp32")
+    path.write_text(json.dumps(ev))
+    return run
+
+
+def test_scaling_compares_only_runs_that_differ_in_machine_shape(tmp_path):
+    """A cnn at 1, 2 and 4 ranks, an mlp and a resnet18 at other sizes: the cnn alone is a
+    scaling study; the mlp and resnet18 get no speedup (not 'Speedup 0.19x' against a cnn)."""
+    runs = [
+        _with_config(_write_run(tmp_path / "a", "cnn1", 1, 1, 1000.0), "cnn", 1),
+        _with_config(_write_run(tmp_path / "b", "cnn2", 2, 1, 1800.0), "cnn", 2),
+        _with_config(_write_run(tmp_path / "c", "cnn4", 4, 1, 3000.0), "cnn", 4),
+        _with_config(_write_run(tmp_path / "d", "mlp", 8, 2, 9000.0), "mlp", 8),
+        _with_config(_write_run(tmp_path / "e", "resnet", 16, 4, 190.0), "resnet18", 16),
+    ]
+    paths = build_report(runs, tmp_path / "out")
+    summary = json.loads(paths["summary_json"].read_text())
+    rows = {row["run"]: row for row in summary["runs"]}
+    assert summary["scaling_baseline"]["runs"] == ["cnn1", "cnn2", "cnn4"]
+    assert rows["cnn4"]["speedup"] == pytest.approx(3.0)
+    assert rows["cnn2"]["efficiency"] == pytest.approx(0.9)
+    assert rows["mlp"]["speedup"] is None and rows["resnet"]["speedup"] is None
+    page = paths["html"].read_text()
+    assert "Throughput against ranks (cnn1, cnn2, cnn4)" in page
+    assert "0.19×" not in page and "3.00×" in page
+    # the runs table says what each run trained
+    assert "<td>resnet18</td>" in page and "<td>1,234</td>" in page and "<td>256</td>" in page
+    assert "node0 ×" not in page  # one rank per host here; hosts are listed once each
+
+
+def test_hosts_are_listed_once_with_their_rank_count():
+    from ddpflow.render import _hosts
+
+    assert _hosts(["vm"] * 4) == "vm ×4"
+    assert _hosts(["n1", "n1", "n2", "n2"]) == "n1 ×2, n2 ×2"
+    assert _hosts([f"n{i}" for i in range(6)]) == "n0, n1, n2, n3, … (+2 hosts)"
 
 
 def test_missing_file_names_run_and_file(tmp_path):

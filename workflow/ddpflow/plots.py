@@ -143,7 +143,7 @@ def render_figures(loaded, rows: list[dict], baseline) -> dict[str, tuple[str, b
     """All report figures as key -> (caption, PNG bytes); the key is the file stem in plots/.
 
     loaded: [(run name, per-epoch records, eval metrics)]; rows: report summary rows;
-    baseline: (ranks, samples/s) of the scaling reference, or None for no scaling plot.
+    baseline: (ranks, samples/s, run names) of the plotted scaling study, or None.
     """
     per_epoch = {key: {name: [(e["epoch"], e[key]) for e in epochs] for name, epochs, _ in loaded}
                  for key in ("train_loss", "val_accuracy")}  # fmt: skip
@@ -157,8 +157,11 @@ def render_figures(loaded, rows: list[dict], baseline) -> dict[str, tuple[str, b
             names, [row["train_samples_per_s"] for row in rows])),
     }  # fmt: skip
     if baseline:
-        points = [(row["run"], row["world_size"], row["train_samples_per_s"]) for row in rows]
-        figures["scaling"] = ("Throughput against ranks", plot_scaling(points, *baseline))
+        base_ranks, base_rate, runs = baseline
+        points = [(r["run"], r["world_size"], r["train_samples_per_s"]) for r in rows
+                  if r["run"] in runs]  # fmt: skip
+        caption = f"Throughput against ranks ({', '.join(runs)})"
+        figures["scaling"] = (caption, plot_scaling(points, base_ranks, base_rate))
     for name, _, ev in loaded:
         png = plot_confusion(name, ev["confusion_matrix"], ev["class_names"], ev["accuracy"])
         figures[f"confusion_{safe_name(name)}"] = (f"Confusion matrix: {name}", png)

@@ -29,28 +29,54 @@ def _seconds(value: float) -> str:
 
 
 def _hosts(hosts: list) -> str:
-    # A 32-node run would drown the table; summary.json keeps the full list.
-    shown = ", ".join(map(str, hosts[:4]))
-    return shown + (f", … (+{len(hosts) - 4})" if len(hosts) > 4 else "")
+    """One entry per host with its rank count ('node1 ×4, node2 ×4'); a 32-node run would
+    drown the table, so at most 4 hosts (summary.json keeps the full list)."""
+    counts: dict[str, int] = {}
+    for host in map(str, hosts):
+        counts[host] = counts.get(host, 0) + 1
+    shown = ", ".join(f"{h} ×{n}" if n > 1 else h for h, n in list(counts.items())[:4])
+    return shown + (f", … (+{len(counts) - 4} hosts)" if len(counts) > 4 else "")
+
+
+def _number(value, fmt: str) -> str:
+    return "?" if value is None else format(value, fmt)
 
 
 def _runs_table(rows: list[dict], scaling: bool) -> tuple:
-    headers = ["Run", "Test accuracy", "Evaluated / test size", "World size", "Nodes", "Hosts",
-               "Device", "Train samples/s", "Train wall time", "Attempts", "Eval time"]  # fmt: skip
-    if scaling:
-        headers[8:8] = ["Speedup", "Efficiency"]
+    """What each run trained and how well: one row per run."""
+    headers = ["Run", "Test accuracy", "Evaluated / test size", "Model", "Parameters",
+               "Epochs", "Global batch", "LR (effective)", "Precision"]  # fmt: skip
     body, best = [], None
     for index, row in enumerate(rows):
         cells = [row["run"] + (" ★ best" if row["best"] else ""), f"{row['accuracy']:.2%}",
-                 f"{row['samples_evaluated']} / {row['test_size']}", str(row["world_size"]),
-                 str(row["nodes"]), _hosts(row["hosts"]), f"{row['device']} ({row['precision']})",
-                 f"{row['train_samples_per_s']:.1f}", _seconds(row["train_wall_seconds"]),
-                 str(row["attempts"]), _seconds(row["eval_seconds"])]  # fmt: skip
-        if scaling:
-            cells[8:8] = [f"{row['speedup']:.2f}×", f"{row['efficiency']:.1%}"]
+                 f"{row['samples_evaluated']} / {row['test_size']}", row["model"],
+                 _number(row["parameters"], ","), str(row["epochs"]),
+                 _number(row["global_batch"], "d"), _number(row["lr"], ".4g"),
+                 row["precision"]]  # fmt: skip
         body.append(cells)
         best = index if row["best"] else best
     return ("table", headers, body, best)
+
+
+def _machine_table(rows: list[dict], scaling: bool) -> tuple:
+    """Where and how fast each run trained; speedup only within a scaling group."""
+    headers = ["Run", "World size", "Nodes", "Hosts", "Device", "Train samples/s",
+               "Train wall time", "Attempts", "Eval time"]  # fmt: skip
+    if scaling:
+        headers[6:6] = ["Scaling group", "Speedup", "Efficiency"]
+    body = []
+    for row in rows:
+        cells = [row["run"], str(row["world_size"]), str(row["nodes"]), _hosts(row["hosts"]),
+                 row["device"], f"{row['train_samples_per_s']:.1f}",
+                 _seconds(row["train_wall_seconds"]), str(row["attempts"]),
+                 _seconds(row["eval_seconds"])]  # fmt: skip
+        if scaling:
+            grouped = row["speedup"] is not None
+            cells[6:6] = [str(row["scaling_group"]) if grouped else "–",
+                          f"{row['speedup']:.2f}×" if grouped else "–",
+                          f"{row['efficiency']:.1%}" if grouped else "–"]  # fmt: skip
+        body.append(cells)
+    return ("table", headers, body, None)
 
 
 def _phase_table(rows: list[dict]) -> tuple:
@@ -95,12 +121,16 @@ def _provenance_blocks(loaded) -> list[tuple]:
 
 def document(loaded, rows, figures, generated: str) -> list[tuple]:
     best = next(row["run"] for row in rows if row["best"])
-    scaling = rows[0]["speedup"] is not None
+    scaling = any(row["speedup"] is not None for row in rows)
     blocks = [("p", f"Generated {generated}. {len(rows)} run(s); best test accuracy: {best}.")]
     blocks += [("h2", "Runs"), _runs_table(rows, scaling)]
+    blocks += [("h2", "Machine and speed"), _machine_table(rows, scaling)]
     if scaling:
-        blocks.append(("p", "Speedup and efficiency are relative to the fastest run at the "
-                            "smallest world size (ideal: linear in ranks)."))  # fmt: skip
+        blocks.append(("p", "Speedup and efficiency compare only runs that differ in machine "
+                            "shape alone (same data, model and training settings: one scaling "
+                            "group), each against its group's fastest run at the group's "
+                            "smallest world size (ideal: linear in ranks). Runs without a "
+                            "group have nothing to compare with."))  # fmt: skip
     blocks += [("h2", "Time per phase (sum over epochs, share of epoch time)"), _phase_table(rows)]
     blocks += [("h2", "Per-class test accuracy"), *_class_tables(loaded)]
     blocks.append(("h2", "Plots"))

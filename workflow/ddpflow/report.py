@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ddpflow import plots
+from ddpflow.config import VOLATILE_TRAIN_KEYS
 from ddpflow.errors import ReportInputError
 from ddpflow.paths import REPORT_FILES
 from ddpflow.render import PHASES, document, to_html, to_markdown
@@ -146,6 +147,10 @@ def _summary_row(name: str, epochs: list[dict], ev: dict) -> dict:
         # device name and precision: written since the GPU path ran (older files: cpu/cuda)
         "device": train.get("device_name", str(train.get("device", "cpu")).split(":")[0]),
         "precision": train.get("precision", "fp32"),
+        # what was trained (older metrics files lack some: shown as "?")
+        "model": _model_name(ev["provenance"]["config"]), "parameters": train.get("parameters"),
+        "global_batch": train.get("global_batch"), "lr": train.get("lr"),
+        "science": _science(ev["provenance"]["config"]),
     }  # fmt: skip
     # Summed over the kept (deduplicated) epochs: the time of the final, complete history.
     for phase in (*PHASES, "epoch"):
@@ -153,24 +158,52 @@ def _summary_row(name: str, epochs: list[dict], ev: dict) -> dict:
     return row
 
 
-def _add_scaling(rows: list[dict]) -> tuple[int, float] | None:
-    """Speedup and efficiency against the fastest run at the smallest world size.
+def _model_name(config: dict) -> str:
+    model = config.get("model")
+    return str(model.get("name", "?")) if isinstance(model, dict) else str(model or "?")
 
-    The fastest baseline keeps efficiency from being flattered by a slow reference run.
-    """
+
+def _science(config: dict) -> str:
+    """What a run trained, apart from the machine shape: data, model, training settings (less
+    those that cannot change a result) and CPU vs GPU. Runs that agree on it form a scaling
+    study; runs that differ in it are not compared by speedup."""
+    train = config.get("train")
+    if isinstance(train, dict):
+        train = {k: v for k, v in train.items() if k not in VOLATILE_TRAIN_KEYS}
+    machine = config.get("machine") if isinstance(config.get("machine"), dict) else {}
+    science = {
+        "data": config.get("data"),
+        "model": config.get("model"),
+        "train": train,
+        "gpu": bool(machine.get("gpus_per_node")),
+    }
+    return json.dumps(science, sort_keys=True, default=str)
+
+
+def _add_scaling(rows: list[dict]) -> tuple[int, float, list[str]] | None:
+    """Speedup and efficiency within each group of runs that differ only in machine shape,
+    against the group's fastest run at its smallest world size (the fastest keeps efficiency
+    from being flattered by a slow reference). Returns the largest group's baseline and run
+    names (the scaling plot's), or None when no group spans two world sizes."""
+    groups: dict[str, list[dict]] = {}
     for row in rows:
-        row["speedup"] = row["efficiency"] = None
-    if len({row["world_size"] for row in rows}) < 2:
-        return None
-    if any(row["train_samples_per_s"] <= 0 or row["world_size"] <= 0 for row in rows):
+        row["speedup"] = row["efficiency"] = row["scaling_group"] = None
+        groups.setdefault(row["science"], []).append(row)
+    studies = [g for g in groups.values() if len({row["world_size"] for row in g}) >= 2]
+    if any(r["train_samples_per_s"] <= 0 or r["world_size"] <= 0 for g in studies for r in g):
         log.warning("report: a run has no positive throughput or world size; no scaling")
         return None
-    base_ranks = min(row["world_size"] for row in rows)
-    base_rate = max(r["train_samples_per_s"] for r in rows if r["world_size"] == base_ranks)
-    for row in rows:
-        row["speedup"] = row["train_samples_per_s"] / base_rate
-        row["efficiency"] = row["speedup"] / (row["world_size"] / base_ranks)
-    return base_ranks, base_rate
+    plotted = None
+    for number, group in enumerate(studies, start=1):
+        base_ranks = min(row["world_size"] for row in group)
+        base_rate = max(r["train_samples_per_s"] for r in group if r["world_size"] == base_ranks)
+        for row in group:
+            row["speedup"] = row["train_samples_per_s"] / base_rate
+            row["efficiency"] = row["speedup"] / (row["world_size"] / base_ranks)
+            row["scaling_group"] = number
+        if plotted is None or len(group) > len(plotted[2]):
+            plotted = (base_ranks, base_rate, [row["run"] for row in group])
+    return plotted
 
 
 def _summary_csv(rows: list[dict]) -> str:
@@ -185,8 +218,8 @@ def _summary(loaded, rows, baseline, generated: str) -> dict:
     best = next(row["run"] for row in rows if row["best"])
     return {
         "generated": generated, "best_run": best, "runs": rows,
-        "scaling_baseline": {"world_size": baseline[0], "samples_per_s": baseline[1]}
-        if baseline else None,
+        "scaling_baseline": {"world_size": baseline[0], "samples_per_s": baseline[1],
+                             "runs": baseline[2]} if baseline else None,
         "per_class_accuracy": {
             name: dict(zip(map(str, ev["class_names"]), ev["per_class_accuracy"], strict=True))
             for name, _, ev in loaded

@@ -174,6 +174,11 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             "phase_seconds": phases,
             "device": str(data["train_x"].device),
             "device_name": runtime.device_name(data["train_x"].device),
+            "parameters": count_parameters(model),
+            "lr": loop.lr,
+            "global_batch": run["train"]["batch_size"]
+            * run["train"]["grad_accum_steps"]
+            * env.world_size,
             "precision": run["train"]["precision"] if loop.autocast else "fp32",
         }
         runtime.atomic_write_bytes(paths.train_metrics, live_metrics.read_bytes())
