@@ -6,6 +6,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -123,3 +124,51 @@ def test_full_disk_during_write_keeps_previous_checkpoint(tmp_path):
         "ckpt-000000004.pt.sha256",
     ]
     assert checkpoint.load_latest(tmp_path, "h1")["step"] == 4
+
+
+# --- restore is collective: every rank takes the same collectives, whatever it found ---------
+
+
+def _restore_where_only_rank_0_sees_another_config(env, work_dirs, policy):
+    """Rank 0's work folder holds a checkpoint of another config, rank 1's none: what a peer
+    sees when rank 0 set the folder aside before that peer read it. Both ranks must agree
+    and keep their collectives paired (an all_reduce right after proves it)."""
+    import torch.distributed as dist
+    from ddpflow.checkpoint import Checkpointer, CheckpointMismatch
+    from workflow_helpers import make_run
+
+    run = make_run(
+        train={"checkpoint": {"on_config_change": policy}},
+        machine={"cpu_ranks_per_node": 2},
+    )
+    work = work_dirs[env.rank]
+    if env.rank == 0:
+        checkpoint.save(_state(5, config_hash="another"), checkpoint.checkpoint_dir(work), 5, 3)
+    ckpt = Checkpointer(run, work, env)
+    try:
+        # no loop is loaded into here: neither rank may resume another config's state
+        nothing = types.SimpleNamespace(device=torch.device("cpu"))
+        outcome = "fresh" if ckpt.restore(nothing) is None else "resumed"
+    except CheckpointMismatch as exc:
+        outcome = f"refused: {exc}"
+    value = torch.tensor([float(env.rank)])
+    dist.all_reduce(value)  # would pair with a stray barrier if restore had not agreed
+    return outcome, float(value)
+
+
+@pytest.mark.parametrize("policy", ["start_over", "refuse"])
+def test_restore_agrees_across_ranks_when_one_rank_sees_another_config(tmp_path, policy):
+    from distributed_helpers import run_group
+
+    work_dirs = [str(tmp_path / "rank0"), str(tmp_path / "rank1")]
+    ranks = run_group(
+        2, _restore_where_only_rank_0_sees_another_config, (work_dirs, policy), tmp_path / "r"
+    )
+    assert [value for _, value in ranks] == [1.0, 1.0]
+    outcomes = [outcome for outcome, _ in ranks]
+    if policy == "start_over":
+        assert outcomes == ["fresh", "fresh"]
+        assert list((tmp_path / "rank0").glob("checkpoints.old-*/ckpt-*.pt")), "not set aside"
+    else:
+        assert all(o.startswith("refused") for o in outcomes), outcomes
+        assert "another rank found checkpoints of another config" in outcomes[1]

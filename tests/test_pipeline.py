@@ -34,3 +34,22 @@ def test_other_errors_keep_their_traceback(tmp_path):
         pipeline.run_rule(rule, str(log_file))
     text = log_file.read_text()
     assert "Traceback (most recent call last)" in text and "a bug" in text
+
+
+def test_a_failed_job_forgets_its_record_so_a_retry_submits_anew(tmp_path):
+    """Snakemake retries a failed rule (profiles/slurm: retries: 1): the retry must submit a
+    new job, not reattach to the failed one and read its failure again. Real local job: the
+    ranks fail because the staged data do not exist."""
+    from ddpflow import launch
+    from ddpflow.paths import RunPaths
+    from ddpflow.tasks import TrainTask
+    from workflow_helpers import make_run
+
+    run = make_run(train={"progress": False}, results_dir=str(tmp_path / "results"))
+    paths = RunPaths.for_run(run["results_dir"], run)
+    record = tmp_path / "train-job.json"
+    with pytest.raises(launch.LaunchError, match="does not exist"):
+        launch.launch(
+            TrainTask(run, paths), "local", run["machine"], tmp_path / "logs", "t", record, "f"
+        )
+    assert not record.exists()

@@ -253,7 +253,8 @@ def test_edited_config_cancels_the_detached_job_instead_of_reattaching(slurm_clu
         "runs": [{"name": "long"}],
     }
     result = slurm_snakemake(tmp_path, write_config(tmp_path / "config.yaml", edited))
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    stories = "\n".join(job_story(job, folder, tail=800) for job in job_ids(folder))
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:] + stories
     assert sacct_state(old_job) == "CANCELLED"
     new_jobs = [job for job in job_ids(folder) if job != old_job]
     assert len(new_jobs) == 1 and sacct_state(new_jobs[0]) == "COMPLETED"

@@ -122,12 +122,23 @@ class Checkpointer:
         self.attempt = 1
 
     def restore(self, loop) -> dict | None:
-        """Load the newest valid checkpoint into loop (and this rank's RNG state)."""
+        """Load the newest valid checkpoint into loop (and this rank's RNG state).
+
+        Collective, with the same collectives on every rank whatever it found: all ranks
+        read, agree whether any saw another config's checkpoints, and only then does rank 0
+        set them aside. (Rank 0 renaming the folder while a peer had yet to read it made the
+        peer start fresh and skip the barrier rank 0 waited in: the ranks' collectives
+        paired up wrongly and every rank timed out.)"""
         try:
             state = load_latest(self.directory, self.hash, map_location=loop.device)
-        except CheckpointMismatch:
+            mismatch = None
+        except CheckpointMismatch as exc:
+            state, mismatch = None, exc
+        if _any_rank(self.env, mismatch is not None):
             if self.on_config_change != "start_over":
-                raise
+                raise mismatch or CheckpointMismatch(
+                    f"another rank found checkpoints of another config in {self.directory}"
+                )
             if self.env.is_master:
                 set_aside(self.directory, "the checkpoints belong to another config")
             barrier(self.env)
@@ -187,6 +198,20 @@ class Checkpointer:
             flag = flag.to(device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def _any_rank(env, flag: bool) -> bool:
+    """True on every rank if `flag` is true on any (a MAX all-reduce; world 1: the flag)."""
+    if env.world_size == 1:
+        return flag
+    import torch.distributed as dist
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    if device == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def _gather_rng(env) -> list[dict]:

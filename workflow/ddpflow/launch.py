@@ -134,7 +134,14 @@ def launch(
                 job = submit(
                     task, launcher, machine, folder, job_name, record, fingerprint, max_requeues
                 )
-            results = wait(job, job_name, poll_s=1.0 if launcher == "local" else 5.0)
+            try:
+                results = wait(job, job_name, poll_s=1.0 if launcher == "local" else 5.0)
+            except LaunchError:
+                # the job ended and failed: a retry or rerun must submit a new one, not
+                # reattach to this one and read its failure again
+                if record:
+                    Path(record).unlink(missing_ok=True)
+                raise
     except KeyboardInterrupt:
         if job is not None:
             with ignore_stop_signals():  # a second Ctrl-C must not abandon the cancel
@@ -173,6 +180,27 @@ def submit(task, launcher, machine, folder, job_name, record, fingerprint, max_r
     return job
 
 
+def cancel_outdated(record, fingerprint: str, num_tasks: int | None = None) -> None:
+    """Cancel the Slurm job an earlier, stopped attempt left running (cancel_on_interrupt:
+    false) if it was submitted for another config (or rank count): its result is not wanted
+    any more, and it would keep writing into the run's work folder."""
+    previous = read_record(record)
+    if not previous or previous.get("launcher") != "slurm":
+        return
+    same = previous.get("fingerprint") == fingerprint and (
+        num_tasks is None or previous.get("num_tasks") == num_tasks
+    )
+    if same or not slurm_job_alive(previous["job_id"]):
+        return
+    log.warning(
+        "cancelling Slurm job %s: it was submitted for a config that has been edited since; "
+        "submitting a new one",
+        previous["job_id"],
+    )
+    folder = previous.get("folder")
+    cancel_and_wait(submitit.SlurmJob(folder=folder, job_id=previous["job_id"]))
+
+
 def reattach(record, launcher: str, folder, fingerprint: str, num_tasks: int):
     """The job recorded by an earlier, interrupted attempt, if it is still alive (or finished
     with results) and was submitted for the same config; never a second job for one run."""
@@ -180,15 +208,8 @@ def reattach(record, launcher: str, folder, fingerprint: str, num_tasks: int):
     if not previous or launcher != "slurm" or previous.get("launcher") != "slurm":
         return None
     if previous.get("fingerprint") != fingerprint or previous.get("num_tasks") != num_tasks:
-        # the config was edited while the job ran on (cancel_on_interrupt: false): its result
-        # is not wanted any more, and it would keep writing into this run's work folder
-        if slurm_job_alive(previous["job_id"]):
-            log.warning(
-                "cancelling Slurm job %s: it was submitted for a config that has been edited "
-                "since; submitting a new one",
-                previous["job_id"],
-            )
-            cancel_and_wait(submitit.SlurmJob(folder=folder, job_id=previous["job_id"]))
+        # the config was edited while the job ran on (cancel_on_interrupt: false)
+        cancel_outdated(record, fingerprint, num_tasks)
         return None
     job = submitit.SlurmJob(folder=folder, job_id=previous["job_id"], tasks=range(num_tasks))
     finished = all(job.task(i).paths.result_pickle.exists() for i in range(num_tasks))

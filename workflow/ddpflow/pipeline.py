@@ -31,6 +31,11 @@ def stage_data(data_cfg: dict, out_dir: str) -> dict:
     return manifest
 
 
+def _job_record(paths: RunPaths, stage_name: str) -> Path:
+    """Where the id of the stage's submitted job is kept (for a reattach after a stop)."""
+    return Path(paths.work) / f"{stage_name}-job.json"
+
+
 def _distributed(task_cls, stage_name: str, run: dict, paths: RunPaths, logs_dir: str) -> list:
     folder = Path(logs_dir).resolve() / "submitit" / run["name"] / stage_name
     start = time.perf_counter()
@@ -40,7 +45,7 @@ def _distributed(task_cls, stage_name: str, run: dict, paths: RunPaths, logs_dir
         run["machine"],
         folder,
         job_name=f"ddpflow-{stage_name}-{run['name']}",
-        record=Path(paths.work) / f"{stage_name}-job.json",
+        record=_job_record(paths, stage_name),
         # what the job computes: a rerun reattaches to a job of the same fingerprint and
         # cancels one of an edited config (launch.reattach)
         fingerprint=config_hash(
@@ -64,6 +69,9 @@ def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     """Train one run: resume only an interrupted attempt of this very config (else from
     scratch, saying why), then keep the work folder lean."""
     check_batch_fits(run, data.read_manifest(paths.staged)["sizes"]["train"])
+    # a job still running for an edited config (kept after a stop) must be gone before the
+    # work folder is decided on: it would write its old-config checkpoints into it
+    launch.cancel_outdated(_job_record(paths, "train"), config_hash(training_fingerprint(run)))
     workspace.prepare(run, paths.work)
     summary = _distributed(TrainTask, "train", run, paths, logs_dir)[0]
     workspace.finish(run, paths.work)
