@@ -264,3 +264,9 @@ def test_failed_rebuild_keeps_previous_report(tmp_path):
     with pytest.raises(ValueError, match="no epochs recorded"):
         build_report(runs, tmp_path / "out")
     assert paths["html"].read_bytes() == before
+
+
+def test_short_times_read_as_measured():
+    from ddpflow.render import _seconds
+
+    assert _seconds(0.042) == "42 ms" and _seconds(1.5) == "1.5 s" and _seconds(600) == "10.0 min"

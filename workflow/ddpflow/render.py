@@ -23,6 +23,8 @@ __all__ = ["PHASES", "document", "to_html", "to_markdown"]
 
 
 def _seconds(value: float) -> str:
+    if value < 1:  # a small split evaluates in milliseconds: "0.0 s" read as unmeasured
+        return f"{value * 1000:.0f} ms"
     if value < 120:
         return f"{value:.1f} s"
     return f"{value / 60:.1f} min" if value < 7200 else f"{value / 3600:.2f} h"
