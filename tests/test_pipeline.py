@@ -53,3 +53,33 @@ def test_a_failed_job_forgets_its_record_so_a_retry_submits_anew(tmp_path):
             TrainTask(run, paths), "local", run["machine"], tmp_path / "logs", "t", record, "f"
         )
     assert not record.exists()
+
+
+def test_epoch_progress_logs_each_new_epoch_once(tmp_path, caplog):
+    import json
+
+    from ddpflow.pipeline import EpochProgress
+    from workflow_helpers import make_run
+
+    def line(epoch):
+        record = {"epoch": epoch, "train_loss": 0.5, "val_accuracy": 0.9,
+                  "samples_per_s": 1000.0, "seconds": {"epoch": 2.0}}  # fmt: skip
+        return json.dumps(record) + "\n"
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(line(1))  # an earlier attempt's epoch: not news
+    run = make_run(train={"epochs": 4})
+    progress = EpochProgress(run, metrics)
+    with caplog.at_level("INFO", logger="ddpflow.pipeline"):
+        progress()
+        with open(metrics, "a") as handle:
+            handle.write(line(2) + line(3)[:20])  # epoch 3 half written
+        progress()
+        with open(metrics, "a") as handle:
+            handle.write(line(3)[20:])
+        progress()
+        progress()
+    lines = [r.message for r in caplog.records if "epoch" in r.message]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("run 'default' epoch 2/4: train loss 0.5000, val accuracy 0.9000")
+    assert "about 4 s left" in lines[0] and "about 2 s left" in lines[1]

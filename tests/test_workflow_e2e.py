@@ -37,6 +37,11 @@ def test_whole_workflow_then_partial_rerun(workdir):
         image = matplotlib.image.imread(report / "plots" / f"{png}.png")
         assert image.ndim == 3 and image.shape[0] > 100
     assert (workdir / "logs/submitit/cnn/train").is_dir()
+    # live progress: rank 0's epochs, in the rule's log (and the terminal) while it trained
+    train_log = (workdir / "logs/train/cnn.log").read_text()
+    for epoch in range(1, 7):
+        assert f"run 'cnn' epoch {epoch}/6: train loss " in train_log, train_log
+    assert "s left" in train_log
     summary = json.loads((report / "summary.json").read_text())
     rows = {row["run"]: row for row in summary["runs"]}
     assert sorted(rows) == ["cnn", "mlp"]

@@ -120,9 +120,11 @@ def launch(
     record: str | Path | None = None,
     fingerprint: str = "",
     max_requeues: int = 3,
+    on_poll=None,
 ) -> list:
     """Submit `task` with one process per rank (or reattach to the same job if a previous
-    Snakemake was stopped while it ran), wait, and return every rank's result."""
+    Snakemake was stopped while it ran), wait, and return every rank's result. `on_poll()`
+    runs at every status poll while the job runs (live progress) and once at its end."""
     Path(folder).mkdir(parents=True, exist_ok=True)
     cancel = launcher == "local" or machine["cancel_on_interrupt"]
     job = None
@@ -135,7 +137,8 @@ def launch(
                     task, launcher, machine, folder, job_name, record, fingerprint, max_requeues
                 )
             try:
-                results = wait(job, job_name, poll_s=1.0 if launcher == "local" else 5.0)
+                poll_s = 1.0 if launcher == "local" else 5.0
+                results = wait(job, job_name, poll_s, on_poll=on_poll)
             except LaunchError:
                 # the job ended and failed: a retry or rerun must submit a new one, not
                 # reattach to this one and read its failure again
@@ -232,7 +235,7 @@ def slurm_job_alive(job_id: str) -> bool:
     return out.returncode == 0 and bool(out.stdout.strip())
 
 
-def wait(job, job_name: str, poll_s: float, grace_s: float = 10.0) -> list:
+def wait(job, job_name: str, poll_s: float, grace_s: float = 10.0, on_poll=None) -> list:
     """Wait for every rank. Fail fast: once one rank has failed, the others get `grace_s` to
     write their own errors, then the job is cancelled (a hung or blocked rank would otherwise
     keep it alive until its time limit)."""
@@ -251,7 +254,11 @@ def wait(job, job_name: str, poll_s: float, grace_s: float = 10.0) -> list:
             job.cancel(check=False)
             cancelled = True
             break
+        if on_poll is not None:
+            on_poll()
         time.sleep(poll_s)
+    if on_poll is not None:
+        on_poll()
     log.info("%s job %s ended after %.1fs", job_name, job.job_id, time.monotonic() - start)
     try:
         return job.results()

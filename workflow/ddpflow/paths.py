@@ -31,6 +31,7 @@ CHECKPOINTS = "checkpoints"
 SET_ASIDE_PREFIX = "checkpoints.old-"
 FINGERPRINT = "fingerprint.json"  # the config the checkpoints belong to
 FINISHED = "finished.json"  # written once a training's outputs are published
+LIVE_METRICS = "metrics.jsonl"  # rank 0's epoch lines while it trains (progress, resume)
 
 
 def run_dir(results_dir: str | Path, run_name: str) -> Path:

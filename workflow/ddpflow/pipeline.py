@@ -5,6 +5,7 @@ themselves run ddpflow.tasks -> ddpflow.loop (training) or ddpflow.evaluate (sco
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 from . import data, launch, report, runtime, workspace
 from .config import check_batch_fits, config_hash, evaluation_fingerprint, training_fingerprint
 from .errors import UserError
-from .paths import RunPaths
+from .paths import LIVE_METRICS, RunPaths
 from .tasks import EvalTask, TrainTask
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,61 @@ def _job_record(paths: RunPaths, stage_name: str) -> Path:
     return Path(paths.work) / f"{stage_name}-job.json"
 
 
+class EpochProgress:
+    """Live progress in the rule's log and the terminal: each epoch line rank 0 appends to
+    the run's metrics.jsonl in the work folder (a shared filesystem on a cluster), with an
+    estimate of the time left, printed as the launcher polls the job."""
+
+    def __init__(self, run: dict, metrics: Path):
+        self.run, self.metrics = run, metrics
+        # epochs already there are an earlier attempt's (a resumed attempt rewrites the file
+        # with its history first): only later epochs are news
+        self.last_epoch = max((r["epoch"] for r in self._records()), default=0)
+        self.epoch_seconds: list[float] = []
+
+    def _records(self) -> list[dict]:
+        try:
+            lines = self.metrics.read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+        records = []
+        for line in lines:
+            try:  # a line being written fails to parse: it is read at the next poll
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("epoch"), int):
+                records.append(record)
+        return records
+
+    def __call__(self) -> None:
+        for record in self._records():
+            if record["epoch"] > self.last_epoch:
+                self.last_epoch = record["epoch"]
+                try:
+                    self._log(record)
+                except (KeyError, TypeError, ValueError):
+                    continue
+
+    def _log(self, record: dict) -> None:
+        epochs, epoch = self.run["train"]["epochs"], record["epoch"]
+        self.epoch_seconds.append(record["seconds"]["epoch"])
+        mean = sum(self.epoch_seconds) / len(self.epoch_seconds)
+        eta = mean * (epochs - epoch)
+        log.info(
+            "run %r epoch %d/%d: train loss %.4f, val accuracy %.4f, %.0f samples/s, "
+            "%.1f s per epoch%s",
+            self.run["name"],
+            epoch,
+            epochs,
+            record["train_loss"],
+            record["val_accuracy"],
+            record["samples_per_s"],
+            record["seconds"]["epoch"],
+            f", about {eta:.0f} s left" if epoch < epochs else "",
+        )
+
+
 def _distributed(task_cls, stage_name: str, run: dict, paths: RunPaths, logs_dir: str) -> list:
     folder = Path(logs_dir).resolve() / "submitit" / run["name"] / stage_name
     start = time.perf_counter()
@@ -54,6 +110,9 @@ def _distributed(task_cls, stage_name: str, run: dict, paths: RunPaths, logs_dir
             else training_fingerprint(run)
         ),
         max_requeues=run["train"]["max_requeues"],
+        on_poll=EpochProgress(run, Path(paths.work) / LIVE_METRICS)
+        if stage_name == "train"
+        else None,
     )
     log.info(
         "%s of run %r: %d ranks done in %.1fs",

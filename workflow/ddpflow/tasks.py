@@ -22,7 +22,7 @@ from .checkpoint import Checkpointer, Preempted, hand_over_to_requeue, stop_on_s
 from .data import load_split
 from .loop import Loop, fit
 from .models import build_model, count_parameters, place
-from .paths import RunPaths
+from .paths import LIVE_METRICS, RunPaths
 from .preflight import run_preflight
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         model = place(model, device, run["train"]["channels_last"])
         loop = Loop(run, data, env, device, model)
         ckpt = Checkpointer(run, paths.work, env)
-        live_metrics = Path(paths.work) / "metrics.jsonl"
+        live_metrics = Path(paths.work) / LIVE_METRICS
         resumed = ckpt.restore(loop)
         ckpt.attempt = _next_attempt(Path(paths.work), resumed is not None, env)
         if env.is_master:
