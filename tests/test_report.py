@@ -270,3 +270,16 @@ def test_short_times_read_as_measured():
     from ddpflow.render import _seconds
 
     assert _seconds(0.042) == "42 ms" and _seconds(1.5) == "1.5 s" and _seconds(600) == "10.0 min"
+
+
+def test_a_validation_split_is_labelled_validation_not_test(tmp_path):
+    run = _write_run(tmp_path / "v", "v", 2, 1, 900.0)
+    ev = json.loads(run["eval_metrics"].read_text())
+    ev["split"] = "val"
+    ev["provenance"]["git_dirty"] = True
+    run["eval_metrics"].write_text(json.dumps(ev))
+    page = build_report([run], tmp_path / "out")["html"].read_text()
+    assert "Validation accuracy" in page and "Evaluated / validation size" in page
+    assert "Per-class validation accuracy" in page and "best validation accuracy" in page
+    assert "Test accuracy" not in page and "test accuracy" not in page
+    assert "git commit: abc1234 with uncommitted changes" in page

@@ -109,7 +109,7 @@ def plot_scaling(points: list[tuple[str, int, float]], base_ranks: int, base_rat
 
 
 def plot_confusion(
-    name: str, matrix: list[list[int]], classes: list[str], accuracy: float
+    name: str, matrix: list[list[int]], classes: list[str], accuracy: float, split: str = "test"
 ) -> bytes:
     """Confusion matrix coloured by fraction of the true class (rows), annotated with counts."""
     counts = np.asarray(matrix, dtype=np.int64)
@@ -128,7 +128,8 @@ def plot_confusion(
             ax.text(col, row, str(count), ha="center", va="center", color=colour, fontsize=8)
     ax.set_xlabel("predicted class")
     ax.set_ylabel("true class")
-    ax.set_title(f"{text_label(name)}: test accuracy {accuracy:.2%}")
+    label = {"val": "validation", "train": "training"}.get(split, split)
+    ax.set_title(f"{text_label(name)}: {label} accuracy {accuracy:.2%}")
     fig.colorbar(image, ax=ax, label="fraction of true class")
     return _png(fig)
 
@@ -163,6 +164,7 @@ def render_figures(loaded, rows: list[dict], baseline) -> dict[str, tuple[str, b
         caption = f"Throughput against ranks ({', '.join(runs)})"
         figures["scaling"] = (caption, plot_scaling(points, base_ranks, base_rate))
     for name, _, ev in loaded:
-        png = plot_confusion(name, ev["confusion_matrix"], ev["class_names"], ev["accuracy"])
+        split = ev.get("split", "test")
+        png = plot_confusion(name, ev["confusion_matrix"], ev["class_names"], ev["accuracy"], split)
         figures[f"confusion_{safe_name(name)}"] = (f"Confusion matrix: {name}", png)
     return figures

@@ -44,9 +44,19 @@ def _number(value, fmt: str) -> str:
     return "?" if value is None else format(value, fmt)
 
 
+def split_label(rows: list[dict]) -> str:
+    """What the accuracy was measured on: eval.split: val is validation, not test."""
+    splits = {row.get("split", "test") for row in rows}
+    if len(splits) > 1:
+        return "evaluation"
+    return {"val": "validation", "train": "training"}.get(splits.pop(), "test")
+
+
 def _runs_table(rows: list[dict], scaling: bool) -> tuple:
     """What each run trained and how well: one row per run."""
-    headers = ["Run", "Test accuracy", "Evaluated / test size", "Model", "Parameters",
+    label = split_label(rows)
+    headers = ["Run", f"{label.capitalize()} accuracy", f"Evaluated / {label} size", "Model",
+               "Parameters",
                "Epochs", "Global batch", "LR (effective)", "Precision"]  # fmt: skip
     body, best = [], None
     for index, row in enumerate(rows):
@@ -108,10 +118,11 @@ def _provenance_blocks(loaded) -> list[tuple]:
     blocks = []
     for name, _, ev in loaded:
         prov = ev["provenance"]
-        hosts = ", ".join(map(str, prov["hostnames"])) or "unknown"
+        hosts = _hosts(prov["hostnames"]) or "unknown"
+        dirty = {True: " with uncommitted changes", False: ""}.get(prov.get("git_dirty"), "")
         blocks += [
             ("h3", name),
-            ("p", f"git commit: {prov['git_commit'] or 'unknown (not a git checkout)'}; "
+            ("p", f"git commit: {prov['git_commit'] or 'unknown (not a git checkout)'}{dirty}; "
                   f"created: {prov['created']}; hosts: {hosts}"),
             ("table", ["Package", "Version"],
              [[str(k), str(v)] for k, v in sorted(prov["versions"].items())], None),
@@ -124,7 +135,8 @@ def _provenance_blocks(loaded) -> list[tuple]:
 def document(loaded, rows, figures, generated: str) -> list[tuple]:
     best = next(row["run"] for row in rows if row["best"])
     scaling = any(row["speedup"] is not None for row in rows)
-    blocks = [("p", f"Generated {generated}. {len(rows)} run(s); best test accuracy: {best}.")]
+    label = split_label(rows)
+    blocks = [("p", f"Generated {generated}. {len(rows)} run(s); best {label} accuracy: {best}.")]
     blocks += [("h2", "Runs"), _runs_table(rows, scaling)]
     blocks += [("h2", "Machine and speed"), _machine_table(rows, scaling)]
     if scaling:
@@ -134,7 +146,7 @@ def document(loaded, rows, figures, generated: str) -> list[tuple]:
                             "smallest world size (ideal: linear in ranks). Runs without a "
                             "group have nothing to compare with."))  # fmt: skip
     blocks += [("h2", "Time per phase (sum over epochs, share of epoch time)"), _phase_table(rows)]
-    blocks += [("h2", "Per-class test accuracy"), *_class_tables(loaded)]
+    blocks += [("h2", f"Per-class {label} accuracy"), *_class_tables(loaded)]
     blocks.append(("h2", "Plots"))
     blocks += [("img", caption, f"plots/{key}.png", png) for key, (caption, png) in figures.items()]
     return blocks + [("h2", "Provenance"), *_provenance_blocks(loaded)]

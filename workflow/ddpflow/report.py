@@ -151,6 +151,7 @@ def _summary_row(name: str, epochs: list[dict], ev: dict) -> dict:
         "model": _model_name(ev["provenance"]["config"]), "parameters": train.get("parameters"),
         "global_batch": train.get("global_batch"), "lr": train.get("lr"),
         "science": _science(ev["provenance"]["config"]),
+        "split": ev.get("split", "test"),
     }  # fmt: skip
     # Summed over the kept (deduplicated) epochs: the time of the final, complete history.
     for phase in (*PHASES, "epoch"):

@@ -191,17 +191,33 @@ def provenance() -> dict:
     import torch
 
     versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("torchvision", "submitit", "snakemake", "numpy"):
+    for name in ("torchvision", "submitit", "snakemake", "numpy", "sklearn", "yaml"):
         try:
             versions[name] = __import__(name).__version__
         except Exception:  # noqa: BLE001 - optional packages, absence is information
             versions[name] = None
     return {
         "git_commit": git_commit(),
+        "git_dirty": git_dirty(),
         "versions": versions,
         "host": socket.gethostname(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def git_dirty() -> bool | None:
+    """True when the code differs from git_commit (uncommitted changes to tracked files)."""
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=Path(__file__).parent,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return bool(out.stdout.strip()) if out.returncode == 0 else None
 
 
 def git_commit() -> str | None:
