@@ -13,6 +13,12 @@ from workflow_helpers import BIN, REPO, snakemake, write_config
 pytestmark = pytest.mark.e2e
 
 
+def _ddpflow(env: dict, *args: str) -> subprocess.CompletedProcess:
+    """`python -m ddpflow ARGS` as a user types it."""
+    command = [str(BIN / "python"), "-m", "ddpflow", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+
 def test_torchrun_two_processes(workdir):
     config = write_config(
         workdir / "config.yaml",
@@ -23,13 +29,7 @@ def test_torchrun_two_processes(workdir):
         },
     )
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    stage = subprocess.run(
-        [str(BIN / "python"), "-m", "ddpflow", "stage", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    stage = _ddpflow(env, "stage", "--config", str(config))
     assert stage.returncode == 0, stage.stderr
     for command in ("train", "evaluate"):
         result = subprocess.run(
@@ -56,30 +56,18 @@ def test_torchrun_two_processes(workdir):
     assert metrics["world_size"] == 2 and metrics["train"]["world_size"] == 2
     assert metrics["samples_evaluated"] == metrics["test_size"]
     assert metrics["accuracy"] > 0.9
-    report = subprocess.run(
-        [str(BIN / "python"), "-m", "ddpflow", "report", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    report = _ddpflow(env, "report", "--config", str(config))
     assert report.returncode == 0, report.stderr
     assert (workdir / "results/report/report.html").stat().st_size > 0
     assert "tr" in (workdir / "results/report/summary.json").read_text()
 
 
 def test_cli_help_lists_every_command():
-    done = subprocess.run(
-        [str(BIN / "python"), "-m", "ddpflow", "--help"], capture_output=True, text=True
-    )
+    done = _ddpflow(dict(os.environ), "--help")
     assert done.returncode == 0
     for command in ("stage", "train", "evaluate", "report"):
         assert f"    {command}" in done.stdout, done.stdout
-    both = subprocess.run(
-        [str(BIN / "python"), "-m", "ddpflow", "train", "a", "--run", "b"],
-        capture_output=True,
-        text=True,
-    )
+    both = _ddpflow(dict(os.environ), "train", "a", "--run", "b")
     assert both.returncode == 2 and "two run names" in both.stderr
 
 

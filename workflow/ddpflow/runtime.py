@@ -205,30 +205,22 @@ def provenance() -> dict:
     }
 
 
-def git_dirty() -> bool | None:
-    """True when the code differs from git_commit (uncommitted changes to tracked files)."""
+def _git(*args: str) -> str | None:
+    """stdout of a git command in this package's checkout; None outside one (or no git)."""
     try:
         out = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            cwd=Path(__file__).parent,
+            ["git", *args], capture_output=True, text=True, timeout=10, cwd=Path(__file__).parent
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return bool(out.stdout.strip()) if out.returncode == 0 else None
+    return out.stdout if out.returncode == 0 else None
+
+
+def git_dirty() -> bool | None:
+    """True when the code differs from git_commit (uncommitted changes to tracked files)."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return None if status is None else bool(status.strip())
 
 
 def git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            cwd=Path(__file__).parent,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None
+    return (_git("rev-parse", "HEAD") or "").strip() or None
