@@ -185,19 +185,7 @@ class Checkpointer:
 
     def stop_agreed(self) -> bool:
         """True on every rank once any rank got the signal (ranks must stop at one step)."""
-        flag = torch.tensor([1.0 if self.stop_requested else 0.0])
-        if self.env.world_size > 1:
-            import torch.distributed as dist
-
-            backend = dist.get_backend()
-            device = (
-                torch.device("cuda", torch.cuda.current_device())
-                if backend == "nccl"
-                else torch.device("cpu")
-            )
-            flag = flag.to(device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return _any_rank(self.env, self.stop_requested)
 
 
 def _any_rank(env, flag: bool) -> bool:
@@ -206,9 +194,8 @@ def _any_rank(env, flag: bool) -> bool:
         return flag
     import torch.distributed as dist
 
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    if device == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     value = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())

@@ -158,14 +158,13 @@ def _describe(error: jsonschema.ValidationError) -> str:
 def validate(config: dict, where: str = "config") -> dict:
     """Validate in place, filling defaults; ConfigError names the first problem."""
     validator = _defaulting_validator(load_schema())
-    for _ in range(1000):  # accept numbers written as strings and Slurm time strings
-        fixes = [(list(e.absolute_path), _coerced(e)) for e in validator.iter_errors(config)]
-        fixes = [(path, value) for path, value in fixes if value is not None]
+    errors = list(validator.iter_errors(config))
+    # accept numbers written as strings and Slurm time strings; validate again only then
+    while fixes := [(e.absolute_path, v) for e in errors if (v := _coerced(e)) is not None]:
         for path, value in fixes:
-            _set_path(config, path, value)
-        if not fixes:
-            break
-    errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
+            _set_path(config, list(path), value)
+        errors = list(validator.iter_errors(config))
+    errors.sort(key=lambda e: list(e.absolute_path))
     if errors:
         raise ConfigError(f"{where}: {_describe(errors[0])}")
     return config

@@ -135,11 +135,11 @@ class PhaseClock:
     CPU: the wall time of every step's phases. CUDA: a pair of CUDA events around each phase
     of every `sample_every`-th step (the second of each group, never the first step of an
     epoch, which carries one-off cuDNN autotuning), read when `settle()` is called (end of
-    epoch, before a checkpoint) and scaled by steps / sampled steps. So the timings cost no
-    torch.cuda.synchronize per phase, which stalls the launch queue (8 per step: -25% images/s
-    on an H100), and almost no host time (events on every step: -8%); bench/README.md has the
-    figures. On CUDA the phases are GPU time, estimated from the sampled steps; their sum can
-    be below the wall time when the host is the bottleneck.
+    epoch, before a checkpoint) and scaled by steps / sampled steps. No torch.cuda.synchronize
+    per phase, which stalls the launch queue (8 per step: -19% and -25% images/s on an H100;
+    events measured -8% and -10% against no timing, within the spread between runs: README,
+    Performance). On CUDA the phases are GPU time, estimated from the sampled steps; their
+    sum can be below the wall time when the host is the bottleneck.
     """
 
     def __init__(self, device, sample_every: int = 16):
