@@ -13,7 +13,6 @@ import hashlib
 import json
 import math
 import os
-import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import jsonschema
 import yaml
 
 from .errors import UserError
+from .slurm_parse import parse_slurm_time
 
 SCHEMA = "config.schema.yaml"  # package data: found by importlib.resources in any install
 SECTIONS = ("data", "model", "train", "eval", "machine")
@@ -66,27 +66,14 @@ def _key_path(error: jsonschema.ValidationError) -> str:
     return "".join(parts).lstrip(".") or "<top level>"
 
 
-# Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
-_SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
-
-
 def slurm_minutes(text: str) -> int | None:
     """Minutes of a Slurm time string ('1:30:00' -> 90, '2-00' -> 2880, '90' -> 90; seconds
-    round up), None if it is not one."""
-    match = _SLURM_TIME.match(text.strip())
-    if not match:
+    round up), None if it is not a finite one."""
+    try:
+        seconds = parse_slurm_time(text)
+    except ValueError:
         return None
-    days, first, second, third = match.groups()
-    if days is not None:  # D-H, D-H:M, D-H:M:S
-        h, m, sec = int(first), int(second or 0), int(third or 0)
-        seconds = ((int(days) * 24 + h) * 60 + m) * 60 + sec
-    elif third is not None:  # H:M:S
-        seconds = (int(first) * 60 + int(second)) * 60 + int(third)
-    elif second is not None:  # M:S
-        seconds = int(first) * 60 + int(second)
-    else:  # M
-        seconds = int(first) * 60
-    return math.ceil(seconds / 60)
+    return None if seconds is None else math.ceil(seconds / 60)
 
 
 def _as_number(text: str) -> float | None:
