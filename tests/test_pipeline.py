@@ -3,6 +3,8 @@ reported in one block without a traceback, anything else keeps its traceback."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from ddpflow import pipeline
 from ddpflow.config import ConfigError
@@ -83,3 +85,19 @@ def test_epoch_progress_logs_each_new_epoch_once(tmp_path, caplog):
     assert len(lines) == 2, lines
     assert lines[0].startswith("run 'default' epoch 2/4: train loss 0.5000, val accuracy 0.9000")
     assert "about 4 s left" in lines[0] and "about 2 s left" in lines[1]
+
+
+def test_progress_in_a_log_file_is_whole_lines(caplog):
+    """Rank 0's progress where stderr is a file: log lines, never a bar's carriage returns;
+    a resumed epoch's rate counts only the steps run since."""
+    from ddpflow.tasks import LineProgress
+
+    progress = LineProgress(total=10, desc="epoch 2", interval=0.0)
+    with caplog.at_level(logging.INFO, logger="ddpflow.tasks"):
+        progress.update(4)  # resumed at step 4
+        progress.update(1)
+        progress.update(5)  # the last step: the epoch's own line follows, not this one
+        progress.close()
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("epoch 2: step 5/10 (50%), ") and "step/s" in line, line
+    assert "\r" not in line

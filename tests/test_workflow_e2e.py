@@ -14,7 +14,10 @@ FAST = {"train": {"epochs": 6, "progress": False}, "runs": [{"name": "cnn"}]}
 # two named runs in one config: both trained, evaluated and compared in one report
 TWO_RUNS = {
     **FAST,
-    "runs": [{"name": "cnn"}, {"name": "mlp", "model": {"name": "mlp"}, "train": {"epochs": 4}}],
+    "runs": [
+        {"name": "cnn"},
+        {"name": "mlp", "model": {"name": "mlp"}, "train": {"epochs": 4, "progress": True}},
+    ],
 }
 
 
@@ -37,6 +40,9 @@ def test_whole_workflow_then_partial_rerun(workdir):
         image = matplotlib.image.imread(report / "plots" / f"{png}.png")
         assert image.ndim == 3 and image.shape[0] > 100
     assert (workdir / "logs/submitit/cnn/train").is_dir()
+    # mlp's rank 0 had its progress on: whole lines in its log, no bar's carriage returns
+    rank_logs = list((workdir / "logs/submitit/mlp/train").glob("*_0_log.err"))
+    assert rank_logs and all("\r" not in p.read_text() for p in rank_logs)
     # live progress: rank 0's epochs, in the rule's log (and the terminal) while it trained
     train_log = (workdir / "logs/train/cnn.log").read_text()
     for epoch in range(1, 7):
@@ -86,17 +92,43 @@ def test_failing_rank_gives_clear_error_and_no_partial_output(workdir):
     assert any((workdir / "results/staged").iterdir())
 
 
-def test_a_diverging_run_fails_its_rule_naming_run_epoch_and_step(workdir):
+def test_a_diverging_run_fails_alone_and_the_report_names_it(workdir):
     """train.optimizer.lr far too large: the loss turns NaN/inf, every rank stops at that
-    step, the train rule fails with the reason, and nothing downstream runs."""
+    step, the train rule fails with the reason; the other run of the config trains and
+    evaluates on (keep-going, profiles/default) and the report of it names the failed run.
+    Dropping the failed run from the config then redoes the report alone."""
     diverging = {
-        "train": {"epochs": 3, "progress": False, "warmup_epochs": 0, "optimizer": {"lr": 1e12}},
-        "runs": [{"name": "wild"}],
+        "train": {"epochs": 3, "progress": False, "warmup_epochs": 0},
+        "runs": [{"name": "steady"}, {"name": "wild", "train": {"optimizer": {"lr": 1e12}}}],
     }
-    result = snakemake(workdir, write_config(workdir / "config.yaml", diverging))
+    configfile = write_config(workdir / "config.yaml", diverging)
+    result = snakemake(workdir, configfile)
     assert result.returncode != 0
     log = (workdir / "logs/train/wild.log").read_text()
-    assert "run 'wild': the training loss became NaN or infinite at epoch 1" in log, log[-3000:]
+    cause = "run 'wild': the training loss became NaN or infinite at epoch 1"
+    assert cause in log, log[-3000:]
     assert "Lower train.optimizer.lr" in log
     assert not (workdir / "results/runs/wild/model.pt").exists()
     assert not (workdir / "results/runs/wild/eval_metrics.json").exists()
+    # the other run finished, and the report of it names the failed one and why
+    assert (workdir / "results/runs/steady/eval_metrics.json").is_file()
+    report = workdir / "results/report"
+    markdown = (report / "report.md").read_text()
+    assert "## Runs that did not finish" in markdown and "1 of 2 run(s) finished" in markdown
+    assert cause in markdown and "logs/train/wild.log" in markdown
+    summary = json.loads((report / "summary.json").read_text())
+    assert [row["run"] for row in summary["runs"]] == ["steady"]
+    (unfinished,) = summary["unfinished"]
+    assert unfinished["run"] == "wild" and unfinished["stage"] == "train"
+    assert unfinished["cause"].startswith("rank ") and cause in unfinished["cause"]
+    output = result.stdout + result.stderr
+    assert "ddpflow: run 'wild' did not finish (train failed: rank " in output
+    assert "report of the 1 finished run(s) of 2" in output
+
+    # the failed run dropped from config.yaml: the report alone is redone, without it
+    write_config(configfile, {**diverging, "runs": [{"name": "steady"}]})
+    assert jobs_planned(workdir, configfile) == {"report", "all"}
+    rerun = snakemake(workdir, configfile)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "wild" not in (report / "report.md").read_text()
+    assert json.loads((report / "summary.json").read_text())["unfinished"] == []

@@ -10,7 +10,7 @@ import logging
 import time
 from pathlib import Path
 
-from . import data, launch, report, runtime, workspace
+from . import data, launch, outcome, report, runtime, workspace
 from .config import check_batch_fits, config_hash, evaluation_fingerprint, training_fingerprint
 from .errors import UserError
 from .paths import LIVE_METRICS, RunPaths
@@ -179,21 +179,29 @@ def clean_work(work_root: str) -> list[str]:
     return removed
 
 
-def run_rule(function, log_file: str | None, *args):
+def run_rule(function, log_file: str | None, *args, failures: tuple[str, str] | None = None):
     """Run one rule's function with logging to the rule's log file and stderr; a failure is
-    logged there too (Snakemake shows the log of a failed rule) and exits non-zero."""
+    logged there too (Snakemake shows the log of a failed rule) and exits non-zero.
+    failures=(work folder, stage): a failure is also recorded there for the report of the
+    other runs (ddpflow.outcome); a start clears the last one."""
     runtime.setup_logging()
     if log_file:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(log_file, mode="w")
         handler.setFormatter(logging.getLogger().handlers[0].formatter)
         logging.getLogger().addHandler(handler)
+    if failures:
+        outcome.clear_failure(failures[0])
     try:
         return function(*args)
     except UserError as exc:
         # the message names what to fix: a traceback would only bury it
         log.error("%s failed:\n%s", function.__name__, exc)
+        if failures:
+            outcome.record_failure(*failures, exc, log_file)
         raise SystemExit(1) from None
-    except BaseException:
+    except BaseException as exc:
         log.exception("%s failed", function.__name__)
+        if failures:
+            outcome.record_failure(*failures, exc, log_file)
         raise

@@ -132,11 +132,33 @@ def _provenance_blocks(loaded) -> list[tuple]:
     return blocks
 
 
-def document(loaded, rows, figures, generated: str) -> list[tuple]:
+def _unfinished_blocks(unfinished, finished: int) -> list[tuple]:
+    """The runs that did not finish, each with the stage that failed and why."""
+    total = finished + len(unfinished)
+    blocks = [
+        ("h2", "Runs that did not finish"),
+        ("p", f"Partial report: {finished} of {total} run(s) finished. Fix the cause, then "
+              "run the same snakemake command again: it redoes the unfinished runs and this "
+              "report, nothing else."),
+        ("table", ["Run", "Failed in", "Cause", "Log"],
+         [[u["run"], u.get("stage", "-"), u.get("cause", "?"), u.get("log") or "-"]
+          for u in unfinished], None),
+    ]  # fmt: skip
+    blocks += [("details", f"{u['run']}: {u['cause']}", u["detail"])
+               for u in unfinished if u.get("detail")]  # fmt: skip
+    return blocks
+
+
+def document(loaded, rows, figures, generated: str, unfinished=()) -> list[tuple]:
+    blocks = [("p", f"Generated {generated}.")]
+    if unfinished:
+        blocks += _unfinished_blocks(unfinished, len(rows))
+    if not rows:
+        return blocks
     best = next(row["run"] for row in rows if row["best"])
     scaling = any(row["speedup"] is not None for row in rows)
     label = split_label(rows)
-    blocks = [("p", f"Generated {generated}. {len(rows)} run(s); best {label} accuracy: {best}.")]
+    blocks[0] = ("p", f"Generated {generated}. {len(rows)} run(s); best {label} accuracy: {best}.")
     blocks += [("h2", "Runs"), _runs_table(rows, scaling)]
     blocks += [("h2", "Machine and speed"), _machine_table(rows, scaling)]
     if scaling:

@@ -116,8 +116,8 @@ def load_eval_metrics(name: str, path) -> dict:
     return data
 
 
-def _load_runs(runs: list[dict]) -> list[tuple[str, list[dict], dict]]:
-    if not runs:
+def _load_runs(runs: list[dict], unfinished=()) -> list[tuple[str, list[dict], dict]]:
+    if not runs and not unfinished:
         raise ReportInputError("build_report: no runs given")
     loaded, names = [], set()
     for run in runs:
@@ -208,6 +208,8 @@ def _add_scaling(rows: list[dict]) -> tuple[int, float, list[str]] | None:
 
 
 def _summary_csv(rows: list[dict]) -> str:
+    if not rows:
+        return "run\n"
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
     writer.writeheader()
@@ -215,10 +217,11 @@ def _summary_csv(rows: list[dict]) -> str:
     return buffer.getvalue()
 
 
-def _summary(loaded, rows, baseline, generated: str) -> dict:
-    best = next(row["run"] for row in rows if row["best"])
+def _summary(loaded, rows, baseline, generated: str, unfinished) -> dict:
+    best = next((row["run"] for row in rows if row["best"]), None)
     return {
         "generated": generated, "best_run": best, "runs": rows,
+        "unfinished": list(unfinished),
         "scaling_baseline": {"world_size": baseline[0], "samples_per_s": baseline[1],
                              "runs": baseline[2]} if baseline else None,
         "per_class_accuracy": {
@@ -244,24 +247,26 @@ def _write_all(out_dir: Path, figures: dict, texts: dict) -> dict[str, Path]:
     return paths
 
 
-def build_report(runs: list[dict], out_dir) -> dict[str, Path]:
+def build_report(runs: list[dict], out_dir, unfinished: list[dict] = ()) -> dict[str, Path]:
     """Write report.md/.html, summary.json/.csv and plots/*.png for runs into out_dir.
 
-    runs: [{"name", "train_metrics", "eval_metrics"}, ...]. Returns {key: path}, with keys
-    markdown, html, summary_json, summary_csv and plot_<stem> for every plots/<stem>.png.
-    Raises ValueError naming the run and file for a missing, unreadable or incomplete input.
+    runs: [{"name", "train_metrics", "eval_metrics"}, ...]; unfinished: runs that did not
+    finish, [{"run", "stage", "cause", "detail", "log"}, ...] (ddpflow.outcome), named in a
+    section of their own. Returns {key: path}, with keys markdown, html, summary_json,
+    summary_csv and plot_<stem> for every plots/<stem>.png. Raises ValueError naming the
+    run and file for a missing, unreadable or incomplete input.
     """
-    loaded = _load_runs(runs)
+    loaded = _load_runs(runs, unfinished)
     rows = [_summary_row(name, epochs, ev) for name, epochs, ev in loaded]
     baseline = _add_scaling(rows)
     # Ties on accuracy go to the faster run; the first listed wins a full tie.
-    best = max(rows, key=lambda r: (r["accuracy"], r["train_samples_per_s"]))
+    best = max(rows, key=lambda r: (r["accuracy"], r["train_samples_per_s"]), default=None)
     for row in rows:
         row["best"] = row is best
-    figures = plots.render_figures(loaded, rows, baseline)
+    figures = plots.render_figures(loaded, rows, baseline) if rows else {}
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    blocks = document(loaded, rows, figures, generated)
-    summary = _summary(loaded, rows, baseline, generated)
+    blocks = document(loaded, rows, figures, generated, unfinished)
+    summary = _summary(loaded, rows, baseline, generated, unfinished)
     title = "ddpflow report"
     texts = {
         "summary_json": (
@@ -273,5 +278,11 @@ def build_report(runs: list[dict], out_dir) -> dict[str, Path]:
         "html": (REPORT_FILES["html"], to_html(title, blocks)),
     }
     paths = _write_all(Path(out_dir), figures, texts)
-    log.info("report: %d run(s), best %r -> %s", len(rows), best["run"], out_dir)
+    log.info(
+        "report: %d run(s)%s, best %r -> %s",
+        len(rows),
+        f", {len(unfinished)} unfinished" if unfinished else "",
+        best and best["run"],
+        out_dir,
+    )
     return paths

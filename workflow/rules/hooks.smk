@@ -5,3 +5,12 @@ onstart:
     from ddpflow.interrupts import forward_stop_signals
 
     forward_stop_signals()
+
+
+onerror:
+    # A run failed, and with keep-going (both profiles) the others trained on: the report
+    # rule needs every run, so write the report of those that finished here, naming the
+    # failed ones and why (ddpflow.outcome); the next run redoes exactly the rest.
+    from ddpflow.outcome import report_unfinished
+
+    report_unfinished(RUNS, RESULTS)
