@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import csv
+import io
 import json
 import re
 
@@ -283,3 +284,32 @@ def test_a_validation_split_is_labelled_validation_not_test(tmp_path):
     assert "Per-class validation accuracy" in page and "best validation accuracy" in page
     assert "Test accuracy" not in page and "test accuracy" not in page
     assert "git commit: abc1234 with uncommitted changes" in page
+
+
+def test_epoch_plots_include_validation_loss_lr_and_throughput(report):
+    _, paths, _ = report
+    for stem in ("loss", "val_loss", "val_accuracy", "lr", "throughput_epochs", "throughput"):
+        image = matplotlib.image.imread(paths[f"plot_{stem}"])
+        assert image.ndim == 3 and image.shape[0] > 100, stem
+
+
+def test_loss_spanning_decades_gets_a_log_axis():
+    from ddpflow.plots import per_epoch_figure
+
+    wide = {"a": [(1, 2.3), (2, 0.4), (3, 0.02)]}
+    narrow = {"a": [(1, 2.3), (2, 1.4), (3, 0.9)]}
+    assert per_epoch_figure(wide, "loss", "t", log_if_wide=True).axes[0].get_yscale() == "log"
+    assert per_epoch_figure(narrow, "loss", "t", log_if_wide=True).axes[0].get_yscale() == "linear"
+    # NaN (a diverged epoch kept with train.on_nonfinite: warn) does not break the decision
+    nan = {"a": [(1, 2.3), (2, float("nan")), (3, 0.01)]}
+    assert per_epoch_figure(nan, "loss", "t", log_if_wide=True).axes[0].get_yscale() == "log"
+    assert per_epoch_figure(wide, "acc", "t").axes[0].get_yscale() == "linear"
+
+
+def test_throughput_of_one_run_is_one_labelled_bar():
+    from ddpflow.plots import plot_throughput
+
+    one = matplotlib.image.imread(io.BytesIO(plot_throughput(["cnn"], [5017.0])))
+    many = plot_throughput([f"r{i}" for i in range(8)], [1000.0 * (i + 1) for i in range(8)])
+    many = matplotlib.image.imread(io.BytesIO(many))
+    assert one.shape[1] == many.shape[1] and one.shape[0] < many.shape[0] / 2

@@ -16,7 +16,7 @@ import uuid
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator, ScalarFormatter
+from matplotlib.ticker import FormatStrFormatter, MaxNLocator, ScalarFormatter
 
 __all__ = [
     "plot_confusion",
@@ -51,8 +51,22 @@ def _png(fig: Figure) -> bytes:
     return buffer.getvalue()
 
 
-def plot_per_epoch(series: dict[str, list[tuple[int, float]]], ylabel: str, title: str) -> bytes:
-    """One line per run: series maps run name -> [(epoch, value), ...] sorted by epoch."""
+def _spans_decades(values) -> bool:
+    """A log axis reads a loss better once it spans a factor of 10 (a first epoch at 2.3 and
+    a last at 0.01 flatten every later epoch onto the floor of a linear axis)."""
+    values = [v for v in values if np.isfinite(v)]
+    return bool(values) and min(values) > 0 and max(values) / min(values) >= 10
+
+
+def plot_per_epoch(
+    series: dict[str, list[tuple[int, float]]], ylabel: str, title: str, log_if_wide=False
+) -> bytes:
+    """One line per run: series maps run name -> [(epoch, value), ...] sorted by epoch.
+    log_if_wide: a logarithmic y axis where the values span a factor of 10 or more."""
+    return _png(per_epoch_figure(series, ylabel, title, log_if_wide))
+
+
+def per_epoch_figure(series, ylabel: str, title: str, log_if_wide=False) -> Figure:
     fig = _new_figure()
     ax = fig.add_subplot()
     for name, points in series.items():
@@ -60,23 +74,32 @@ def plot_per_epoch(series: dict[str, list[tuple[int, float]]], ylabel: str, titl
         ax.plot(epochs, values, marker="o", markersize=3, label=text_label(name))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("epoch")
+    if log_if_wide and _spans_decades([v for points in series.values() for _, v in points]):
+        ax.set_yscale("log")
+        for axis_format in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            axis_format(FormatStrFormatter("%g"))  # 0.6, not 6x10^-1
+        ylabel += " (log scale)"
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize="small")
-    return _png(fig)
+    return fig
 
 
 def plot_throughput(names: list[str], samples_per_s: list[float]) -> bytes:
-    """Bar chart of training throughput per run."""
-    fig = _new_figure(max(5.0, 1.2 * len(names) + 2.0))
+    """Training throughput per run: horizontal bars, one fixed-height row per run, so that
+    one run reads as one labelled bar rather than a slab filling the figure."""
+    fig = _new_figure(7.0, 1.3 + 0.45 * len(names))
     ax = fig.add_subplot()
-    bars = ax.bar(range(len(names)), samples_per_s, color="tab:blue")
-    ax.bar_label(bars, fmt="%.0f", fontsize="small")
-    ax.set_xticks(range(len(names)), [text_label(n) for n in names], rotation=20, ha="right")
-    ax.set_ylabel("train samples/s")
+    rows = range(len(names))
+    bars = ax.barh(rows, samples_per_s, height=0.6, color="tab:blue")
+    ax.bar_label(bars, fmt="%.0f samples/s", fontsize="small", padding=3)
+    ax.set_yticks(rows, [text_label(n) for n in names])
+    ax.set_ylim(len(names) - 0.4, -0.6)  # the first run on top, as in the tables
+    ax.set_xlim(0, max(samples_per_s, default=1) * 1.25 or 1)  # room for the labels
+    ax.set_xlabel("train samples/s (whole run, all ranks)")
     ax.set_title("Training throughput")
-    ax.grid(axis="y", alpha=0.3)
+    ax.grid(axis="x", alpha=0.3)
     return _png(fig)
 
 
@@ -146,14 +169,21 @@ def render_figures(loaded, rows: list[dict], baseline) -> dict[str, tuple[str, b
     loaded: [(run name, per-epoch records, eval metrics)]; rows: report summary rows;
     baseline: (ranks, samples/s, run names) of the plotted scaling study, or None.
     """
+    keys = ("train_loss", "val_loss", "val_accuracy", "lr", "samples_per_s")
     per_epoch = {key: {name: [(e["epoch"], e[key]) for e in epochs] for name, epochs, _ in loaded}
-                 for key in ("train_loss", "val_accuracy")}  # fmt: skip
+                 for key in keys}  # fmt: skip
     names = [row["run"] for row in rows]
     figures = {
-        "loss": ("Training loss per epoch",
-                 plot_per_epoch(per_epoch["train_loss"], "train loss", "Training loss")),
+        "loss": ("Training loss per epoch", plot_per_epoch(
+            per_epoch["train_loss"], "train loss", "Training loss", log_if_wide=True)),
+        "val_loss": ("Validation loss per epoch", plot_per_epoch(
+            per_epoch["val_loss"], "validation loss", "Validation loss", log_if_wide=True)),
         "val_accuracy": ("Validation accuracy per epoch", plot_per_epoch(
             per_epoch["val_accuracy"], "validation accuracy", "Validation accuracy")),
+        "lr": ("Learning rate at the end of each epoch (warmup, then the schedule)",
+               plot_per_epoch(per_epoch["lr"], "learning rate", "Learning rate")),
+        "throughput_epochs": ("Training throughput per epoch (all ranks)", plot_per_epoch(
+            per_epoch["samples_per_s"], "train samples/s", "Throughput per epoch")),
         "throughput": ("Training throughput per run", plot_throughput(
             names, [row["train_samples_per_s"] for row in rows])),
     }  # fmt: skip
