@@ -312,48 +312,101 @@ def test_a_batch_larger_than_a_ranks_share_is_refused():
 
 # --- bad configs through the real workflow ----------------------------------------------------
 
+# (id, config.yaml overrides, texts the message must contain: the key, the value, the fix)
 WORKFLOW_CASES = [
-    ("epochs-string", {"train": {"epochs": "ten"}}, "train.epochs"),
-    ("unknown-dataset", {"data": {"source": "imagenet"}}, "data.source"),
-    ("nodes-2-local", {"machine": {"nodes": 2}}, "machine.nodes"),
-    ("gpus-local-without-gpu", {"machine": {"gpus_per_node": 1}}, "no NVIDIA GPU"),
-]
+    ("epochs-string", {"train": {"epochs": "ten"}}, ["train.epochs", "'ten'"]),
+    ("unknown-dataset", {"data": {"source": "imagenet"}}, ["data.source", "imagenet"]),
+    ("nodes-2-local", {"machine": {"nodes": 2}}, ["machine.nodes", "local"]),
+    ("gpus-local-without-gpu", {"machine": {"gpus_per_node": 1}},
+     ["machine.gpus_per_node is 1", "no NVIDIA GPU", "gpus_per_node: 0"]),
+    ("lr-word", {"train": {"optimizer": {"lr": "fast"}}},
+     ["train.optimizer.lr", "'fast'", "in quotes"]),
+    ("time-min-words", {"machine": {"time_min": "an hour"}}, ["machine.time_min", "1:30:00"]),
+    ("max-train-samples-1", {"data": {"max_train_samples": 1}},
+     ["data.max_train_samples is 1", "2 ranks", "at least 2"]),
+    ("run-name-space", {"runs": [{"name": "my run"}]},
+     ["runs[0].name", "'my run'", "letters, digits"]),
+    ("misspelt-key", {"train": {"batchsize": 64}},
+     ["train", "did you mean 'batch_size' for 'batchsize'?"]),
+    ("precision-fp8", {"train": {"precision": "fp8"}}, ["train.precision", "fp8"]),
+    ("static-graph-accumulation", {"train": {"grad_accum_steps": 2, "ddp": {"static_graph": True}}},
+     ["train.ddp.static_graph", "static_graph: false"]),
+    ("duplicate-runs", {"runs": [{"name": "a"}, {"name": "a"}]}, ["runs", "unique", "'a'"]),
+    ("val-fraction", {"data": {"val_fraction": 0.7}}, ["data.val_fraction", "0.7"]),
+    ("unknown-optimizer", {"train": {"optimizer": {"name": "lion"}}},
+     ["train.optimizer.name", "lion"]),
+    ("run-bad-type", {"runs": [{"name": "ok"}, {"name": "broken", "train": {"epochs": "x"}}]},
+     ["runs[1]", "broken", "train.epochs"]),
+    ("cores-times-threads", {"machine": {"cpu_ranks_per_node": 2, "cpus_per_task": 0}},
+     ["machine.cpus_per_task"]),
+]  # fmt: skip
+
+# what an earlier, successful run left: a bad config must not touch any of it
+PREVIOUS = {
+    "results/runs/default/model.pt": b"weights of an earlier run",
+    "results/runs/default/eval_metrics.json": b'{"accuracy": 0.99}',
+    "results/report/report.html": b"<html>earlier report</html>",
+    "results/work/default/checkpoints/step-00000010.pt": b"an interrupted attempt",
+    "logs/train/default.log": b"earlier log",
+}
+
+
+def _snapshot(workdir: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under results/ and logs/, with its bytes and mtime."""
+    return {
+        str(path.relative_to(workdir)): (path.read_bytes(), path.stat().st_mtime_ns)
+        for top in ("results", "logs")
+        for path in sorted((workdir / top).rglob("*"))
+        if path.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
 def workflow_runs(tmp_path_factory):
-    """`snakemake -n` on each bad config, the three at once (each is ~3 s of CPU start-up)."""
-    started = {}
-    for name, overrides, _ in WORKFLOW_CASES:
-        workdir = tmp_path_factory.mktemp(name)
-        configfile = workdir / "bad.yaml"
-        configfile.write_text(yaml.safe_dump(overrides))
-        # no GPU visible, whatever machine runs the tests
-        cmd, env = snakemake_command(workdir, configfile, "-n", env={"CUDA_VISIBLE_DEVICES": ""})
-        proc = subprocess.Popen(
-            cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        started[name] = (workdir, proc)
-    out = {}
-    for name, (workdir, proc) in started.items():
-        try:
-            output, _ = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            output, _ = proc.communicate()
-        out[name] = (workdir, proc.returncode, output)
+    """The user's literal command (`snakemake`, no -n) on each bad config, in a folder that
+    holds an earlier run's results; four at a time (each is ~3 s of CPU start-up)."""
+    out, pending = {}, list(WORKFLOW_CASES)
+    while pending:
+        batch, pending = pending[:4], pending[4:]
+        started = {}
+        for name, overrides, _ in batch:
+            workdir = tmp_path_factory.mktemp(name)
+            for relative, content in PREVIOUS.items():
+                (workdir / relative).parent.mkdir(parents=True, exist_ok=True)
+                (workdir / relative).write_bytes(content)
+            before = _snapshot(workdir)
+            configfile = workdir / "bad.yaml"
+            configfile.write_text(yaml.safe_dump(overrides))
+            # no GPU visible, whatever machine runs the tests
+            cmd, env = snakemake_command(workdir, configfile, env={"CUDA_VISIBLE_DEVICES": ""})
+            proc = subprocess.Popen(
+                cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                text=True,
+            )  # fmt: skip
+            started[name] = (workdir, before, proc)
+        for name, (workdir, before, proc) in started.items():
+            try:
+                output, _ = proc.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                output, _ = proc.communicate()
+            out[name] = (workdir, before, proc.returncode, output)
     return out
 
 
-@pytest.mark.parametrize(("name", "key"), [(c[0], c[2]) for c in WORKFLOW_CASES])
-def test_workflow_refuses_bad_config_before_submitting(workflow_runs, name, key):
-    workdir, returncode, output = workflow_runs[name]
+@pytest.mark.parametrize(("name", "expected"), [(c[0], c[2]) for c in WORKFLOW_CASES])
+def test_workflow_refuses_bad_config_before_submitting(workflow_runs, name, expected):
+    """One clear message naming the key, the value and the fix; nothing submitted, and an
+    earlier run's results, checkpoints and logs untouched."""
+    workdir, before, returncode, output = workflow_runs[name]
     assert returncode != 0, output
-    assert "configuration error" in output and key in output, output
+    assert "ddpflow: configuration error" in output, output
+    for part in expected:
+        assert part in output, f"{part!r} not in:\n{output}"
     assert "Traceback" not in output, output  # a clean message, not a crash
-    for directory in ("results", "logs"):
-        assert not (workdir / directory).exists(), f"{directory}/ was created:\n{output}"
-    assert not any(workdir.rglob("*submitit*"))
+    assert _snapshot(workdir) == before, "results/ or logs/ changed"
+    assert not any(workdir.rglob("*submitit*")), "a job was submitted"
+    assert not (workdir / "results/staged").exists(), "staging ran"
 
 
 def test_warnings_are_printed_by_the_dry_run(tmp_path):

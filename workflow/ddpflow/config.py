@@ -9,6 +9,7 @@ and expands the list of named runs.
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import json
 import math
@@ -131,7 +132,10 @@ def _describe(error: jsonschema.ValidationError) -> str:
     if error.validator == "additionalProperties":
         allowed = sorted(error.schema.get("properties", {}))
         extra = sorted(set(error.instance) - set(allowed))
-        return f"{path}: unknown key(s) {extra}; allowed keys here: {allowed}"
+        close = {key: difflib.get_close_matches(key, allowed, n=1) for key in extra}
+        hints = "".join(f"; did you mean {match[0]!r} for {key!r}?" for key, match in close.items()
+                        if match)  # fmt: skip
+        return f"{path}: unknown key(s) {extra}{hints} (allowed keys here: {allowed})"
     if error.validator == "enum":
         return f"{path}: {error.instance!r} is not one of {error.validator_value}"
     if error.validator == "type":
