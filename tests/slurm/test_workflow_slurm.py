@@ -262,3 +262,32 @@ def test_edited_config_cancels_the_detached_job_instead_of_reattaching(slurm_clu
     assert f"cancelling Slurm job {old_job}" in log
     assert "train.optimizer.lr 0.05 -> 0.02" in log and "training from scratch" in log
     assert "reattaching" not in log
+
+
+def test_a_failed_run_spares_the_other_and_the_report_names_it(slurm_cluster, tmp_path):
+    """On Slurm as locally: a diverging run fails its jobs (retried once by the profile), the
+    other run of the config trains and evaluates on the cluster, and the report of it names
+    the failed run and why."""
+    one_node = {**CLUSTER_MACHINE, "nodes": 1}
+    configfile = write_config(
+        tmp_path / "config.yaml",
+        {
+            "train": {"epochs": 2, "progress": False, "warmup_epochs": 0},
+            "machine": one_node,
+            "runs": [{"name": "steady"}, {"name": "wild", "train": {"optimizer": {"lr": 1e12}}}],
+        },
+    )
+    result = slurm_snakemake(tmp_path, configfile)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-4000:]
+    wild_jobs = job_ids(tmp_path / "logs/submitit/wild/train")
+    assert len(wild_jobs) == 2, f"the profile retries a failed rule once: {wild_jobs}"
+    for job in wild_jobs:
+        assert sacct_state(job) == "FAILED", job_story(job, tmp_path / "logs/submitit/wild/train")
+    steady = json.loads((tmp_path / "results/runs/steady/eval_metrics.json").read_text())
+    assert steady["train"]["launcher"] == "slurm" and steady["samples_evaluated"] > 0
+    summary = json.loads((tmp_path / "results/report/summary.json").read_text())
+    assert [row["run"] for row in summary["runs"]] == ["steady"]
+    (failed,) = summary["unfinished"]
+    assert failed["run"] == "wild" and "NaN or infinite" in failed["cause"], failed
+    assert "ddpflow: run 'wild' did not finish (train failed: rank " in output
