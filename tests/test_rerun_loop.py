@@ -83,6 +83,30 @@ def test_eval_edit_reevaluates_without_retraining(trained, tmp_path):
     reason = next(line for line in dry.stdout.splitlines() if "Params have changed" in line)
     assert "eval.batch_size=100" in reason and "eval.batch_size=512" in reason
     assert len(reason) < 300, f"the rerun reason is not one short line: {reason}"
+    # where the evaluation runs cannot change it: no rerun
+    in_own_job = write_config(tmp_path / "own.yaml", _edit(BASE, "eval", in_train=False))
+    assert jobs_planned(trained, in_own_job) == set()
+
+
+def test_eval_split_edit_scores_alone_in_a_job_of_its_own(trained, tmp_path):
+    """The training job evaluated the test split; eval.split: val is scored by an evaluate
+    job (the training job's evaluation is of another split), without retraining."""
+    first = json.loads((trained / "results/runs/cnn/eval_metrics.json").read_text())
+    assert first["evaluated_by"] == "train job" and first["split"] == "test"
+    assert not (trained / "logs/submitit/cnn/evaluate").exists()
+    model_mtime = (trained / "results/runs/cnn/model.pt").stat().st_mtime_ns
+    configfile = write_config(tmp_path / "val.yaml", _edit(BASE, "eval", split="val"))
+    output = _ok(snakemake(trained, configfile))
+    assert "(evaluated in a job of its own)" in output
+    again = json.loads((trained / "results/runs/cnn/eval_metrics.json").read_text())
+    assert again["evaluated_by"] == "evaluate job" and again["split"] == "val"
+    assert again["samples_evaluated"] == again["test_size"] == 144
+    assert (trained / "results/runs/cnn/model.pt").stat().st_mtime_ns == model_mtime
+    # back to the test split: scored again (not the training job's stale record)
+    _ok(snakemake(trained, trained / "config.yaml"))
+    back = json.loads((trained / "results/runs/cnn/eval_metrics.json").read_text())
+    assert back["split"] == "test" and back["evaluated_by"] == "evaluate job"
+    assert back["confusion_matrix"] == first["confusion_matrix"] and back["loss"] == first["loss"]
 
 
 def test_hyperparameter_edit_retrains_from_scratch_and_names_the_change(trained):
@@ -164,6 +188,7 @@ def test_signals_to_snakemake_stop_the_jobs_and_rerun_recovers(workdir):
     run on. Now SIGTERM during training and SIGINT during evaluation both stop the job at
     once (nothing left running); the rerun resumes training, then redoes evaluation."""
     slow = _edit(BASE, "train", epochs=4, checkpoint__every_steps=5)
+    slow["eval"] = {"in_train": False}  # an evaluate job to stop, after the training job
     configfile = write_config(workdir / "config.yaml", slow)
     train_logs = workdir / "logs/submitit/cnn/train"
     proc = _start(workdir, configfile)

@@ -39,7 +39,10 @@ def test_whole_workflow_then_partial_rerun(workdir):
     for png in ("loss", "val_accuracy", "throughput", "confusion_cnn"):
         image = matplotlib.image.imread(report / "plots" / f"{png}.png")
         assert image.ndim == 3 and image.shape[0] > 100
-    assert (workdir / "logs/submitit/cnn/train").is_dir()
+    # one allocation per run: the training job evaluated; no evaluate job was submitted
+    assert len(list((workdir / "logs/submitit/cnn/train").glob("*_submitted.pkl"))) == 1
+    assert not (workdir / "logs/submitit/cnn/evaluate").exists()
+    assert metrics["evaluated_by"] == "train job"
     # mlp's rank 0 had its progress on: whole lines in its log, no bar's carriage returns
     rank_logs = list((workdir / "logs/submitit/mlp/train").glob("*_0_log.err"))
     assert rank_logs and all("\r" not in p.read_text() for p in rank_logs)
@@ -59,6 +62,7 @@ def test_whole_workflow_then_partial_rerun(workdir):
     assert "mlp" in (report / "report.md").read_text()
 
     # delete one output: only it and what depends on it are redone
+    # (the evaluation is then scored anew, in a job of its own: the same counts and loss)
     model = workdir / "results/runs/cnn/model.pt"
     model_mtime = model.stat().st_mtime_ns
     (workdir / "results/runs/cnn/eval_metrics.json").unlink()
@@ -67,7 +71,10 @@ def test_whole_workflow_then_partial_rerun(workdir):
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert model.stat().st_mtime_ns == model_mtime
     again = json.loads((workdir / "results/runs/cnn/eval_metrics.json").read_text())
-    assert again["accuracy"] == metrics["accuracy"]
+    assert again["evaluated_by"] == "evaluate job"
+    assert len(list((workdir / "logs/submitit/cnn/evaluate").glob("*_submitted.pkl"))) == 1
+    for key in ("accuracy", "confusion_matrix", "loss", "samples_evaluated"):
+        assert again[key] == metrics[key], key
     assert jobs_planned(workdir, configfile) == set()
 
     # Snakemake's own report, with the items registered through report()

@@ -72,10 +72,12 @@ def test_profile_runs_whole_pipeline_on_two_nodes(slurm_run):
     assert sorted(set(metrics["hosts"])) == ["node1", "node2"]
     assert metrics["samples_evaluated"] == metrics["test_size"]
     assert (workdir / "results/report/report.html").stat().st_size > 0
-    for stage in ("train", "evaluate"):
-        ids = job_ids(workdir / "logs/submitit/cnn" / stage)
-        assert len(ids) == 1, f"{stage}: expected one Slurm job, found {ids}"
-        assert sacct_state(ids[0]) == "COMPLETED"
+    # one allocation per run: the training job evaluated before it released its ranks
+    ids = job_ids(workdir / "logs/submitit/cnn/train")
+    assert len(ids) == 1, f"expected one Slurm job, found {ids}"
+    assert sacct_state(ids[0]) == "COMPLETED"
+    assert not (workdir / "logs/submitit/cnn/evaluate").exists(), "a second job was queued"
+    assert metrics["evaluated_by"] == "train job"
 
 
 def test_accuracy_equals_local_run(slurm_run, tmp_path):
@@ -118,6 +120,28 @@ def test_accuracy_equals_local_run(slurm_run, tmp_path):
     )
     reason = next(line for line in dry.stdout.splitlines() if "Params have changed" in line)
     assert "train.seed=1" in reason and len(reason) < 300, reason
+
+
+def test_deleted_evaluation_is_scored_alone_in_a_job_of_its_own(slurm_run):
+    """After the training job's evaluation is published, deleting eval_metrics.json scores
+    the model again in an evaluate job on the cluster, without retraining: same counts."""
+    workdir, _ = slurm_run
+    published = workdir / "results/runs/cnn/eval_metrics.json"
+    before = json.loads(published.read_text())
+    model_mtime = (workdir / "results/runs/cnn/model.pt").stat().st_mtime_ns
+    published.unlink()
+    result = slurm_snakemake(workdir, workdir / "config.yaml")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    (job,) = job_ids(workdir / "logs/submitit/cnn/evaluate")
+    assert sacct_state(job) == "COMPLETED", job_story(job, workdir / "logs/submitit/cnn/evaluate")
+    after = json.loads(published.read_text())
+    assert after["evaluated_by"] == "evaluate job" and sorted(set(after["hosts"])) == [
+        "node1",
+        "node2",
+    ]
+    for key in ("confusion_matrix", "correct", "samples_evaluated", "loss"):
+        assert after[key] == before[key], key
+    assert (workdir / "results/runs/cnn/model.pt").stat().st_mtime_ns == model_mtime
 
 
 def test_plain_sbatch_script(slurm_cluster, tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .config import config_hash, training_fingerprint
-from .distenv import barrier
+from .distenv import any_rank, barrier
 from .runtime import atomic_torch_save, atomic_write_bytes
 from .workspace import candidates, checkpoint_dir, set_aside, sidecar
 
@@ -134,7 +134,7 @@ class Checkpointer:
             mismatch = None
         except CheckpointMismatch as exc:
             state, mismatch = None, exc
-        if _any_rank(self.env, mismatch is not None):
+        if any_rank(self.env.world_size, mismatch is not None):
             if self.on_config_change != "start_over":
                 raise mismatch or CheckpointMismatch(
                     f"another rank found checkpoints of another config in {self.directory}"
@@ -185,20 +185,7 @@ class Checkpointer:
 
     def stop_agreed(self) -> bool:
         """True on every rank once any rank got the signal (ranks must stop at one step)."""
-        return _any_rank(self.env, self.stop_requested)
-
-
-def _any_rank(env, flag: bool) -> bool:
-    """True on every rank if `flag` is true on any (a MAX all-reduce; world 1: the flag)."""
-    if env.world_size == 1:
-        return flag
-    import torch.distributed as dist
-
-    nccl = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    value = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+        return any_rank(self.env.world_size, self.stop_requested)
 
 
 def _gather_rng(env) -> list[dict]:

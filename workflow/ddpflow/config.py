@@ -280,8 +280,9 @@ def training_fingerprint(run: dict) -> dict[str, Any]:
 
 
 def evaluation_fingerprint(run: dict) -> dict[str, Any]:
-    """What determines an evaluation besides the model file: the eval section."""
-    return flatten({"eval": run["eval"]})
+    """What determines an evaluation besides the model file: the eval section, less where
+    it runs (eval.in_train: the training job or a job of its own score alike)."""
+    return flatten({"eval": {k: v for k, v in run["eval"].items() if k != "in_train"}})
 
 
 def as_params(fingerprint: dict[str, Any]) -> list[str]:

@@ -215,3 +215,18 @@ def barrier(env: DistEnv) -> None:
         import torch.distributed as dist
 
         dist.barrier()
+
+
+def any_rank(world_size: int, flag: bool) -> bool:
+    """True on every rank if `flag` is true on any (a MAX all-reduce; world 1: the flag).
+    Every rank must call it at the same point: it is a collective."""
+    if world_size == 1:
+        return flag
+    import torch
+    import torch.distributed as dist
+
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())

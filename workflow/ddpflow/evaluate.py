@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .distenv import any_rank
+
 log = logging.getLogger(__name__)
 
 
@@ -51,15 +53,31 @@ def shard_counts(
 
 
 def evaluate_split(
-    model, images, labels, num_classes, batch_size, norm, rank, world, autocast=None
-) -> dict:
+    model, images, labels, num_classes, batch_size, norm, rank, world, autocast=None, guard=False
+) -> dict | None:
     """Score rank's unpadded shard, then sum counts over ranks: int64 confusion matrix with one
-    all_reduce (exact), the loss sum with a second one (float64)."""
+    all_reduce (exact), the loss sum with a second one (float64).
+
+    guard=True (the evaluation a training job adds before it ends): a rank whose scoring
+    raises (out of memory at eval.batch_size, say) logs it, the ranks agree on it in one
+    collective, and every rank returns None instead of raising, so a failed evaluation never
+    fails the training it follows (the evaluate rule then scores the model in a job of its
+    own). Without it the exception propagates, as in the evaluate job."""
     begin = time.perf_counter()
     start, stop = shard_bounds(images.shape[0], world, rank)
-    confusion, loss = shard_counts(
-        model, images[start:stop], labels[start:stop], num_classes, batch_size, norm, autocast
-    )
+    try:
+        confusion, loss = shard_counts(
+            model, images[start:stop], labels[start:stop], num_classes, batch_size, norm, autocast
+        )
+        failed = False
+    except Exception:
+        if not guard:
+            raise
+        log.exception("rank %d: the evaluation after training failed", rank)
+        confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=images.device)
+        loss, failed = torch.zeros((), dtype=torch.float64, device=images.device), True
+    if guard and any_rank(world, failed):
+        return None
     if world > 1:
         dist.all_reduce(confusion, op=dist.ReduceOp.SUM)
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)

@@ -19,6 +19,7 @@ import math
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -325,6 +326,7 @@ class Loop:
             log.warning("%s; training on (train.on_nonfinite: warn). %s", where, advice)
 
     def validate(self) -> dict:
+        sync_buffers(self.model, self.env.world_size)
         images, labels = self.data["val_x"], self.data["val_y"]
         result = evaluate.evaluate_split(
             self.model,
@@ -338,6 +340,17 @@ class Loop:
             self.autocast,
         )
         return {"val_accuracy": result["accuracy"], "val_loss": result["loss"]}
+
+
+def sync_buffers(model: nn.Module, world_size: int) -> None:
+    """Every rank takes rank 0's buffers (BatchNorm statistics) before scoring, so that all
+    shards are scored by the model rank 0 checkpoints and saves. DDP broadcasts buffers at
+    the start of each forward, so after a step each rank's statistics include its own last
+    batch: without this, each shard would be scored by a slightly different model. Training
+    is unchanged (the next forward broadcasts the same buffers again)."""
+    if world_size > 1:
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
 
 
 def fit(loop: Loop, on_epoch, progress_factory=None) -> float:

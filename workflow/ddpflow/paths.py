@@ -31,6 +31,7 @@ CHECKPOINTS = "checkpoints"
 SET_ASIDE_PREFIX = "checkpoints.old-"
 FINGERPRINT = "fingerprint.json"  # the config the checkpoints belong to
 FINISHED = "finished.json"  # written once a training's outputs are published
+EVAL_FROM_TRAIN = "eval_from_train.json"  # the training job's evaluation, until published
 FAILED = "failed.json"  # why the run's last train/evaluate rule failed (ddpflow.outcome)
 LIVE_METRICS = "metrics.jsonl"  # rank 0's epoch lines while it trains (progress, resume)
 

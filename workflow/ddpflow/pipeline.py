@@ -13,8 +13,8 @@ from pathlib import Path
 from . import data, launch, outcome, report, runtime, workspace
 from .config import check_batch_fits, config_hash, evaluation_fingerprint, training_fingerprint
 from .errors import UserError
-from .paths import LIVE_METRICS, RunPaths
-from .tasks import EvalTask, TrainTask
+from .paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
+from .tasks import EvalTask, TrainTask, published
 
 log = logging.getLogger(__name__)
 
@@ -145,17 +145,52 @@ def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
 
 
 def evaluate_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
-    result = _distributed(EvalTask, "evaluate", run, paths, logs_dir)[0]
-    workspace.remove_rendezvous_files(paths.work)
+    """Publish the evaluation the training job made of this very model and eval config (no
+    second job: one allocation per run); otherwise (eval.in_train off, an edited eval
+    section, eval_metrics.json deleted after its publication) score the model in a job."""
+    result = _publish_evaluation_from_training(run, paths)
+    where = "by the training job, no job of its own"
+    if result is None:
+        result = _distributed(EvalTask, "evaluate", run, paths, logs_dir)[0]
+        workspace.remove_rendezvous_files(paths.work)
+        where = "in a job of its own"
     log.info(
-        "evaluate %r on the %s split: %d of %d samples correct, accuracy %.4f",
+        "evaluate %r on the %s split: %d of %d samples correct, accuracy %.4f (evaluated %s)",
         run["name"],
         result["split"],
         result["correct"],
         result["samples_evaluated"],
         result["accuracy"],
+        where,
     )
     return result
+
+
+def _publish_evaluation_from_training(run: dict, paths: RunPaths) -> dict | None:
+    """The training job's evaluation as eval_metrics.json, if it scored the model.pt that is
+    there now with the current eval config; it is published once (moved), so a deleted
+    eval_metrics.json is scored anew. None where there is none to publish (and why)."""
+    kept = Path(paths.work) / EVAL_FROM_TRAIN
+    if not run["eval"]["in_train"] or not kept.is_file():
+        return None
+    try:
+        record = json.loads(kept.read_text())
+        sha, key = record.pop("model_sha256"), record.pop("eval_key")
+    except (OSError, ValueError, KeyError) as err:
+        log.info("the training job's evaluation is unreadable (%s): evaluating anew", err)
+        record = None
+    if record is None:
+        pass
+    elif key != config_hash(evaluation_fingerprint(run)):
+        log.info("the eval section changed since the training job evaluated: evaluating anew")
+    elif sha != data.sha256_file(Path(paths.model)):
+        log.info("model.pt is not the model the training job evaluated: evaluating anew")
+    else:
+        runtime.atomic_write_json(paths.eval_metrics, record)
+        kept.unlink()
+        return published(record)
+    kept.unlink(missing_ok=True)  # stale either way
+    return None
 
 
 def build_report(

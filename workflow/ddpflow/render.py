@@ -73,7 +73,7 @@ def _runs_table(rows: list[dict], scaling: bool) -> tuple:
 def _machine_table(rows: list[dict], scaling: bool) -> tuple:
     """Where and how fast each run trained; speedup only within a scaling group."""
     headers = ["Run", "World size", "Nodes", "Hosts", "Device", "Train samples/s",
-               "Train wall time", "Attempts", "Eval time"]  # fmt: skip
+               "Train wall time", "Attempts", "Eval time", "Evaluated by"]  # fmt: skip
     if scaling:
         headers[6:6] = ["Scaling group", "Speedup", "Efficiency"]
     body = []
@@ -81,7 +81,7 @@ def _machine_table(rows: list[dict], scaling: bool) -> tuple:
         cells = [row["run"], str(row["world_size"]), str(row["nodes"]), _hosts(row["hosts"]),
                  row["device"], f"{row['train_samples_per_s']:.1f}",
                  _seconds(row["train_wall_seconds"]), str(row["attempts"]),
-                 _seconds(row["eval_seconds"])]  # fmt: skip
+                 _seconds(row["eval_seconds"]), row["evaluated_by"]]  # fmt: skip
         if scaling:
             grouped = row["speedup"] is not None
             cells[6:6] = [str(row["scaling_group"]) if grouped else "–",

@@ -152,6 +152,8 @@ def _summary_row(name: str, epochs: list[dict], ev: dict) -> dict:
         "global_batch": train.get("global_batch"), "lr": train.get("lr"),
         "science": _science(ev["provenance"]["config"]),
         "split": ev.get("split", "test"),
+        # the training job (one allocation per run) or a job of its own; older files: own
+        "evaluated_by": ev.get("evaluated_by", "evaluate job"),
     }  # fmt: skip
     # Summed over the kept (deduplicated) epochs: the time of the final, complete history.
     for phase in (*PHASES, "epoch"):

@@ -188,13 +188,19 @@ class PhaseClock:
 
 def provenance() -> dict:
     """Where a result came from: code version, package versions, machine."""
+    from importlib import metadata
+
     import torch
 
     versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("torchvision", "submitit", "snakemake", "numpy", "sklearn", "yaml"):
+    # the installed distributions' versions, read from their metadata: importing them to
+    # ask (torchvision, snakemake, scikit-learn) cost a rank 1-2 s of start-up
+    for name, dist in (("torchvision", "torchvision"), ("submitit", "submitit"),
+                       ("snakemake", "snakemake"), ("numpy", "numpy"),
+                       ("sklearn", "scikit-learn"), ("yaml", "PyYAML")):  # fmt: skip
         try:
-            versions[name] = __import__(name).__version__
-        except Exception:  # noqa: BLE001 - optional packages, absence is information
+            versions[name] = metadata.version(dist)
+        except metadata.PackageNotFoundError:  # absence is information
             versions[name] = None
     return {
         "git_commit": git_commit(),

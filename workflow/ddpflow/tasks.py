@@ -20,10 +20,11 @@ import torch.distributed as dist
 
 from . import distenv, evaluate, runtime
 from .checkpoint import Checkpointer, Preempted, hand_over_to_requeue, stop_on_signal
+from .config import config_hash, evaluation_fingerprint
 from .data import load_split
-from .loop import Loop, fit
+from .loop import Loop, fit, sync_buffers
 from .models import build_model, count_parameters, place
-from .paths import LIVE_METRICS, RunPaths
+from .paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
 from .preflight import run_preflight
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def gather_hosts(env) -> list[str]:
 
 def load_data(staged: str, device, splits=("train", "val")) -> dict:
     data: dict = {}
-    for split in splits:
+    for split in dict.fromkeys(splits):  # each once (eval.split may be val)
         images, labels, manifest = load_split(staged, split)
         data[f"{split}_x"], data[f"{split}_y"] = images.to(device), labels.to(device)
     shape = [1, len(manifest["mean"]), 1, 1]
@@ -109,7 +110,13 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         start = time.perf_counter()
         if run["machine"]["preflight"]["enabled"]:
             run_preflight(run["machine"]["preflight"], env, device, hosts)
-        data = load_data(paths.staged, device)
+        split = run["eval"]["split"]
+        in_train = run["eval"]["in_train"]
+        # the evaluation split too when this job evaluates at the end: loaded (and verified)
+        # now, so that bad data fails before the training, not after it
+        data = load_data(
+            paths.staged, device, ("train", "val", split) if in_train else ("train", "val")
+        )
         torch.manual_seed(run["train"]["seed"])  # same init everywhere (DDP also broadcasts)
         model = build_model(run["model"], data["shape"], data["num_classes"])
         model = place(model, device, run["train"]["channels_last"])
@@ -142,13 +149,52 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             except Preempted:
                 hand_over_to_requeue(env, ckpt.submitit_handler)
                 raise
-        if not env.is_master:
-            return {"rank": env.rank, "host": socket.gethostname()}
-        return self._write_outputs(model, data, env, hosts, loop, ckpt.attempt, start, live_metrics)
+        summary = None
+        if env.is_master:
+            summary = self._write_outputs(
+                model, data, env, hosts, loop, ckpt.attempt, start, live_metrics
+            )
+        if in_train:
+            self._evaluate(model, data, env, hosts, summary)
+        return summary or {"rank": env.rank, "host": socket.gethostname()}
+
+    def _evaluate(self, model, data, env, hosts, summary) -> None:
+        """Score the final model before the ranks are released (one allocation per run):
+        the same exact evaluation as the evaluate job's, on the bare module (no autocast),
+        so the counts are those a job of its own would get. Rank 0 keeps the result in the
+        work folder, tied to model.pt's checksum and the eval config; the evaluate rule
+        publishes it. A failure here is logged and leaves the evaluation to that rule."""
+        run, split = self.run, self.run["eval"]["split"]
+        sync_buffers(model, env.world_size)  # score the model rank 0 saved
+        result = evaluate.evaluate_split(
+            model,
+            data[f"{split}_x"],
+            data[f"{split}_y"],
+            data["num_classes"],
+            run["eval"]["batch_size"],
+            data["norm"],
+            env.rank,
+            env.world_size,
+            guard=True,
+        )
+        if result is None:
+            log.warning("the evaluation after training failed; the evaluate rule will score "
+                        "the model in a job of its own")  # fmt: skip
+            return
+        if env.is_master:
+            record = evaluation_record(
+                run, result, data["manifest"], env.world_size, hosts, summary, "train job"
+            )
+            record["model_sha256"] = summary.pop("model_sha256")
+            record["eval_key"] = config_hash(evaluation_fingerprint(run))
+            runtime.atomic_write_json(Path(self.paths.work) / EVAL_FROM_TRAIN, record)
+            log.info("evaluated on the %s split: %d of %d correct, accuracy %.4f in %.2fs",
+                     split, result["correct"], result["samples_evaluated"], result["accuracy"],
+                     result["eval_seconds"])  # fmt: skip
 
     def _write_outputs(self, model, data, env, hosts, loop, attempt, start, live_metrics):
         run, paths = self.run, self.paths
-        runtime.atomic_torch_save(
+        sha256 = runtime.atomic_torch_save(
             {
                 "state_dict": model.state_dict(),
                 "model": run["model"],
@@ -184,7 +230,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         }
         runtime.atomic_write_bytes(paths.train_metrics, live_metrics.read_bytes())
         runtime.atomic_write_json(paths.train_summary, summary)
-        return summary
+        return {**summary, "model_sha256": sha256}
 
 
 def _next_attempt(work: Path, resumed: bool, env) -> int:
@@ -301,28 +347,44 @@ class EvalTask(DistributedTask):
         return self._write(result, data, env, hosts)
 
     def _write(self, result, data, env, hosts) -> dict:
-        run, paths = self.run, self.paths
-        manifest = data["manifest"]
-        result.update(
-            run=run["name"],
-            split=run["eval"]["split"],
-            test_size=manifest["sizes"][run["eval"]["split"]],
-            class_names=manifest["class_names"],
-            world_size=env.world_size,
-            hosts=hosts,
-            train=json.loads(Path(paths.train_summary).read_text()),
+        train = json.loads(Path(self.paths.train_summary).read_text())
+        record = evaluation_record(
+            self.run, result, data["manifest"], env.world_size, hosts, train, "evaluate job"
         )
-        if result["samples_evaluated"] != result["test_size"]:
-            raise RuntimeError(
-                f"evaluated {result['samples_evaluated']} samples, the "
-                f"{run['eval']['split']} split has {result['test_size']}"
-            )
-        result["provenance"] = {
-            **runtime.provenance(),
-            "config": run,
-            "hostnames": hosts,
-            "dataset": {k: manifest[k] for k in ("source", "sizes")},
-        }
-        runtime.atomic_write_json(paths.eval_metrics, result)
-        keys = ("run", "split", "accuracy", "correct", "samples_evaluated", "test_size")
-        return {k: result[k] for k in keys}
+        runtime.atomic_write_json(self.paths.eval_metrics, record)
+        return published(record)
+
+
+def evaluation_record(run, result, manifest, world_size, hosts, train, evaluated_by) -> dict:
+    """eval_metrics.json's content: the counts, what was scored and by whom, the training
+    summary and provenance. Refuses a count that is not the whole split."""
+    split = run["eval"]["split"]
+    record = {
+        **result,
+        "run": run["name"],
+        "split": split,
+        "test_size": manifest["sizes"][split],
+        "class_names": manifest["class_names"],
+        "world_size": world_size,
+        "hosts": hosts,
+        "evaluated_by": evaluated_by,
+        "train": train,
+    }
+    if record["samples_evaluated"] != record["test_size"]:
+        raise RuntimeError(
+            f"evaluated {record['samples_evaluated']} samples, the {split} split has "
+            f"{record['test_size']}"
+        )
+    record["provenance"] = {
+        **runtime.provenance(),
+        "config": run,
+        "hostnames": hosts,
+        "dataset": {k: manifest[k] for k in ("source", "sizes")},
+    }
+    return record
+
+
+def published(record: dict) -> dict:
+    """What the evaluate rule logs of a record."""
+    keys = ("run", "split", "accuracy", "correct", "samples_evaluated", "test_size")
+    return {k: record[k] for k in keys}
