@@ -21,11 +21,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ddpflow.sources import DataError, RawSource, load_source
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DataError", "FORMAT_VERSION", "SPLITS", "load_split", "stage_dataset", "verify_staged"]
 
@@ -268,6 +271,8 @@ def load_split(
             ) from exc
     images, labels = arrays
     _check_arrays(staged_dir, manifest, split, images, labels)
+    import torch  # here, not at the top: the rules' processes read manifests without torch
+
     return torch.from_numpy(images), torch.from_numpy(labels), manifest
 
 

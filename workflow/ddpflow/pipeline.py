@@ -10,11 +10,11 @@ import logging
 import time
 from pathlib import Path
 
-from . import data, launch, outcome, report, runtime, workspace
+from . import data, launch, outcome, runtime, workspace
 from .config import check_batch_fits, config_hash, evaluation_fingerprint, training_fingerprint
 from .errors import UserError
+from .jobs import EvalJob, TrainJob, published
 from .paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
-from .tasks import EvalTask, TrainTask, published
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     # work folder is decided on: it would write its old-config checkpoints into it
     launch.cancel_outdated(_job_record(paths, "train"), config_hash(training_fingerprint(run)))
     workspace.prepare(run, paths.work)
-    summary = _distributed(TrainTask, "train", run, paths, logs_dir)[0]
+    summary = _distributed(TrainJob, "train", run, paths, logs_dir)[0]
     workspace.finish(run, paths.work)
     log.info(
         "train %r: %.0f samples/s on %d ranks (%s)",
@@ -151,7 +151,7 @@ def evaluate_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     result = _publish_evaluation_from_training(run, paths)
     where = "by the training job, no job of its own"
     if result is None:
-        result = _distributed(EvalTask, "evaluate", run, paths, logs_dir)[0]
+        result = _distributed(EvalJob, "evaluate", run, paths, logs_dir)[0]
         workspace.remove_rendezvous_files(paths.work)
         where = "in a job of its own"
     log.info(
@@ -202,7 +202,9 @@ def build_report(
         {"name": name, "train_metrics": train, "eval_metrics": evaluation}
         for name, train, evaluation in zip(run_names, train_metrics, eval_metrics, strict=True)
     ]
-    return report.build_report(runs, out_dir)
+    from .report import build_report  # matplotlib: only the report rule needs it
+
+    return build_report(runs, out_dir)
 
 
 def clean_work(work_root: str) -> list[str]:

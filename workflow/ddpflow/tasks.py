@@ -22,6 +22,7 @@ from . import distenv, evaluate, runtime
 from .checkpoint import Checkpointer, Preempted, hand_over_to_requeue, stop_on_signal
 from .config import config_hash, evaluation_fingerprint
 from .data import load_split
+from .jobs import published
 from .loop import Loop, fit, sync_buffers
 from .models import build_model, count_parameters, place
 from .paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
@@ -382,9 +383,3 @@ def evaluation_record(run, result, manifest, world_size, hosts, train, evaluated
         "dataset": {k: manifest[k] for k in ("source", "sizes")},
     }
     return record
-
-
-def published(record: dict) -> dict:
-    """What the evaluate rule logs of a record."""
-    keys = ("run", "split", "accuracy", "correct", "samples_evaluated", "test_size")
-    return {k: record[k] for k in keys}
