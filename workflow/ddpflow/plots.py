@@ -16,7 +16,7 @@ import uuid
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import FormatStrFormatter, MaxNLocator, ScalarFormatter
+from matplotlib.ticker import FormatStrFormatter, FuncFormatter, MaxNLocator, ScalarFormatter
 
 __all__ = [
     "plot_confusion",
@@ -58,6 +58,15 @@ def _spans_decades(values) -> bool:
     return bool(values) and min(values) > 0 and max(values) / min(values) >= 10
 
 
+def _minor_log_label(value: float, _position) -> str:
+    """Between the decades of a log axis, label 2x and 5x only (0.2, 0.5): every minor
+    tick labelled would crowd the axis."""
+    if value <= 0:
+        return ""
+    lead = round(value / 10 ** np.floor(np.log10(value)))
+    return f"{value:g}" if lead in (2, 5) else ""
+
+
 def plot_per_epoch(
     series: dict[str, list[tuple[int, float]]], ylabel: str, title: str, log_if_wide=False
 ) -> bytes:
@@ -76,8 +85,8 @@ def per_epoch_figure(series, ylabel: str, title: str, log_if_wide=False) -> Figu
     ax.set_xlabel("epoch")
     if log_if_wide and _spans_decades([v for points in series.values() for _, v in points]):
         ax.set_yscale("log")
-        for axis_format in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
-            axis_format(FormatStrFormatter("%g"))  # 0.6, not 6x10^-1
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))  # 0.1, not 10^-1
+        ax.yaxis.set_minor_formatter(FuncFormatter(_minor_log_label))
         ylabel += " (log scale)"
     ax.set_ylabel(ylabel)
     ax.set_title(title)
