@@ -187,15 +187,27 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def measure(args: argparse.Namespace, workdir: Path) -> dict:
+def fresh_workdir(config: Path, workdir: Path) -> Path:
+    """The user's start: a directory holding only the config; returns the configfile."""
     configfile = workdir / "config" / "config.yaml"
     configfile.parent.mkdir(parents=True)
-    shutil.copy(args.config, configfile)
-    dry, _ = snakemake(workdir, configfile, args.cores, "--dry-run")
-    total, output = snakemake(workdir, configfile, args.cores)
+    shutil.copy(config, configfile)
+    return configfile
+
+
+def run_outputs(workdir: Path) -> tuple[Path, dict, dict]:
+    """(run directory, train_summary.json, eval_metrics.json) of the workflow's one run."""
     run_dir = next((workdir / "results" / "runs").iterdir())
     train = json.loads((run_dir / "train_summary.json").read_text())
     ev = json.loads((run_dir / "eval_metrics.json").read_text())
+    return run_dir, train, ev
+
+
+def measure(args: argparse.Namespace, workdir: Path) -> dict:
+    configfile = fresh_workdir(args.config, workdir)
+    dry, _ = snakemake(workdir, configfile, args.cores, "--dry-run")
+    total, output = snakemake(workdir, configfile, args.cores)
+    run_dir, train, ev = run_outputs(workdir)
     rules = rule_table(workdir, run_dir.name)
     return {
         "run": run_dir.name,

@@ -21,6 +21,12 @@ with a real gloo (CPU) or nccl (GPU) process group on 127.0.0.1.
     python bench/throughput.py                                    # CPU: mlp, cnn, resnet18
     python bench/throughput.py --cases mlp --world-sizes 1 --repeats 1 --warmup 0
     python bench/throughput.py --gpu [--compile]                  # ResNet-18 32x32, batch 512
+    python bench/throughput.py --lightning    # ddpflow vs a Lightning Trainer: mlp x2, cnn x2,
+                                              # resnet18 x1 (bench/install-peers first)
+
+``--lightning`` puts a lightning.Trainer's loop (bench/lightning_loop.py) in place of the raw
+one: same model, data, batch, optimizer, lr and schedule, its epochs alternating with
+ddpflow's in the same ranks and process group.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from ddpflow.models import build_model, forward_flops, place
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-from workers import machine_info, spawn_ranks
+from workers import lightning_version, machine_info, peers_env, spawn_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 # samples: global samples per epoch (= per repeat); ResNet-18 is kept to a few batches on CPU
@@ -57,6 +63,10 @@ CASES = {
     "cnn": {"model": "cnn", "shape": [1, 28, 28], "samples": 1024},
     "resnet18": {"model": "resnet18", "shape": [3, 32, 32], "samples": 256},
 }
+# --lightning: the issue's cases against Lightning, each at one world size
+LIGHTNING_WORLD = {"mlp": 2, "cnn": 2, "resnet18": 1}
+LIGHTNING_TARGET = 1.2  # ddpflow's loop vs Lightning's, every CPU case (issue 11)
+TRAINER_NOTE = "without logger, checkpointing, progress bar, summary or validation"
 GPU_CASE = {"model": "resnet18", "shape": [3, 32, 32], "samples": 512 * 40}
 NUM_CLASSES = 10
 # dense bf16 peak, TFLOP/s (vendor datasheets; SXM parts); --peak-tflops overrides
@@ -74,9 +84,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed epochs per loop")
     p.add_argument("--samples-scale", type=float, default=1.0, help="scale epoch sizes")
     p.add_argument("--gpu", action="store_true", help="ResNet-18 on CUDA: bf16, channels_last")
+    p.add_argument(
+        "--lightning", action="store_true", help="ddpflow vs a Lightning Trainer (not raw)"
+    )
     p.add_argument("--compile", action="store_true", help="--gpu: torch.compile ddpflow's model")
     p.add_argument("--peak-tflops", type=float, default=None, help="GPU peak for MFU")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out/throughput.json")
+    p.add_argument(
+        "--out", type=Path, default=None, help="default bench/out/throughput[_lightning].json"
+    )
     p.add_argument("--worker", type=json.loads, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -225,22 +240,40 @@ def timed_epoch(epoch_fn, world: int, device, sync) -> tuple[float, float, dict]
     return samples / float(seconds), samples / float(cpu), record
 
 
+def schedule(names: list[str], warmup: int, repeats: int) -> list[tuple[str, int | None]]:
+    """(loop, repeat) in run order: each loop's warmup epochs (repeat None), then the loops
+    alternating repeat by repeat, the order flipped every repeat."""
+    order = [(name, None) for name in names for _ in range(warmup)]
+    for repeat in range(repeats):
+        order += [(name, repeat) for name in (names if repeat % 2 == 0 else names[::-1])]
+    return order
+
+
 def measure(loops: dict, cfg: dict, device, sync) -> dict:
-    """Warm each loop up, then alternate them repeat by repeat (order flipped each time)."""
+    """Warm each loop up, then alternate them repeat by repeat (order flipped each time). A
+    loop with drive() (Lightning's Trainer owns its epoch loop) runs the whole schedule."""
     world = cfg["world_size"]
-    for fn in loops.values():
-        for _ in range(cfg["warmup"]):
-            timed_epoch(fn, world, device, sync)
     rates = {name: ([], []) for name in loops}
     phases = []
-    for repeat in range(cfg["repeats"]):
-        names = list(loops) if repeat % 2 == 0 else list(reversed(loops))
-        for name in names:
-            rate, cpu_rate, record = timed_epoch(loops[name], world, device, sync)
+
+    def record(name, repeat, rate, cpu_rate):
+        if repeat is not None:
             rates[name][0].append(rate)
             rates[name][1].append(cpu_rate)
-            if name == "ddpflow":
-                phases.append({k: v / record["micro_steps"] for k, v in record["seconds"].items()})
+
+    def run(name, repeat):
+        rate, cpu_rate, rec = timed_epoch(loops[name], world, device, sync)
+        record(name, repeat, rate, cpu_rate)
+        if name == "ddpflow" and repeat is not None:
+            phases.append({k: v / rec["micro_steps"] for k, v in rec["seconds"].items()})
+
+    order = schedule(list(loops), cfg["warmup"], cfg["repeats"])
+    driver = next((fn for fn in loops.values() if hasattr(fn, "drive")), None)
+    if driver is not None:
+        driver.drive(order, run, record)
+    else:
+        for name, repeat in order:
+            run(name, repeat)
     out = {
         name: {
             "samples_per_s": statistics.median(wall),
@@ -273,8 +306,13 @@ def run_worker(cfg: dict) -> int:
         run = ddpflow_run(cfg)
         images, labels, norm = synthetic(cfg["case"]["shape"], cfg["samples"])
         ours, loop = ddpflow_epoch(cfg, run, images, labels, norm, env, device)
-        raw = raw_epoch(cfg, run, loop.lr, images, labels, norm, device)
-        loops = {"raw": raw, "ddpflow": ours}
+        loops = {"ddpflow": ours}
+        if cfg["baseline"] == "lightning":
+            from lightning_loop import LightningLoop  # bench/.peers-site, --lightning only
+
+            loops["lightning"] = LightningLoop(cfg, run, loop.lr, images, labels, norm)
+        else:
+            loops = {"raw": raw_epoch(cfg, run, loop.lr, images, labels, norm, device), **loops}
         if cfg["device"] == "cuda" and not cfg.get("compile"):
             for name, clock in TIMING_VARIANTS.items():
                 loops[name], variant = ddpflow_epoch(cfg, run, images, labels, norm, env, device)
@@ -299,9 +337,10 @@ def free_port() -> int:
 
 def launch(cfg: dict) -> dict:
     """One (case, world size) in fresh worker processes; rank 0's measurements."""
+    env = peers_env() if cfg["baseline"] == "lightning" else None  # Lightning's ranks only
     with tempfile.TemporaryDirectory(prefix="ddpflow-bench-") as tmp:
         cfg = {**cfg, "port": free_port(), "result_file": f"{tmp}/result.json", "work": tmp}
-        return spawn_ranks(__file__, cfg, WORKER_TIMEOUT_S)
+        return spawn_ranks(__file__, cfg, WORKER_TIMEOUT_S, env)
 
 
 def train_flops_per_sample(case: dict) -> int:
@@ -337,27 +376,30 @@ def plan(args: argparse.Namespace) -> list[dict]:
     else:
         cases, device = {name: CASES[name] for name in args.cases}, "cpu"
         worlds, batch = args.world_sizes or [1, 2], args.batch or 32
+    pairs = [(name, world) for world in worlds for name in cases]
+    if args.lightning:  # each case at its own world size unless --world-sizes says otherwise
+        pairs = [(n, w) for n in cases for w in args.world_sizes or [LIGHTNING_WORLD[n]]]
     configs = []
-    for world in worlds:
-        for name, case in cases.items():
-            # whole batches on every rank: no ragged last step (and no recompile)
-            step = batch * world
-            samples = max(step, round(case["samples"] * args.samples_scale / step) * step)
-            configs.append(
-                {
-                    "name": name,
-                    "case": case,
-                    "device": device,
-                    "world_size": world,
-                    "batch": batch,
-                    "threads": threads(args, cores, world),
-                    "samples": samples,
-                    "repeats": args.repeats,
-                    "warmup": max(args.warmup, 1) if args.compile else args.warmup,
-                    "compile": args.compile,
-                }
-            )
-    if not args.gpu and "mlp" in cases:
+    for name, world in pairs:
+        # whole batches on every rank: no ragged last step (and no recompile)
+        step = batch * world
+        samples = max(step, round(cases[name]["samples"] * args.samples_scale / step) * step)
+        configs.append(
+            {
+                "name": name,
+                "case": cases[name],
+                "device": device,
+                "world_size": world,
+                "batch": batch,
+                "threads": threads(args, cores, world),
+                "samples": samples,
+                "repeats": args.repeats,
+                "warmup": max(args.warmup, 1) if args.compile else args.warmup,
+                "compile": args.compile,
+                "baseline": "lightning" if args.lightning else "raw",
+            }
+        )
+    if not args.gpu and not args.lightning and "mlp" in cases:
         configs += ddp_variants(configs)
     return configs
 
@@ -382,40 +424,48 @@ def ddp_variants(configs: list[dict]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    first = rows[0]
+    first, base = rows[0], rows[0]["baseline"]
+    short = base[:5]  # raw / light
     w = max(9, *(len(r["name"]) for r in rows))
+    target = " target" if base == "lightning" else ""
     lines = [
         f"# training throughput, {first['device']}, batch {first['batch']}/rank; median of "
         f"{first['repeats']} epochs after {first['warmup']} warmup; slowest rank",
-        f"{'case':<{w}} {'world':>5} {'threads':>7} {'samples':>7} | {'raw samp/s':>10} "
-        f"{'ddpflow samp/s':>14} {'speedup':>7} | {'by CPU s':>8} | {'GFLOP/s':>7} {'MFU':>11}",
+        f"{'case':<{w}} {'world':>5} {'threads':>7} {'samples':>7} | {short + ' samp/s':>12} "
+        f"{'ddpflow samp/s':>14} {'speedup':>7} | {'by CPU s':>8} | {'GFLOP/s':>7} {'MFU':>11}"
+        + target,
     ]
     for r in rows:
         mfu = "-"
         if r["ddpflow"].get("mfu") is not None:  # GPU: raw / ddpflow
-            mfu = f"{r['raw']['mfu']:.1%}/{r['ddpflow']['mfu']:.1%}"
+            mfu = f"{r[base]['mfu']:.1%}/{r['ddpflow']['mfu']:.1%}"
+        verdict = ""
+        if base == "lightning":
+            verdict = f" {'meets' if r['speedup'] >= LIGHTNING_TARGET else 'MISSES'} "
+            verdict += f"{LIGHTNING_TARGET}x"
         lines.append(
             f"{r['name']:<{w}} {r['world_size']:>5} {r['threads']:>7} {r['samples']:>7} | "
-            f"{r['raw']['samples_per_s']:10.1f} {r['ddpflow']['samples_per_s']:14.1f} "
+            f"{r[base]['samples_per_s']:12.1f} {r['ddpflow']['samples_per_s']:14.1f} "
             f"{r['speedup']:6.2f}x | {r['cpu_time_speedup']:7.2f}x | "
-            f"{r['ddpflow']['gflops']:7.1f} {mfu:>11}"
+            f"{r['ddpflow']['gflops']:7.1f} {mfu:>11}{verdict}"
         )
     lines.append(
-        "(samples/s: all ranks together, wall time; 'by CPU s': the same ratio in samples per "
-        "CPU-second of all ranks, robust to other load; GFLOP/s: ddpflow, 3 x forward FLOPs; "
-        "MFU: raw/ddpflow vs dense bf16 peak, GPU only)"
+        f"(samples/s: all ranks together, wall time; speedup: ddpflow / {base}; 'by CPU s': the "
+        "same ratio in samples per CPU-second of all ranks, robust to other load; GFLOP/s: "
+        f"ddpflow, 3 x forward FLOPs; MFU: {base}/ddpflow vs dense bf16 peak, GPU only)"
     )
     return "\n".join(lines)
 
 
 def finish_row(cfg: dict, result: dict, peak: float | None) -> dict:
     flops = train_flops_per_sample(cfg["case"])
-    for name in ("raw", "ddpflow"):
+    base = cfg["baseline"]
+    for name in (base, "ddpflow"):
         rate = result[name]["samples_per_s"]
         result[name]["gflops"] = rate * flops / 1e9
         result[name]["mfu"] = rate * flops / peak if peak else None
-    speedup = result["ddpflow"]["samples_per_s"] / result["raw"]["samples_per_s"]
-    cpu_ratio = result["ddpflow"]["samples_per_cpu_s"] / result["raw"]["samples_per_cpu_s"]
+    speedup = result["ddpflow"]["samples_per_s"] / result[base]["samples_per_s"]
+    cpu_ratio = result["ddpflow"]["samples_per_cpu_s"] / result[base]["samples_per_cpu_s"]
     load = os.getloadavg() if hasattr(os, "getloadavg") else None  # others' work = noise
     row = {**cfg, **result, "train_flops_per_sample": flops, "speedup": speedup}
     row["cpu_time_speedup"] = cpu_ratio
@@ -429,15 +479,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpu and not torch.cuda.is_available():
         print("--gpu: no CUDA device visible", file=sys.stderr)
         return 2
+    if args.gpu and args.lightning:
+        print("--lightning: CPU cases only", file=sys.stderr)
+        return 2
+    name = "throughput_lightning" if args.lightning else "throughput"
+    args.out = args.out or Path(__file__).parent / "out" / f"{name}.json"
     peak = peak_flops(args)
+    base = "Lightning Trainer" if args.lightning else "raw PyTorch DDP tutorial loop"
     report = {
-        "benchmark": "training throughput: ddpflow.loop.Loop vs raw PyTorch DDP tutorial loop",
+        "benchmark": f"training throughput: ddpflow.loop.Loop vs {base}",
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "provenance": runtime.provenance(),
         "conditions": {
             "timing": "one epoch per repeat, barrier before, slowest rank; median of repeats",
-            "order": "raw and ddpflow alternate each repeat, order flipped every repeat",
+            "order": "the loops alternate each repeat, order flipped every repeat",
             "repeats": args.repeats,
             "warmup_epochs": args.warmup,
             "data": "synthetic uint8 images, random labels, normalised by per-channel mean/std",
@@ -451,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
         },
         "runs": [],
     }
+    if args.lightning and not add_lightning(report):
+        print(report["skipped"], file=sys.stderr)
+        return write(report, args.out)
     for cfg in plan(args):
         print(f"running {cfg['name']} at world size {cfg['world_size']} ...", flush=True)
         report["runs"].append(finish_row(cfg, launch(cfg), peak))
@@ -463,9 +522,31 @@ def main(argv: list[str] | None = None) -> int:
             print("# per-phase timing cost, samples/s (vs no timing): " + ", ".join(
                 f"{n.removeprefix('ddpflow_') if n != 'ddpflow' else 'cuda events (shipped)'} "
                 f"{r:.0f} ({r / base - 1:+.1%})" for n, r in rates.items()))  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    return write(report, args.out)
+
+
+def add_lightning(report: dict) -> bool:
+    """Lightning's version and loop into the report; False (and why) when not importable."""
+    version = lightning_version()
+    report["provenance"]["versions"]["lightning"] = version
+    report["conditions"]["lightning"] = (
+        "lightning.Trainer(strategy='ddp', accelerator='cpu') in the benchmark's ranks and "
+        "process group (LightningEnvironment), its DistributedSampler, plain SGD + the same "
+        f"LambdaLR per step; timed on_train_epoch_start -> end; Trainer {TRAINER_NOTE}"
+    )
+    report["conditions"]["target"] = f"ddpflow >= {LIGHTNING_TARGET}x Lightning (issue 11)"
+    if version is None:
+        report["skipped"] = (
+            "Lightning is not importable from bench/.peers-site (run bench/install-peers): "
+            "no Lightning rows"
+        )
+    return version is not None
+
+
+def write(report: dict, out: Path) -> int:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
     return 0
 
 

@@ -12,12 +12,33 @@ import subprocess
 import sys
 from pathlib import Path
 
+PEERS_SITE = Path(__file__).resolve().parent / ".peers-site"  # bench/install-peers
 
-def spawn_ranks(script: str, cfg: dict, timeout_s: float):
+
+def peers_env() -> dict:
+    """This environment with bench/.peers-site (Lightning) first on PYTHONPATH: given to the
+    Lightning processes alone, so ddpflow and the raw loop never import it."""
+    path = os.pathsep.join(p for p in (str(PEERS_SITE), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def lightning_version() -> str | None:
+    """Lightning's version as the Lightning processes see it, None when it cannot be imported
+    (bench/install-peers not run, or failed)."""
+    code = "import lightning; print(lightning.__version__)"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=peers_env()
+    )
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def spawn_ranks(script: str, cfg: dict, timeout_s: float, env: dict | None = None):
     """Run cfg["world_size"] workers of `script`; return the JSON rank 0 wrote to
     cfg["result_file"]. A worker that fails or outlives timeout_s fails the benchmark."""
     procs = [
-        subprocess.Popen([sys.executable, script, "--worker", json.dumps({**cfg, "rank": rank})])
+        subprocess.Popen(
+            [sys.executable, script, "--worker", json.dumps({**cfg, "rank": rank})], env=env
+        )
         for rank in range(cfg["world_size"])
     ]
     try:

@@ -1,4 +1,5 @@
-"""bench/throughput.py runs end to end in a tiny configuration and writes complete JSON.
+"""The benchmarks (bench/throughput.py, bench/end_to_end.py) run in a tiny configuration and
+write complete JSON.
 
 Speed is measured by the benchmarks and never asserted here: only that the numbers exist.
 """
@@ -10,6 +11,7 @@ import math
 import subprocess
 import sys
 
+import pytest
 from workflow_helpers import REPO
 
 
@@ -49,3 +51,95 @@ def test_throughput_tiny_run_writes_complete_json(tmp_path):
     assert set(row["ddpflow"]["phase_seconds_per_step"]) >= {"data", "forward", "optimizer"}
     assert math.isfinite(row["speedup"])
     assert row["train_flops_per_sample"] > 0
+
+
+# --- the peers (issue 11): Lightning and the raw DDP script --------------------------------
+# Lightning is no ddpflow dependency: these tests install it the way bench/run does
+# (bench/install-peers: pinned, --no-deps, into bench/.peers-site, on PYTHONPATH for the
+# Lightning processes only), so that CI, which has the package index, really runs the
+# Lightning code. Only where that install fails (no index) do they skip, saying why.
+
+
+@pytest.fixture(scope="module")
+def lightning_site():
+    proc = subprocess.run(
+        [str(REPO / "bench" / "install-peers"), sys.executable],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode:
+        pytest.skip(f"bench/install-peers could not install Lightning: {proc.stderr[-500:]}")
+    return REPO / "bench" / ".peers-site"
+
+
+def test_lightning_is_not_a_runtime_dependency():
+    """The project's environment does not import lightning; only bench/.peers-site has it."""
+    code = "import importlib.util as u; print(u.find_spec('lightning') is None)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
+    assert out.strip() == "True"
+
+
+def test_schedule_alternates_loops_after_warmup():
+    sys.path.insert(0, str(REPO / "bench"))
+    from throughput import schedule
+
+    assert schedule(["ddpflow", "lightning"], 1, 3) == [
+        ("ddpflow", None),
+        ("lightning", None),
+        ("ddpflow", 0),
+        ("lightning", 0),
+        ("lightning", 1),
+        ("ddpflow", 1),
+        ("ddpflow", 2),
+        ("lightning", 2),
+    ]
+
+
+def test_throughput_lightning_tiny_run_writes_complete_json(tmp_path, lightning_site):
+    out = tmp_path / "throughput_lightning.json"
+    cmd = [sys.executable, str(REPO / "bench" / "throughput.py"), "--lightning"]
+    cmd += ["--cases", "mlp", "--world-sizes", "2", "--repeats", "2", "--warmup", "1"]
+    cmd += ["--samples-scale", "0.01", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ddpflow / lightning" in result.stdout
+
+    report = json.loads(out.read_text())
+    assert report["provenance"]["versions"]["lightning"] == "2.6.6"  # the pin
+    assert {"hostname", "cpu_model", "cpu_count"} <= set(report["machine"])
+    assert "1.2x" in report["conditions"]["target"]
+    (row,) = report["runs"]
+    assert (row["name"], row["world_size"], row["baseline"]) == ("mlp", 2, "lightning")
+    assert "raw" not in row
+    for loop in ("lightning", "ddpflow"):
+        assert len(row[loop]["all"]) == 2  # the warmup epoch is not among them
+        assert math.isfinite(row[loop]["samples_per_s"]) and row[loop]["samples_per_s"] > 0
+    assert math.isfinite(row["speedup"]) and math.isfinite(row["cpu_time_speedup"])
+
+
+@pytest.mark.e2e
+def test_end_to_end_tiny_run_writes_complete_json(tmp_path, lightning_site):
+    out = tmp_path / "peers.json"
+    cmd = [sys.executable, str(REPO / "bench" / "end_to_end.py")]
+    cmd += ["--repeats", "1", "--epochs", "1", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "ddpflow / lightning wall time" in result.stdout
+
+    report = json.loads(out.read_text())
+    assert report["provenance"]["versions"]["lightning"] == "2.6.6"
+    assert {"hostname", "cpu_model", "cpu_count"} <= set(report["machine"])
+    assert report["job"]["train"]["epochs"] == 1 and report["conditions"]["repeats"] == 1
+    assert [r["peer"] for r in report["runs"]] == ["ddpflow", "lightning", "raw"]
+    for peer, row in report["summary"].items():
+        assert "error" not in row, (peer, row)
+        assert row["wall_s"] > 0 and 0.0 < row["test_accuracy"] <= 1.0
+        # the same job: split, epochs, ranks
+        assert (row["train_samples"], row["test_samples"]) == (1294, 359)
+        assert (row["epochs"], row["world_size"]) == (1, 2)
+    # Lightning's test sampler pads 359 to 360; ddpflow and raw count each image once
+    assert report["summary"]["lightning"]["test_samples_counted"] == 360
+    assert report["summary"]["raw"]["test_samples_counted"] == 359
+    assert report["summary"]["ddpflow"]["test_samples_counted"] == 359
+    assert math.isfinite(report["ddpflow_vs_lightning_wall"])

@@ -1,0 +1,132 @@
+"""The job of ddpflow's default workflow, as a standalone script would set it up: shared by
+lightning_digits.py and raw_digits.py so that the two differ only in their training loop.
+
+What it takes from ddpflow (so that the job is identical, not a copy that could drift):
+
+* the settings: the first run of the shipped config/config.yaml, schema defaults filled in
+  (the harness, bench/end_to_end.py, passes it as JSON; without it the script loads the config);
+* the data: scikit-learn's digits split by ddpflow.data.make_splits (stratified, seeded:
+  the same train/val/test samples as the stage rule) and standardised with the train split's
+  per-channel mean/std (ddpflow.data.channel_stats, ddpflow.evaluate.normalize);
+* the model: ddpflow.models.build_model (the CNN), initialised after torch.manual_seed(seed);
+* the lr: ddpflow.loop.effective_lr (linear scaling with the global batch) and
+  ddpflow.loop.lr_schedule (linear warmup, then cosine, per optimizer step).
+
+What the scripts write themselves, as their users would: the loop, the optimizer (plain
+torch.optim.SGD, not ddpflow's fused kernel), samplers, validation and the test accuracy.
+Staging (checksummed files on disk) is what the workflow adds and a script does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+NUM_CLASSES = 10  # digits 0-9 (check_job allows no other source)
+
+
+def command_line(doc: str, argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
+    """Both scripts' options: --job (the run as JSON) and --result; the checked job."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--job", help="the resolved run as JSON (default: config/config.yaml)")
+    p.add_argument("--result", help="write accuracy and samples here (rank 0)")
+    args = p.parse_args(argv)
+    job = load_job(args.job)
+    check_job(job)
+    return args, job
+
+
+def load_job(path: str | None) -> dict:
+    """The resolved run (data, model, train, eval, machine sections)."""
+    if path:
+        return json.loads(Path(path).read_text())
+    from ddpflow import config
+
+    return config.resolve_runs(config.load(REPO / "config" / "config.yaml"))[0]
+
+
+def check_job(job: dict) -> None:
+    """What these scripts write out; anything else would silently be another job."""
+    train = job["train"]
+    unsupported = {
+        "data.source": (job["data"]["source"], "digits"),
+        "train.optimizer.name": (train["optimizer"]["name"], "sgd"),
+        "train.grad_accum_steps": (train["grad_accum_steps"], 1),
+        "machine.gpus_per_node": (job["machine"]["gpus_per_node"], 0),
+    }
+    for key, (value, supported) in unsupported.items():
+        if value != supported:
+            raise SystemExit(f"peer scripts support {key}: {supported!r} only, not {value!r}")
+
+
+def world_size(job: dict) -> int:
+    return job["machine"]["nodes"] * job["machine"]["cpu_ranks_per_node"]
+
+
+def load_splits(job: dict) -> dict:
+    """{split: (float images standardised, int64 labels)} for train, val and test."""
+    from ddpflow.data import channel_stats, make_splits
+    from ddpflow.evaluate import normalize
+    from ddpflow.sources import load_digits
+
+    splits = make_splits(load_digits(), job["data"], job["data"]["seed"])
+    mean, std = channel_stats(splits["train"][0])
+    view = [1, len(mean), 1, 1]
+    norm = (torch.tensor(mean).view(view), torch.tensor(std).view(view))
+    return {
+        name: (normalize(torch.from_numpy(x), *norm), torch.from_numpy(y))
+        for name, (x, y) in splits.items()
+    }
+
+
+def build(job: dict, images: torch.Tensor) -> torch.nn.Module:
+    from ddpflow.models import build_model
+
+    torch.manual_seed(job["train"]["seed"])  # same initial weights on every rank
+    return build_model(job["model"], list(images.shape[1:]), NUM_CLASSES)
+
+
+def optimizer_and_schedule(job: dict, params, steps_per_epoch: int):
+    """SGD at ddpflow's effective lr and the LambdaLR to step after every optimizer step."""
+    from ddpflow.loop import effective_lr
+
+    lr = effective_lr(job["train"], world_size(job))
+    return sgd_schedule(job["train"], params, lr, steps_per_epoch)
+
+
+def sgd_schedule(train: dict, params, lr: float, steps_per_epoch: int):
+    """Plain torch.optim.SGD (as a script writes it; ddpflow uses the fused kernel) and
+    ddpflow's warmup + cosine multiplier per optimizer step (also bench/lightning_loop.py)."""
+    from ddpflow.loop import lr_schedule
+
+    opt = train["optimizer"]
+    optimizer = torch.optim.SGD(
+        params,
+        lr=lr,
+        momentum=opt["momentum"],
+        nesterov=opt["nesterov"] and opt["momentum"] > 0,
+        weight_decay=opt["weight_decay"],
+    )
+    total = steps_per_epoch * train["epochs"]
+    warmup = round(train["warmup_epochs"] * steps_per_epoch)
+    factor = lr_schedule(train["schedule"], warmup, total)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def lightning_optimizers(optimizer, scheduler) -> dict:
+    """configure_optimizers()'s answer: the scheduler stepped per optimizer step."""
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def steps_per_epoch(job: dict, train_samples: int) -> int:
+    """DistributedSampler(drop_last=False) pads to equal shards; the last batch may be short."""
+    return math.ceil(math.ceil(train_samples / world_size(job)) / job["train"]["batch_size"])
+
+
+def write_result(path: str, **result) -> None:
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")
