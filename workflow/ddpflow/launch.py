@@ -137,7 +137,8 @@ def launch(
                     task, launcher, machine, folder, job_name, record, fingerprint, max_requeues
                 )
             try:
-                poll_s = 0.2 if launcher == "local" else 5.0  # local: a cheap process check
+                # a poll stats result files (sacct is rate-limited by submitit itself)
+                poll_s = 0.2 if launcher == "local" else 2.0
                 results = wait(job, job_name, poll_s, on_poll=on_poll)
             except LaunchError:
                 # the job ended and failed: a retry or rerun must submit a new one, not
