@@ -5,6 +5,9 @@ DDPFLOW_FAULT="<kind>:<rank>[,<rank>...]:<epoch>:<step>" makes those ranks fail 
 like an OOM kill or a lost node) or `hang` (stop making progress, like a stuck NCCL call). Optional
 DDPFLOW_FAULT_ONCE=<file>: fire only if the file does not exist yet, and create it, so that
 a resumed attempt runs clean.
+
+DDPFLOW_SLOW="<rank>[,<rank>...]:<seconds>" makes those ranks sleep that long before every
+micro-step: a straggler (a slow node, a throttled GPU) for the monitor's detection to find.
 """
 
 from __future__ import annotations
@@ -46,6 +49,23 @@ def maybe_inject(rank: int, epoch: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     while True:  # hang
         time.sleep(60)
+
+
+_slow_cache: tuple[str | None, float] = (None, 0.0)
+
+
+def slow_seconds(rank: int) -> float:
+    """The pause DDPFLOW_SLOW gives this rank before each micro-step (0: none)."""
+    global _slow_cache
+    spec = os.environ.get("DDPFLOW_SLOW")
+    if spec != _slow_cache[0]:
+        seconds = 0.0
+        if spec:
+            ranks, value = spec.split(":")
+            if rank in {int(r) for r in ranks.split(",")}:
+                seconds = float(value)
+        _slow_cache = (spec, seconds)
+    return _slow_cache[1]
 
 
 def _first_time() -> bool:

@@ -141,6 +141,7 @@ class Loop:
         self.epoch_seconds = dict.fromkeys(PHASES, 0.0)
         self.history: list[dict] = []
         self.on_step = None  # called after every optimizer step (checkpoint / stop checks)
+        self.last_loss: torch.Tensor | None = None  # the last micro-step's, on the device
         # divergence watch: 1.0 once a step went non-finite, decided alike on every rank at
         # the same step (see _step_flag); on CUDA read one step late (the host never waits
         # for the step it just queued)
@@ -168,8 +169,11 @@ class Loop:
             progress.update(self.batch_index)
         for index in range(self.batch_index, len(batches)):
             faults.maybe_inject(env.rank, self.epoch, index)
+            if slow := faults.slow_seconds(env.rank):
+                time.sleep(slow)
             last_micro = (index + 1) % tcfg["grad_accum_steps"] == 0 or index + 1 == len(batches)
-            self.epoch_loss += self._micro_step(batches[index], last_micro, len(batches), index)
+            self.last_loss = self._micro_step(batches[index], last_micro, len(batches), index)
+            self.epoch_loss += self.last_loss
             self.batch_index = index + 1
             if progress is not None:
                 progress.update(1)

@@ -149,7 +149,7 @@ def _unfinished_blocks(unfinished, finished: int) -> list[tuple]:
     return blocks
 
 
-def document(loaded, rows, figures, generated: str, unfinished=()) -> list[tuple]:
+def document(loaded, rows, figures, generated: str, unfinished=(), inside=()) -> list[tuple]:
     blocks = [("p", f"Generated {generated}.")]
     if unfinished:
         blocks += _unfinished_blocks(unfinished, len(rows))
@@ -168,6 +168,7 @@ def document(loaded, rows, figures, generated: str, unfinished=()) -> list[tuple
                             "smallest world size (ideal: linear in ranks). Runs without a "
                             "group have nothing to compare with."))  # fmt: skip
     blocks += [("h2", "Time per phase (sum over epochs, share of epoch time)"), _phase_table(rows)]
+    blocks += list(inside)  # ddpflow.insight: ranks, stragglers, profiles, cluster efficiency
     blocks += [("h2", f"Per-class {label} accuracy"), *_class_tables(loaded)]
     blocks.append(("h2", "Plots"))
     blocks += [("img", caption, f"plots/{key}.png", png) for key, (caption, png) in figures.items()]

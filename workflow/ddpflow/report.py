@@ -22,7 +22,7 @@ import logging
 from datetime import UTC, datetime
 from pathlib import Path
 
-from ddpflow import plots
+from ddpflow import insight, plots
 from ddpflow.config import VOLATILE_TRAIN_KEYS
 from ddpflow.errors import ReportInputError
 from ddpflow.paths import REPORT_FILES
@@ -267,8 +267,10 @@ def build_report(runs: list[dict], out_dir, unfinished: list[dict] = ()) -> dict
         row["best"] = row is best
     figures = plots.render_figures(loaded, rows, baseline) if rows else {}
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    blocks = document(loaded, rows, figures, generated, unfinished)
+    found = insight.collect(runs, loaded)
+    blocks = document(loaded, rows, figures, generated, unfinished, insight.blocks(found))
     summary = _summary(loaded, rows, baseline, generated, unfinished)
+    summary["insight"] = found
     title = "ddpflow report"
     texts = {
         "summary_json": (

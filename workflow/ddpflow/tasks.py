@@ -18,7 +18,7 @@ import submitit
 import torch
 import torch.distributed as dist
 
-from . import distenv, evaluate, runtime
+from . import distenv, evaluate, monitor, runtime
 from .checkpoint import Checkpointer, Preempted, hand_over_to_requeue, stop_on_signal
 from .config import config_hash, evaluation_fingerprint
 from .data import load_split
@@ -128,9 +128,13 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         ckpt.attempt = _next_attempt(Path(paths.work), resumed is not None, env)
         if env.is_master:
             _start_log(run, model, loop, resumed, ckpt.attempt, live_metrics)
-        loop.on_step = ckpt.on_step
+        watch = monitor.RunMonitor(
+            run, Path(paths.model).parent, env, device, hosts, resumed["step"] if resumed else None
+        )
+        loop.on_step = watch.wrap_step(ckpt.on_step)
 
         def on_epoch(record: dict) -> None:
+            watch.on_epoch(record)  # every rank (a collective), before the checkpoint
             record.update(run=run["name"], attempt=ckpt.attempt)
             ckpt.on_epoch(loop)  # before the record is logged: a resume never repeats it
             if env.is_master:
@@ -150,6 +154,8 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             except Preempted:
                 hand_over_to_requeue(env, ckpt.submitit_handler)
                 raise
+            finally:
+                watch.close()
         summary = None
         if env.is_master:
             summary = self._write_outputs(
@@ -192,6 +198,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             log.info("evaluated on the %s split: %d of %d correct, accuracy %.4f in %.2fs",
                      split, result["correct"], result["samples_evaluated"], result["accuracy"],
                      result["eval_seconds"])  # fmt: skip
+            _tensorboard_final(run, self.paths, result, summary["steps"])
 
     def _write_outputs(self, model, data, env, hosts, loop, attempt, start, live_metrics):
         run, paths = self.run, self.paths
@@ -215,6 +222,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             "hosts": hosts,
             "launcher": env.launcher,
             "epochs": run["train"]["epochs"],
+            "steps": loop.scheduler.last_epoch,
             "attempts": attempt,
             "train_seconds": train_seconds,
             "wall_seconds": time.perf_counter() - start,
@@ -353,7 +361,14 @@ class EvalTask(DistributedTask):
             self.run, result, data["manifest"], env.world_size, hosts, train, "evaluate job"
         )
         runtime.atomic_write_json(self.paths.eval_metrics, record)
+        _tensorboard_final(self.run, self.paths, result, train.get("steps", 0))
         return published(record)
+
+
+def _tensorboard_final(run: dict, paths: RunPaths, result: dict, step: int) -> None:
+    if run["train"]["monitor"]["tensorboard"]:
+        log_dir = Path(paths.model).parent / monitor.TENSORBOARD_DIR
+        monitor.log_final_metrics(log_dir, run["eval"]["split"], result, step)
 
 
 def evaluation_record(run, result, manifest, world_size, hosts, train, evaluated_by) -> dict:
