@@ -1,0 +1,157 @@
+"""See inside a run (issue 14): per-rank system metrics, stragglers, TensorBoard, profiles.
+
+The end-to-end test runs the real workflow (Snakemake, submitit local jobs, 2 gloo ranks) with
+one rank slowed down by DDPFLOW_SLOW and the profiler on, then reads what a user would: the
+TensorBoard events with tensorboard's own EventAccumulator, the per-rank files, the trace
+and the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from ddpflow.monitor import SystemSampler
+from ddpflow.rankstats import combine_epochs, stragglers
+from workflow_helpers import jobs_planned, snakemake, write_config
+
+
+def _rank(rank, train_s, compute_s, **extra):
+    return {"rank": rank, "host": f"node{rank}", "train_s": train_s, "compute_s": compute_s,
+            "samples_per_s": 100.0, **extra}  # fmt: skip
+
+
+def test_a_rank_that_holds_the_others_up_is_flagged_and_the_waiters_are_not():
+    # rank 2 spends 0.5 s more per epoch on its own; ranks 0 and 1 wait for it inside the
+    # all-reduce (their forward + backward time is longer by that much): equal epoch times
+    ranks = [_rank(0, 2.0, 1.5), _rank(1, 2.0, 1.52), _rank(2, 2.0, 1.0)]
+    flagged = stragglers(ranks, margin=0.25)
+    assert [f["rank"] for f in flagged] == [2]
+    assert flagged[0]["host"] == "node2" and "own work 2.00 s" in flagged[0]["reason"]
+
+
+def test_balanced_ranks_noise_and_a_single_rank_are_not_flagged():
+    assert stragglers([_rank(0, 2.0, 1.0), _rank(1, 2.02, 1.01)], margin=0.25) == []
+    # 40% more own work, but only 0.04 s: below the absolute floor (timer noise)
+    assert stragglers([_rank(0, 0.14, 0.05), _rank(1, 0.1, 0.05)], margin=0.25) == []
+    assert stragglers([_rank(0, 5.0, 1.0)], margin=0.25) == []
+
+
+def test_a_gpu_whose_utilisation_lags_is_flagged():
+    ranks = [_rank(r, 2.0, 1.0, gpu_util_percent=u) for r, u in enumerate((95, 96, 40, 94))]
+    flagged = stragglers(ranks, margin=0.25)
+    assert [f["rank"] for f in flagged] == [2] and "GPU utilisation 40%" in flagged[0]["reason"]
+
+
+def test_epochs_combine_per_rank():
+    epochs = [
+        [_rank(0, 1.0, 0.5, cpu_percent=80, rss_mib=100), _rank(1, 1.0, 0.4, rss_mib=90)],
+        None,  # an epoch of an older run without per-rank data
+        [_rank(0, 2.0, 1.0, cpu_percent=40, rss_mib=120), _rank(1, 2.0, 0.8, rss_mib=95)],
+    ]
+    rows = combine_epochs(epochs)
+    assert [r["rank"] for r in rows] == [0, 1]
+    assert rows[0]["train_s"] == 3.0 and rows[0]["compute_s"] == 1.5
+    assert rows[0]["cpu_percent"] == 60 and rows[0]["rss_mib"] == 120  # mean, peak
+    assert rows[1]["rss_mib"] == 95
+
+
+def test_system_sampler_measures_this_process(tmp_path):
+    series = tmp_path / "rank-0.jsonl"
+    sampler = SystemSampler(torch.device("cpu"), 0.05, rank=0, series=series)
+    try:
+        end = time.monotonic() + 0.6
+        x = torch.randn(256, 256)
+        while time.monotonic() < end:  # keep one core busy
+            x = (x @ x).tanh()
+        stats = sampler.take()
+    finally:
+        sampler.close()
+    # busy: well above idle, never more than every core (100 = one core)
+    assert 30 < stats["cpu_percent"] <= 100 * os.cpu_count() + 5
+    assert stats["rss_mib"] > 50  # torch alone is larger
+    assert "gpu_util_percent" not in stats  # CPU device: no GPU figures invented
+    samples = [json.loads(line) for line in series.read_text().splitlines()]
+    assert len(samples) >= 5
+    assert all(s["rss_mib"] > 0 and 0 <= s["cpu_percent"] <= 100 * os.cpu_count() + 5
+               for s in samples)  # fmt: skip
+
+
+MONITORED = {
+    "train": {
+        "epochs": 3,
+        "progress": False,
+        "monitor": {"log_every_steps": 2, "system_interval_s": 0.5},
+        "profile": {"enabled": True, "wait": 1, "warmup": 1, "active": 2},
+    },
+    "runs": [{"name": "cnn"}],
+}
+
+
+@pytest.mark.e2e
+def test_a_monitored_run_tensorboard_ranks_straggler_and_profile(workdir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    configfile = write_config(workdir / "config.yaml", MONITORED)
+    # rank 1 sleeps 50 ms before every step: rank 0 waits for it in each all-reduce
+    result = snakemake(workdir, configfile, env={"DDPFLOW_SLOW": "1:0.05"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = workdir / "results/runs/cnn"
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    evaluation = json.loads((run_dir / "eval_metrics.json").read_text())
+
+    # TensorBoard, read by tensorboard itself
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    per_epoch = {"train/loss", "val/loss", "val/accuracy", "train/lr", "train/samples_per_s",
+                 "seconds/train", "seconds/forward", "system/rank0/cpu_percent",
+                 "system/rank1/rss_mib"}  # fmt: skip
+    assert per_epoch <= tags, tags
+    for tag in per_epoch:
+        assert [e.step for e in events.Scalars(tag)] == [
+            summary["steps"] // 3 * epoch for epoch in (1, 2, 3)
+        ], tag
+    steps = events.Scalars("train/loss_step")
+    assert [e.step for e in steps] == list(range(2, summary["steps"] + 1, 2))
+    accuracy = events.Scalars("val/accuracy")
+    metrics = [json.loads(line) for line in (run_dir / "train_metrics.jsonl").open()]
+    assert [e.value for e in accuracy] == pytest.approx([m["val_accuracy"] for m in metrics])
+    final = events.Scalars("test/final_accuracy")
+    assert len(final) == 1 and final[0].value == pytest.approx(evaluation["accuracy"])
+
+    # per-rank system metrics, every epoch, plausible
+    for record in metrics:
+        assert [r["rank"] for r in record["ranks"]] == [0, 1]
+        for r in record["ranks"]:
+            assert 0 < r["cpu_percent"] <= 100 * os.cpu_count() + 5
+            assert r["rss_mib"] > 50 and r["train_s"] > 0
+    for rank in (0, 1):
+        lines = (run_dir / "system" / f"rank-{rank}.jsonl").read_text().splitlines()
+        assert lines and json.loads(lines[0])["rss_mib"] > 0
+
+    # the slowed rank is flagged, in the log and in the report; the waiting rank is not
+    flagged = json.loads((workdir / "results/report/summary.json").read_text())
+    assert [f["rank"] for f in flagged["insight"]["cnn"]["stragglers"]] == [1]
+    rank0_log = next((workdir / "logs/submitit/cnn/train").glob("*_0_log.err")).read_text()
+    assert "straggler: rank 1 on" in rank0_log
+    report = (workdir / "results/report/report.md").read_text()
+    assert "## Ranks: system use and stragglers" in report
+    assert "rank 1 on" in report and "is a straggler" in report
+
+    # the profile: a Chrome trace that loads, and the top operators in the report
+    trace = json.loads((run_dir / "profile/trace-rank0.json").read_text())
+    assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
+    assert "## Profile: top operators by self time (rank 0)" in report
+    assert "| aten::" in report and "optimizer steps 3–4" in report
+
+    # monitoring settings change no result: nothing to redo; the profiler retrains
+    edited = {**MONITORED, "train": {**MONITORED["train"], "monitor": {"tensorboard": False}}}
+    write_config(configfile, edited)
+    assert jobs_planned(workdir, configfile) == set()
+    edited["train"]["profile"] = {"enabled": False}
+    write_config(configfile, edited)
+    assert {"train", "report"} <= jobs_planned(workdir, configfile)
