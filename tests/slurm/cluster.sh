@@ -171,7 +171,9 @@ AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=$CTL_IP
 AccountingStoragePort=$DBD_PORT
 AccountingStorageTRES=gres/gpu
-JobAcctGatherType=jobacct_gather/none
+# per-step CPU time and peak memory for sacct (the report's cluster efficiency, as seff)
+JobAcctGatherType=jobacct_gather/linux
+JobAcctGatherFrequency=task=2
 NodeName=$names NodeAddr=${ips%,} CPUs=4 RealMemory=8000 Gres=gpu:2 State=UNKNOWN
 PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 PartitionName=$SHORT_PARTITION Nodes=ALL MaxTime=00:10:00 State=UP

@@ -78,6 +78,16 @@ def test_profile_runs_whole_pipeline_on_two_nodes(slurm_run):
     assert sacct_state(ids[0]) == "COMPLETED"
     assert not (workdir / "logs/submitit/cnn/evaluate").exists(), "a second job was queued"
     assert metrics["evaluated_by"] == "train job"
+    # cluster efficiency from the cluster's accounting, in the report (issue 14)
+    assert train["slurm_job_id"] == ids[0]
+    summary = json.loads((workdir / "results/report/summary.json").read_text())
+    (job,) = summary["insight"]["cnn"]["slurm_jobs"]
+    assert job["job_id"] == ids[0] and job["stage"] == "train" and job["state"] == "COMPLETED"
+    assert job["nodes"] == 2 and job["limit_s"] == 600 and 0 < job["elapsed_s"] < 600
+    assert 0 < job["cpu_efficiency"] <= 1.05, job  # 4 ranks x 1 CPU, busy most of the job
+    assert job["mem_used_mib"] > 100 and job["mem_asked_mib"] == 1024, job
+    report = (workdir / "results/report/report.md").read_text()
+    assert "## Cluster efficiency (Slurm)" in report and f"| {ids[0]} | COMPLETED |" in report
 
 
 def test_accuracy_equals_local_run(slurm_run, tmp_path):
@@ -142,6 +152,11 @@ def test_deleted_evaluation_is_scored_alone_in_a_job_of_its_own(slurm_run):
     for key in ("confusion_matrix", "correct", "samples_evaluated", "loss"):
         assert after[key] == before[key], key
     assert (workdir / "results/runs/cnn/model.pt").stat().st_mtime_ns == model_mtime
+    # the report's cluster efficiency lists both jobs of the run now
+    summary = json.loads((workdir / "results/report/summary.json").read_text())
+    jobs = {j["stage"]: j for j in summary["insight"]["cnn"]["slurm_jobs"]}
+    assert jobs["evaluate"]["job_id"] == job and jobs["evaluate"]["state"] == "COMPLETED"
+    assert jobs["train"]["job_id"] == after["train"]["slurm_job_id"]
 
 
 def test_plain_sbatch_script(slurm_cluster, tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ddpflow import efficiency
 from ddpflow.rankstats import combine_epochs, stragglers
 
 PROFILE_TOP_OPS = Path("profile") / "top_ops-rank0.json"
@@ -43,7 +44,25 @@ def collect(runs: list[dict], loaded) -> dict[str, dict]:
             entry["profile"] = {k: profile.get(k) for k in ("wait", "warmup", "active", "ranks")}
             entry["profile_dir"] = str(path.parent)
         found[name] = entry
+    _add_efficiency(loaded, found)
     return found
+
+
+def _add_efficiency(loaded, found: dict[str, dict]) -> None:
+    """The Slurm jobs of each run (training; evaluation when it had a job of its own), with
+    sacct's figures: one sacct call for all of them."""
+    jobs = {}
+    for name, _, ev in loaded:
+        stages = [("train", ev["train"].get("slurm_job_id"))]
+        if ev.get("evaluated_by") == "evaluate job":
+            stages.append(("evaluate", ev.get("slurm_job_id")))
+        jobs[name] = [(stage, job) for stage, job in stages if job]
+    figures = efficiency.job_efficiency([job for pairs in jobs.values() for _, job in pairs])
+    for name, pairs in jobs.items():
+        if pairs:
+            found[name]["slurm_jobs"] = [
+                {"stage": stage, "job_id": job, **figures.get(job, {})} for stage, job in pairs
+            ]
 
 
 def _cell(value, fmt: str) -> str:
@@ -108,6 +127,7 @@ def blocks(found: dict[str, dict]) -> list[tuple]:
                 or f"No straggler (margin {entry['margin']:.0%})."
             )  # fmt: skip
             out += [("h3", name), _rank_table(entry), ("p", verdict)]
+    out += _efficiency_blocks(found)
     profiled = {name: e for name, e in found.items() if "top_ops" in e}
     if profiled:
         out.append(("h2", "Profile: top operators by self time (rank 0)"))
@@ -124,3 +144,45 @@ def blocks(found: dict[str, dict]) -> list[tuple]:
                 continue
             out += [("p", where), _top_ops_table(top)]
     return out
+
+
+def _duration(seconds) -> str:
+    if seconds is None:
+        return "?"
+    minutes, sec = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{sec:02d}"
+
+
+def _efficiency_blocks(found: dict[str, dict]) -> list[tuple]:
+    rows = []
+    for name, entry in found.items():
+        for job in entry.get("slurm_jobs", []):
+            if "state" not in job:
+                rows.append([name, job["stage"], job["job_id"], "not in sacct", *["?"] * 5])
+                continue
+            limit = f" of {_duration(job['limit_s'])}" if job["limit_s"] else ""
+            used = f" ({job['time_used']:.0%})" if job["time_used"] is not None else ""
+            memory = "not gathered"
+            if job["mem_used_mib"] is not None:
+                asked = job["mem_asked_mib"]
+                memory = f"{job['mem_used_mib']:,.0f} MiB" + (
+                    f" of {asked:,.0f} MiB ({job['mem_efficiency']:.0%})" if asked else ""
+                )
+            cpu = (
+                "not gathered" if job["cpu_efficiency"] is None else f"{job['cpu_efficiency']:.0%}"
+            )
+            rows.append([name, job["stage"], job["job_id"], job["state"],
+                         f"{job['nodes']}: {job['node_list']}",
+                         _duration(job["elapsed_s"]) + limit + used, cpu, memory,
+                         "; ".join(job["advice"]) or "–"])  # fmt: skip
+    if not rows:
+        return []
+    note = ("From the cluster's accounting (sacct) at report time, as seff shows it: elapsed "
+            "time of the time limit, CPU efficiency (CPU time used / (elapsed x CPUs "
+            "allocated)), peak memory (largest task's MaxRSS x tasks per node) of the memory "
+            "asked per node, and what to change in config.yaml when a request is far above "
+            "use. CPU time and memory need job accounting gathering on the cluster "
+            "(JobAcctGatherType); without it they read 'not gathered'.")  # fmt: skip
+    headers = ["Run", "Job of", "Slurm job", "State", "Nodes", "Elapsed", "CPU efficiency",
+               "Peak memory per node", "Suggestion"]  # fmt: skip
+    return [("h2", "Cluster efficiency (Slurm)"), ("p", note), ("table", headers, rows, None)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import sys
 import time
@@ -221,6 +222,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             "nodes": env.num_nodes,
             "hosts": hosts,
             "launcher": env.launcher,
+            "slurm_job_id": _slurm_job_id(env),
             "epochs": run["train"]["epochs"],
             "steps": loop.scheduler.last_epoch,
             "attempts": attempt,
@@ -240,6 +242,11 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         runtime.atomic_write_bytes(paths.train_metrics, live_metrics.read_bytes())
         runtime.atomic_write_json(paths.train_summary, summary)
         return {**summary, "model_sha256": sha256}
+
+
+def _slurm_job_id(env) -> str | None:
+    """This job's id when Slurm runs it (the report asks sacct about it)."""
+    return os.environ.get("SLURM_JOB_ID") if env.launcher == "slurm" else None
 
 
 def _next_attempt(work: Path, resumed: bool, env) -> int:
@@ -360,6 +367,7 @@ class EvalTask(DistributedTask):
         record = evaluation_record(
             self.run, result, data["manifest"], env.world_size, hosts, train, "evaluate job"
         )
+        record["slurm_job_id"] = _slurm_job_id(env)
         runtime.atomic_write_json(self.paths.eval_metrics, record)
         _tensorboard_final(self.run, self.paths, result, train.get("steps", 0))
         return published(record)
