@@ -94,7 +94,9 @@ def test_failing_rank_gives_clear_error_and_no_partial_output(workdir):
     assert "ranks [0] then lost their peers" in output
     run_dir = workdir / "results/runs/cnn"
     leftovers = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else []
-    assert leftovers == [], f"partial outputs left behind: {leftovers}"
+    # no output of the rule; what the failed attempt recorded about itself (TensorBoard curves
+    # and system samples up to the failure: see inside a run) is kept for the post-mortem
+    assert set(leftovers) <= {"tensorboard", "system"}, f"partial outputs left: {leftovers}"
     # the staged data (already computed) survives the failure
     assert any((workdir / "results/staged").iterdir())
 
