@@ -334,4 +334,11 @@ def test_workflow_on_the_gpu(workdir, precision):
     assert metrics["accuracy"] > 0.9
     report = (workdir / "results/report/report.md").read_text()
     assert f"{torch.cuda.get_device_name(0)} ({precision})" in report
+    # GPU metrics through NVML, every epoch, and in the report's per-rank table (issue 14)
+    lines = (workdir / "results/runs/gpu/train_metrics.jsonl").read_text().splitlines()
+    for record in map(json.loads, lines):
+        (rank,) = record["ranks"]
+        assert 0 <= rank["gpu_util_percent"] <= 100 and rank["gpu_mem_mib"] > 0, rank
+        assert rank["gpu_power_w"] > 0 and 0 < rank["gpu_temp_c"] < 120, rank
+    assert "| GPU util % | GPU mem MiB | Power W | Temp °C |" in report
     assert os.path.getsize(workdir / "results/report/report.html") > 0

@@ -148,6 +148,8 @@ class SystemSampler:
         cpu, wall = self._cpu_seconds(), time.monotonic()
         with self._lock:
             window, self._window = self._window, []
+        if self.gpu is not None and not window:  # an epoch shorter than the interval
+            window = [self.sample()]
         stats = {
             "cpu_percent": 100 * (cpu - self._cpu) / max(wall - self._wall, 1e-9),
             "rss_mib": max([_rss_mib()] + [s["rss_mib"] for s in window]),
