@@ -18,7 +18,12 @@ from workflow_helpers import snakemake, snakemake_command, write_config
 pytestmark = pytest.mark.e2e
 
 CONFIG = {
-    "train": {"epochs": 4, "progress": False, "checkpoint": {"every_steps": 4, "every_epochs": 1}},
+    "train": {
+        "epochs": 4,
+        "progress": False,
+        "checkpoint": {"every_steps": 4, "every_epochs": 1},
+        "monitor": {"log_every_steps": 1},
+    },
     "machine": {"pg_timeout_s": 20},
     "runs": [{"name": "cnn"}],
 }
@@ -46,6 +51,14 @@ def _model(workdir):
 def _metrics(workdir):
     lines = (workdir / "results/runs/cnn/train_metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def _scalars(workdir, tag) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(workdir / "results/runs/cnn/tensorboard"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +105,10 @@ def test_killed_rank_then_rerun_gives_identical_result(uninterrupted, workdir):
     resumed_m = [{k: v for k, v in r.items() if k not in strip} for r in _metrics(workdir)]
     assert clean_m == resumed_m
     assert [r["attempt"] for r in _metrics(workdir)] == [1, 1, 2, 2]
+    # TensorBoard: the resumed run's curves equal the uninterrupted run's, point for point
+    # (the killed attempt's points past its checkpoint purged, none before it missing)
+    for tag in ("train/loss_step", "train/loss", "val/accuracy", "train/lr"):
+        assert _scalars(workdir, tag) == _scalars(uninterrupted, tag), tag
     summary = json.loads((workdir / "results/runs/cnn/train_summary.json").read_text())
     assert summary["attempts"] == 2
     print(f"kill -9 of rank 1 -> rule failed {detection_s:.1f}s after start; log: {log[-200:]}")

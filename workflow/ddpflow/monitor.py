@@ -171,30 +171,37 @@ class TensorBoardLog:
     """Rank 0's TensorBoard events. A fresh start empties the folder; a resume purges what
     the interrupted attempt logged past the checkpoint it resumes from (purge_step), so the
     curves never show a step twice. The per-step loss stays on the device until the epoch
-    ends (no host sync per step)."""
+    ends or a checkpoint is written (`flush_every`: the checkpoint interval, which syncs the
+    host anyway), so a resume from that checkpoint has every point up to it."""
 
-    def __init__(self, log_dir: Path, every: int, resumed_step: int | None):
+    def __init__(self, log_dir: Path, every: int, resumed_step: int | None, flush_every=0):
         from torch.utils.tensorboard import SummaryWriter
 
         if resumed_step is None:
             shutil.rmtree(log_dir, ignore_errors=True)
         purge = resumed_step + 1 if resumed_step is not None else None
         self.writer = SummaryWriter(str(log_dir), purge_step=purge, flush_secs=10)
-        self.every = every
+        self.every, self.flush_every = every, flush_every
         self._steps: list[tuple[int, torch.Tensor]] = []
 
     def on_step(self, loop) -> None:
         step = loop.scheduler.last_epoch
         if step % self.every == 0 and loop.last_loss is not None:
             self._steps.append((step, loop.last_loss.detach().clone()))
+        if self.flush_every and step % self.flush_every == 0:
+            self.flush_steps()
 
-    def on_epoch(self, record: dict) -> None:
-        w, step = self.writer, record["step"]
+    def flush_steps(self) -> None:
         if self._steps:
             values = torch.stack([loss for _, loss in self._steps]).cpu().tolist()
             for (s, _), value in zip(self._steps, values, strict=True):
-                w.add_scalar("train/loss_step", value, s)
+                self.writer.add_scalar("train/loss_step", value, s)
             self._steps = []
+        self.writer.flush()
+
+    def on_epoch(self, record: dict) -> None:
+        w, step = self.writer, record["step"]
+        self.flush_steps()
         scalars = {
             "train/loss": record["train_loss"],
             "val/loss": record["val_loss"],
@@ -212,6 +219,8 @@ class TensorBoardLog:
         w.flush()
 
     def close(self) -> None:
+        # a failed or stopped attempt's points too: a resume purges those past its checkpoint
+        self.flush_steps()
         self.writer.close()
 
 
@@ -306,7 +315,10 @@ class RunMonitor:
         self.tensorboard = None
         if env.is_master and cfg["tensorboard"]:
             self.tensorboard = TensorBoardLog(
-                run_dir / TENSORBOARD_DIR, cfg["log_every_steps"], resumed_step
+                run_dir / TENSORBOARD_DIR,
+                cfg["log_every_steps"],
+                resumed_step,
+                flush_every=run["train"]["checkpoint"]["every_steps"],
             )
         self.profiler = None
         if env.is_master and resumed_step is None:  # a fresh start: no earlier run's trace
