@@ -85,7 +85,7 @@ MONITORED = {
         "epochs": 3,
         "progress": False,
         "monitor": {"log_every_steps": 2, "system_interval_s": 0.5},
-        "profile": {"enabled": True, "wait": 1, "warmup": 1, "active": 2},
+        "profile": {"enabled": True, "wait": 1, "warmup": 1, "active": 2, "ranks": "all"},
     },
     "runs": [{"name": "cnn"}],
 }
@@ -143,8 +143,9 @@ def test_a_monitored_run_tensorboard_ranks_straggler_and_profile(workdir):
     assert "rank 1 on" in report and "is a straggler" in report
 
     # the profile: a Chrome trace that loads, and the top operators in the report
-    trace = json.loads((run_dir / "profile/trace-rank0.json").read_text())
-    assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
+    for rank in (0, 1):  # ranks: all
+        trace = json.loads((run_dir / f"profile/trace-rank{rank}.json").read_text())
+        assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
     assert "## Profile: top operators by self time (rank 0)" in report
     assert "| aten::" in report and "optimizer steps 3–4" in report
 
