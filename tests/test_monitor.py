@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 
 import pytest
 import torch
 from ddpflow.monitor import SystemSampler
 from ddpflow.rankstats import combine_epochs, stragglers
-from workflow_helpers import jobs_planned, snakemake, write_config
+from workflow_helpers import BIN, jobs_planned, snakemake, write_config
 
 
 def _rank(rank, train_s, compute_s, **extra):
@@ -122,6 +123,12 @@ def test_a_monitored_run_tensorboard_ranks_straggler_and_profile(workdir):
     assert [e.value for e in accuracy] == pytest.approx([m["val_accuracy"] for m in metrics])
     final = events.Scalars("test/final_accuracy")
     assert len(final) == 1 and final[0].value == pytest.approx(evaluation["accuracy"])
+    # the command the README gives reads them too (it needs setuptools' pkg_resources)
+    shown = subprocess.run(
+        [str(BIN / "tensorboard"), "--inspect", "--logdir", "results/runs"],
+        capture_output=True, text=True, timeout=120, cwd=workdir,
+    )  # fmt: skip
+    assert shown.returncode == 0 and "val/accuracy" in shown.stdout, shown.stderr[-2000:]
 
     # per-rank system metrics, every epoch, plausible
     for record in metrics:
