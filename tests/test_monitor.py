@@ -145,6 +145,7 @@ def test_a_monitored_run_tensorboard_ranks_straggler_and_profile(workdir):
     assert [f["rank"] for f in flagged["insight"]["cnn"]["stragglers"]] == [1]
     rank0_log = next((workdir / "logs/submitit/cnn/train").glob("*_0_log.err")).read_text()
     assert "straggler: rank 1 on" in rank0_log
+    assert "is a straggler, the others wait for it" in result.stderr  # the terminal
     report = (workdir / "results/report/report.md").read_text()
     assert "## Ranks: system use and stragglers" in report
     assert "rank 1 on" in report and "is a straggler" in report

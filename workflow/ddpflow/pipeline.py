@@ -15,6 +15,7 @@ from .config import check_batch_fits, config_hash, evaluation_fingerprint, train
 from .errors import UserError
 from .jobs import EvalJob, TrainJob, published
 from .paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
+from .rankstats import stragglers
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class EpochProgress:
         # with its history first): only later epochs are news
         self.last_epoch = max((r["epoch"] for r in self._records()), default=0)
         self.epoch_seconds: list[float] = []
+        self.stragglers: set[int] = set()
 
     def _records(self) -> list[dict]:
         try:
@@ -90,6 +92,19 @@ class EpochProgress:
             record["seconds"]["epoch"],
             f", about {eta:.0f} s left" if epoch < epochs else "",
         )
+        margin = self.run["train"]["monitor"]["straggler_margin"]
+        flagged = stragglers(record.get("ranks") or [], margin)
+        for f in flagged:
+            if f["rank"] not in self.stragglers:
+                log.warning(
+                    "run %r epoch %d: rank %d on %s is a straggler, the others wait for it (%s)",
+                    self.run["name"],
+                    epoch,
+                    f["rank"],
+                    f["host"],
+                    f["reason"],
+                )
+        self.stragglers = {f["rank"] for f in flagged}
 
 
 def _distributed(task_cls, stage_name: str, run: dict, paths: RunPaths, logs_dir: str) -> list:
