@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import difflib
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -273,10 +274,51 @@ def training_fingerprint(run: dict) -> dict[str, Any]:
     gpu = bool(run["machine"]["gpus_per_node"])
     ignored = VOLATILE_TRAIN_KEYS if gpu else VOLATILE_TRAIN_KEYS + GPU_ONLY_TRAIN_KEYS
     train = {k: v for k, v in run["train"].items() if k not in ignored}
-    flat = flatten({"data": run["data"], "model": run["model"], "train": train})
+    flat = flatten({"data": run["data"], "model": model_settings(run["model"]), "train": train})
     flat["world_size"] = run["world_size"]
     flat["device"] = "cuda" if gpu else "cpu"
     return flat
+
+
+BUILT_IN_MODELS = {"mlp": ("mlp_hidden",), "cnn": ("cnn_channels",), "resnet18": (),
+                   "resnet34": ()}  # fmt: skip
+
+
+def model_settings(model: dict) -> dict[str, Any]:
+    """The model keys that shape this model, and only those: editing the MLP's widths does
+    not retrain a CNN run. A plug-in's code counts too (its file's sha256)."""
+    name = model["name"]
+    if name in BUILT_IN_MODELS:
+        return {"name": name, **{key: model[key] for key in BUILT_IN_MODELS[name]}}
+    settings = {"name": name, "kwargs": model["kwargs"]}
+    if ":" in name:
+        settings["plugin_sha256"] = plugin_source_hash(name)
+    else:  # a torchvision model
+        settings["small_input_stem"] = model["small_input_stem"]
+    return settings
+
+
+def plugin_source(spec: str) -> Path | None:
+    """The file of a plug-in's module ('package.module:function'), found without running it:
+    the working directory first, as the ranks import it, then the environment."""
+    module = spec.partition(":")[0]
+    origin = Path(*module.split(".")).with_suffix(".py")
+    if origin.is_file():
+        return origin.resolve()
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if found is None or not found.origin or not Path(found.origin).is_file():
+        return None
+    return Path(found.origin)
+
+
+def plugin_source_hash(spec: str) -> str:
+    """sha256 of a plug-in module's file: editing the model's code retrains like editing the
+    config ("unresolved" where it cannot be found; the train rule then names the cause)."""
+    origin = plugin_source(spec)
+    return hashlib.sha256(origin.read_bytes()).hexdigest() if origin else "unresolved"
 
 
 def evaluation_fingerprint(run: dict) -> dict[str, Any]:
@@ -312,6 +354,14 @@ def _check_run(run: dict, launcher: str) -> None:
         )
     if launcher == "local" and machine["gpus_per_node"]:
         _check_local_gpus(where, machine["gpus_per_node"])
+    model = run["model"]
+    if model["name"] in BUILT_IN_MODELS and model["kwargs"]:
+        raise ConfigError(
+            f"{where}: model.kwargs {model['kwargs']} is set for the built-in model "
+            f"{model['name']!r}, which takes none (they are for torchvision models and "
+            f"plug-ins); remove model.kwargs, or use the built-in model's own keys "
+            f"(model.cnn_channels, model.mlp_hidden)"
+        )
     samples = run["data"]["max_train_samples"]
     if samples is not None and samples < run["world_size"]:
         raise ConfigError(

@@ -1,9 +1,29 @@
-"""Models: the tutorials' MLP, a small CNN, and torchvision ResNets adapted to small images."""
+"""Models: the tutorials' MLP, a small CNN and ResNets adapted to small images (built in),
+any torchvision classification model by name, or the user's own through a plug-in
+("package.module:function", importable from the working directory or the environment).
+
+    model = build_model({"name": "mobilenet_v3_small", "kwargs": {}}, [3, 32, 32], 10)
+    check_model(model_cfg, shape, num_classes)   # before submission: a clear UserError
+"""
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import os
+import sys
+
 import torch
 from torch import nn
+
+from .config import BUILT_IN_MODELS
+from .errors import UserError
+
+BUILT_IN = tuple(BUILT_IN_MODELS)
+
+
+class ModelError(UserError):
+    """model.name does not give a usable model (names the cause and the fix)."""
 
 
 def build_model(model_cfg: dict, shape: list[int], num_classes: int) -> nn.Module:
@@ -16,7 +36,116 @@ def build_model(model_cfg: dict, shape: list[int], num_classes: int) -> nn.Modul
         return small_cnn(channels, model_cfg["cnn_channels"], num_classes)
     if name in ("resnet18", "resnet34"):
         return small_resnet(name, channels, num_classes)
-    raise ValueError(f"model.name: unknown model {name!r}")
+    kwargs = dict(model_cfg.get("kwargs") or {})
+    if ":" in name:
+        return _plugin(name, shape, num_classes, kwargs)
+    return zoo_model(name, channels, num_classes, kwargs, model_cfg.get("small_input_stem", True))
+
+
+def is_plugin(name: str) -> bool:
+    return ":" in name
+
+
+def import_factory(spec: str):
+    """'package.module:function' -> the function; the working directory is searched too (a
+    rank's working directory is the workflow's, where a user's model file lives)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ModelError(f"model.name {spec!r}: a plug-in is written 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if os.getcwd() in sys.path or err.name != module_name.split(".")[0]:
+            raise ModelError(f"model.name {spec!r}: cannot import {module_name!r} ({err}); put "
+                             f"{module_name.replace('.', '/')}.py in the working directory "
+                             f"({os.getcwd()}) or install its package") from err  # fmt: skip
+        sys.path.insert(0, os.getcwd())
+        return import_factory(spec)
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ModelError(f"model.name {spec!r}: {module_name} ({module.__file__}) has no "
+                         f"function {attr!r}")  # fmt: skip
+    return factory
+
+
+def _plugin(spec: str, shape: list[int], num_classes: int, kwargs: dict) -> nn.Module:
+    factory = import_factory(spec)
+    try:
+        model = factory(list(shape), num_classes, **kwargs)
+    except Exception as err:
+        raise ModelError(f"model.name {spec!r}: the factory raised {type(err).__name__}: {err} "
+                         f"(called with input shape {list(shape)}, {num_classes} classes, "
+                         f"model.kwargs {kwargs})") from err  # fmt: skip
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"model.name {spec!r}: the factory returned a "
+                         f"{type(model).__name__}, not a torch.nn.Module")  # fmt: skip
+    return model
+
+
+def zoo_model(name, channels: int, num_classes: int, kwargs: dict, small_stem: bool):
+    """A torchvision classification model, randomly initialised (weights=None: nothing is
+    downloaded), its first convolution taking the data's channel count."""
+    import torchvision
+
+    names = torchvision.models.list_models(module=torchvision.models)
+    if name not in names:
+        close = difflib.get_close_matches(name, [*BUILT_IN, *names], n=4, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ModelError(f"model.name {name!r}: not a built-in model ({', '.join(BUILT_IN)}), "
+                         f"a torchvision classification model or a 'module:function' "
+                         f"plug-in{hint}")  # fmt: skip
+    try:
+        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
+    except (TypeError, ValueError) as err:
+        raise ModelError(f"model.name {name!r} with model.kwargs {kwargs}: {err}") from err
+    resnet_like = isinstance(getattr(model, "conv1", None), nn.Conv2d) and isinstance(
+        getattr(model, "maxpool", None), nn.MaxPool2d
+    )
+    if small_stem and resnet_like:  # the ResNet family
+        model.conv1 = nn.Conv2d(channels, model.conv1.out_channels, 3, 1, 1, bias=False)
+        model.maxpool = nn.Identity()
+    _adapt_input_channels(model, channels)
+    return model
+
+
+def _adapt_input_channels(model: nn.Module, channels: int) -> None:
+    """Replace the first convolution by one with `channels` inputs (same shape otherwise)."""
+    for parent in model.modules():
+        for child_name, child in parent.named_children():
+            if isinstance(child, nn.Conv2d):
+                if child.in_channels != channels:
+                    setattr(parent, child_name, nn.Conv2d(
+                        channels, child.out_channels, child.kernel_size, child.stride,
+                        child.padding, child.dilation, child.groups, child.bias is not None,
+                    ))  # fmt: skip
+                return
+
+
+def check_model(model_cfg: dict, shape: list[int], num_classes: int) -> int:
+    """Build the model on the CPU and run one forward of two dummy samples: a factory that
+    fails, a model that cannot take the data's shape, or logits of the wrong width are
+    refused here, before any job is queued. Returns the parameter count."""
+    model = build_model(model_cfg, shape, num_classes)
+    name = model_cfg["name"]
+    for mode in ("training", "evaluation"):  # some models answer differently in each
+        model.train(mode == "training")
+        try:
+            with torch.no_grad():
+                out = model(torch.zeros(2, *shape))
+        except Exception as err:
+            raise ModelError(f"model.name {name!r}: a forward pass of the data's shape "
+                             f"[N, {', '.join(map(str, shape))}] failed in {mode} mode: "
+                             f"{type(err).__name__}: {err}") from err  # fmt: skip
+        if not isinstance(out, torch.Tensor):
+            raise ModelError(f"model.name {name!r}: in {mode} mode the model returns a "
+                             f"{type(out).__name__}, not a tensor of logits (a model with "
+                             f"auxiliary outputs: switch them off in model.kwargs, e.g. "
+                             f"aux_logits: false)")  # fmt: skip
+        if tuple(out.shape) != (2, num_classes):
+            raise ModelError(f"model.name {name!r}: in {mode} mode the model returns "
+                             f"{tuple(out.shape)} for 2 samples; expected logits of shape "
+                             f"(2, {num_classes}), one per class")  # fmt: skip
+    return count_parameters(model)
 
 
 def mlp(in_features: int, hidden: list[int], num_classes: int) -> nn.Module:

@@ -139,10 +139,27 @@ def _distributed(task_cls, stage_name: str, run: dict, paths: RunPaths, logs_dir
     return results
 
 
+def _check_user_model(run: dict, manifest: dict) -> None:
+    """A torchvision or plug-in model is built and run once on the CPU here, before any job
+    is queued (built-in models need no check, and this process no torch import for them)."""
+    from .models import BUILT_IN
+
+    if run["model"]["name"] in BUILT_IN:
+        return
+    from .models import check_model
+
+    parameters = check_model(run["model"], manifest["shape"], manifest["num_classes"])
+    log.info("model %r: %s parameters; one forward of [N, %s] gave %d logits per sample",
+             run["model"]["name"], f"{parameters:,}", ", ".join(map(str, manifest["shape"])),
+             manifest["num_classes"])  # fmt: skip
+
+
 def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     """Train one run: resume only an interrupted attempt of this very config (else from
     scratch, saying why), then keep the work folder lean."""
-    check_batch_fits(run, data.read_manifest(paths.staged)["sizes"]["train"])
+    manifest = data.read_manifest(paths.staged)
+    check_batch_fits(run, manifest["sizes"]["train"])
+    _check_user_model(run, manifest)
     # a job still running for an edited config (kept after a stop) must be gone before the
     # work folder is decided on: it would write its old-config checkpoints into it
     launch.cancel_outdated(_job_record(paths, "train"), config_hash(training_fingerprint(run)))

@@ -197,7 +197,8 @@ def provenance() -> dict:
     # ask (torchvision, snakemake, scikit-learn) cost a rank 1-2 s of start-up
     for name, dist in (("torchvision", "torchvision"), ("submitit", "submitit"),
                        ("snakemake", "snakemake"), ("numpy", "numpy"),
-                       ("sklearn", "scikit-learn"), ("yaml", "PyYAML")):  # fmt: skip
+                       ("sklearn", "scikit-learn"), ("yaml", "PyYAML"),
+                       ("tensorboard", "tensorboard")):  # fmt: skip
         try:
             versions[name] = metadata.version(dist)
         except metadata.PackageNotFoundError:  # absence is information

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from . import distenv, evaluate, monitor, runtime
 from .checkpoint import Checkpointer, Preempted, hand_over_to_requeue, stop_on_signal
-from .config import config_hash, evaluation_fingerprint
+from .config import config_hash, evaluation_fingerprint, plugin_source, plugin_source_hash
 from .data import load_split
 from .jobs import published
 from .loop import Loop, fit, sync_buffers
@@ -405,4 +405,11 @@ def evaluation_record(run, result, manifest, world_size, hosts, train, evaluated
         "hostnames": hosts,
         "dataset": {k: manifest[k] for k in ("source", "sizes")},
     }
+    if ":" in run["model"]["name"]:  # the plug-in's code, which the config does not hold
+        source = plugin_source(run["model"]["name"])
+        record["provenance"]["model_plugin"] = {
+            "spec": run["model"]["name"],
+            "file": str(source) if source else None,
+            "sha256": plugin_source_hash(run["model"]["name"]),
+        }
     return record
