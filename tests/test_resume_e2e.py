@@ -114,6 +114,32 @@ def test_killed_rank_then_rerun_gives_identical_result(uninterrupted, workdir):
     print(f"kill -9 of rank 1 -> rule failed {detection_s:.1f}s after start; log: {log[-200:]}")
 
 
+def test_zero_killed_rank_then_rerun_trains_what_ddp_trains(uninterrupted, workdir):
+    """train.strategy: zero (optimizer state sharded, consolidated into each checkpoint),
+    rank 1 killed mid-epoch, the same command rerun: bitwise the uninterrupted ddp run's
+    weights, metrics and test accuracy."""
+    config = {**CONFIG, "train": {**CONFIG["train"], "strategy": "zero"}}
+    configfile = write_config(workdir / "config.yaml", config)
+    fault = {"DDPFLOW_FAULT": "kill:1:2:7", "DDPFLOW_FAULT_ONCE": str(workdir / "fired")}
+    first = snakemake(workdir, configfile, env=fault)
+    assert first.returncode != 0 and (workdir / "fired").exists()
+    second = snakemake(workdir, configfile, env=fault)
+    assert second.returncode == 0, second.stderr[-3000:]
+    rank0 = "".join(
+        p.read_text() for p in (workdir / "logs/submitit/cnn/train").glob("*_0_log.err")
+    )
+    assert "RESUMED from step" in rank0 and "strategy zero" in rank0, rank0[-2000:]
+    clean, resumed = _model(uninterrupted), _model(workdir)
+    assert all(torch.equal(clean[key], resumed[key]) for key in clean)
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in STRIP} for r in rows]  # noqa: E731
+    assert strip(_metrics(workdir)) == strip(_metrics(uninterrupted))
+    accuracy = [
+        json.loads((w / "results/runs/cnn/eval_metrics.json").read_text())["accuracy"]
+        for w in (uninterrupted, workdir)
+    ]
+    assert accuracy[0] == accuracy[1] > 0.95, accuracy
+
+
 def test_hung_rank_ends_the_job_in_bounded_time(workdir):
     """A rank that stops making progress: the other rank's collective times out after
     machine.pg_timeout_s, then the launcher cancels the job (no rank left running)."""

@@ -40,6 +40,13 @@ CASES = {
         {"optimizer": {"name": "adamw", "lr": 0.002}},
         3,
     ),
+    # ZeRO: the optimizer state is sharded; a checkpoint holds it whole, consolidated
+    "cnn_zero": ({"name": "cnn", "cnn_channels": 16}, {"strategy": "zero"}, 7),
+    "mlp_adamw_zero": (
+        {"name": "mlp", "mlp_hidden": [64, 64]},
+        {"optimizer": {"name": "adamw", "lr": 0.002}, "strategy": "zero"},
+        3,
+    ),
     # checkpoints before DDP rebuilt its buckets (static graph: rebuilt one step later)
     "cnn_first_step": ({"name": "cnn", "cnn_channels": 16}, {}, 1),
     "cnn_static_graph_first_step": (
@@ -70,9 +77,22 @@ def _result(loop: Loop) -> dict:
     strip = ("seconds", "samples_per_s")
     return {
         "state": {k: v.clone() for k, v in loop.model.state_dict().items()},
-        "momentum": [s.clone() for st in loop.optimizer.state.values() for s in st.values()],
+        "momentum": _optimizer_state(loop),
         "history": [{k: v for k, v in r.items() if k not in strip} for r in loop.history],
     }
+
+
+def _optimizer_state(loop: Loop) -> list[torch.Tensor]:
+    """This rank's optimizer state in parameter order (ZeRO: the shard its local optimizer
+    holds; a loaded state may list its entries in another order than the one built by
+    stepping)."""
+    optimizer = loop.optimizer.optim if loop.sharded_optimizer else loop.optimizer
+    return [
+        tensor.clone()
+        for group in optimizer.param_groups
+        for param in group["params"]
+        for _, tensor in sorted(optimizer.state.get(param, {}).items())
+    ]
 
 
 def _uninterrupted(env) -> dict:
@@ -89,9 +109,11 @@ def _uninterrupted(env) -> dict:
             if lp.scheduler.last_epoch == at_step:
                 rng: list = [None] * env.world_size
                 dist.all_gather_object(rng, {"cpu": torch.get_rng_state()})
-                buffer = io.BytesIO()
-                torch.save({**lp.state_dict(), "rng": rng}, buffer)
-                saved["checkpoint"] = buffer.getvalue()
+                lp.gather_state()
+                if env.rank == 0:
+                    buffer = io.BytesIO()
+                    torch.save({**lp.state_dict(), "rng": rng}, buffer)
+                    saved["checkpoint"] = buffer.getvalue()
 
         loop.on_step = on_step
         fit(loop, lambda record: None)
@@ -103,7 +125,7 @@ def _resumed(env, checkpoints: dict) -> dict:
     """Fresh processes, fresh DDP: load the checkpoint as Checkpointer.restore does, finish."""
     out = {}
     for case, blob in checkpoints.items():
-        loop = _loop(env, case)
+        loop = _loop(env, case.removesuffix("_from_ddp"))
         state = torch.load(io.BytesIO(blob), map_location=CPU, weights_only=True)
         loop.load_state_dict(state)
         torch.set_rng_state(state["rng"][env.rank]["cpu"])
@@ -121,6 +143,8 @@ def _resumed(env, checkpoints: dict) -> dict:
 def runs(tmp_path_factory):
     clean = run_group(WORLD, _uninterrupted, (), tmp_path_factory.mktemp("clean"))
     checkpoints = {case: clean[0][case]["checkpoint"] for case in CASES}
+    # a ddp run's checkpoint resumed under zero (strategy retrains nothing: same weights)
+    checkpoints["cnn_zero_from_ddp"] = checkpoints["cnn"]
     resumed = run_group(WORLD, _resumed, (checkpoints,), tmp_path_factory.mktemp("resumed"))
     return clean, resumed
 
@@ -141,3 +165,22 @@ def test_resume_at_three_ranks_is_bitwise_identical(runs, case):
     # the metrics rank 0 writes; other ranks' train_loss is their own shard's and a checkpoint
     # holds rank 0's (nothing reads theirs)
     assert resumed[0][case]["history"] == clean[0][case]["history"], "losses/accuracy differ"
+
+
+@pytest.mark.parametrize("model", ["cnn", "mlp_adamw"])
+def test_zero_trains_the_same_weights_as_ddp(runs, model):
+    """ZeRO stage 1 changes where the optimizer state lives, not the arithmetic: each element
+    is updated by the same fused kernel, on its owner rank instead of on every rank."""
+    clean, _ = runs
+    for rank in range(WORLD):
+        ddp, zero = clean[rank][model]["state"], clean[rank][f"{model}_zero"]["state"]
+        for key, value in ddp.items():
+            assert torch.equal(value, zero[key]), f"rank {rank}: {key} differs"
+    assert clean[0][model]["history"] == clean[0][f"{model}_zero"]["history"]
+
+
+def test_a_ddp_checkpoint_resumes_under_zero(runs):
+    clean, resumed = runs
+    for rank in range(WORLD):
+        expected, got = clean[rank]["cnn"]["state"], resumed[rank]["cnn_zero_from_ddp"]["state"]
+        assert all(torch.equal(value, got[key]) for key, value in expected.items()), rank

@@ -45,6 +45,7 @@ def _edited(run: dict, path: str, value) -> dict:
         ("train.precision", "bf16"),
         ("train.channels_last", False),
         ("train.deterministic", True),
+        ("train.strategy", "zero"),  # the same weights as ddp (tests/test_resume_exact.py)
     ],
 )
 def test_keys_that_cannot_change_the_model_are_not_in_the_training_fingerprint(run, path, value):

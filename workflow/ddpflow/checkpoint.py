@@ -156,8 +156,9 @@ class Checkpointer:
         return state
 
     def save(self, loop, reason: str) -> None:
-        """Collective: gathers every rank's RNG state; rank 0 writes."""
+        """Collective: gathers every rank's RNG state (and sharded state); rank 0 writes."""
         rng = _gather_rng(self.env)
+        loop.gather_state()
         if self.env.is_master:
             state = {
                 **loop.state_dict(),

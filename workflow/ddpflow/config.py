@@ -27,8 +27,11 @@ from .slurm_parse import parse_slurm_time
 
 SCHEMA = "config.schema.yaml"  # package data: found by importlib.resources in any install
 SECTIONS = ("data", "model", "train", "eval", "machine")
-# train keys that cannot change a run's result: changing them retrains nothing
-VOLATILE_TRAIN_KEYS = ("progress", "checkpoint", "max_requeues", "on_nonfinite", "monitor")
+# train keys that cannot change a run's result: changing them retrains nothing. strategy:
+# zero trains bitwise the same weights as ddp and its checkpoints hold the whole optimizer
+# state, so a run switched from one to the other resumes (tests/test_resume_exact.py)
+VOLATILE_TRAIN_KEYS = ("progress", "checkpoint", "max_requeues", "on_nonfinite", "monitor",
+                       "strategy")  # fmt: skip
 # train keys that act on GPUs only: on CPU ranks they change nothing, so nothing retrains
 GPU_ONLY_TRAIN_KEYS = ("precision", "channels_last", "deterministic")
 

@@ -51,22 +51,24 @@ def effective_lr(train_cfg: dict, world: int) -> float:
     return train_cfg["optimizer"]["lr"] * factor
 
 
-def make_optimizer(params, opt_cfg: dict, lr: float, device: torch.device):
+def make_optimizer(params, opt_cfg: dict, lr: float, device: torch.device, sharded=False):
+    """The configured optimizer; sharded: ZeRO stage 1 (each rank holds and updates the state
+    of 1/N of the parameters, then broadcasts them: the same arithmetic per element)."""
     # fused kernels (one kernel for all parameters) exist for CUDA and CPU tensors; on CPU
     # the default per-tensor loop was 3-5x slower per step (bench/throughput.py, MLP/CNN)
-    fused = {"fused": True}
-    wd = opt_cfg["weight_decay"]
+    kwargs = {"lr": lr, "weight_decay": opt_cfg["weight_decay"], "fused": True}
     if opt_cfg["name"] == "sgd":
-        return torch.optim.SGD(
-            params,
-            lr=lr,
-            momentum=opt_cfg["momentum"],
-            weight_decay=wd,
-            nesterov=opt_cfg["nesterov"] and opt_cfg["momentum"] > 0,
-            **fused,
-        )
-    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[opt_cfg["name"]]
-    return cls(params, lr=lr, betas=tuple(opt_cfg["betas"]), weight_decay=wd, **fused)
+        cls = torch.optim.SGD
+        kwargs.update(momentum=opt_cfg["momentum"],
+                      nesterov=opt_cfg["nesterov"] and opt_cfg["momentum"] > 0)  # fmt: skip
+    else:
+        cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[opt_cfg["name"]]
+        kwargs.update(betas=tuple(opt_cfg["betas"]))
+    if sharded:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
+    return cls(params, **kwargs)
 
 
 def lr_schedule(schedule: str, warmup_steps: int, total_steps: int):
@@ -121,7 +123,12 @@ class Loop:
         self.model = model
         self.ddp = wrap_ddp(model, device, tcfg["ddp"]) if env.world_size > 1 else model
         self.lr = effective_lr(tcfg, env.world_size)
-        self.optimizer = make_optimizer(model.parameters(), tcfg["optimizer"], self.lr, device)
+        # one rank: nothing to shard, every strategy is plain training
+        self.strategy = tcfg["strategy"] if env.world_size > 1 else "ddp"
+        self.sharded_optimizer = self.strategy == "zero"
+        self.optimizer = make_optimizer(
+            model.parameters(), tcfg["optimizer"], self.lr, device, self.sharded_optimizer
+        )
         self.steps_per_epoch = self._optimizer_steps_per_epoch()
         total = self.steps_per_epoch * tcfg["epochs"]
         warmup = round(tcfg["warmup_epochs"] * self.steps_per_epoch)
@@ -193,8 +200,16 @@ class Loop:
         self.epoch_seconds = dict.fromkeys(PHASES, 0.0)
         return record
 
+    def gather_state(self) -> None:
+        """Collective, before rank 0 takes state_dict(): ZeRO's optimizer state lives in
+        shards, which rank 0 collects (a checkpoint holds the whole state, as with ddp, so a
+        run resumes under either strategy and at any world size's sharding)."""
+        if self.sharded_optimizer:
+            self.optimizer.consolidate_state_dict(to=0)
+
     def state_dict(self) -> dict:
-        """Everything an exact resume needs (the caller adds RNG states and the config hash)."""
+        """Everything an exact resume needs (the caller adds RNG states and the config hash).
+        Rank 0 only where the optimizer is sharded, after gather_state() on every rank."""
         self.clock.settle()  # the partial epoch's phase seconds are part of the state
         return {
             "model": self.model.state_dict(),

@@ -268,11 +268,12 @@ def _start_log(run, model, loop, resumed, attempt, live_metrics: Path) -> None:
     lines = "".join(json.dumps(r, sort_keys=True) + "\n" for r in loop.history)
     runtime.atomic_write_bytes(live_metrics, lines.encode())
     log.info(
-        "model %s: %d parameters; lr %.4g (scaled for world size %d); attempt %d",
+        "model %s: %d parameters; lr %.4g (scaled for world size %d); strategy %s; attempt %d",
         run["model"]["name"],
         count_parameters(model),
         loop.lr,
         loop.env.world_size,
+        loop.strategy,
         attempt,
     )
     if resumed:
