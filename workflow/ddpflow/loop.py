@@ -122,6 +122,11 @@ class Loop:
         self.tcfg = tcfg
         self.model = model
         self.ddp = wrap_ddp(model, device, tcfg["ddp"]) if env.world_size > 1 else model
+        self._compiling = tcfg["compile"] and env.is_master
+        if tcfg["compile"]:
+            # the DDP module is compiled (not the model inside): dynamo then splits the graph
+            # at DDP's bucket boundaries, so the all-reduce still overlaps the backward
+            self.ddp = torch.compile(self.ddp)
         self.lr = effective_lr(tcfg, env.world_size)
         # one rank: nothing to shard, every strategy is plain training
         self.strategy = tcfg["strategy"] if env.world_size > 1 else "ddp"
@@ -179,7 +184,12 @@ class Loop:
             if slow := faults.slow_seconds(env.rank):
                 time.sleep(slow)
             last_micro = (index + 1) % tcfg["grad_accum_steps"] == 0 or index + 1 == len(batches)
+            started = time.perf_counter() if self._compiling else 0.0
             self.last_loss = self._micro_step(batches[index], last_micro, len(batches), index)
+            if self._compiling:  # the first step compiled the forward and backward
+                self._compiling = False
+                log.info("torch.compile: the first step took %.1f s (compiling forward and "
+                         "backward)", time.perf_counter() - started)  # fmt: skip
             self.epoch_loss += self.last_loss
             self.batch_index = index + 1
             if progress is not None:
@@ -251,10 +261,11 @@ class Loop:
         follow torch's DDP internals; tests/test_resume_exact.py fails if a torch upgrade
         moves the rebuild.
         """
-        if not isinstance(self.ddp, DDP):
+        ddp = getattr(self.ddp, "_orig_mod", self.ddp)  # under torch.compile
+        if not isinstance(ddp, DDP):
             return
         # synchronised backwards the uninterrupted run had done: one per optimizer step
-        iterations = min(self.scheduler.last_epoch, 2 if self.ddp.static_graph else 1)
+        iterations = min(self.scheduler.last_epoch, 2 if ddp.static_graph else 1)
         if iterations == 0:
             return
         size = min(self.tcfg["batch_size"], self.data["train_x"].shape[0])
