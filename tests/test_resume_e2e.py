@@ -140,6 +140,37 @@ def test_zero_killed_rank_then_rerun_trains_what_ddp_trains(uninterrupted, workd
     assert accuracy[0] == accuracy[1] > 0.95, accuracy
 
 
+def test_fsdp_killed_rank_then_rerun_gives_identical_result(tmp_path_factory, workdir):
+    """train.strategy: fsdp (parameters, gradients and optimizer state sharded; DCP
+    checkpoints, each rank writing its shards), rank 1 killed mid-epoch, the same command
+    rerun: bitwise the uninterrupted fsdp run, at ddp's accuracy bar."""
+    config = {**CONFIG, "train": {**CONFIG["train"], "strategy": "fsdp"}}
+    clean = tmp_path_factory.mktemp("clean_fsdp")
+    result = snakemake(clean, write_config(clean / "config.yaml", config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    configfile = write_config(workdir / "config.yaml", config)
+    fault = {"DDPFLOW_FAULT": "kill:1:2:7", "DDPFLOW_FAULT_ONCE": str(workdir / "fired")}
+    first = snakemake(workdir, configfile, env=fault)
+    assert first.returncode != 0 and (workdir / "fired").exists()
+    shards = sorted((workdir / "results/work/cnn/checkpoints").glob("ckpt-*.dcp"))
+    assert shards and {p.name for p in shards[-1].iterdir()} >= {"__0_0.distcp", "__1_0.distcp"}
+    second = snakemake(workdir, configfile, env=fault)
+    assert second.returncode == 0, second.stderr[-3000:]
+    rank0 = "".join(
+        p.read_text() for p in (workdir / "logs/submitit/cnn/train").glob("*_0_log.err")
+    )
+    assert "RESUMED from step" in rank0 and "strategy fsdp" in rank0, rank0[-2000:]
+    expected, resumed = _model(clean), _model(workdir)
+    assert all(torch.equal(expected[key], resumed[key]) for key in expected)
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in STRIP} for r in rows]  # noqa: E731
+    assert strip(_metrics(workdir)) == strip(_metrics(clean))
+    accuracy = [
+        json.loads((w / "results/runs/cnn/eval_metrics.json").read_text())["accuracy"]
+        for w in (clean, workdir)
+    ]
+    assert accuracy[0] == accuracy[1] > 0.95, accuracy
+
+
 def test_hung_rank_ends_the_job_in_bounded_time(workdir):
     """A rank that stops making progress: the other rank's collective times out after
     machine.pg_timeout_s, then the launcher cancels the job (no rank left running)."""

@@ -12,15 +12,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import shutil
 import time
 from pathlib import Path
 
 import torch
 
+from . import sharding
 from .config import config_hash, training_fingerprint
 from .distenv import any_rank, barrier
 from .runtime import atomic_torch_save, atomic_write_bytes
-from .workspace import candidates, checkpoint_dir, set_aside, sidecar
+from .workspace import candidates, checkpoint_dir, remove_checkpoint, set_aside, sidecar
 
 log = logging.getLogger(__name__)
 FORMAT = 1
@@ -39,13 +41,20 @@ def training_hash(run: dict) -> str:
 def save(state: dict, directory: Path, step: int, keep: int) -> Path:
     """Write ckpt-<step>.pt atomically, then its sha256 sidecar; prune to the newest `keep`.
     A crash or a full disk at any point leaves the previous checkpoints intact."""
-    path = directory / f"ckpt-{step:09d}.pt"
+    path = checkpoint_path(directory, step)
     digest = atomic_torch_save({**state, "format": FORMAT, "saved_at": time.time()}, path)
     atomic_write_bytes(sidecar(path), f"{digest}\n".encode())
     for old in candidates(directory)[keep:]:
-        old.unlink(missing_ok=True)
-        sidecar(old).unlink(missing_ok=True)
+        remove_checkpoint(old)
+    # a sharded state whose .pt was never written (a crash between the two) is no checkpoint
+    for orphan in directory.glob("ckpt-*.dcp"):
+        if not orphan.with_suffix(".pt").exists():
+            shutil.rmtree(orphan, ignore_errors=True)
     return path
+
+
+def checkpoint_path(directory: Path, step: int) -> Path:
+    return directory / f"ckpt-{step:09d}.pt"
 
 
 def load_latest(directory: Path, expected_hash: str, map_location="cpu") -> dict | None:
@@ -95,6 +104,11 @@ def _load_verified(path: Path, map_location) -> dict | None:
     if state.get("format") != FORMAT:
         log.warning("skipping checkpoint %s: format %s", path.name, state.get("format"))
         return None
+    if "sharded" in state and (problem := sharding.verify(path, state["sharded"])):
+        log.warning("skipping checkpoint %s: %s; falling back to the one before",
+                    path.name, problem)  # fmt: skip
+        return None
+    state["path"] = str(path)
     return state
 
 
@@ -145,7 +159,7 @@ class Checkpointer:
             state = None
         if state is None:
             return None
-        loop.load_state_dict(state)
+        loop.load_state_dict(state, Path(state["path"]))
         rng = state["rng"]
         if len(rng) == self.env.world_size:
             # RNG states are CPU byte tensors, also on a GPU rank, where map_location moved
@@ -159,6 +173,14 @@ class Checkpointer:
         """Collective: gathers every rank's RNG state (and sharded state); rank 0 writes."""
         rng = _gather_rng(self.env)
         loop.gather_state()
+        step = loop.scheduler.last_epoch
+        sharded = None
+        if loop.fsdp:  # every rank writes its shards first; rank 0's .pt then commits them
+            self.directory.mkdir(parents=True, exist_ok=True)
+            sharded = sharding.save(
+                loop.model, loop.optimizer, checkpoint_path(self.directory, step),
+                self.env.is_master,
+            )  # fmt: skip
         if self.env.is_master:
             state = {
                 **loop.state_dict(),
@@ -167,7 +189,9 @@ class Checkpointer:
                 "attempt": self.attempt,
                 "reason": reason,
             }
-            path = save(state, self.directory, loop.scheduler.last_epoch, self.keep)
+            if sharded is not None:
+                state["sharded"] = sharded
+            path = save(state, self.directory, step, self.keep)
             log.info("checkpoint %s (%s)", path.name, reason)
 
     def on_step(self, loop) -> None:

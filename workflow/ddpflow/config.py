@@ -29,9 +29,11 @@ SCHEMA = "config.schema.yaml"  # package data: found by importlib.resources in a
 SECTIONS = ("data", "model", "train", "eval", "machine")
 # train keys that cannot change a run's result: changing them retrains nothing. strategy:
 # zero trains bitwise the same weights as ddp and its checkpoints hold the whole optimizer
-# state, so a run switched from one to the other resumes (tests/test_resume_exact.py)
+# state, so a run switched from one to the other resumes (tests/test_resume_exact.py); fsdp
+# sums gradients another way and checkpoints shards: it is part of the fingerprint (with
+# its settings), ddp and zero are not
 VOLATILE_TRAIN_KEYS = ("progress", "checkpoint", "max_requeues", "on_nonfinite", "monitor",
-                       "strategy")  # fmt: skip
+                       "strategy", "fsdp")  # fmt: skip
 # train keys that act on GPUs only: on CPU ranks they change nothing, so nothing retrains
 GPU_ONLY_TRAIN_KEYS = ("precision", "channels_last", "deterministic")
 
@@ -278,6 +280,9 @@ def training_fingerprint(run: dict) -> dict[str, Any]:
     ignored = VOLATILE_TRAIN_KEYS if gpu else VOLATILE_TRAIN_KEYS + GPU_ONLY_TRAIN_KEYS
     train = {k: v for k, v in run["train"].items() if k not in ignored}
     flat = flatten({"data": run["data"], "model": model_settings(run["model"]), "train": train})
+    if run["train"]["strategy"] == "fsdp" and run["world_size"] > 1:
+        fsdp = {"strategy": "fsdp", "fsdp": run["train"]["fsdp"]}
+        flat.update(flatten({"train": fsdp}))
     flat["world_size"] = run["world_size"]
     flat["device"] = "cuda" if gpu else "cpu"
     return flat
@@ -357,6 +362,8 @@ def _check_run(run: dict, launcher: str) -> None:
         )
     if launcher == "local" and machine["gpus_per_node"]:
         _check_local_gpus(where, machine["gpus_per_node"])
+    if train["strategy"] == "fsdp":
+        _check_fsdp(where, run)
     model = run["model"]
     if model["name"] in BUILT_IN_MODELS and model["kwargs"]:
         raise ConfigError(
@@ -380,6 +387,28 @@ def _check_run(run: dict, launcher: str) -> None:
             f"{train['grad_accum_steps']}: DDP's static graph does not support skipping the "
             "all-reduce on accumulation steps; set train.ddp.static_graph: false or "
             "train.grad_accum_steps: 1"
+        )
+
+
+def _check_fsdp(where: str, run: dict) -> None:
+    """Combinations strategy fsdp does not support, refused before anything is submitted."""
+    train, gpu = run["train"], bool(run["machine"]["gpus_per_node"])
+    if gpu and train["precision"] == "fp16":
+        raise ConfigError(
+            f"{where}: train.strategy fsdp with train.precision fp16: fp16's gradient scaler "
+            "is not built for sharded gradients here; use train.precision: bf16 (FSDP's "
+            "mixed precision: bf16 parameters and compute, fp32 gradient reduction)"
+        )
+    if train["compile"]:
+        raise ConfigError(
+            f"{where}: train.strategy fsdp with train.compile: true is not supported yet; "
+            "set train.compile: false, or train.strategy: ddp or zero"
+        )
+    if train["fsdp"]["cpu_offload"] and not gpu:
+        raise ConfigError(
+            f"{where}: train.fsdp.cpu_offload is true but the run has no GPU "
+            "(machine.gpus_per_node is 0): everything is in host memory already; set "
+            "train.fsdp.cpu_offload: false"
         )
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from . import sharding
 from .distenv import any_rank
 
 log = logging.getLogger(__name__)
@@ -34,14 +36,17 @@ def normalize(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> to
 
 @torch.no_grad()
 def shard_counts(
-    model, images, labels, num_classes: int, batch_size: int, norm, autocast=None
+    model, images, labels, num_classes: int, batch_size: int, norm, autocast=None, forwards=0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Local int64 confusion matrix (rows = true class) and float64 summed cross-entropy of a
     shard already on the model's device. `model` must be the bare module, not the DDP wrapper:
-    DDP's forward broadcasts buffers, a collective that would hang on unequal shard sizes."""
+    DDP's forward broadcasts buffers, a collective that would hang on unequal shard sizes.
+    forwards: at least this many forward passes (an FSDP model's forward is a collective:
+    every rank must run as many as the others; the extra ones score nothing)."""
     model.eval()
     counts = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=images.device)
     loss = torch.zeros((), dtype=torch.float64, device=images.device)
+    done = 0
     for start in range(0, images.shape[0], batch_size):
         x = normalize(images[start : start + batch_size], *norm)
         y = labels[start : start + batch_size]
@@ -49,6 +54,11 @@ def shard_counts(
             logits = model(x)
         loss += F.cross_entropy(logits.float(), y, reduction="sum").double()
         counts += torch.bincount(y * num_classes + logits.argmax(dim=1), minlength=num_classes**2)
+        done += 1
+    for _ in range(done, forwards):
+        blank = torch.zeros(1, *images.shape[1:], dtype=torch.uint8, device=images.device)
+        with autocast() if autocast else contextlib.nullcontext():
+            model(normalize(blank, *norm))
     return counts.view(num_classes, num_classes), loss
 
 
@@ -65,10 +75,13 @@ def evaluate_split(
     own). Without it the exception propagates, as in the evaluate job."""
     begin = time.perf_counter()
     start, stop = shard_bounds(images.shape[0], world, rank)
+    # FSDP: as many forwards on every rank as the largest shard needs
+    forwards = math.ceil(math.ceil(images.shape[0] / world) / batch_size)
     try:
         confusion, loss = shard_counts(
-            model, images[start:stop], labels[start:stop], num_classes, batch_size, norm, autocast
-        )
+            model, images[start:stop], labels[start:stop], num_classes, batch_size, norm,
+            autocast, forwards if sharding.is_sharded(model) else 0,
+        )  # fmt: skip
         failed = False
     except Exception:
         if not guard:

@@ -17,13 +17,14 @@ import contextlib
 import logging
 import math
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import evaluate, faults
+from . import evaluate, faults, sharding
 from .runtime import PHASES, PhaseClock
 
 log = logging.getLogger(__name__)
@@ -51,12 +52,16 @@ def effective_lr(train_cfg: dict, world: int) -> float:
     return train_cfg["optimizer"]["lr"] * factor
 
 
-def make_optimizer(params, opt_cfg: dict, lr: float, device: torch.device, sharded=False):
+def make_optimizer(
+    params, opt_cfg: dict, lr: float, device: torch.device, sharded=False, dtensors=False
+):
     """The configured optimizer; sharded: ZeRO stage 1 (each rank holds and updates the state
-    of 1/N of the parameters, then broadcasts them: the same arithmetic per element)."""
+    of 1/N of the parameters, then broadcasts them: the same arithmetic per element);
+    dtensors: FSDP's sharded parameters, which the fused kernels do not take (foreach)."""
     # fused kernels (one kernel for all parameters) exist for CUDA and CPU tensors; on CPU
     # the default per-tensor loop was 3-5x slower per step (bench/throughput.py, MLP/CNN)
-    kwargs = {"lr": lr, "weight_decay": opt_cfg["weight_decay"], "fused": True}
+    fast = {"foreach": True} if dtensors else {"fused": True}
+    kwargs = {"lr": lr, "weight_decay": opt_cfg["weight_decay"], **fast}
     if opt_cfg["name"] == "sgd":
         cls = torch.optim.SGD
         kwargs.update(momentum=opt_cfg["momentum"],
@@ -120,20 +125,25 @@ class Loop:
         self.run, self.data, self.env, self.device = run, data, env, device
         tcfg = run["train"]
         self.tcfg = tcfg
-        self.model = model
-        self.ddp = wrap_ddp(model, device, tcfg["ddp"]) if env.world_size > 1 else model
+        # one rank: nothing to shard, every strategy is plain training
+        self.strategy = tcfg["strategy"] if env.world_size > 1 else "ddp"
+        self.sharded_optimizer = self.strategy == "zero"
+        self.fsdp = self.strategy == "fsdp"
+        if self.fsdp:  # sharded in place: the model's parameters become DTensor shards
+            self.model = self.ddp = sharding.shard(model, device, tcfg)
+        else:
+            self.model = model
+            self.ddp = wrap_ddp(model, device, tcfg["ddp"]) if env.world_size > 1 else model
         self._compiling = tcfg["compile"] and env.is_master
         if tcfg["compile"]:
             # the DDP module is compiled (not the model inside): dynamo then splits the graph
             # at DDP's bucket boundaries, so the all-reduce still overlaps the backward
             self.ddp = torch.compile(self.ddp)
         self.lr = effective_lr(tcfg, env.world_size)
-        # one rank: nothing to shard, every strategy is plain training
-        self.strategy = tcfg["strategy"] if env.world_size > 1 else "ddp"
-        self.sharded_optimizer = self.strategy == "zero"
         self.optimizer = make_optimizer(
-            model.parameters(), tcfg["optimizer"], self.lr, device, self.sharded_optimizer
-        )
+            model.parameters(), tcfg["optimizer"], self.lr, device, self.sharded_optimizer,
+            dtensors=self.fsdp,
+        )  # fmt: skip
         self.steps_per_epoch = self._optimizer_steps_per_epoch()
         total = self.steps_per_epoch * tcfg["epochs"]
         warmup = round(tcfg["warmup_epochs"] * self.steps_per_epoch)
@@ -158,7 +168,8 @@ class Loop:
         # the same step (see _step_flag); on CUDA read one step late (the host never waits
         # for the step it just queued)
         self._nonfinite = torch.zeros((), device=device)
-        self._watched = _output_parameter(model)
+        # (FSDP: a rank holds a shard of that gradient only; the flags are MAX-reduced)
+        self._watched = None if self.fsdp else _output_parameter(model)
         self._unread: tuple | None = None  # (flag, epoch, step) not yet looked at
         self._warned_nonfinite = False
 
@@ -217,13 +228,24 @@ class Loop:
         if self.sharded_optimizer:
             self.optimizer.consolidate_state_dict(to=0)
 
+    def full_model_state(self) -> dict:
+        """Collective under FSDP: the whole model's state dict, on rank 0 (what model.pt
+        holds; the other ranks get an empty dict). Elsewhere the local state dict."""
+        if self.fsdp:
+            return sharding.full_model_state(self.model)
+        return self.model.state_dict()
+
     def state_dict(self) -> dict:
         """Everything an exact resume needs (the caller adds RNG states and the config hash).
-        Rank 0 only where the optimizer is sharded, after gather_state() on every rank."""
+        Rank 0 only where the optimizer is sharded, after gather_state() on every rank.
+        FSDP: without the model and optimizer, which sharding.save writes (every rank)."""
         self.clock.settle()  # the partial epoch's phase seconds are part of the state
-        return {
+        tensors = {} if self.fsdp else {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+        }  # fmt: skip
+        return {
+            **tensors,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "epoch": self.epoch,
@@ -234,9 +256,14 @@ class Loop:
             "history": list(self.history),
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def load_state_dict(self, state: dict, path: Path | None = None) -> None:
+        """Collective. FSDP: the model and optimizer shards are read from the DCP directory
+        next to the checkpoint at path."""
+        if self.fsdp:
+            sharding.load(self.model, self.optimizer, path, state["sharded"])
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.epoch, self.batch_index = state["epoch"], state["batch_index"]
@@ -298,11 +325,9 @@ class Loop:
             x = evaluate.normalize(self.data["train_x"].index_select(0, batch), *self.data["norm"])
             y = self.data["train_y"].index_select(0, batch)
         # no_sync(): skip the gradient all-reduce on all but the last micro-step
-        skip_sync = (
-            self.ddp.no_sync()
-            if (not last_micro and self.env.world_size > 1)
-            else contextlib.nullcontext()
-        )
+        skip_sync = contextlib.nullcontext()
+        if not last_micro and self.env.world_size > 1:
+            skip_sync = sharding.no_gradient_sync(self.model) if self.fsdp else self.ddp.no_sync()
         with skip_sync:
             with (
                 self.clock.phase(seconds, "forward"),

@@ -158,9 +158,10 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             finally:
                 watch.close()
         summary = None
+        weights = loop.full_model_state()  # collective under FSDP; the whole model on rank 0
         if env.is_master:
             summary = self._write_outputs(
-                model, data, env, hosts, loop, ckpt.attempt, start, live_metrics
+                model, weights, data, env, hosts, loop, ckpt.attempt, start, live_metrics
             )
         if in_train:
             self._evaluate(model, data, env, hosts, summary)
@@ -201,11 +202,11 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
                      result["eval_seconds"])  # fmt: skip
             _tensorboard_final(run, self.paths, result, summary["steps"])
 
-    def _write_outputs(self, model, data, env, hosts, loop, attempt, start, live_metrics):
+    def _write_outputs(self, model, weights, data, env, hosts, loop, attempt, start, live_metrics):
         run, paths = self.run, self.paths
         sha256 = runtime.atomic_torch_save(
             {
-                "state_dict": model.state_dict(),
+                "state_dict": weights,
                 "model": run["model"],
                 "shape": data["shape"],
                 "num_classes": data["num_classes"],

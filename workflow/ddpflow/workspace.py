@@ -42,6 +42,13 @@ def sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
+def remove_checkpoint(path: Path) -> None:
+    """A checkpoint's file, its checksum and, for sharded training, its DCP directory."""
+    path.unlink(missing_ok=True)
+    sidecar(path).unlink(missing_ok=True)
+    shutil.rmtree(path.with_suffix(".dcp"), ignore_errors=True)
+
+
 def set_aside(directory: Path, reason: str) -> Path | None:
     """Move existing checkpoints out of the way (start over without losing them)."""
     if not candidates(directory):
@@ -108,8 +115,7 @@ def finish(run: dict, work: str | Path) -> None:
     work = Path(work)
     keep = run["train"]["checkpoint"]["keep_after_success"]
     for old in candidates(checkpoint_dir(work))[keep:]:
-        old.unlink(missing_ok=True)
-        sidecar(old).unlink(missing_ok=True)
+        remove_checkpoint(old)
     remove_rendezvous_files(work)
     atomic_write_json(
         work / paths.FINISHED,

@@ -1,0 +1,155 @@
+"""Fully sharded training (train.strategy: fsdp): FSDP2's fully_shard per block and on the
+root, and its checkpoints, written with torch.distributed.checkpoint (DCP).
+
+Each rank holds 1/N of every parameter, its gradient and its optimizer state; a block's
+parameters are all-gathered for its forward and backward and freed after, and gradients are
+reduce-scattered. A checkpoint is a DCP directory (ckpt-<step>.dcp/: each rank writes its
+own shards, rank 0 the metadata) next to rank 0's ckpt-<step>.pt with everything else (the
+position, RNG states, metrics so far) and the sha256 of every file of the directory. The .pt
+is written last: it is the commit, and a checkpoint whose files do not match it is skipped
+like a corrupt one. Works on CPU with gloo and on GPUs with NCCL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# torchvision's repeated blocks (ResNet, ViT, ConvNeXt, MobileNet, EfficientNet, Swin, ...)
+# and torch's transformer layers: each becomes one FSDP unit (one all-gather per forward)
+BLOCK_TYPES = {
+    "BasicBlock", "Bottleneck", "EncoderBlock", "TransformerEncoderLayer",
+    "TransformerDecoderLayer", "CNBlock", "InvertedResidual", "MBConv", "FusedMBConv",
+    "SwinTransformerBlock", "SwinTransformerBlockV2", "ResBottleneckBlock",
+}  # fmt: skip
+
+
+def units(model: nn.Module) -> list[nn.Module]:
+    """The modules to shard one by one before the root: the model's repeated blocks, or,
+    for a model without any (a Sequential of layers), each direct child with parameters."""
+    blocks = [m for m in model.modules() if type(m).__name__ in BLOCK_TYPES]
+    if blocks:
+        return blocks
+    return [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+def shard(model: nn.Module, device: torch.device, train_cfg: dict) -> nn.Module:
+    """fully_shard every unit, then the root (in place; returns the model)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    cfg = train_cfg["fsdp"]
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kwargs: dict = {"mesh": mesh, "reshard_after_forward": cfg["reshard_after_forward"]}
+    if device.type == "cuda" and train_cfg["precision"] == "bf16":
+        reduce = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg["reduce_dtype"]]
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+    if cfg["cpu_offload"]:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    for unit in units(model):
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: nn.Module):
+    """Accumulation micro-steps: keep gradients unreduced (FSDP's no_sync)."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def full_model_state(model: nn.Module) -> dict:
+    """Collective: the whole, unsharded state dict on rank 0 (CPU tensors, plain keys: what
+    model.pt holds and the evaluate job loads); an empty dict on the other ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def dcp_dir(pt: Path) -> Path:
+    """ckpt-000000012.pt -> ckpt-000000012.dcp (the sharded state's directory)."""
+    return pt.with_suffix(".dcp")
+
+
+def save(model: nn.Module, optimizer, pt: Path, is_master: bool) -> dict | None:
+    """Collective: write model and optimizer shards to pt's DCP directory; rank 0 returns the
+    file checksums for its .pt (the other ranks None). A directory left by a crash at this
+    step is replaced."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    directory = dcp_dir(pt)
+    if is_master and directory.exists():
+        shutil.rmtree(directory)
+    # Buffers (BatchNorm statistics) are not sharded: DCP saves one copy of a tensor that
+    # is not a DTensor, from whichever rank balances the writes. Only rank 0's statistics
+    # matter (training uses batch statistics; validation and model.pt take rank 0's, as
+    # with DDP), so every rank takes rank 0's first: the copy saved is rank 0's.
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    dist.barrier()  # rank 0 removed a crashed attempt's directory before anyone writes
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=directory)
+    dist.barrier()  # every rank's files are complete before rank 0 hashes them
+    if not is_master:
+        return None
+    return {"dir": directory.name, "files": _hashes(directory)}
+
+
+def _hashes(directory: Path) -> dict[str, str]:
+    files = {}
+    for path in sorted(p for p in directory.iterdir() if p.is_file()):
+        digest = hashlib.sha256()
+        with path.open("rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+        files[path.name] = digest.hexdigest()
+    return files
+
+
+def verify(pt: Path, sharded: dict) -> str | None:
+    """None if pt's DCP directory holds exactly the files its .pt lists, with their
+    checksums; else what is wrong (the checkpoint is then skipped)."""
+    directory = pt.with_name(sharded["dir"])
+    if not directory.is_dir():
+        return f"its sharded state {directory.name}/ is missing"
+    found = _hashes(directory)
+    if found != sharded["files"]:
+        bad = sorted(set(found) ^ set(sharded["files"])) or sorted(
+            name for name in found if found[name] != sharded["files"][name]
+        )
+        return f"its sharded state {directory.name}/ does not match its checksums ({bad})"
+    return None
+
+
+def load(model: nn.Module, optimizer, pt: Path, sharded: dict) -> None:
+    """Collective: each rank reads its shards of the model and optimizer state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=pt.with_name(sharded["dir"]))
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
