@@ -31,9 +31,9 @@ SECTIONS = ("data", "model", "train", "eval", "machine")
 # zero trains bitwise the same weights as ddp and its checkpoints hold the whole optimizer
 # state, so a run switched from one to the other resumes (tests/test_resume_exact.py); fsdp
 # sums gradients another way and checkpoints shards: it is part of the fingerprint (with
-# its settings), ddp and zero are not
+# its settings), ddp and zero are not. activation_checkpointing recomputes the same values
 VOLATILE_TRAIN_KEYS = ("progress", "checkpoint", "max_requeues", "on_nonfinite", "monitor",
-                       "strategy", "fsdp")  # fmt: skip
+                       "strategy", "fsdp", "activation_checkpointing")  # fmt: skip
 # train keys that act on GPUs only: on CPU ranks they change nothing, so nothing retrains
 GPU_ONLY_TRAIN_KEYS = ("precision", "channels_last", "deterministic")
 
@@ -364,6 +364,11 @@ def _check_run(run: dict, launcher: str) -> None:
         _check_local_gpus(where, machine["gpus_per_node"])
     if train["strategy"] == "fsdp":
         _check_fsdp(where, run)
+    if train["activation_checkpointing"] and train["compile"]:
+        raise ConfigError(
+            f"{where}: train.activation_checkpointing with train.compile: true is not "
+            "supported yet; set one of them to false"
+        )
     model = run["model"]
     if model["name"] in BUILT_IN_MODELS and model["kwargs"]:
         raise ConfigError(

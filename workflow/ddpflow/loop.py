@@ -129,6 +129,11 @@ class Loop:
         self.strategy = tcfg["strategy"] if env.world_size > 1 else "ddp"
         self.sharded_optimizer = self.strategy == "zero"
         self.fsdp = self.strategy == "fsdp"
+        if tcfg["activation_checkpointing"]:  # before sharding: FSDP's hooks wrap it
+            blocks = sharding.checkpoint_activations(model)
+            if env.is_master:
+                log.info("activation checkpointing: %d blocks recompute their forward in "
+                         "the backward", blocks)  # fmt: skip
         if self.fsdp:  # sharded in place: the model's parameters become DTensor shards
             self.model = self.ddp = sharding.shard(model, device, tcfg)
         else:

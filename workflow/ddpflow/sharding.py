@@ -1,5 +1,6 @@
 """Fully sharded training (train.strategy: fsdp): FSDP2's fully_shard per block and on the
-root, and its checkpoints, written with torch.distributed.checkpoint (DCP).
+root, and its checkpoints, written with torch.distributed.checkpoint (DCP); and activation
+checkpointing of the same blocks (train.activation_checkpointing).
 
 Each rank holds 1/N of every parameter, its gradient and its optimizer state; a block's
 parameters are all-gathered for its forward and backward and freed after, and gradients are
@@ -40,6 +41,48 @@ def units(model: nn.Module) -> list[nn.Module]:
     if blocks:
         return blocks
     return [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+def checkpoint_activations(model: nn.Module) -> int:
+    """Recompute each block's activations in the backward instead of keeping them (torch's
+    non-reentrant activation checkpointing): memory for one block's activations at a time,
+    at the cost of a second forward. The forward is wrapped in place (parameter names and
+    the state dict stay as they are). BatchNorm layers are recomputed without updating their
+    running statistics a second time, so a run trains bitwise the model it trains without.
+    Returns the number of blocks wrapped."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = units(model)
+    for block in blocks:
+        norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        contexts = functools.partial(_recompute_contexts, norms)
+        block.forward = functools.partial(
+            checkpoint, block.forward, use_reentrant=False, context_fn=contexts
+        )
+    return len(blocks)
+
+
+def _recompute_contexts(norms: list):
+    return contextlib.nullcontext(), _frozen_statistics(norms)
+
+
+@contextlib.contextmanager
+def _frozen_statistics(norms: list):
+    """During a recomputed forward: BatchNorm momentum 0 (running statistics unchanged,
+    exactly: r * 1 + b * 0) and its batch counter restored after."""
+    saved = [(m.momentum, m.num_batches_tracked.clone() if m.track_running_stats else None)
+             for m in norms]  # fmt: skip
+    for m in norms:
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        for m, (momentum, tracked) in zip(norms, saved, strict=True):
+            m.momentum = momentum
+            if tracked is not None:
+                m.num_batches_tracked.copy_(tracked)
 
 
 def shard(model: nn.Module, device: torch.device, train_cfg: dict) -> nn.Module:
