@@ -75,8 +75,9 @@ def test_an_unknown_name_suggests_close_matches():
         build_model({"name": "mobilenet_v3_smal"}, DIGITS, 10)
     message = str(err.value)
     assert "'mobilenet_v3_smal'" in message and "did you mean mobilenet_v3_small" in message
-    with pytest.raises(ModelError, match="did you mean resnet18"):
+    with pytest.raises(ModelError, match="did you mean resnet18, resnet152") as err:
         build_model({"name": "resnet81"}, DIGITS, 10)
+    assert str(err.value).split("did you mean ")[1].count("resnet18") == 1
 
 
 def test_a_plugin_from_a_file_in_the_working_directory(in_workdir):

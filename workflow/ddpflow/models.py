@@ -89,7 +89,8 @@ def zoo_model(name, channels: int, num_classes: int, kwargs: dict, small_stem: b
 
     names = torchvision.models.list_models(module=torchvision.models)
     if name not in names:
-        close = difflib.get_close_matches(name, [*BUILT_IN, *names], n=4, cutoff=0.6)
+        known = list(dict.fromkeys([*BUILT_IN, *names]))  # resnet18 is in both
+        close = difflib.get_close_matches(name, known, n=4, cutoff=0.6)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise ModelError(f"model.name {name!r}: not a built-in model ({', '.join(BUILT_IN)}), "
                          f"a torchvision classification model or a 'module:function' "
