@@ -114,61 +114,60 @@ def test_killed_rank_then_rerun_gives_identical_result(uninterrupted, workdir):
     print(f"kill -9 of rank 1 -> rule failed {detection_s:.1f}s after start; log: {log[-200:]}")
 
 
-def test_zero_killed_rank_then_rerun_trains_what_ddp_trains(uninterrupted, workdir):
-    """train.strategy: zero (optimizer state sharded, consolidated into each checkpoint),
-    rank 1 killed mid-epoch, the same command rerun: bitwise the uninterrupted ddp run's
-    weights, metrics and test accuracy."""
-    config = {**CONFIG, "train": {**CONFIG["train"], "strategy": "zero"}}
+def _killed_then_rerun(workdir, strategy: str, check_first=None) -> None:
+    """The default CNN under a strategy: rank 1 killed mid-epoch (SIGKILL), the same command
+    rerun; it must resume (rank 0 says so, naming the strategy) and finish."""
+    config = {**CONFIG, "train": {**CONFIG["train"], "strategy": strategy}}
     configfile = write_config(workdir / "config.yaml", config)
     fault = {"DDPFLOW_FAULT": "kill:1:2:7", "DDPFLOW_FAULT_ONCE": str(workdir / "fired")}
     first = snakemake(workdir, configfile, env=fault)
     assert first.returncode != 0 and (workdir / "fired").exists()
+    if check_first:
+        check_first(workdir)
     second = snakemake(workdir, configfile, env=fault)
     assert second.returncode == 0, second.stderr[-3000:]
     rank0 = "".join(
         p.read_text() for p in (workdir / "logs/submitit/cnn/train").glob("*_0_log.err")
     )
-    assert "RESUMED from step" in rank0 and "strategy zero" in rank0, rank0[-2000:]
-    clean, resumed = _model(uninterrupted), _model(workdir)
-    assert all(torch.equal(clean[key], resumed[key]) for key in clean)
+    assert "RESUMED from step" in rank0 and f"strategy {strategy}" in rank0, rank0[-2000:]
+
+
+def _assert_same_training(expected_dir, workdir) -> None:
+    """Bitwise the same weights and metrics, the same test accuracy at the default's bar."""
+    expected, resumed = _model(expected_dir), _model(workdir)
+    assert all(torch.equal(expected[key], resumed[key]) for key in expected)
     strip = lambda rows: [{k: v for k, v in r.items() if k not in STRIP} for r in rows]  # noqa: E731
-    assert strip(_metrics(workdir)) == strip(_metrics(uninterrupted))
+    assert strip(_metrics(workdir)) == strip(_metrics(expected_dir))
     accuracy = [
         json.loads((w / "results/runs/cnn/eval_metrics.json").read_text())["accuracy"]
-        for w in (uninterrupted, workdir)
+        for w in (expected_dir, workdir)
     ]
     assert accuracy[0] == accuracy[1] > 0.95, accuracy
+
+
+def test_zero_killed_rank_then_rerun_trains_what_ddp_trains(uninterrupted, workdir):
+    """train.strategy: zero (optimizer state sharded, consolidated into each checkpoint):
+    after a kill and a rerun, bitwise the uninterrupted ddp run's weights and metrics."""
+    _killed_then_rerun(workdir, "zero")
+    _assert_same_training(uninterrupted, workdir)
 
 
 def test_fsdp_killed_rank_then_rerun_gives_identical_result(tmp_path_factory, workdir):
     """train.strategy: fsdp (parameters, gradients and optimizer state sharded; DCP
-    checkpoints, each rank writing its shards), rank 1 killed mid-epoch, the same command
-    rerun: bitwise the uninterrupted fsdp run, at ddp's accuracy bar."""
-    config = {**CONFIG, "train": {**CONFIG["train"], "strategy": "fsdp"}}
+    checkpoints, each rank writing its shards): after a kill and a rerun, bitwise the
+    uninterrupted fsdp run, at ddp's accuracy bar."""
     clean = tmp_path_factory.mktemp("clean_fsdp")
+    config = {**CONFIG, "train": {**CONFIG["train"], "strategy": "fsdp"}}
     result = snakemake(clean, write_config(clean / "config.yaml", config))
     assert result.returncode == 0, result.stderr[-3000:]
-    configfile = write_config(workdir / "config.yaml", config)
-    fault = {"DDPFLOW_FAULT": "kill:1:2:7", "DDPFLOW_FAULT_ONCE": str(workdir / "fired")}
-    first = snakemake(workdir, configfile, env=fault)
-    assert first.returncode != 0 and (workdir / "fired").exists()
-    shards = sorted((workdir / "results/work/cnn/checkpoints").glob("ckpt-*.dcp"))
-    assert shards and {p.name for p in shards[-1].iterdir()} >= {"__0_0.distcp", "__1_0.distcp"}
-    second = snakemake(workdir, configfile, env=fault)
-    assert second.returncode == 0, second.stderr[-3000:]
-    rank0 = "".join(
-        p.read_text() for p in (workdir / "logs/submitit/cnn/train").glob("*_0_log.err")
-    )
-    assert "RESUMED from step" in rank0 and "strategy fsdp" in rank0, rank0[-2000:]
-    expected, resumed = _model(clean), _model(workdir)
-    assert all(torch.equal(expected[key], resumed[key]) for key in expected)
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in STRIP} for r in rows]  # noqa: E731
-    assert strip(_metrics(workdir)) == strip(_metrics(clean))
-    accuracy = [
-        json.loads((w / "results/runs/cnn/eval_metrics.json").read_text())["accuracy"]
-        for w in (clean, workdir)
-    ]
-    assert accuracy[0] == accuracy[1] > 0.95, accuracy
+
+    def shards_written(workdir):
+        shards = sorted((workdir / "results/work/cnn/checkpoints").glob("ckpt-*.dcp"))
+        assert shards, "no sharded checkpoint survived the kill"
+        assert {"__0_0.distcp", "__1_0.distcp"} <= {p.name for p in shards[-1].iterdir()}
+
+    _killed_then_rerun(workdir, "fsdp", shards_written)
+    _assert_same_training(clean, workdir)
 
 
 def test_hung_rank_ends_the_job_in_bounded_time(workdir):
