@@ -121,7 +121,8 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         )
         torch.manual_seed(run["train"]["seed"])  # same init everywhere (DDP also broadcasts)
         model = build_model(run["model"], data["shape"], data["num_classes"])
-        model = place(model, device, run["train"]["channels_last"])
+        sharded = run["train"]["strategy"] == "fsdp" and env.world_size > 1
+        model = place(model, device, run["train"]["channels_last"], move=not sharded)
         loop = Loop(run, data, env, device, model)
         ckpt = Checkpointer(run, paths.work, env)
         live_metrics = Path(paths.work) / LIVE_METRICS
