@@ -180,3 +180,10 @@ def test_fsdp_is_in_the_fingerprint_and_ddp_zero_are_not():
     assert fingerprint(strategy="ddp") == fingerprint(strategy="zero")
     fsdp = fingerprint(strategy="fsdp")
     assert fsdp["train.strategy"] == "fsdp" and fsdp["train.fsdp.reduce_dtype"] == "fp32"
+
+
+def test_ddp_settings_under_fsdp_are_named_as_ignored():
+    run = make_run(train={"strategy": "fsdp", "ddp": {"comm_hook": "bf16_compress"}})
+    (warning,) = ddpconfig.run_warnings(run, "local")
+    assert "train.ddp.comm_hook set, but strategy fsdp" in warning and "ignored" in warning
+    assert ddpconfig.run_warnings(make_run(train={"strategy": "fsdp"}), "local") == []

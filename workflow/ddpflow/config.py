@@ -465,6 +465,14 @@ def run_warnings(run: dict, launcher: str) -> list[str]:
             f"{where}: data.max_train_samples {samples} is less than one global batch "
             f"({global_batch}): every epoch is a single optimizer step on {samples} sample(s)"
         )
+    if train["strategy"] == "fsdp" and run["world_size"] > 1:
+        defaults = validate({})["train"]["ddp"]
+        changed = sorted(k for k, v in train["ddp"].items() if v != defaults[k])
+        if changed:
+            out.append(
+                f"{where}: train.ddp.{', train.ddp.'.join(changed)} set, but strategy fsdp "
+                "does not use DistributedDataParallel: these settings are ignored"
+            )
     if launcher == "local" and not machine["gpus_per_node"]:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         wanted = machine["cpu_ranks_per_node"] * machine["cpus_per_task"]
