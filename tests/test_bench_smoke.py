@@ -1,5 +1,5 @@
-"""The benchmarks (bench/throughput.py, bench/end_to_end.py) run in a tiny configuration and
-write complete JSON.
+"""The benchmarks (bench/throughput.py, bench/end_to_end.py, bench/memory.py) run in a tiny
+configuration and write complete JSON.
 
 Speed is measured by the benchmarks and never asserted here: only that the numbers exist.
 """
@@ -143,3 +143,30 @@ def test_end_to_end_tiny_run_writes_complete_json(tmp_path, lightning_site):
     assert report["summary"]["raw"]["test_samples_counted"] == 359
     assert report["summary"]["ddpflow"]["test_samples_counted"] == 359
     assert math.isfinite(report["ddpflow_vs_lightning_wall"])
+
+
+def test_memory_tiny_run_measures_each_strategys_share(tmp_path):
+    """Memory is not speed: the per-rank state each strategy holds is a count of bytes, and
+    it must be what the strategy promises (ddp all, zero 1/N of the optimizer state, fsdp
+    1/N of everything), measured on real ranks."""
+    out = tmp_path / "memory.json"
+    cmd = [sys.executable, str(REPO / "bench" / "memory.py"), "--models", "resnet50",
+           "--optimizers", "sgd", "--world-sizes", "2", "--steps", "1",
+           "--throughput-model", "mlp", "--throughput-batch", "8", "--throughput-steps", "2",
+           "--out", str(out)]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    runs = {r["strategy"]: r for r in report["runs"]}
+    assert sorted(runs) == ["ddp", "fsdp", "zero"]
+    for run in runs.values():
+        assert abs(run["measured_over_theory"] - 1) < 0.01, run["strategy"]
+    state = {k: r["max_over_ranks"]["optimizer_bytes"] for k, r in runs.items()}
+    half = runs["ddp"]["param_bytes"] / 2  # SGD: one momentum tensor per parameter
+    assert state["ddp"] == 2 * half
+    # the largest rank holds a few bytes more than half: zero assigns whole tensors, fsdp
+    # pads each parameter's rows to a multiple of the world size
+    for held in (state["zero"], state["fsdp"], runs["fsdp"]["max_over_ranks"]["params_bytes"]):
+        assert half <= held < half * 1.001
+    assert [r["strategy"] for r in report["throughput"]["rows"]] == ["ddp", "zero", "fsdp"]
+    assert all(r["samples_per_s"] > 0 for r in report["throughput"]["rows"])
