@@ -132,6 +132,39 @@ def test_accuracy_equals_local_run(slurm_run, tmp_path):
     assert "train.seed=1" in reason and len(reason) < 300, reason
 
 
+def test_fsdp_on_two_nodes_trains_what_it_trains_on_one_machine(slurm_cluster, tmp_path):
+    """train.strategy: fsdp across 2 nodes x 2 ranks: each rank writes its shards of every
+    checkpoint (DCP) into the shared work folder, and the run equals a local 4-rank one."""
+    science = {"train": {**SCIENCE["train"], "strategy": "fsdp"}, "runs": [{"name": "cnn"}]}
+    remote_dir, local_dir = tmp_path / "slurm", tmp_path / "local"
+    remote_dir.mkdir()
+    local_dir.mkdir()
+    remote = slurm_snakemake(
+        remote_dir, write_config(remote_dir / "c.yaml", {**science, "machine": CLUSTER_MACHINE})
+    )
+    assert remote.returncode == 0, (remote.stdout + remote.stderr)[-4000:]
+    local_machine = {"nodes": 1, "cpu_ranks_per_node": 4}
+    local = snakemake(
+        local_dir, write_config(local_dir / "c.yaml", {**science, "machine": local_machine})
+    )
+    assert local.returncode == 0, local.stderr[-3000:]
+    (kept,) = (remote_dir / "results/work/cnn/checkpoints").glob("ckpt-*.dcp")
+    assert sorted(p.name for p in kept.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    metrics = [
+        json.loads((root / "results/runs/cnn/eval_metrics.json").read_text())
+        for root in (remote_dir, local_dir)
+    ]
+    assert sorted(set(metrics[0]["train"]["hosts"])) == ["node1", "node2"]
+    assert metrics[0]["confusion_matrix"] == metrics[1]["confusion_matrix"]
+    assert metrics[0]["accuracy"] == metrics[1]["accuracy"] > 0.95
+    losses = [
+        [json.loads(line)["train_loss"] for line in
+         (root / "results/runs/cnn/train_metrics.jsonl").read_text().splitlines()]
+        for root in (remote_dir, local_dir)
+    ]  # fmt: skip
+    assert losses[0] == losses[1]
+
+
 def test_deleted_evaluation_is_scored_alone_in_a_job_of_its_own(slurm_run):
     """After the training job's evaluation is published, deleting eval_metrics.json scores
     the model again in an evaluate job on the cluster, without retraining: same counts."""
