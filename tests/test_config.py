@@ -164,6 +164,9 @@ BAD_CONFIGS = [
     # torchvision name is only known once torchvision is imported
     ("model-name-number", "model: {name: 5}", ["model.name", "string"]),
     ("model-kwargs-list", "model: {name: resnet50, kwargs: [1]}", ["model.kwargs"]),
+    ("image-folder-no-size", "data: {source: image_folder}", ["data.image_size", "[32, 32]"]),
+    ("npz-no-path", "data: {source: npz}", ["data.path", ".npz"]),
+    ("image-size-one-number", "data: {source: image_folder, image_size: 32}", ["data.image_size"]),
     ("zero-nodes", "machine: {nodes: 0}", ["machine.nodes"]),
     ("negative-gpus", "machine: {gpus_per_node: -1}", ["machine.gpus_per_node"]),
     ("zero-batch", "train: {batch_size: 0}", ["train.batch_size"]),

@@ -242,9 +242,46 @@ def memory_mb(machine: dict) -> int:
     return int(machine["mem_gb"] * 1024)
 
 
+# data keys only your own data reads (image_folder, npz): left out of the other sources'
+# fingerprints, so their staged datasets and trained models keep their identity
+OWN_DATA_KEYS = ("path", "image_size", "channels", "on_corrupt")
+
+
+def data_settings(data: dict) -> dict:
+    """The data keys that determine the staged dataset, plus, for your own data, the content
+    of its files (name, size, modification time of each: adding, removing or replacing an
+    image restages it, without reading every image at each parse)."""
+    if data["source"] not in ("image_folder", "npz"):
+        return {k: v for k, v in data.items() if k not in OWN_DATA_KEYS}
+    settings = dict(data)
+    settings["files"] = own_data_listing(data)
+    return settings
+
+
+def own_data_listing(data: dict) -> str:
+    """sha256 of (relative path, size, mtime) of every file of an image folder or npz file;
+    "missing" where it does not exist (staging then says what is wrong)."""
+    root = Path(data["root"] if data["source"] == "image_folder" else data["path"] or "")
+    digest = hashlib.sha256()
+    if root.is_file():
+        stat = root.stat()
+        digest.update(f"{root.name}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    elif root.is_dir():
+        for folder, dirs, files in os.walk(root):
+            dirs.sort()
+            for name in sorted(files):
+                path = Path(folder, name)
+                stat = path.stat()
+                rel = path.relative_to(root).as_posix()
+                digest.update(f"{rel}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    else:
+        return "missing"
+    return digest.hexdigest()
+
+
 def dataset_id(data: dict) -> str:
-    """Directory name of a staged dataset: runs with the same data section share one staging."""
-    return f"{data['source']}-{config_hash(data)[:10]}"
+    """Directory name of a staged dataset: runs with the same data share one staging."""
+    return f"{data['source']}-{config_hash(data_settings(data))[:10]}"
 
 
 def config_hash(section: Any) -> str:
@@ -279,7 +316,10 @@ def training_fingerprint(run: dict) -> dict[str, Any]:
     gpu = bool(run["machine"]["gpus_per_node"])
     ignored = VOLATILE_TRAIN_KEYS if gpu else VOLATILE_TRAIN_KEYS + GPU_ONLY_TRAIN_KEYS
     train = {k: v for k, v in run["train"].items() if k not in ignored}
-    flat = flatten({"data": run["data"], "model": model_settings(run["model"]), "train": train})
+    data = {k: v for k, v in data_settings(run["data"]).items() if k != "files"}
+    flat = flatten({"data": data, "model": model_settings(run["model"]), "train": train})
+    if run["data"]["source"] in ("image_folder", "npz"):  # the files' content too
+        flat["dataset_id"] = run["dataset_id"]
     if run["train"]["strategy"] == "fsdp" and run["world_size"] > 1:
         fsdp = {"strategy": "fsdp", "fsdp": run["train"]["fsdp"]}
         flat.update(flatten({"train": fsdp}))
@@ -368,6 +408,16 @@ def _check_run(run: dict, launcher: str) -> None:
         raise ConfigError(
             f"{where}: train.activation_checkpointing with train.compile: true is not "
             "supported yet; set one of them to false"
+        )
+    data = run["data"]
+    if data["source"] == "image_folder" and data["image_size"] is None:
+        raise ConfigError(
+            f"{where}: data.image_size is required for data.source image_folder: the "
+            "[height, width] every image is resized to, e.g. data.image_size: [32, 32]"
+        )
+    if data["source"] == "npz" and not data["path"]:
+        raise ConfigError(
+            f"{where}: data.path is required for data.source npz: the .npz file to read"
         )
     model = run["model"]
     if model["name"] in BUILT_IN_MODELS and model["kwargs"]:

@@ -118,6 +118,17 @@ def _base_manifest(raw: RawSource, splits: dict, data_cfg: dict, seed: int) -> d
         "mean": mean,
         "std": std,
         "seed": seed,
+        **(
+            {
+                "source_notes": {
+                    "skipped_corrupt": len(raw.notes["skipped_corrupt"]),
+                    "skipped_files": raw.notes["skipped_corrupt"][:100],
+                    "ignored_files": raw.notes["ignored_files"],
+                }
+            }
+            if raw.notes
+            else {}
+        ),
         "data_cfg": data_cfg,
     }
 

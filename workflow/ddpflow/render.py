@@ -124,12 +124,27 @@ def _provenance_blocks(loaded) -> list[tuple]:
             ("h3", name),
             ("p", f"git commit: {prov['git_commit'] or 'unknown (not a git checkout)'}{dirty}; "
                   f"created: {prov['created']}; hosts: {hosts}"),
+            *_dataset_line(prov.get("dataset") or {}),
             ("table", ["Package", "Version"],
              [[str(k), str(v)] for k, v in sorted(prov["versions"].items())], None),
             ("details", "Resolved config (YAML)",
              yaml.safe_dump(prov["config"], sort_keys=False, allow_unicode=True).rstrip()),
         ]  # fmt: skip
     return blocks
+
+
+def _dataset_line(dataset: dict) -> list[tuple]:
+    """The data a run was trained on, with what staging skipped (your own data)."""
+    if not dataset:
+        return []
+    found = dataset.get("sizes", {})
+    sizes = ", ".join(f"{k} {found[k]}" for k in ("train", "val", "test") if k in found)
+    text = f"data: {dataset.get('source')} ({sizes})"
+    notes = dataset.get("source_notes")
+    if notes:
+        text += (f"; {notes['skipped_corrupt']} corrupt image(s) skipped, "
+                 f"{notes['ignored_files']} file(s) that are not images ignored")  # fmt: skip
+    return [("p", text)]
 
 
 def _unfinished_blocks(unfinished, finished: int) -> list[tuple]:

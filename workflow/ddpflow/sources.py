@@ -44,6 +44,7 @@ class RawSource:
     test_x: np.ndarray | None
     test_y: np.ndarray | None
     class_names: list[str]
+    notes: dict | None = None  # what a reader skipped or ignored, for the manifest
 
 
 def load_source(data_cfg: dict, seed: int) -> RawSource:
@@ -55,7 +56,15 @@ def load_source(data_cfg: dict, seed: int) -> RawSource:
         return make_synthetic(data_cfg["synthetic"], seed)
     if source in TORCHVISION_SOURCES:
         return load_torchvision(source, Path(data_cfg["root"]), bool(data_cfg["download"]))
-    known = ", ".join(["digits", "synthetic", *TORCHVISION_SOURCES])
+    if source == "image_folder":
+        from .own_data import load_image_folder
+
+        return load_image_folder(data_cfg)
+    if source == "npz":
+        from .own_data import load_npz
+
+        return load_npz(data_cfg)
+    known = ", ".join(["digits", "synthetic", *TORCHVISION_SOURCES, "image_folder", "npz"])
     raise DataError(f"data.source: unknown source {source!r}; use one of {known}")
 
 

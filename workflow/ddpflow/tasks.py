@@ -406,7 +406,7 @@ def evaluation_record(run, result, manifest, world_size, hosts, train, evaluated
         **runtime.provenance(),
         "config": run,
         "hostnames": hosts,
-        "dataset": {k: manifest[k] for k in ("source", "sizes")},
+        "dataset": {k: manifest[k] for k in ("source", "sizes", "source_notes") if k in manifest},
     }
     if ":" in run["model"]["name"]:  # the plug-in's code, which the config does not hold
         source = plugin_source(run["model"]["name"])

@@ -1,0 +1,186 @@
+"""Your own data (issue 12, sources part): an image folder and a .npz file, staged into the
+same format as the built-in sources, every bad input refused with the file named; end to end,
+the workflow trains on an image folder and restages when an image is added."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from ddpflow import config as ddpconfig
+from ddpflow.data import load_split, stage_dataset
+from ddpflow.sources import DataError
+from PIL import Image
+from workflow_helpers import jobs_planned, snakemake, write_config
+
+COLOURS = {"blue": (20, 40, 220), "green": (30, 200, 40), "red": (220, 30, 30)}
+
+
+def _image(colour, rng, size=(40, 30)) -> Image.Image:
+    """A noisy image of one dominant colour (learnable: the class is the colour)."""
+    base = np.array(colour, dtype=np.int16)
+    noise = rng.integers(-40, 40, size=(size[1], size[0], 3))
+    return Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8))
+
+
+def make_folder(root, per_class=(20, 6), rng_seed=0):
+    """root/train/<colour>/*.png|jpg (and root/test/...), in every mode Pillow converts."""
+    rng = np.random.default_rng(rng_seed)
+    modes = ["RGB", "P", "RGBA", "RGB"]
+    for split, count in zip(("train", "test"), per_class, strict=True):
+        for name, colour in COLOURS.items() if count else ():  # 0: no test/ folder
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                image = _image(colour, rng, size=(40 + i % 3 * 8, 30 + i % 2 * 10))
+                mode = modes[i % len(modes)]
+                ext = "jpg" if mode == "RGB" and i % 2 else "png"
+                image.convert(mode).save(folder / f"{i:03d}.{ext}")
+    return root
+
+
+def _data(**over) -> dict:
+    config = ddpconfig.load(None, {"data": {"source": "image_folder", "image_size": [16, 16],
+                                            **over}})  # fmt: skip
+    return config["data"]
+
+
+def test_an_image_folder_stages_like_a_built_in_source(tmp_path):
+    root = make_folder(tmp_path / "images")
+    (root / "train/red/notes.txt").write_text("not an image")
+    manifest = stage_dataset(_data(root=str(root)), tmp_path / "staged", seed=0)
+    assert manifest["class_names"] == ["blue", "green", "red"]  # sorted, as ImageFolder
+    assert manifest["shape"] == [3, 16, 16]
+    assert (
+        manifest["sizes"]["test"] == 18
+        and manifest["sizes"]["train"] + manifest["sizes"]["val"] == 60
+    )
+    assert manifest["source_notes"] == {"skipped_corrupt": 0, "skipped_files": [],
+                                        "ignored_files": 1}  # fmt: skip
+    images, labels, _ = load_split(tmp_path / "staged", "test")
+    means = images.float().mean(dim=(2, 3))  # per image and channel
+    dominant = means.argmax(dim=1)  # blue -> channel 2, green -> 1, red -> 0
+    assert (dominant == torch_tensor([2, 1, 0])[labels]).all()
+
+
+def torch_tensor(values):
+    import torch
+
+    return torch.tensor(values)
+
+
+def test_grayscale_conversion(tmp_path):
+    root = make_folder(tmp_path / "images", per_class=(6, 0))
+    manifest = stage_dataset(_data(root=str(root), channels=1), tmp_path / "staged", seed=0)
+    assert manifest["shape"] == [1, 16, 16] and manifest["sizes"]["test"] > 0  # carved out
+
+
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        ("corrupt", r"train/green/bad.png: not a readable image.*data.on_corrupt: skip"),
+        ("empty_class", r"train/violet: class 'violet' has no images"),
+        ("test_classes", r"different classes \(only in train: none; only in test: \['violet'\]"),
+        ("small", r"1 image\(s\) smaller than data.image_size \[16, 16\].*tiny.png \(8x8\)"),
+        ("no_train", r"no train/ folder"),
+    ],
+)
+def test_bad_image_folders_name_the_file(tmp_path, damage, expected):
+    root = make_folder(tmp_path / "images", per_class=(4, 2))
+    if damage == "corrupt":
+        (root / "train/green/bad.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    elif damage == "empty_class":
+        (root / "train/violet").mkdir()
+        (root / "train/violet/readme.md").write_text("todo")
+    elif damage == "test_classes":
+        (root / "test/violet").mkdir()
+        _image((120, 0, 200), np.random.default_rng(0)).save(root / "test/violet/a.png")
+    elif damage == "small":
+        _image((0, 0, 0), np.random.default_rng(0), size=(8, 8)).save(root / "train/red/tiny.png")
+    elif damage == "no_train":
+        (root / "train").rename(root / "training")
+    with pytest.raises(DataError, match=expected):
+        stage_dataset(_data(root=str(root)), tmp_path / "staged", seed=0)
+    assert not (tmp_path / "staged").exists()  # nothing half-staged
+
+
+def test_corrupt_images_can_be_skipped_and_are_counted(tmp_path):
+    root = make_folder(tmp_path / "images", per_class=(4, 2))
+    (root / "train/green/bad.png").write_bytes(b"garbage")
+    manifest = stage_dataset(_data(root=str(root), on_corrupt="skip"), tmp_path / "s", seed=0)
+    assert manifest["source_notes"]["skipped_corrupt"] == 1
+    assert manifest["source_notes"]["skipped_files"][0].endswith("train/green/bad.png")
+
+
+def _npz(path, **arrays):
+    np.savez(path, **arrays)
+    return {"source": "npz", "path": str(path)}
+
+
+def test_npz_in_either_layout(tmp_path):
+    rng = np.random.default_rng(0)
+    nhwc = rng.integers(0, 255, size=(50, 12, 12, 3), dtype=np.uint8)
+    labels = np.arange(50) % 5
+    for name, images in (("nhwc", nhwc), ("nchw", nhwc.transpose(0, 3, 1, 2))):
+        data = ddpconfig.load(None, {"data": _npz(tmp_path / f"{name}.npz", train_images=images,
+                                                  train_labels=labels)})["data"]  # fmt: skip
+        manifest = stage_dataset(data, tmp_path / name, seed=0)
+        assert manifest["shape"] == [3, 12, 12] and manifest["num_classes"] == 5
+    a, _, _ = load_split(tmp_path / "nhwc", "train")
+    b, _, _ = load_split(tmp_path / "nchw", "train")
+    assert (a == b).all()
+
+
+@pytest.mark.parametrize(
+    "arrays, expected",
+    [
+        ({"train_images": np.zeros((4, 8, 8), np.uint8)}, r"missing train_labels"),
+        ({"train_images": np.zeros((4, 8, 8), np.uint8), "train_labels": np.zeros(3, int)},
+         r"train_labels has 3 entries but train_images has 4"),
+        ({"train_images": np.zeros((4, 8, 8), np.float32), "train_labels": np.zeros(4, int)},
+         r"train_images has dtype float32; expected uint8"),
+        ({"train_images": np.zeros((4, 8, 8), np.uint8), "train_labels": np.arange(4),
+          "class_names": np.array(["a", "b"])}, r"label 3 but only 2 class_names"),
+        ({"train_images": np.zeros((4, 8, 8), np.uint8), "train_labels": np.zeros(4, int),
+          "test_images": np.zeros((2, 8, 8), np.uint8)}, r"test_images and test_labels come"),
+    ],
+)  # fmt: skip
+def test_bad_npz_files_name_the_key(tmp_path, arrays, expected):
+    data = ddpconfig.load(None, {"data": _npz(tmp_path / "d.npz", **arrays)})["data"]
+    with pytest.raises(DataError, match=expected):
+        stage_dataset(data, tmp_path / "staged", seed=0)
+
+
+def test_the_dataset_id_follows_the_files_not_only_the_config(tmp_path):
+    root = make_folder(tmp_path / "images", per_class=(4, 2))
+    data = _data(root=str(root))
+    before = ddpconfig.dataset_id(data)
+    assert before == ddpconfig.dataset_id(data)  # stable
+    _image((220, 30, 30), np.random.default_rng(1)).save(root / "train/red/new.png")
+    assert ddpconfig.dataset_id(data) != before
+    # the built-in sources keep their ids (the new keys are not part of them)
+    digits = ddpconfig.load(None, {})["data"]
+    legacy = {k: v for k, v in digits.items() if k not in ddpconfig.OWN_DATA_KEYS}
+    assert ddpconfig.dataset_id(digits) == f"digits-{ddpconfig.config_hash(legacy)[:10]}"
+
+
+@pytest.mark.e2e
+def test_the_workflow_trains_on_an_image_folder_and_restages_on_a_new_image(workdir):
+    root = make_folder(workdir / "my_images", per_class=(40, 10))
+    config = {
+        "data": {"source": "image_folder", "root": "my_images", "image_size": [16, 16]},
+        "train": {"epochs": 4, "progress": False},
+        "runs": [{"name": "colours"}],
+    }
+    configfile = write_config(workdir / "config.yaml", config)
+    result = snakemake(workdir, configfile)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((workdir / "results/runs/colours/eval_metrics.json").read_text())
+    assert metrics["class_names"] == ["blue", "green", "red"]
+    assert metrics["samples_evaluated"] == 30 and metrics["accuracy"] > 0.9
+    report = (workdir / "results/report/report.md").read_text()
+    assert "folder (train 108, val 12, test 30); 0 corrupt image(s) skipped" in report
+    assert jobs_planned(workdir, configfile) == set()
+    _image((30, 200, 40), np.random.default_rng(7)).save(root / "train/green/extra.png")
+    assert {"stage", "train", "evaluate", "report"} <= jobs_planned(workdir, configfile)

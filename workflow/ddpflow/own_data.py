@@ -1,0 +1,234 @@
+"""Your own data: an image folder (torchvision's ImageFolder layout) or arrays in a .npz file,
+read into the same uint8 NCHW arrays as the built-in sources, then staged as they are.
+
+    data: {source: image_folder, root: my_images, image_size: [32, 32], channels: 3}
+    data: {source: npz, path: my_arrays.npz}
+
+Every problem is a DataError naming the file or key and the fix, raised while staging, before
+any training job is submitted. The whole dataset is held in memory while it is staged and
+trained on (sharded, streamed staging is not built yet).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from .sources import DataError, RawSource
+
+log = logging.getLogger(__name__)
+SHOWN = 5  # file names listed in a message before "and N more"
+
+
+def load_image_folder(cfg: dict) -> RawSource:
+    """root/train/<class>/<image> (and root/test/<class>/<image> if present): classes sorted by
+    name, as ImageFolder does; images converted to cfg["channels"], resized so that the shorter
+    side fits image_size, then centre-cropped to it."""
+    from PIL import Image
+
+    root = Path(cfg["root"])
+    if cfg["image_size"] is None:
+        raise DataError(
+            "data.image_size is required for data.source image_folder: the size "
+            "[height, width] every image is resized to, e.g. [32, 32]"
+        )
+    train_dir = root / "train"
+    if not train_dir.is_dir():
+        raise DataError(
+            f"data.root {root}: no train/ folder; image_folder expects "
+            f"{root}/train/<class>/<image> (and optionally {root}/test/...)"
+        )
+    extensions = {ext.lower() for ext in Image.registered_extensions()}
+    classes = _classes(train_dir)
+    notes = {"skipped_corrupt": [], "ignored_files": 0}
+    train_x, train_y = _read_split(train_dir, classes, cfg, extensions, notes)
+    test_x = test_y = None
+    test_dir = root / "test"
+    if test_dir.is_dir():
+        test_classes = _classes(test_dir)
+        if test_classes != classes:
+            only_train = sorted(set(classes) - set(test_classes))
+            only_test = sorted(set(test_classes) - set(classes))
+            raise DataError(
+                f"data.root {root}: train/ and test/ have different classes (only "
+                f"in train: {only_train or 'none'}; only in test: "
+                f"{only_test or 'none'}); give both the same class folders"
+            )
+        test_x, test_y = _read_split(test_dir, classes, cfg, extensions, notes)
+    if notes["ignored_files"]:
+        log.info("image_folder: %d files that are not images were ignored", notes["ignored_files"])
+    if notes["skipped_corrupt"]:
+        log.warning(
+            "image_folder: %d corrupt images skipped (data.on_corrupt: skip): %s",
+            len(notes["skipped_corrupt"]),
+            _names(notes["skipped_corrupt"]),
+        )
+    return RawSource(train_x, train_y, test_x, test_y, classes, notes)
+
+
+def _classes(split_dir: Path) -> list[str]:
+    classes = sorted(
+        d.name for d in split_dir.iterdir() if d.is_dir() and not d.name.startswith(".")
+    )
+    if not classes:
+        raise DataError(
+            f"{split_dir}: no class folders; put each class's images in {split_dir}/<class name>/"
+        )
+    return classes
+
+
+def _read_split(split_dir, classes, cfg, extensions, notes):
+    from PIL import Image, UnidentifiedImageError
+
+    height, width = cfg["image_size"]
+    mode = "L" if cfg["channels"] == 1 else "RGB"
+    images, labels, small = [], [], []
+    for label, name in enumerate(classes):
+        files = sorted(p for p in (split_dir / name).rglob("*") if p.is_file())
+        found = 0
+        for path in files:
+            if path.name.startswith(".") or path.suffix.lower() not in extensions:
+                notes["ignored_files"] += 1
+                continue
+            try:
+                with Image.open(path) as image:
+                    image.load()
+                    if image.height < height or image.width < width:
+                        small.append(f"{path} ({image.width}x{image.height})")
+                        continue
+                    pixels = _fit(
+                        image.convert("RGBA" if image.mode == "P" else image.mode).convert(mode),
+                        height,
+                        width,
+                    )
+            except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+                if cfg["on_corrupt"] == "error":
+                    raise DataError(
+                        f"{path}: not a readable image ({err}); replace or delete "
+                        f"it, or set data.on_corrupt: skip to skip such files "
+                        f"(they are counted in the manifest)"
+                    ) from err
+                notes["skipped_corrupt"].append(str(path))
+                continue
+            images.append(pixels)
+            labels.append(label)
+            found += 1
+        if not found:
+            raise DataError(
+                f"{split_dir / name}: class {name!r} has no images; add some or remove the folder"
+            )
+    if small:
+        raise DataError(
+            f"{len(small)} image(s) smaller than data.image_size "
+            f"[{height}, {width}] (width x height shown): {_names(small)}; lower "
+            f"data.image_size or remove them (images are never upscaled)"
+        )
+    x = np.stack(images)
+    x = x[:, None] if x.ndim == 3 else x.transpose(0, 3, 1, 2)
+    return np.ascontiguousarray(x), np.asarray(labels, dtype=np.int64)
+
+
+def _fit(image, height: int, width: int) -> np.ndarray:
+    """Resize (bilinear, antialiased) so the image covers height x width, then centre-crop."""
+    from PIL import Image
+
+    scale = max(height / image.height, width / image.width)
+    size = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
+    if size != image.size:
+        image = image.resize(size, Image.Resampling.BILINEAR)
+    left, top = (image.width - width) // 2, (image.height - height) // 2
+    return np.asarray(image.crop((left, top, left + width, top + height)), dtype=np.uint8)
+
+
+def _names(items: list[str]) -> str:
+    more = f" and {len(items) - SHOWN} more" if len(items) > SHOWN else ""
+    return ", ".join(items[:SHOWN]) + more
+
+
+NPZ_KEYS = ("train_images", "train_labels", "test_images", "test_labels", "class_names")
+
+
+def load_npz(cfg: dict) -> RawSource:
+    """Arrays in data.path: train_images (uint8, [N, H, W], [N, H, W, C] or [N, C, H, W] with
+    C 1 or 3), train_labels (integers 0..K-1); optional test_images + test_labels and
+    class_names (else "0".."K-1")."""
+    if not cfg["path"]:
+        raise DataError("data.path is required for data.source npz: the .npz file to read")
+    path = Path(cfg["path"])
+    if not path.is_file():
+        raise DataError(f"data.path {path}: no such file")
+    try:
+        arrays = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise DataError(f"data.path {path}: not a readable .npz file ({err})") from err
+    with arrays:
+        keys = set(arrays.files)
+        missing = [k for k in ("train_images", "train_labels") if k not in keys]
+        if missing:
+            raise DataError(
+                f"data.path {path}: missing {', '.join(missing)} (has: "
+                f"{', '.join(sorted(keys)) or 'nothing'}); the keys are "
+                f"{', '.join(NPZ_KEYS)}"
+            )
+        if ("test_images" in keys) != ("test_labels" in keys):
+            raise DataError(
+                f"data.path {path}: test_images and test_labels come together; "
+                "give both or neither (then the test split is carved out)"
+            )
+        train_x = _npz_images(arrays, "train_images", path)
+        train_y = _npz_labels(arrays, "train_labels", path, len(train_x))
+        test_x = test_y = None
+        if "test_images" in keys:
+            test_x = _npz_images(arrays, "test_images", path)
+            test_y = _npz_labels(arrays, "test_labels", path, len(test_x))
+            if test_x.shape[1:] != train_x.shape[1:]:
+                raise DataError(
+                    f"data.path {path}: test_images are {list(test_x.shape[1:])} "
+                    f"but train_images {list(train_x.shape[1:])} (C, H, W)"
+                )
+        names = [str(n) for n in arrays["class_names"]] if "class_names" in keys else None
+    top = int(max(train_y.max(), test_y.max() if test_y is not None else 0))
+    names = names or [str(k) for k in range(top + 1)]
+    if top >= len(names):
+        raise DataError(
+            f"data.path {path}: label {top} but only {len(names)} class_names; "
+            "labels are 0..K-1 for K class names"
+        )
+    return RawSource(train_x, train_y, test_x, test_y, names)
+
+
+def _npz_images(arrays, key: str, path: Path) -> np.ndarray:
+    x = arrays[key]
+    if x.dtype != np.uint8:
+        raise DataError(
+            f"data.path {path}: {key} has dtype {x.dtype}; expected uint8 pixel "
+            "values 0..255 (scale and convert: (x * 255).round().astype('uint8'))"
+        )
+    if x.ndim == 3:
+        return np.ascontiguousarray(x[:, None])
+    if x.ndim == 4 and x.shape[-1] in (1, 3) and x.shape[1] not in (1, 3):
+        return np.ascontiguousarray(x.transpose(0, 3, 1, 2))  # NHWC
+    if x.ndim == 4 and x.shape[1] in (1, 3):
+        return np.ascontiguousarray(x)  # NCHW
+    raise DataError(
+        f"data.path {path}: {key} has shape {list(x.shape)}; expected [N, H, W], "
+        "[N, H, W, C] or [N, C, H, W] with C 1 or 3"
+    )
+
+
+def _npz_labels(arrays, key: str, path: Path, n: int) -> np.ndarray:
+    y = arrays[key]
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+        raise DataError(
+            f"data.path {path}: {key} must be a 1-D integer array, got {y.dtype} {list(y.shape)}"
+        )
+    if len(y) != n:
+        images = key.replace("labels", "images")
+        raise DataError(f"data.path {path}: {key} has {len(y)} entries but {images} has {n}")
+    if len(y) and y.min() < 0:
+        raise DataError(
+            f"data.path {path}: {key} holds negative labels ({int(y.min())}); labels are 0..K-1"
+        )
+    return y.astype(np.int64)
