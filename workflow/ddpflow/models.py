@@ -9,15 +9,13 @@ any torchvision classification model by name, or the user's own through a plug-i
 from __future__ import annotations
 
 import difflib
-import importlib
-import os
-import sys
 
 import torch
 from torch import nn
 
 from .config import BUILT_IN_MODELS
 from .errors import UserError
+from .plugins import import_factory
 
 BUILT_IN = tuple(BUILT_IN_MODELS)
 
@@ -42,34 +40,8 @@ def build_model(model_cfg: dict, shape: list[int], num_classes: int) -> nn.Modul
     return zoo_model(name, channels, num_classes, kwargs, model_cfg.get("small_input_stem", True))
 
 
-def is_plugin(name: str) -> bool:
-    return ":" in name
-
-
-def import_factory(spec: str):
-    """'package.module:function' -> the function; the working directory is searched too (a
-    rank's working directory is the workflow's, where a user's model file lives)."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ModelError(f"model.name {spec!r}: a plug-in is written 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if os.getcwd() in sys.path or err.name != module_name.split(".")[0]:
-            raise ModelError(f"model.name {spec!r}: cannot import {module_name!r} ({err}); put "
-                             f"{module_name.replace('.', '/')}.py in the working directory "
-                             f"({os.getcwd()}) or install its package") from err  # fmt: skip
-        sys.path.insert(0, os.getcwd())
-        return import_factory(spec)
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ModelError(f"model.name {spec!r}: {module_name} ({module.__file__}) has no "
-                         f"function {attr!r}")  # fmt: skip
-    return factory
-
-
 def _plugin(spec: str, shape: list[int], num_classes: int, kwargs: dict) -> nn.Module:
-    factory = import_factory(spec)
+    factory = import_factory(spec, "model.name", ModelError)
     try:
         model = factory(list(shape), num_classes, **kwargs)
     except Exception as err:

@@ -1,0 +1,37 @@
+"""Your code, named in the config as "package.module:function" (model.name, data.source):
+imported from the working directory (where a user's file lives, and where the ranks run) or
+the environment. Imports no torch."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+from .errors import UserError
+
+
+def is_plugin(name: str) -> bool:
+    return ":" in name
+
+
+def import_factory(spec: str, key: str, error: type[UserError] = UserError):
+    """'package.module:function' -> the function, or `error` naming the config key, what
+    failed and the fix."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise error(f"{key} {spec!r}: a plug-in is written 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if os.getcwd() in sys.path or err.name != module_name.split(".")[0]:
+            raise error(f"{key} {spec!r}: cannot import {module_name!r} ({err}); put "
+                        f"{module_name.replace('.', '/')}.py in the working directory "
+                        f"({os.getcwd()}) or install its package") from err  # fmt: skip
+        sys.path.insert(0, os.getcwd())
+        return import_factory(spec, key, error)
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise error(f"{key} {spec!r}: {module_name} ({module.__file__}) has no "
+                    f"function {attr!r}")  # fmt: skip
+    return factory
