@@ -159,7 +159,8 @@ runs:
 BAD_CONFIGS = [
     ("epochs-string", "train: {epochs: ten}", ["train.epochs", "'ten'"]),
     ("epochs-bool", "train: {epochs: true}", ["train.epochs"]),
-    ("unknown-dataset", "data: {source: imagenet}", ["data.source", "imagenet"]),
+    ("unknown-dataset", "data: {source: imagenet}", ["data.source", "imagenet", "plug-in"]),
+    ("dataset-typo", "data: {source: cifar01}", ["data.source", "did you mean 'cifar10'"]),
     # an unknown model name is the train rule's to refuse (tests/test_model_zoo.py): a
     # torchvision name is only known once torchvision is imported
     ("model-name-number", "model: {name: 5}", ["model.name", "string"]),

@@ -5,6 +5,7 @@ the workflow trains on an image folder and restages when an image is added."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from ddpflow import config as ddpconfig
 from ddpflow.data import load_split, stage_dataset
 from ddpflow.sources import DataError
 from PIL import Image
-from workflow_helpers import jobs_planned, snakemake, write_config
+from workflow_helpers import REPO, jobs_planned, snakemake, write_config
 
 COLOURS = {"blue": (20, 40, 220), "green": (30, 200, 40), "red": (220, 30, 30)}
 
@@ -184,3 +185,123 @@ def test_the_workflow_trains_on_an_image_folder_and_restages_on_a_new_image(work
     assert jobs_planned(workdir, configfile) == set()
     _image((30, 200, 40), np.random.default_rng(7)).save(root / "train/green/extra.png")
     assert {"stage", "train", "evaluate", "report"} <= jobs_planned(workdir, configfile)
+
+
+# -- a plug-in source: "module:function" from the working directory -------------------------
+
+
+@pytest.fixture
+def in_workdir(tmp_path, monkeypatch):
+    """A user's working directory; the plug-in modules it imports are forgotten afterwards."""
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - before:
+        sys.modules.pop(name, None)
+
+
+def _plugin_data(spec: str, **over) -> dict:
+    return ddpconfig.load(None, {"data": {"source": spec, **over}})["data"]
+
+
+def test_the_example_plugin_stages_from_the_working_directory(in_workdir):
+    shutil.copy(REPO / "config/examples/my_data.py", in_workdir / "my_data.py")
+    data = _plugin_data("my_data:shapes", kwargs={"count": 60, "size": 16}, channels=1)
+    manifest = stage_dataset(data, in_workdir / "staged", seed=0)
+    assert manifest["class_names"] == ["circle", "square", "triangle"]
+    assert manifest["shape"] == [1, 16, 16] and manifest["sizes"]["test"] == 15
+    assert ddpconfig.dataset_id(data).startswith("my_data_shapes-")
+    before = ddpconfig.dataset_id(data)
+    path = in_workdir / "my_data.py"
+    path.write_text(path.read_text().replace("randint(60, 100)", "randint(50, 100)"))
+    assert ddpconfig.dataset_id(data) != before  # editing the plug-in restages
+
+
+ARRAYS_PLUGIN = """
+import numpy as np
+import torch
+
+def arrays():
+    x = np.zeros((12, 1, 8, 8), np.uint8)
+    return {"train": (x, np.arange(12) % 3)}
+
+class Floats(torch.utils.data.Dataset):
+    def __len__(self):
+        return 9
+    def __getitem__(self, i):
+        return torch.full((3, 8, 8), i / 8), torch.tensor(i % 3)
+
+def floats():
+    return Floats()
+"""
+
+
+def test_plugins_may_return_arrays_or_a_torch_dataset_of_tensors(in_workdir):
+    (in_workdir / "mine.py").write_text(ARRAYS_PLUGIN)
+    manifest = stage_dataset(_plugin_data("mine:arrays"), in_workdir / "a", seed=0)
+    assert manifest["shape"] == [1, 8, 8] and manifest["num_classes"] == 3
+    manifest = stage_dataset(_plugin_data("mine:floats"), in_workdir / "f", seed=0)
+    assert manifest["shape"] == [3, 8, 8]
+    images, _, _ = load_split(in_workdir / "f", "train")
+    assert int(images.max()) <= 255 and int(images.max()) > 0  # 0..1 floats scaled to uint8
+
+
+BAD_PLUGINS = """
+import numpy as np
+
+def raises():
+    raise FileNotFoundError("/data/missing.csv")
+
+def number():
+    return 5
+
+def mixed():
+    return [(np.zeros((1, 8, 8), np.uint8), 0), (np.zeros((1, 9, 9), np.uint8), 1)]
+
+def beyond():
+    return {"train": [(np.zeros((1, 8, 8), np.uint8), 3)], "class_names": ["a", "b"]}
+
+def bright():
+    return [(np.full((1, 8, 8), 2.0), 0)]
+
+def not_pairs():
+    return [np.zeros((1, 8, 8), np.uint8)]
+"""
+
+
+@pytest.mark.parametrize(
+    "function, expected",
+    [
+        ("raises", r"'bad:raises': the function raised FileNotFoundError: /data/missing.csv"),
+        ("number", r"got a int; expected a map-style Dataset"),
+        ("mixed", r"item 1 has shape \[1, 9, 9\], item 0 \[1, 8, 8\]"),
+        ("beyond", r"label 3 but only 2 class_names"),
+        ("bright", r"pixels of dtype float64 \(range 2.0..2.0\); expected uint8 0..255 or floats"),
+        ("not_pairs", r"item 0 is a ndarray; expected an \(image, label\) pair"),
+        ("missing", r"has no function 'missing'"),
+    ],
+)
+def test_a_bad_plugin_source_names_the_cause(in_workdir, function, expected):
+    (in_workdir / "bad.py").write_text(BAD_PLUGINS)
+    with pytest.raises(DataError, match=expected):
+        stage_dataset(_plugin_data(f"bad:{function}"), in_workdir / "staged", seed=0)
+    with pytest.raises(DataError, match=r"cannot import 'nowhere'.*working directory"):
+        stage_dataset(_plugin_data("nowhere:data"), in_workdir / "staged", seed=0)
+
+
+@pytest.mark.e2e
+def test_the_workflow_trains_on_the_example_plugin(workdir):
+    shutil.copy(REPO / "config/examples/my_data.py", workdir / "my_data.py")
+    config = {
+        "data": {"source": "my_data:shapes", "kwargs": {"count": 600, "size": 24}, "channels": 1},
+        "train": {"epochs": 6, "progress": False},
+        "runs": [{"name": "shapes"}],
+    }
+    result = snakemake(workdir, write_config(workdir / "config.yaml", config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((workdir / "results/runs/shapes/eval_metrics.json").read_text())
+    # measured 2026-11-23: 150 of 150
+    assert metrics["samples_evaluated"] == 150 and metrics["accuracy"] > 0.9

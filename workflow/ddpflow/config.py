@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,14 @@ def _describe(error: jsonschema.ValidationError) -> str:
         return f"{path}: unknown key(s) {extra}{hints} (allowed keys here: {allowed})"
     if error.validator == "enum":
         return f"{path}: {error.instance!r} is not one of {error.validator_value}"
+    if error.validator == "anyOf" and path.endswith("data.source"):
+        known = error.validator_value[0]["enum"]
+        close = difflib.get_close_matches(str(error.instance), known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return (
+            f"{path}: {error.instance!r} is neither a built-in source ({', '.join(known)}) nor "
+            f"a plug-in written 'package.module:function'{hint}"
+        )
     if error.validator == "type":
         return (
             f"{path}: {error.instance!r} has the wrong type; expected {error.validator_value}"
@@ -244,17 +253,24 @@ def memory_mb(machine: dict) -> int:
 
 # data keys only your own data reads (image_folder, npz): left out of the other sources'
 # fingerprints, so their staged datasets and trained models keep their identity
-OWN_DATA_KEYS = ("path", "image_size", "channels", "on_corrupt")
+OWN_DATA_KEYS = ("path", "image_size", "channels", "on_corrupt", "kwargs")
+
+
+def is_own_data(source: str) -> bool:
+    return source in ("image_folder", "npz") or ":" in source
 
 
 def data_settings(data: dict) -> dict:
     """The data keys that determine the staged dataset, plus, for your own data, the content
     of its files (name, size, modification time of each: adding, removing or replacing an
     image restages it, without reading every image at each parse)."""
-    if data["source"] not in ("image_folder", "npz"):
+    if not is_own_data(data["source"]):
         return {k: v for k, v in data.items() if k not in OWN_DATA_KEYS}
     settings = dict(data)
-    settings["files"] = own_data_listing(data)
+    if ":" in data["source"]:  # a plug-in: its code is what it reads
+        settings["plugin_sha256"] = plugin_source_hash(data["source"])
+    else:
+        settings["files"] = own_data_listing(data)
     return settings
 
 
@@ -281,7 +297,8 @@ def own_data_listing(data: dict) -> str:
 
 def dataset_id(data: dict) -> str:
     """Directory name of a staged dataset: runs with the same data share one staging."""
-    return f"{data['source']}-{config_hash(data_settings(data))[:10]}"
+    prefix = re.sub(r"\W", "_", data["source"])  # a plug-in's "pkg.module:fn" too
+    return f"{prefix}-{config_hash(data_settings(data))[:10]}"
 
 
 def config_hash(section: Any) -> str:
@@ -318,7 +335,7 @@ def training_fingerprint(run: dict) -> dict[str, Any]:
     train = {k: v for k, v in run["train"].items() if k not in ignored}
     data = {k: v for k, v in data_settings(run["data"]).items() if k != "files"}
     flat = flatten({"data": data, "model": model_settings(run["model"]), "train": train})
-    if run["data"]["source"] in ("image_folder", "npz"):  # the files' content too
+    if is_own_data(run["data"]["source"]):  # the files' or the plug-in's content too
         flat["dataset_id"] = run["dataset_id"]
     if run["train"]["strategy"] == "fsdp" and run["world_size"] > 1:
         fsdp = {"strategy": "fsdp", "fsdp": run["train"]["fsdp"]}

@@ -64,6 +64,10 @@ def load_source(data_cfg: dict, seed: int) -> RawSource:
         from .own_data import load_npz
 
         return load_npz(data_cfg)
+    if ":" in source:
+        from .own_data import load_plugin
+
+        return load_plugin(data_cfg)
     known = ", ".join(["digits", "synthetic", *TORCHVISION_SOURCES, "image_folder", "npz"])
     raise DataError(f"data.source: unknown source {source!r}; use one of {known}")
 
