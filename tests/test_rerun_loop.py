@@ -118,9 +118,12 @@ def test_hyperparameter_edit_retrains_from_scratch_and_names_the_change(trained)
     assert "train.optimizer.lr=0.02" in reason and "train.optimizer.lr=0.05" in reason
     assert len(reason) < 300, f"the rerun reason is not one short line: {reason}"
 
-    _ok(snakemake(trained, configfile))
+    output = _ok(snakemake(trained, configfile))
     rule_log = (trained / "logs/train/cnn.log").read_text()
     assert "train.optimizer.lr 0.05 -> 0.02: training from scratch" in rule_log, rule_log
+    # the retrained run's epochs are shown live (the finished training's lines were taken
+    # for this one's once, and none of its epochs was printed)
+    assert "run 'cnn' epoch 1/2" in output and "run 'cnn' epoch 2/2" in output, output[-2000:]
     assert "RESUMED" not in _newest_rank0_log(trained, "train")
     assert [r["epoch"] for r in _train_records(trained)] == [1, 2]
     set_aside = list((trained / "results/work/cnn").glob("checkpoints.old-*/ckpt-*.pt"))

@@ -100,15 +100,19 @@ def _checkpoint(work, step: int) -> None:
 def test_interrupted_attempt_of_the_same_config_resumes(run, tmp_path):
     assert workspace.prepare(run, tmp_path) == "fresh"
     _checkpoint(tmp_path, 10)
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 1}\n')
     assert workspace.prepare(run, tmp_path).startswith("resume")
     assert workspace.candidates(workspace.checkpoint_dir(tmp_path))
+    assert (tmp_path / "metrics.jsonl").exists()  # the resumed training's own
 
 
 def test_edited_config_sets_old_checkpoints_aside(run, tmp_path):
     workspace.prepare(run, tmp_path)
     _checkpoint(tmp_path, 10)
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 1}\n')
     decision = workspace.prepare(_edited(run, "train.optimizer.lr", 0.02), tmp_path)
     assert decision == "retrain: train.optimizer.lr 0.05 -> 0.02"
+    assert not (tmp_path / "metrics.jsonl").exists()  # another training's epoch lines
     assert not workspace.candidates(workspace.checkpoint_dir(tmp_path))
     (aside,) = tmp_path.glob("checkpoints.old-*")
     assert (aside / "ckpt-000000010.pt").exists()

@@ -98,6 +98,9 @@ def prepare(run: dict, work: str | Path) -> str:
         decision = "fresh"
     if decision.startswith("retrain"):
         log.info("run %r: %s: training from scratch", run["name"], decision[len("retrain: ") :])
+        # the epoch lines of the training not continued: the live progress would take them
+        # for this one's and print none of its first epochs
+        (work / paths.LIVE_METRICS).unlink(missing_ok=True)
         if finished is not None and not changes:
             shutil.rmtree(ckpts, ignore_errors=True)
         else:
