@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,15 @@ def workdir(tmp_path: Path) -> Path:
     directory = tmp_path / "work"
     directory.mkdir()
     return directory
+
+
+@pytest.fixture
+def in_workdir(tmp_path: Path, monkeypatch):
+    """A user's working directory as the current one (where plug-in modules are imported
+    from); the modules a test imports from it are forgotten afterwards (each writes its own)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - before:
+        sys.modules.pop(name, None)

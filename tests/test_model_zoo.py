@@ -7,7 +7,6 @@ import hashlib
 import json
 import re
 import shutil
-import sys
 
 import pytest
 import torch
@@ -18,18 +17,6 @@ from torch import nn
 from workflow_helpers import REPO, make_run, snakemake, write_config
 
 DIGITS = [1, 8, 8]  # the default data's staged shape
-
-
-@pytest.fixture
-def in_workdir(tmp_path, monkeypatch):
-    """A fresh working directory, as a user's; the plug-in modules it imports are forgotten
-    afterwards (each test writes its own)."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    before = set(sys.modules)
-    yield tmp_path
-    for name in set(sys.modules) - before:
-        sys.modules.pop(name, None)
 
 
 def test_a_torchvision_model_by_name_takes_the_datas_channels():

@@ -190,19 +190,6 @@ def test_the_workflow_trains_on_an_image_folder_and_restages_on_a_new_image(work
 # -- a plug-in source: "module:function" from the working directory -------------------------
 
 
-@pytest.fixture
-def in_workdir(tmp_path, monkeypatch):
-    """A user's working directory; the plug-in modules it imports are forgotten afterwards."""
-    import sys
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    before = set(sys.modules)
-    yield tmp_path
-    for name in set(sys.modules) - before:
-        sys.modules.pop(name, None)
-
-
 def _plugin_data(spec: str, **over) -> dict:
     return ddpconfig.load(None, {"data": {"source": spec, **over}})["data"]
 

@@ -260,13 +260,20 @@ def is_own_data(source: str) -> bool:
     return source in ("image_folder", "npz") or ":" in source
 
 
+def data_keys(data: dict) -> dict:
+    """The data keys that apply to the source (the built-in sources ignore OWN_DATA_KEYS)."""
+    if is_own_data(data["source"]):
+        return dict(data)
+    return {k: v for k, v in data.items() if k not in OWN_DATA_KEYS}
+
+
 def data_settings(data: dict) -> dict:
-    """The data keys that determine the staged dataset, plus, for your own data, the content
-    of its files (name, size, modification time of each: adding, removing or replacing an
-    image restages it, without reading every image at each parse)."""
+    """data_keys, plus, for your own data, the content of its files (name, size, modification
+    time of each: adding, removing or replacing an image restages it, without reading every
+    image at each parse) or the plug-in's code."""
+    settings = data_keys(data)
     if not is_own_data(data["source"]):
-        return {k: v for k, v in data.items() if k not in OWN_DATA_KEYS}
-    settings = dict(data)
+        return settings
     if ":" in data["source"]:  # a plug-in: its code is what it reads
         settings["plugin_sha256"] = plugin_source_hash(data["source"])
     else:
@@ -333,8 +340,8 @@ def training_fingerprint(run: dict) -> dict[str, Any]:
     gpu = bool(run["machine"]["gpus_per_node"])
     ignored = VOLATILE_TRAIN_KEYS if gpu else VOLATILE_TRAIN_KEYS + GPU_ONLY_TRAIN_KEYS
     train = {k: v for k, v in run["train"].items() if k not in ignored}
-    data = {k: v for k, v in data_settings(run["data"]).items() if k != "files"}
-    flat = flatten({"data": data, "model": model_settings(run["model"]), "train": train})
+    flat = flatten({"data": data_keys(run["data"]), "model": model_settings(run["model"]),
+                    "train": train})  # fmt: skip
     if is_own_data(run["data"]["source"]):  # the files' or the plug-in's content too
         flat["dataset_id"] = run["dataset_id"]
     if run["train"]["strategy"] == "fsdp" and run["world_size"] > 1:

@@ -220,18 +220,12 @@ def _npz_images(arrays, key: str, path: Path) -> np.ndarray:
 
 def _npz_labels(arrays, key: str, path: Path, n: int) -> np.ndarray:
     y = arrays[key]
-    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
-        raise DataError(
-            f"data.path {path}: {key} must be a 1-D integer array, got {y.dtype} {list(y.shape)}"
-        )
+    if y.ndim != 1:
+        raise DataError(f"data.path {path}: {key} must be 1-D, got shape {list(y.shape)}")
     if len(y) != n:
         images = key.replace("labels", "images")
         raise DataError(f"data.path {path}: {key} has {len(y)} entries but {images} has {n}")
-    if len(y) and y.min() < 0:
-        raise DataError(
-            f"data.path {path}: {key} holds negative labels ({int(y.min())}); labels are 0..K-1"
-        )
-    return y.astype(np.int64)
+    return _labels(y, f"data.path {path}: {key}")
 
 
 def load_plugin(cfg: dict) -> RawSource:
