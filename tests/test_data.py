@@ -71,7 +71,7 @@ def test_digits_round_trip(digits_dir):
     assert sum(manifest["sizes"].values()) == 1797
     assert manifest["sizes"]["test"] == round(0.2 * 1797)
     assert set(manifest["files"]) == {
-        f"{s}_{k}.npy" for s in ddata.SPLITS for k in ("images", "labels")
+        f"{s}_{k}.npy" for s in ddata.SPLITS for k in ("images-00000", "labels")
     }
     images, labels, _ = load_split(digits_dir, "train")
     assert images.dtype == torch.uint8 and labels.dtype == torch.int64
@@ -137,7 +137,8 @@ def test_deterministic_bytes(tmp_path):
     assert (tmp_path / "a/manifest.json").read_bytes() == (
         tmp_path / "b/manifest.json"
     ).read_bytes()
-    assert a["files"]["train_images.npy"]["sha256"] != c["files"]["train_images.npy"]["sha256"]
+    train = "train_images-00000.npy"
+    assert a["files"][train]["sha256"] != c["files"][train]["sha256"]
 
 
 def test_max_train_samples_caps_train_only(tmp_path):
@@ -145,7 +146,7 @@ def test_max_train_samples_caps_train_only(tmp_path):
     capped = stage_dataset(make_cfg("digits", tmp_path, max_train_samples=100), tmp_path / "cap", 0)
     assert capped["sizes"]["train"] == 100
     assert np.all(np.array(capped["class_counts"]["train"]) >= 9)  # stratified: 10 per class
-    for name in ("val_images.npy", "test_images.npy"):
+    for name in ("val_images-00000.npy", "test_images-00000.npy"):
         assert capped["files"][name] == full["files"][name]
     train, _ = load_split(tmp_path / "full", "train")[:2]
     assert row_set(load_split(tmp_path / "cap", "train")[0]) <= row_set(train)
@@ -198,8 +199,8 @@ def flip_byte(path, offset: int = -1) -> None:
 
 def test_corrupted_staged_file_detected(tmp_path):
     stage_dataset(make_cfg("synthetic", tmp_path), tmp_path / "s", seed=0)
-    flip_byte(tmp_path / "s" / "val_images.npy")
-    with pytest.raises(DataError, match="val_images.npy: sha256 mismatch"):
+    flip_byte(tmp_path / "s" / "val_images-00000.npy")
+    with pytest.raises(DataError, match="val_images-00000.npy: sha256 mismatch"):
         load_split(tmp_path / "s", "val")
     with pytest.raises(DataError, match="sha256 mismatch"):
         verify_staged(tmp_path / "s")
@@ -231,9 +232,9 @@ def test_load_errors(tmp_path):
     manifest_path.write_text(json.dumps({**manifest, "format_version": 99}))
     with pytest.raises(DataError, match="format_version 99"):
         load_split(tmp_path / "s", "train")
-    (tmp_path / "s" / "train_images.npy").unlink()
+    (tmp_path / "s" / "train_images-00000.npy").unlink()
     manifest_path.write_text(json.dumps(manifest))
-    with pytest.raises(DataError, match="train_images.npy is missing"):
+    with pytest.raises(DataError, match="train_images-00000.npy is missing"):
         verify_staged(tmp_path / "s")
 
 
@@ -272,3 +273,58 @@ def test_restage_replaces_cleanly(tmp_path):
     assert verify_staged(tmp_path / "s") == new and new["seed"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
     assert not (tmp_path / "s" / "stale.txt").exists()
+
+
+def test_small_shards_hold_the_same_data_and_are_checked_one_by_one(tmp_path):
+    """A dataset over many shards reads back exactly like one shard, by whole split, by
+    contiguous range across shard boundaries and by gathered indices (a training batch);
+    a corrupt shard is named, the others stay readable."""
+    cfg = make_cfg("digits", tmp_path)
+    whole = stage_dataset(cfg, tmp_path / "one", seed=0)
+    sharded = stage_dataset(cfg, tmp_path / "many", seed=0, shard_bytes=64 * 100)  # 100 images
+    assert len(whole["shards"]["train"]) == 1
+    assert [s["count"] for s in sharded["shards"]["train"]] == [100] * 12 + [94]
+    for key in ("sizes", "class_counts", "mean", "std"):
+        assert sharded[key] == whole[key]
+    expected = load_split(tmp_path / "one", "train")[0].numpy()
+    assert np.array_equal(load_split(tmp_path / "many", "train")[0].numpy(), expected)
+    images, labels, _ = ddata.open_split(tmp_path / "many", "train")
+    assert images.shape == expected.shape and labels.dtype == np.int64
+    assert np.array_equal(images.read(95, 310), expected[95:310])  # spans three shards
+    order = np.random.default_rng(0).permutation(len(expected))[:300]
+    assert np.array_equal(images.gather(order), expected[order])
+    images.close()
+    flip_byte(tmp_path / "many" / "train_images-00007.npy")
+    with pytest.raises(DataError, match="train_images-00007.npy: sha256 mismatch"):
+        verify_staged(tmp_path / "many")
+    load_split(tmp_path / "many", "val")
+
+
+def test_a_hand_edited_manifest_is_caught_by_the_shard_header(tmp_path):
+    stage_dataset(make_cfg("digits", tmp_path), tmp_path / "s", seed=0, shard_bytes=64 * 500)
+    path = tmp_path / "s" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["shards"]["train"][0]["count"] = 499  # sizes and sums still match the files
+    manifest["shards"]["train"][1]["count"] = 501
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"train_images-00000.npy holds uint8\[500, 1, 8, 8\]"):
+        load_split(tmp_path / "s", "train", verify=False)
+
+
+def test_format_1_staged_data_is_still_read(tmp_path):
+    """A directory staged by an earlier ddpflow (one images file per split) trains as it is:
+    upgrading does not restage or retrain."""
+    stage_dataset(make_cfg("digits", tmp_path), tmp_path / "s", seed=0)
+    staged = tmp_path / "s"
+    manifest = json.loads((staged / "manifest.json").read_text())
+    for split in ddata.SPLITS:
+        os.rename(staged / f"{split}_images-00000.npy", staged / f"{split}_images.npy")
+        manifest["files"][f"{split}_images.npy"] = manifest["files"].pop(
+            f"{split}_images-00000.npy"
+        )
+    del manifest["shards"]
+    manifest["format_version"] = 1
+    (staged / "manifest.json").write_text(json.dumps(manifest))
+    assert verify_staged(staged)["format_version"] == 1
+    assert load_split(staged, "test")[0].shape == (359, 1, 8, 8)
+

@@ -71,6 +71,16 @@ def torch_tensor(values):
     return torch.tensor(values)
 
 
+def test_an_image_folder_staged_in_threads_gives_the_same_bytes(tmp_path):
+    """Staging decodes a shard at a time, in threads (the stage rule's): the thread count
+    changes nothing in the staged bytes."""
+    root = make_folder(tmp_path / "images", per_class=(30, 10))
+    one = stage_dataset(_data(root=str(root)), tmp_path / "one", 0, threads=1, shard_bytes=768 * 7)
+    two = stage_dataset(_data(root=str(root)), tmp_path / "two", 0, threads=2, shard_bytes=768 * 7)
+    assert one["files"] == two["files"] and len(one["shards"]["train"]) == 12
+    assert one["sizes"] == {"train": 81, "val": 9, "test": 30}
+
+
 def test_grayscale_conversion(tmp_path):
     root = make_folder(tmp_path / "images", per_class=(6, 0))
     manifest = stage_dataset(_data(root=str(root), channels=1), tmp_path / "staged", seed=0)

@@ -5,8 +5,8 @@ read into the same uint8 NCHW arrays as the built-in sources, then staged as the
     data: {source: npz, path: my_arrays.npz}
 
 Every problem is a DataError naming the file or key and the fix, raised while staging, before
-any training job is submitted. The whole dataset is held in memory while it is staged and
-trained on (sharded, streamed staging is not built yet).
+any training job is submitted. An image folder is decoded a shard at a time while it is
+staged (memory bounded whatever its size); npz and plug-in data are held whole while staged.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ SHOWN = 5  # file names listed in a message before "and N more"
 
 def load_image_folder(cfg: dict) -> RawSource:
     """root/train/<class>/<image> (and root/test/<class>/<image> if present): classes sorted by
-    name, as ImageFolder does; images converted to cfg["channels"], resized so that the shorter
-    side fits image_size, then centre-cropped to it."""
+    name, as ImageFolder does. Only the listing is read here; the images are decoded while
+    they are staged, a shard at a time (ImageFiles.read): converted to cfg["channels"],
+    resized so that the shorter side fits image_size, then centre-cropped to it."""
     from PIL import Image
 
     root = Path(cfg["root"])
@@ -42,8 +43,8 @@ def load_image_folder(cfg: dict) -> RawSource:
         )
     extensions = {ext.lower() for ext in Image.registered_extensions()}
     classes = _classes(train_dir)
-    notes = {"skipped_corrupt": [], "ignored_files": 0}
-    train_x, train_y = _read_split(train_dir, classes, cfg, extensions, notes)
+    notes = {"skipped_corrupt": [], "ignored_files": 0, "too_small": []}
+    train_files, train_y = _list_split(train_dir, classes, extensions, notes)
     test_x = test_y = None
     test_dir = root / "test"
     if test_dir.is_dir():
@@ -56,16 +57,11 @@ def load_image_folder(cfg: dict) -> RawSource:
                 f"in train: {only_train or 'none'}; only in test: "
                 f"{only_test or 'none'}); give both the same class folders"
             )
-        test_x, test_y = _read_split(test_dir, classes, cfg, extensions, notes)
+        test_files, test_y = _list_split(test_dir, classes, extensions, notes)
+        test_x = ImageFiles(test_files, cfg, notes)
     if notes["ignored_files"]:
         log.info("image_folder: %d files that are not images were ignored", notes["ignored_files"])
-    if notes["skipped_corrupt"]:
-        log.warning(
-            "image_folder: %d corrupt images skipped (data.on_corrupt: skip): %s",
-            len(notes["skipped_corrupt"]),
-            _names(notes["skipped_corrupt"]),
-        )
-    return RawSource(train_x, train_y, test_x, test_y, classes, notes)
+    return RawSource(ImageFiles(train_files, cfg, notes), train_y, test_x, test_y, classes, notes)
 
 
 def _classes(split_dir: Path) -> list[str]:
@@ -79,55 +75,94 @@ def _classes(split_dir: Path) -> list[str]:
     return classes
 
 
-def _read_split(split_dir, classes, cfg, extensions, notes):
-    from PIL import Image, UnidentifiedImageError
-
-    height, width = cfg["image_size"]
-    mode = "L" if cfg["channels"] == 1 else "RGB"
-    images, labels, small = [], [], []
+def _list_split(split_dir, classes, extensions, notes) -> tuple[list[Path], np.ndarray]:
+    files, labels = [], []
     for label, name in enumerate(classes):
-        files = sorted(p for p in (split_dir / name).rglob("*") if p.is_file())
         found = 0
-        for path in files:
+        for path in sorted(p for p in (split_dir / name).rglob("*") if p.is_file()):
             if path.name.startswith(".") or path.suffix.lower() not in extensions:
                 notes["ignored_files"] += 1
                 continue
-            try:
-                with Image.open(path) as image:
-                    image.load()
-                    if image.height < height or image.width < width:
-                        small.append(f"{path} ({image.width}x{image.height})")
-                        continue
-                    pixels = _fit(
-                        image.convert("RGBA" if image.mode == "P" else image.mode).convert(mode),
-                        height,
-                        width,
-                    )
-            except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
-                if cfg["on_corrupt"] == "error":
-                    raise DataError(
-                        f"{path}: not a readable image ({err}); replace or delete "
-                        f"it, or set data.on_corrupt: skip to skip such files "
-                        f"(they are counted in the manifest)"
-                    ) from err
-                notes["skipped_corrupt"].append(str(path))
-                continue
-            images.append(pixels)
+            files.append(path)
             labels.append(label)
             found += 1
         if not found:
             raise DataError(
                 f"{split_dir / name}: class {name!r} has no images; add some or remove the folder"
             )
-    if small:
-        raise DataError(
-            f"{len(small)} image(s) smaller than data.image_size "
-            f"[{height}, {width}] (width x height shown): {_names(small)}; lower "
-            f"data.image_size or remove them (images are never upscaled)"
-        )
-    x = np.stack(images)
-    x = x[:, None] if x.ndim == 3 else x.transpose(0, 3, 1, 2)
-    return np.ascontiguousarray(x), np.asarray(labels, dtype=np.int64)
+    return files, np.asarray(labels, dtype=np.int64)
+
+
+class ImageFiles:
+    """The image files of one split, decoded on demand (staging reads a shard at a time, in
+    threads: Pillow releases the GIL while it decodes and resizes)."""
+
+    def __init__(self, files: list[Path], cfg: dict, notes: dict):
+        self.files, self.cfg, self.notes = files, cfg, notes
+        self.height, self.width = cfg["image_size"]
+        self.mode = "L" if cfg["channels"] == 1 else "RGB"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.files), self.cfg["channels"], self.height, self.width)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def read(self, indices, pool=None) -> tuple[np.ndarray, np.ndarray]:
+        """(uint8 [k, C, H, W] of the images that decoded, mask of those over indices)."""
+        paths = [self.files[i] for i in np.asarray(indices).tolist()]
+        results = list(pool.map(self._decode, paths) if pool else map(self._decode, paths))
+        keep = np.array([isinstance(r, np.ndarray) for r in results], dtype=bool)
+        for path, result in zip(paths, results, strict=True):
+            if isinstance(result, np.ndarray):
+                continue
+            kind, detail = result
+            if kind == "small":
+                self.notes["too_small"].append(f"{path} ({detail})")
+            elif self.cfg["on_corrupt"] == "error":
+                raise DataError(
+                    f"{path}: not a readable image ({detail}); replace or delete "
+                    f"it, or set data.on_corrupt: skip to skip such files "
+                    f"(they are counted in the manifest)"
+                )
+            else:
+                self.notes["skipped_corrupt"].append(str(path))
+        pixels = [r for r in results if isinstance(r, np.ndarray)]
+        if not pixels:
+            return np.zeros((0, *self.shape[1:]), np.uint8), keep
+        x = np.stack(pixels)
+        x = x[:, None] if x.ndim == 3 else x.transpose(0, 3, 1, 2)
+        return np.ascontiguousarray(x), keep
+
+    def _decode(self, path: Path):
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(path) as image:
+                image.load()
+                if image.height < self.height or image.width < self.width:
+                    return ("small", f"{image.width}x{image.height}")
+                converted = image.convert("RGBA" if image.mode == "P" else image.mode)
+                return _fit(converted.convert(self.mode), self.height, self.width)
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+            return ("corrupt", err)
+
+    def finish(self) -> None:
+        """After every split was read: what could only be told then."""
+        small, skipped = self.notes["too_small"], self.notes["skipped_corrupt"]
+        if small:
+            raise DataError(
+                f"{len(small)} image(s) smaller than data.image_size "
+                f"[{self.height}, {self.width}] (width x height shown): {_names(small)}; lower "
+                f"data.image_size or remove them (images are never upscaled)"
+            )
+        if skipped:
+            log.warning(
+                "image_folder: %d corrupt images skipped (data.on_corrupt: skip): %s",
+                len(skipped),
+                _names(skipped),
+            )
 
 
 def _fit(image, height: int, width: int) -> np.ndarray:
