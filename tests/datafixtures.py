@@ -26,6 +26,7 @@ import struct
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 CIFAR10_NAMES = [
     "airplane",
@@ -124,3 +125,29 @@ def trust_cifar_fixture(monkeypatch, kind: str, md5s: dict[str, str]) -> None:
     monkeypatch.setattr(cls, "train_list", [[n, md5s[n]] for n, _ in cls.train_list])
     monkeypatch.setattr(cls, "test_list", [[n, md5s[n]] for n, _ in cls.test_list])
     monkeypatch.setattr(cls, "meta", {**cls.meta, "md5": md5s[cls.meta["filename"]]})
+
+
+COLOURS = {"blue": (20, 40, 220), "green": (30, 200, 40), "red": (220, 30, 30)}
+
+
+def image_of(colour, rng, size=(40, 30)) -> Image.Image:
+    """A noisy image of one dominant colour (learnable: the class is the colour)."""
+    base = np.array(colour, dtype=np.int16)
+    noise = rng.integers(-40, 40, size=(size[1], size[0], 3))
+    return Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8))
+
+
+def make_folder(root, per_class=(20, 6), rng_seed=0):
+    """root/train/<colour>/*.png|jpg (and root/test/...), in every mode Pillow converts."""
+    rng = np.random.default_rng(rng_seed)
+    modes = ["RGB", "P", "RGBA", "RGB"]
+    for split, count in zip(("train", "test"), per_class, strict=True):
+        for name, colour in COLOURS.items() if count else ():  # 0: no test/ folder
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                image = image_of(colour, rng, size=(40 + i % 3 * 8, 30 + i % 2 * 10))
+                mode = modes[i % len(modes)]
+                ext = "jpg" if mode == "RGB" and i % 2 else "png"
+                image.convert(mode).save(folder / f"{i:03d}.{ext}")
+    return root

@@ -327,4 +327,3 @@ def test_format_1_staged_data_is_still_read(tmp_path):
     (staged / "manifest.json").write_text(json.dumps(manifest))
     assert verify_staged(staged)["format_version"] == 1
     assert load_split(staged, "test")[0].shape == (359, 1, 8, 8)
-

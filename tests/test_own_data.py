@@ -9,36 +9,11 @@ import shutil
 
 import numpy as np
 import pytest
+from datafixtures import image_of, make_folder
 from ddpflow import config as ddpconfig
 from ddpflow.data import load_split, stage_dataset
 from ddpflow.sources import DataError
-from PIL import Image
 from workflow_helpers import REPO, jobs_planned, snakemake, write_config
-
-COLOURS = {"blue": (20, 40, 220), "green": (30, 200, 40), "red": (220, 30, 30)}
-
-
-def _image(colour, rng, size=(40, 30)) -> Image.Image:
-    """A noisy image of one dominant colour (learnable: the class is the colour)."""
-    base = np.array(colour, dtype=np.int16)
-    noise = rng.integers(-40, 40, size=(size[1], size[0], 3))
-    return Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8))
-
-
-def make_folder(root, per_class=(20, 6), rng_seed=0):
-    """root/train/<colour>/*.png|jpg (and root/test/...), in every mode Pillow converts."""
-    rng = np.random.default_rng(rng_seed)
-    modes = ["RGB", "P", "RGBA", "RGB"]
-    for split, count in zip(("train", "test"), per_class, strict=True):
-        for name, colour in COLOURS.items() if count else ():  # 0: no test/ folder
-            folder = root / split / name
-            folder.mkdir(parents=True, exist_ok=True)
-            for i in range(count):
-                image = _image(colour, rng, size=(40 + i % 3 * 8, 30 + i % 2 * 10))
-                mode = modes[i % len(modes)]
-                ext = "jpg" if mode == "RGB" and i % 2 else "png"
-                image.convert(mode).save(folder / f"{i:03d}.{ext}")
-    return root
 
 
 def _data(**over) -> dict:
@@ -106,9 +81,9 @@ def test_bad_image_folders_name_the_file(tmp_path, damage, expected):
         (root / "train/violet/readme.md").write_text("todo")
     elif damage == "test_classes":
         (root / "test/violet").mkdir()
-        _image((120, 0, 200), np.random.default_rng(0)).save(root / "test/violet/a.png")
+        image_of((120, 0, 200), np.random.default_rng(0)).save(root / "test/violet/a.png")
     elif damage == "small":
-        _image((0, 0, 0), np.random.default_rng(0), size=(8, 8)).save(root / "train/red/tiny.png")
+        image_of((0, 0, 0), np.random.default_rng(0), size=(8, 8)).save(root / "train/red/tiny.png")
     elif damage == "no_train":
         (root / "train").rename(root / "training")
     with pytest.raises(DataError, match=expected):
@@ -168,7 +143,7 @@ def test_the_dataset_id_follows_the_files_not_only_the_config(tmp_path):
     data = _data(root=str(root))
     before = ddpconfig.dataset_id(data)
     assert before == ddpconfig.dataset_id(data)  # stable
-    _image((220, 30, 30), np.random.default_rng(1)).save(root / "train/red/new.png")
+    image_of((220, 30, 30), np.random.default_rng(1)).save(root / "train/red/new.png")
     assert ddpconfig.dataset_id(data) != before
     # the built-in sources keep their ids (the new keys are not part of them)
     digits = ddpconfig.load(None, {})["data"]
@@ -193,7 +168,7 @@ def test_the_workflow_trains_on_an_image_folder_and_restages_on_a_new_image(work
     report = (workdir / "results/report/report.md").read_text()
     assert "folder (train 108, val 12, test 30); 0 corrupt image(s) skipped" in report
     assert jobs_planned(workdir, configfile) == set()
-    _image((30, 200, 40), np.random.default_rng(7)).save(root / "train/green/extra.png")
+    image_of((30, 200, 40), np.random.default_rng(7)).save(root / "train/green/extra.png")
     assert {"stage", "train", "evaluate", "report"} <= jobs_planned(workdir, configfile)
 
 

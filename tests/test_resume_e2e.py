@@ -114,10 +114,10 @@ def test_killed_rank_then_rerun_gives_identical_result(uninterrupted, workdir):
     print(f"kill -9 of rank 1 -> rule failed {detection_s:.1f}s after start; log: {log[-200:]}")
 
 
-def _killed_then_rerun(workdir, strategy: str, check_first=None) -> None:
+def _killed_then_rerun(workdir, strategy: str, check_first=None, data=None) -> None:
     """The default CNN under a strategy: rank 1 killed mid-epoch (SIGKILL), the same command
     rerun; it must resume (rank 0 says so, naming the strategy) and finish."""
-    config = {**CONFIG, "train": {**CONFIG["train"], "strategy": strategy}}
+    config = {**CONFIG, "train": {**CONFIG["train"], "strategy": strategy}, "data": data or {}}
     configfile = write_config(workdir / "config.yaml", config)
     fault = {"DDPFLOW_FAULT": "kill:1:2:7", "DDPFLOW_FAULT_ONCE": str(workdir / "fired")}
     first = snakemake(workdir, configfile, env=fault)
@@ -149,6 +149,19 @@ def test_zero_killed_rank_then_rerun_trains_what_ddp_trains(uninterrupted, workd
     """train.strategy: zero (optimizer state sharded, consolidated into each checkpoint):
     after a kill and a rerun, bitwise the uninterrupted ddp run's weights and metrics."""
     _killed_then_rerun(workdir, "zero")
+    _assert_same_training(uninterrupted, workdir)
+
+
+def test_streamed_data_killed_rank_then_rerun_trains_what_in_memory_data_trains(
+    uninterrupted, workdir
+):
+    """data.loading.in_memory: false (batches read from the shards by 2 DataLoader workers
+    per rank): killed mid-epoch and rerun, bitwise the uninterrupted in-memory run."""
+    _killed_then_rerun(workdir, "ddp", data={"loading": {"in_memory": False, "workers": 2}})
+    rank0 = "".join(
+        p.read_text() for p in (workdir / "logs/submitit/cnn/train").glob("*_0_log.err")
+    )
+    assert rank0.count("streamed from") == 2, rank0[-2000:]  # both attempts streamed
     _assert_same_training(uninterrupted, workdir)
 
 

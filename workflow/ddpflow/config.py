@@ -260,11 +260,16 @@ def is_own_data(source: str) -> bool:
     return source in ("image_folder", "npz") or ":" in source
 
 
+# data keys that say how data is staged or read, not what it is: no staged byte and no
+# trained weight depends on them (tests/test_streaming.py), so editing them redoes nothing
+DATA_RUNTIME_KEYS = ("stage_threads", "loading")
+
+
 def data_keys(data: dict) -> dict:
-    """The data keys that apply to the source (the built-in sources ignore OWN_DATA_KEYS)."""
-    if is_own_data(data["source"]):
-        return dict(data)
-    return {k: v for k, v in data.items() if k not in OWN_DATA_KEYS}
+    """The data keys that define the staged data: those that apply to the source (the
+    built-in sources ignore OWN_DATA_KEYS), without DATA_RUNTIME_KEYS."""
+    skip = DATA_RUNTIME_KEYS if is_own_data(data["source"]) else DATA_RUNTIME_KEYS + OWN_DATA_KEYS
+    return {k: v for k, v in data.items() if k not in skip}
 
 
 def data_settings(data: dict) -> dict:

@@ -43,12 +43,14 @@ def shard_counts(
     DDP's forward broadcasts buffers, a collective that would hang on unequal shard sizes.
     forwards: at least this many forward passes (an FSDP model's forward is a collective:
     every rank must run as many as the others; the extra ones score nothing)."""
+    from .feed import rows  # in memory or streamed from the shards
+
     model.eval()
     counts = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=images.device)
     loss = torch.zeros((), dtype=torch.float64, device=images.device)
     done = 0
     for start in range(0, images.shape[0], batch_size):
-        x = normalize(images[start : start + batch_size], *norm)
+        x = normalize(rows(images, start, start + batch_size), *norm)
         y = labels[start : start + batch_size]
         with autocast() if autocast else contextlib.nullcontext():
             logits = model(x)

@@ -20,16 +20,17 @@ from .rankstats import stragglers
 log = logging.getLogger(__name__)
 
 
-def stage_data(data_cfg: dict, out_dir: str) -> dict:
+def stage_data(data_cfg: dict, out_dir: str, threads: int = 1) -> dict:
     start = time.perf_counter()
-    manifest = data.stage_dataset(data_cfg, out_dir, seed=data_cfg["seed"])
+    manifest = data.stage_dataset(data_cfg, out_dir, seed=data_cfg["seed"], threads=threads)
+    seconds = time.perf_counter() - start
+    images = sum(manifest["sizes"].values())
+    shards = sum(len(s) for s in manifest["shards"].values())
     log.info(
-        "staged %s into %s in %.1fs: %s",
-        data_cfg["source"],
-        out_dir,
-        time.perf_counter() - start,
-        manifest["sizes"],
-    )
+        "staged %s into %s in %.1fs (%d images, %.0f images/s, %d thread(s), %d shard(s)): %s",
+        data_cfg["source"], out_dir, seconds, images, images / max(seconds, 1e-9), threads,
+        shards, manifest["sizes"],
+    )  # fmt: skip
     return manifest
 
 

@@ -19,10 +19,10 @@ import submitit
 import torch
 import torch.distributed as dist
 
-from . import distenv, evaluate, monitor, runtime
+from . import distenv, evaluate, feed, monitor, runtime
 from .checkpoint import Checkpointer, Preempted, hand_over_to_requeue, stop_on_signal
 from .config import config_hash, evaluation_fingerprint, plugin_source, plugin_source_hash
-from .data import load_split
+from .data import DataError, open_split
 from .jobs import published
 from .loop import Loop, fit, sync_buffers
 from .models import build_model, count_parameters, place
@@ -65,11 +65,49 @@ def gather_hosts(env) -> list[str]:
     return hosts
 
 
-def load_data(staged: str, device, splits=("train", "val")) -> dict:
-    data: dict = {}
-    for split in dict.fromkeys(splits):  # each once (eval.split may be val)
-        images, labels, manifest = load_split(staged, split)
-        data[f"{split}_x"], data[f"{split}_y"] = images.to(device), labels.to(device)
+def load_data(run: dict, staged: str, env, device, splits=("train", "val")) -> dict:
+    """The splits this job uses, in memory or streamed (data.loading; feed.py), each checked
+    against the manifest first (sha256 of every file: bad data fails before the work).
+    data.loading.node_local_dir: read from a per-node copy (one rank per node copies it)."""
+    loading = run["data"]["loading"]
+    verify = env.local_rank == 0  # one rank per node hashes the files, the others check sizes
+    if loading["node_local_dir"]:  # the copy was verified as it was made or reused
+        staged, verify = feed.node_local_copy(staged, loading["node_local_dir"], env), False
+    opened, failed = {}, None
+    try:
+        for split in dict.fromkeys(splits):  # each once (eval.split may be val)
+            opened[split] = open_split(staged, split, verify)
+    except DataError as exc:
+        log.error("rank %d on %s: %s", env.rank, socket.gethostname(), exc)
+        failed = exc
+    if distenv.any_rank(env.world_size, failed is not None):  # no rank trains on bad data
+        raise failed or DataError(
+            f"the staged data {staged} failed its check on another rank (its log names the "
+            "file); delete it and restage"
+        )
+    manifest = next(iter(opened.values()))[2]
+    nbytes = sum(images.nbytes for images, _, _ in opened.values())
+    in_memory, why = feed.choose_in_memory(run, nbytes)
+    data: dict = {"in_memory": in_memory}
+    for split, (images, labels, _) in opened.items():
+        if in_memory:
+            data[f"{split}_x"] = torch.from_numpy(images.load()).to(device)
+            images.close()
+        else:
+            data[f"{split}_x"] = feed.StreamedImages(images, device)
+        data[f"{split}_y"] = torch.from_numpy(labels).to(device)
+    if in_memory:
+        data["feed"] = feed.MemoryFeed(data["train_x"]) if "train" in opened else None
+    else:
+        data["feed"] = feed.StreamFeed(
+            opened["train"][0], device, loading["workers"], loading["prefetch"]
+        ) if "train" in opened else None  # fmt: skip
+    if env.is_master:
+        how = "in memory" if in_memory else (
+            f"streamed from {staged} ({loading['workers']} DataLoader workers per rank, "
+            f"{loading['prefetch']} batches ahead each)"
+        )  # fmt: skip
+        log.info("data %s: %s (%s)", "+".join(opened), how, why)
     shape = [1, len(manifest["mean"]), 1, 1]
     data["norm"] = (
         torch.tensor(manifest["mean"], device=device).view(shape),
@@ -77,6 +115,7 @@ def load_data(staged: str, device, splits=("train", "val")) -> dict:
     )
     data["num_classes"], data["shape"] = manifest["num_classes"], manifest["shape"]
     data["manifest"] = manifest
+    data["device"] = device
     return data
 
 
@@ -117,8 +156,20 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         # the evaluation split too when this job evaluates at the end: loaded (and verified)
         # now, so that bad data fails before the training, not after it
         data = load_data(
-            paths.staged, device, ("train", "val", split) if in_train else ("train", "val")
-        )
+            run, paths.staged, env, device,
+            ("train", "val", split) if in_train else ("train", "val"),
+        )  # fmt: skip
+        augment = run["train"]["augment"]
+        if (
+            env.is_master
+            and augment["enabled"]
+            and augment["crop_padding"] * 4 > min(data["shape"][1:])
+        ):
+            log.warning(
+                "train.augment.crop_padding %d on %s images: a random crop can cut away up to "
+                "half of an image; lower it (the CIFAR recipe pads 32x32 images by 4)",
+                augment["crop_padding"], "x".join(map(str, data["shape"][1:])),
+            )  # fmt: skip
         torch.manual_seed(run["train"]["seed"])  # same init everywhere (DDP also broadcasts)
         model = build_model(run["model"], data["shape"], data["num_classes"])
         sharded = run["train"]["strategy"] == "fsdp" and env.world_size > 1
@@ -232,8 +283,9 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             "wall_seconds": time.perf_counter() - start,
             "samples_per_s": samples / train_seconds if train_seconds else 0.0,
             "phase_seconds": phases,
-            "device": str(data["train_x"].device),
-            "device_name": runtime.device_name(data["train_x"].device),
+            "device": str(data["device"]),
+            "device_name": runtime.device_name(data["device"]),
+            "data_in_memory": data["in_memory"],
             "parameters": count_parameters(model),
             "lr": loop.lr,
             "global_batch": run["train"]["batch_size"]
@@ -345,7 +397,7 @@ class EvalTask(DistributedTask):
     def work(self, env, device, hosts) -> dict:
         run, paths = self.run, self.paths
         split = run["eval"]["split"]
-        data = load_data(paths.staged, device, splits=(split,))
+        data = load_data(run, paths.staged, env, device, splits=(split,))
         images, labels = data[f"{split}_x"], data[f"{split}_y"]
         checkpoint = torch.load(paths.model, map_location=device, weights_only=True)
         model = build_model(checkpoint["model"], checkpoint["shape"], checkpoint["num_classes"])

@@ -72,11 +72,22 @@ def staged_dir(wildcards):
     return str(ddppaths.staged_dir(RESULTS, RUNS[wildcards.run]["dataset_id"]))
 
 
-def data_cfg_for(dataset):
+def run_for_dataset(dataset):
     for run in RUNS.values():
         if run["dataset_id"] == dataset:
-            return run["data"]
+            return run
     raise ValueError(f"no run uses dataset {dataset}")
+
+
+def data_cfg_for(dataset):
+    """The stage rule's params: the data keys without those that change no staged byte
+    (threads, loading), so that editing those restages nothing."""
+    data = run_for_dataset(dataset)["data"]
+    return {k: v for k, v in data.items() if k not in ddpconfig.DATA_RUNTIME_KEYS}
+
+
+def stage_threads(wildcards):
+    return run_for_dataset(wildcards.dataset)["data"]["stage_threads"]
 
 
 def final_outputs():

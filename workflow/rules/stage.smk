@@ -5,6 +5,7 @@ rule stage:
     log:
         f"{LOGS}/stage/{{dataset}}.log",
     localrule: True
+    threads: stage_threads
     conda:
         "../../envs/ddpflow.yaml"
     params:
