@@ -89,6 +89,8 @@ def test_streamed_and_in_memory_train_the_same_weights_and_loading_edits_redo_no
         log = _rank0_log(workdir)
         assert ("streamed from" in log) is (not in_memory), log[-2000:]
         metrics = json.loads((workdir / "results/runs/cnn/eval_metrics.json").read_text())
+        report = (workdir / "results/report/report.md").read_text()
+        assert ("data streamed" in report) is (not in_memory)
         results[in_memory] = (workdir, configfile, metrics)
     memory, streamed = _weights(results[True][0]), _weights(results[False][0])
     assert all(torch.equal(memory[key], streamed[key]) for key in memory)

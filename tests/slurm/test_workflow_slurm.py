@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from slurm_helpers import job_ids, job_story, sacct_state
 from snakemake.common import get_appdirs
 from workflow_helpers import BIN, REPO, jobs_planned, snakemake, snakemake_command, write_config
@@ -190,6 +191,73 @@ def test_deleted_evaluation_is_scored_alone_in_a_job_of_its_own(slurm_run):
     jobs = {j["stage"]: j for j in summary["insight"]["cnn"]["slurm_jobs"]}
     assert jobs["evaluate"]["job_id"] == job and jobs["evaluate"]["state"] == "COMPLETED"
     assert jobs["train"]["job_id"] == after["train"]["slurm_job_id"]
+
+
+def _node_local_lines(folder: Path, job_id: str) -> list[str]:
+    """The "node-local data on <host>: ..." lines of one job (local rank 0 of each node)."""
+    return [
+        line.split("node-local data on ", 1)[1]
+        for log in sorted(folder.glob(f"{job_id}_*_log.err"))
+        for line in log.read_text(errors="replace").splitlines()
+        if "node-local data on " in line
+    ]
+
+
+def test_node_local_copy_is_made_once_per_node_and_reused_by_the_next_job(slurm_cluster, tmp_path):
+    """data.loading.node_local_dir with $SLURMD_NODENAME (set by slurmd in every task): local
+    rank 0 of each node copies the staged data to its own node's folder and verifies it; a
+    retrain in a later job reuses both copies and trains bitwise the same weights."""
+    scratch = tmp_path / "scratch"  # one filesystem on the testbed: a folder per node
+    configfile = write_config(
+        tmp_path / "config.yaml",
+        {
+            "data": {"loading": {"node_local_dir": f"{scratch}/$SLURMD_NODENAME/ddpflow"}},
+            **SCIENCE,
+            "machine": CLUSTER_MACHINE,
+            "runs": [{"name": "cnn"}],
+        },
+    )
+    folder = tmp_path / "logs/submitit/cnn/train"
+    result = slurm_snakemake(tmp_path, configfile)
+    stories = "\n".join(job_story(job, folder, tail=800) for job in job_ids(folder))
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:] + stories
+    (first_job,) = job_ids(folder)
+    assert sacct_state(first_job) == "COMPLETED", job_story(first_job, folder)
+    metrics = json.loads((tmp_path / "results/runs/cnn/eval_metrics.json").read_text())
+    assert metrics["train"]["world_size"] == 4 and metrics["train"]["nodes"] == 2
+    assert sorted(set(metrics["train"]["hosts"])) == ["node1", "node2"]
+    assert metrics["samples_evaluated"] == metrics["test_size"]
+    assert metrics["accuracy"] > 0.95, metrics["accuracy"]
+
+    (staged,) = (tmp_path / "results/staged").iterdir()
+    manifest = (staged / "manifest.json").read_bytes()
+    copies = {node: scratch / node / "ddpflow" / staged.name for node in ("node1", "node2")}
+    for copy in copies.values():
+        assert (copy / ".verified").read_bytes() == manifest, copy
+        assert (copy / "manifest.json").read_bytes() == manifest, copy
+    assert sorted(p.name for p in scratch.iterdir()) == ["node1", "node2"]  # nothing unexpanded
+    lines = _node_local_lines(folder, first_job)
+    assert sorted(line.split(" in ")[0] for line in lines) == [
+        f"{node}: copied to {copy}" for node, copy in copies.items()
+    ], lines
+    first = torch.load(tmp_path / "results/runs/cnn/model.pt", weights_only=True)["state_dict"]
+
+    # a retrain in a new job: each node reuses its verified copy (hashed again, not copied)
+    (tmp_path / "results/runs/cnn/model.pt").unlink()
+    result = slurm_snakemake(tmp_path, configfile)
+    stories = "\n".join(job_story(job, folder, tail=800) for job in job_ids(folder))
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:] + stories
+    (second_job,) = set(job_ids(folder)) - {first_job}
+    assert sacct_state(second_job) == "COMPLETED", job_story(second_job, folder)
+    lines = _node_local_lines(folder, second_job)
+    assert sorted(line.split(" in ")[0] for line in lines) == [
+        f"{node}: reused the verified copy {copy}" for node, copy in copies.items()
+    ], lines
+    log = (tmp_path / "logs/train/cnn.log").read_text()  # the rerun's (rewritten per job)
+    assert f"as slurm job {second_job} " in log and "training from scratch" in log, log
+    again = torch.load(tmp_path / "results/runs/cnn/model.pt", weights_only=True)["state_dict"]
+    assert again.keys() == first.keys()
+    assert all(torch.equal(first[key], again[key]) for key in first)
 
 
 def test_plain_sbatch_script(slurm_cluster, tmp_path):

@@ -145,7 +145,8 @@ def _summary_row(name: str, epochs: list[dict], ev: dict) -> dict:
         "final_val_accuracy": epochs[-1]["val_accuracy"],
         "git_commit": ev["provenance"]["git_commit"],
         # device name and precision: written since the GPU path ran (older files: cpu/cuda)
-        "device": train.get("device_name", str(train.get("device", "cpu")).split(":")[0]),
+        "device": train.get("device_name", str(train.get("device", "cpu")).split(":")[0])
+        + (", data streamed" if train.get("data_in_memory") is False else ""),
         "precision": train.get("precision", "fp32"),
         # what was trained (older metrics files lack some: shown as "?")
         "model": _model_name(ev["provenance"]["config"]), "parameters": train.get("parameters"),
