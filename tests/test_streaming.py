@@ -139,3 +139,15 @@ def test_node_local_copy_is_made_verified_reused_and_replaced_when_damaged(workd
     again = _weights(workdir)
     assert all(torch.equal(first[key], again[key]) for key in first)
     assert np.array_equal(np.load(shard), np.load(staged / "train_images-00000.npy"))
+
+
+def test_augmentation_settings_retrain_only_when_it_is_on():
+    from ddpflow.config import training_fingerprint
+
+    base = training_fingerprint(make_run())
+    assert not any(key.startswith("train.augment") for key in base)  # as before it existed
+    assert training_fingerprint(make_run(train={"augment": {"crop_padding": 2}})) == base
+    on = training_fingerprint(make_run(train={"augment": {"enabled": True}}))
+    assert on["train.augment.enabled"] is True and on["train.augment.crop_padding"] == 4
+    loading = {"in_memory": False, "workers": 0, "node_local_dir": "/x"}
+    assert training_fingerprint(make_run(data={"loading": loading, "stage_threads": 1})) == base

@@ -345,6 +345,8 @@ def training_fingerprint(run: dict) -> dict[str, Any]:
     gpu = bool(run["machine"]["gpus_per_node"])
     ignored = VOLATILE_TRAIN_KEYS if gpu else VOLATILE_TRAIN_KEYS + GPU_ONLY_TRAIN_KEYS
     train = {k: v for k, v in run["train"].items() if k not in ignored}
+    if not train["augment"]["enabled"]:  # its settings act only when it is on
+        del train["augment"]
     flat = flatten({"data": data_keys(run["data"]), "model": model_settings(run["model"]),
                     "train": train})  # fmt: skip
     if is_own_data(run["data"]["source"]):  # the files' or the plug-in's content too
