@@ -21,10 +21,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 SHARD_BYTES = 64 << 20  # images per shard: as many as fit in 64 MiB
+LEVELS = np.arange(256, dtype=np.int64)
 SPLITS = ("train", "val", "test")
 MANIFEST = "manifest.json"
 
@@ -193,7 +195,9 @@ def _write_splits(directory: Path, raw: RawSource, plan: dict, threads: int, sha
     per_shard = max(1, shard_bytes // int(np.prod(shape)))
     written = {"shape": shape, "shards": {}, "files": {}, "labels": {}}
     sums = [np.zeros(shape[0], np.int64), np.zeros(shape[0], np.int64), 0]
-    pool = ThreadPoolExecutor(threads) if threads > 1 else None
+    # processes, not threads: most of decoding an image is Python holding the GIL (with 2
+    # threads staging was slower than with 1; bench/data.py)
+    pool = ProcessPoolExecutor(threads, mp_context=_fork()) if threads > 1 else None
     try:
         for split, (source, indices) in plan.items():
             images, labels = pools[source]
@@ -205,10 +209,11 @@ def _write_splits(directory: Path, raw: RawSource, plan: dict, threads: int, sha
                 else:  # read (decoded) now: an image folder
                     x, keep = images.read(chunk, pool)
                 kept.append(labels[chunk] if keep is None else labels[chunk][keep])
-                if split == "train":
-                    wide = x.astype(np.int64)
-                    sums[0] += wide.sum(axis=(0, 2, 3))
-                    sums[1] += (wide * wide).sum(axis=(0, 2, 3))
+                if split == "train":  # exact integer sums from a histogram per channel
+                    for channel in range(shape[0]):
+                        counts = np.bincount(x[:, channel].ravel(), minlength=256)
+                        sums[0][channel] += int(counts @ LEVELS)
+                        sums[1][channel] += int(counts @ (LEVELS * LEVELS))
                     sums[2] += x.shape[0] * shape[1] * shape[2]
                 name = f"{split}_images-{number:05d}.npy"
                 written["files"][name] = _save(directory / name, x)
@@ -222,6 +227,11 @@ def _write_splits(directory: Path, raw: RawSource, plan: dict, threads: int, sha
             pool.shutdown(cancel_futures=True)
     written["train_sums"] = tuple(sums)
     return written
+
+
+def _fork():
+    # fork: the workers inherit the source (file list, config) instead of importing it anew
+    return multiprocessing.get_context("fork")
 
 
 def _save(path: Path, array: np.ndarray) -> dict:

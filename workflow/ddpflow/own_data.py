@@ -93,9 +93,31 @@ def _list_split(split_dir, classes, extensions, notes) -> tuple[list[Path], np.n
     return files, np.asarray(labels, dtype=np.int64)
 
 
+DECODE_CHUNK = 256  # images per task of the staging processes
+
+
+def _decode_all(paths: list[Path], height: int, width: int, mode: str) -> list:
+    """Each image fitted to height x width in mode, or ("small" | "corrupt", detail)."""
+    from PIL import Image, UnidentifiedImageError
+
+    results = []
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                image.load()
+                if image.height < height or image.width < width:
+                    results.append(("small", f"{image.width}x{image.height}"))
+                    continue
+                converted = image.convert("RGBA" if image.mode == "P" else image.mode)
+                results.append(_fit(converted.convert(mode), height, width))
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+            results.append(("corrupt", str(err)))  # a string: it crosses processes
+    return results
+
+
 class ImageFiles:
-    """The image files of one split, decoded on demand (staging reads a shard at a time, in
-    threads: Pillow releases the GIL while it decodes and resizes)."""
+    """The image files of one split, decoded on demand: staging reads a shard at a time, in
+    `data.stage_threads` processes (decoding is mostly Python holding the GIL)."""
 
     def __init__(self, files: list[Path], cfg: dict, notes: dict):
         self.files, self.cfg, self.notes = files, cfg, notes
@@ -112,7 +134,13 @@ class ImageFiles:
     def read(self, indices, pool=None) -> tuple[np.ndarray, np.ndarray]:
         """(uint8 [k, C, H, W] of the images that decoded, mask of those over indices)."""
         paths = [self.files[i] for i in np.asarray(indices).tolist()]
-        results = list(pool.map(self._decode, paths) if pool else map(self._decode, paths))
+        fit = (self.height, self.width, self.mode)
+        if pool is None:
+            results = _decode_all(paths, *fit)
+        else:  # in order (map keeps it): the staged bytes do not depend on the process count
+            chunks = [paths[i : i + DECODE_CHUNK] for i in range(0, len(paths), DECODE_CHUNK)]
+            parts = pool.map(_decode_all, chunks, *([value] * len(chunks) for value in fit))
+            results = [result for part in parts for result in part]
         keep = np.array([isinstance(r, np.ndarray) for r in results], dtype=bool)
         for path, result in zip(paths, results, strict=True):
             if isinstance(result, np.ndarray):
@@ -134,19 +162,6 @@ class ImageFiles:
         x = np.stack(pixels)
         x = x[:, None] if x.ndim == 3 else x.transpose(0, 3, 1, 2)
         return np.ascontiguousarray(x), keep
-
-    def _decode(self, path: Path):
-        from PIL import Image, UnidentifiedImageError
-
-        try:
-            with Image.open(path) as image:
-                image.load()
-                if image.height < self.height or image.width < self.width:
-                    return ("small", f"{image.width}x{image.height}")
-                converted = image.convert("RGBA" if image.mode == "P" else image.mode)
-                return _fit(converted.convert(self.mode), self.height, self.width)
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
-            return ("corrupt", err)
 
     def finish(self) -> None:
         """After every split was read: what could only be told then."""
