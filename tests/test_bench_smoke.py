@@ -1,4 +1,4 @@
-"""The benchmarks (bench/throughput.py, bench/end_to_end.py, bench/memory.py) run in a tiny
+"""The benchmarks (bench/throughput.py, end_to_end.py, memory.py, data.py) run in a tiny
 configuration and write complete JSON.
 
 Speed is measured by the benchmarks and never asserted here: only that the numbers exist.
@@ -170,3 +170,51 @@ def test_memory_tiny_run_measures_each_strategys_share(tmp_path):
         assert half <= held < half * 1.001
     assert [r["strategy"] for r in report["throughput"]["rows"]] == ["ddp", "zero", "fsdp"]
     assert all(r["samples_per_s"] > 0 for r in report["throughput"]["rows"])
+
+
+def test_data_tiny_run_writes_complete_json(tmp_path):
+    """bench/data.py: loader throughput (streamed, tutorial, in memory), a rank's peak memory
+    against the budget and staging, on a tiny image folder; numbers exist, none asserted."""
+    out = tmp_path / "data.json"
+    cmd = [sys.executable, str(REPO / "bench" / "data.py"), "--quick", "--images", "300",
+           "--sizes", "16", "--repeats", "1", "--memory-budget-gb", "0.002",
+           "--tmp", str(tmp_path), "--out", str(out)]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "streamed / tutorial" in result.stdout
+
+    report = json.loads(out.read_text())
+    assert {"hostname", "cpu_model", "cpu_count"} <= set(report["machine"])
+    assert {"torch", "python"} <= set(report["provenance"]["versions"])
+    conditions = report["conditions"]
+    assert conditions["repeats"] == 1 and conditions["images"] == 300
+    assert len(conditions["loadavg_at_start"]) == 3 and len(conditions["loadavg_after"]) == 3
+    (row,) = report["loader"]
+    assert row["size"] == 16 and row["image_shape"] == [3, 16, 16]
+    assert sorted(row["paths"]) == ["in_memory", "streamed", "tutorial"]
+    for path in row["paths"].values():
+        assert path["images_per_epoch"] > 0 and len(path["all_images_per_s"]) == 1
+        assert math.isfinite(path["images_per_s"]) and path["images_per_s"] > 0
+    assert row["paths"]["tutorial"]["images_per_epoch"] == 150  # 300 images, rank 0 of 2
+    assert math.isfinite(row["streamed_over_tutorial"]) and isinstance(row["meets_target"], bool)
+
+    mem = report["memory"]
+    assert mem["train_over_budget"] >= 4.0
+    assert [r["path"] for r in mem["runs"]] == ["streamed", "in_memory"]
+    for r in mem["runs"]:
+        assert r["images_read"] == math.ceil(mem["train_images"] / 2)
+        assert r["peak_rss_bytes"] >= r["constant_rss_bytes"] > 0
+        assert isinstance(r["fits_budget"], bool) and r["sampled"]["samples"] > 0
+        assert r["auto_in_memory"] is False  # 4x the budget: auto streams
+    streamed, in_memory = mem["runs"]
+    assert len(streamed["worker_peak_rss_bytes"]) == 2 and in_memory["worker_peak_rss_bytes"] == []
+
+    assert [(r["size"], r["threads"]) for r in report["staging"]] == [(16, 1), (16, 2)]
+    for r in report["staging"]:
+        assert r["images"] == 300 and r["seconds"] > 0 and math.isfinite(r["images_per_s"])
+        assert r["same_bytes_as_first"]  # staging is deterministic whatever the threads
+    quarter, whole = report["staging_memory"]
+    assert (quarter["folder"], whole["folder"]) == ("quarter", "all")
+    assert whole["images"] == 300 and 0 < quarter["images"] < 300
+    assert whole["peak_rss_bytes"] >= whole["constant_rss_bytes"] > 0
+    assert list(tmp_path.glob("ddpflow-bench-data-*")) == []  # the folders are removed

@@ -156,12 +156,13 @@ class ImageFiles:
                 )
             else:
                 self.notes["skipped_corrupt"].append(str(path))
-        pixels = [r for r in results if isinstance(r, np.ndarray)]
-        if not pixels:
-            return np.zeros((0, *self.shape[1:]), np.uint8), keep
-        x = np.stack(pixels)
-        x = x[:, None] if x.ndim == 3 else x.transpose(0, 3, 1, 2)
-        return np.ascontiguousarray(x), keep
+        out = np.empty((int(keep.sum()), *self.shape[1:]), np.uint8)  # the shard, NCHW
+        row = 0
+        for result in results:
+            if isinstance(result, np.ndarray):
+                out[row] = result[None] if result.ndim == 2 else result.transpose(2, 0, 1)
+                row += 1
+        return out, keep
 
     def finish(self) -> None:
         """After every split was read: what could only be told then."""
