@@ -47,6 +47,12 @@ CASES = {
         {"optimizer": {"name": "adamw", "lr": 0.002}, "strategy": "zero"},
         3,
     ),
+    # augmentation (random crop + flip) drawn from (seed, epoch, micro-batch, rank) alone
+    "cnn_augment": (
+        {"name": "cnn", "cnn_channels": 16},
+        {"augment": {"enabled": True, "crop_padding": 2}},
+        7,
+    ),
     # checkpoints before DDP rebuilt its buckets (static graph: rebuilt one step later)
     "cnn_first_step": ({"name": "cnn", "cnn_channels": 16}, {}, 1),
     "cnn_static_graph_first_step": (
@@ -184,3 +190,11 @@ def test_a_ddp_checkpoint_resumes_under_zero(runs):
     for rank in range(WORLD):
         expected, got = clean[rank]["cnn"]["state"], resumed[rank]["cnn_zero_from_ddp"]["state"]
         assert all(torch.equal(value, got[key]) for key, value in expected.items()), rank
+
+
+def test_augmentation_changes_what_is_trained(runs):
+    """The augmented case above trains other weights than the same case without it (so its
+    exact resume is not that of an unaugmented run)."""
+    clean, _ = runs
+    plain, augmented = clean[0]["cnn"]["state"], clean[0]["cnn_augment"]["state"]
+    assert any(not torch.equal(plain[key], augmented[key]) for key in plain)
