@@ -329,6 +329,35 @@ def _check_file(staged_dir: Path, manifest: dict, name: str, verify: bool) -> Pa
     return path
 
 
+def budget_bytes(run: dict) -> int:
+    """Per rank: data.loading.memory_budget_gb, or half the node's memory over its ranks."""
+    from .config import ranks_per_node  # here: config imports nothing of data
+
+    budget = run["data"]["loading"]["memory_budget_gb"]
+    if budget == "auto":
+        machine = run["machine"]
+        return int(machine["mem_gb"] * 2**30 / 2 / ranks_per_node(machine))
+    return int(budget * 2**30)
+
+
+def choose_in_memory(run: dict, nbytes: int) -> tuple[bool, str]:
+    """(in memory?, why) for splits of nbytes images."""
+    wanted = run["data"]["loading"]["in_memory"]
+    size = _binary_size(nbytes)
+    if wanted is True:
+        return True, f"{size}, data.loading.in_memory: true"
+    if wanted is False:
+        return False, f"{size}, data.loading.in_memory: false"
+    budget = budget_bytes(run)
+    fits = nbytes <= budget
+    relation = "fits" if fits else "exceeds"
+    return fits, f"{size} {relation} the budget of {_binary_size(budget)} per rank"
+
+
+def _binary_size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
+
+
 def shard_files(manifest: dict, split: str) -> list[tuple[str, int]]:
     """(file name, images) of each shard of a split, in order."""
     if "shards" in manifest:

@@ -30,33 +30,9 @@ import numpy as np
 import torch
 
 from . import data as ddata
+from .data import budget_bytes, choose_in_memory  # noqa: F401 - the loading decision
 
 log = logging.getLogger(__name__)
-
-
-def budget_bytes(run: dict) -> int:
-    """Per rank: data.loading.memory_budget_gb, or half the node's memory over its ranks."""
-    from .config import ranks_per_node
-
-    budget = run["data"]["loading"]["memory_budget_gb"]
-    if budget == "auto":
-        machine = run["machine"]
-        return int(machine["mem_gb"] * 2**30 / 2 / ranks_per_node(machine))
-    return int(budget * 2**30)
-
-
-def choose_in_memory(run: dict, nbytes: int) -> tuple[bool, str]:
-    """(in memory?, why) for splits of nbytes images."""
-    wanted = run["data"]["loading"]["in_memory"]
-    size = f"{nbytes / 2**20:,.1f} MiB"
-    if wanted is True:
-        return True, f"{size}, data.loading.in_memory: true"
-    if wanted is False:
-        return False, f"{size}, data.loading.in_memory: false"
-    budget = budget_bytes(run)
-    fits = nbytes <= budget
-    relation = "fits" if fits else "exceeds"
-    return fits, f"{size} {relation} the budget of {budget / 2**30:.2f} GiB per rank"
 
 
 class StreamedImages:

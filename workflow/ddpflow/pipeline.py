@@ -155,12 +155,32 @@ def _check_user_model(run: dict, manifest: dict) -> None:
              manifest["num_classes"])  # fmt: skip
 
 
+def _say_how_data_is_read(run: dict, manifest: dict) -> None:
+    """In the terminal, before submission: in memory or streamed (the ranks decide the same
+    way from the same figures: feed.choose_in_memory)."""
+    splits = dict.fromkeys(("train", "val", run["eval"]["split"] if run["eval"]["in_train"]
+                            else "train"))  # fmt: skip
+    per_image = 1
+    for size in manifest["shape"]:
+        per_image *= size
+    nbytes = sum(manifest["sizes"][split] for split in splits) * per_image
+    in_memory, why = data.choose_in_memory(run, nbytes)
+    loading = run["data"]["loading"]
+    how = "in memory" if in_memory else (
+        f"streamed from the staged shards by {loading['workers']} DataLoader workers per rank"
+    )  # fmt: skip
+    node_local = loading["node_local_dir"]
+    where = f", from a copy in {node_local} on each node" if node_local else ""
+    log.info("run %r: data %s%s (%s)", run["name"], how, where, why)
+
+
 def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     """Train one run: resume only an interrupted attempt of this very config (else from
     scratch, saying why), then keep the work folder lean."""
     manifest = data.read_manifest(paths.staged)
     check_batch_fits(run, manifest["sizes"]["train"])
     _check_user_model(run, manifest)
+    _say_how_data_is_read(run, manifest)
     # a job still running for an edited config (kept after a stop) must be gone before the
     # work folder is decided on: it would write its old-config checkpoints into it
     launch.cancel_outdated(_job_record(paths, "train"), config_hash(training_fingerprint(run)))
