@@ -4,6 +4,8 @@ reported in one block without a traceback, anything else keeps its traceback."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 from ddpflow import pipeline
@@ -101,3 +103,24 @@ def test_progress_in_a_log_file_is_whole_lines(caplog):
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("epoch 2: step 5/10 (50%), ") and "step/s" in line, line
     assert "\r" not in line
+
+
+def test_the_train_rule_checks_a_built_in_model_without_importing_torch():
+    """The train rule's checks before submission (batch fits, model, how the data is read)
+    import no torch for a built-in model: torch's import is ~1.2 s of every train rule on
+    the CI machine, paid again by every rank (a regression of this cost ddpflow its end-to-end
+    race against a Lightning script: bench/end_to_end.py)."""
+    code = (
+        "import sys\n"
+        "from ddpflow import config, pipeline\n"
+        "run = config.resolve_runs(config.load(None, {}))[0]\n"
+        "manifest = {'shape': [1, 8, 8], 'num_classes': 10,\n"
+        "            'sizes': {'train': 1294, 'val': 144, 'test': 359}}\n"
+        "config.check_batch_fits(run, manifest['sizes']['train'])\n"
+        "pipeline._check_user_model(run, manifest)\n"
+        "pipeline._say_how_data_is_read(run, manifest)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchvision'))[:3])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout

@@ -11,7 +11,13 @@ import time
 from pathlib import Path
 
 from . import data, launch, outcome, runtime, workspace
-from .config import check_batch_fits, config_hash, evaluation_fingerprint, training_fingerprint
+from .config import (
+    BUILT_IN_MODELS,
+    check_batch_fits,
+    config_hash,
+    evaluation_fingerprint,
+    training_fingerprint,
+)
 from .errors import UserError
 from .jobs import EvalJob, TrainJob, published
 from .paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
@@ -143,9 +149,7 @@ def _distributed(task_cls, stage_name: str, run: dict, paths: RunPaths, logs_dir
 def _check_user_model(run: dict, manifest: dict) -> None:
     """A torchvision or plug-in model is built and run once on the CPU here, before any job
     is queued (built-in models need no check, and this process no torch import for them)."""
-    from .models import BUILT_IN
-
-    if run["model"]["name"] in BUILT_IN:
+    if run["model"]["name"] in BUILT_IN_MODELS:  # not models.BUILT_IN: that imports torch
         return
     from .models import check_model
 
