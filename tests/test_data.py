@@ -327,3 +327,17 @@ def test_format_1_staged_data_is_still_read(tmp_path):
     (staged / "manifest.json").write_text(json.dumps(manifest))
     assert verify_staged(staged)["format_version"] == 1
     assert load_split(staged, "test")[0].shape == (359, 1, 8, 8)
+
+
+def test_digits_read_without_scikit_learn_equal_its_load_digits():
+    """ddpflow reads scikit-learn's digits file itself (no sklearn import at staging): the
+    same images, labels and class names as sklearn.datasets.load_digits."""
+    from ddpflow.sources import _sklearn_digits_csv, load_digits
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    assert _sklearn_digits_csv() is not None  # the fast path is the one taken here
+    ours, theirs = load_digits(), sk_load_digits()
+    expected = np.rint(theirs.images * (255.0 / 16.0)).astype(np.uint8)[:, None]
+    assert np.array_equal(ours.train_x, expected)
+    assert np.array_equal(ours.train_y, theirs.target) and ours.train_y.dtype == np.int64
+    assert ours.class_names == [str(n) for n in theirs.target_names]
