@@ -5,9 +5,9 @@ rule stage:
     log:
         f"{LOGS}/stage/{{dataset}}.log",
     localrule: True
-    threads: stage_threads
     conda:
         "../../envs/ddpflow.yaml"
+    threads: stage_threads
     params:
         data=lambda wildcards: data_cfg_for(wildcards.dataset),
     script:
