@@ -132,7 +132,13 @@ class DistributedTask:
         rendezvous = self.paths.work if self.file_rendezvous else None
         env, device = rank_context(self.run, rendezvous)
         try:
-            return self.work(env, device, gather_hosts(env))
+            result = self.work(env, device, gather_hosts(env))
+            if env.world_size > 1:
+                # every rank leaves together: a rank tearing gloo down while rank 0 still
+                # wrote its outputs was aborted at exit ("terminate called without an
+                # active exception") in evaluate jobs on the Slurm test cluster
+                dist.barrier()
+            return result
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
