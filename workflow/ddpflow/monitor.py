@@ -96,6 +96,16 @@ def open_gpu(device: torch.device, rank: int) -> _Gpu | None:
         return None
 
 
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def _cpu_percent(cpu_s: float, wall_s: float) -> float:
+    """100 = one core busy, at most every core this process may run on: the kernel brings a
+    running thread's CPU time up to date only at its scheduler ticks, so over a short window
+    (the CI machine, busy, 50 ms) the sum read a few ms ahead and gave 2 cores 210%."""
+    return min(100 * cpu_s / max(wall_s, 1e-9), 100.0 * (CORES or 1))
+
+
 class SystemSampler:
     """A background thread sampling this process every `interval_s` seconds; `take()` gives
     the window since the last call: CPU use (100 = one core busy, from the process's CPU
@@ -132,7 +142,7 @@ class SystemSampler:
         while not self._stop.wait(self.interval_s):
             now = self.sample()
             cpu2, wall2 = self._cpu_seconds(), time.monotonic()
-            now["cpu_percent"] = 100 * (cpu2 - cpu) / max(wall2 - wall, 1e-9)
+            now["cpu_percent"] = _cpu_percent(cpu2 - cpu, wall2 - wall)
             cpu, wall = cpu2, wall2
             with self._lock:
                 self._window.append(now)
@@ -152,7 +162,7 @@ class SystemSampler:
         if self.gpu is not None and not window:  # an epoch shorter than the interval
             window = [self.sample()]
         stats = {
-            "cpu_percent": 100 * (cpu - self._cpu) / max(wall - self._wall, 1e-9),
+            "cpu_percent": _cpu_percent(cpu - self._cpu, wall - self._wall),
             "rss_mib": max([_rss_mib()] + [s["rss_mib"] for s in window]),
         }
         self._cpu, self._wall = cpu, wall
