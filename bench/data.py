@@ -380,7 +380,7 @@ def memory_worker(cfg: dict) -> int:
     staged = Path(cfg["staged"])
     run = {"data": {"loading": {"in_memory": "auto", "memory_budget_gb": cfg["budget_gb"]}}}
     images, labels, manifest = ddata.open_split(staged, "train")
-    auto_in_memory, why = feed.choose_in_memory(run, images.nbytes)
+    auto_in_memory, why = ddata.choose_in_memory(run, images.nbytes)
     nbytes = images.nbytes
     began = time.perf_counter()
     if cfg["path"] == "streamed":

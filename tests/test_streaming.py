@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from datafixtures import make_folder
+from ddpflow import data as ddata
 from ddpflow import feed
 from workflow_helpers import jobs_planned, make_run, snakemake, write_config
 
@@ -43,14 +44,14 @@ def test_augmentation_is_a_padded_crop_then_a_flip_drawn_from_seed_epoch_step_ra
 
 def test_auto_keeps_data_in_memory_when_it_fits_the_budget():
     run = make_run(machine={"mem_gb": 8, "cpu_ranks_per_node": 2})
-    assert feed.budget_bytes(run) == 2 * 2**30  # half of 8 GiB over 2 ranks
-    assert feed.choose_in_memory(run, 2 * 2**30)[0] is True
-    fits, why = feed.choose_in_memory(run, 2 * 2**30 + 1)
+    assert ddata.budget_bytes(run) == 2 * 2**30  # half of 8 GiB over 2 ranks
+    assert ddata.choose_in_memory(run, 2 * 2**30)[0] is True
+    fits, why = ddata.choose_in_memory(run, 2 * 2**30 + 1)
     assert fits is False and "exceeds the budget of 2.00 GiB per rank" in why
     run = make_run(data={"loading": {"memory_budget_gb": 0.5}})
-    assert feed.choose_in_memory(run, 2**29 + 1)[0] is False
+    assert ddata.choose_in_memory(run, 2**29 + 1)[0] is False
     run = make_run(data={"loading": {"in_memory": True, "memory_budget_gb": 0.001}})
-    assert feed.choose_in_memory(run, 2**30)[0] is True
+    assert ddata.choose_in_memory(run, 2**30)[0] is True
 
 
 def _config(in_memory, **loading) -> dict:

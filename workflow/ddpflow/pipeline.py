@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -164,10 +165,7 @@ def _say_how_data_is_read(run: dict, manifest: dict) -> None:
     way from the same figures: feed.choose_in_memory)."""
     splits = dict.fromkeys(("train", "val", run["eval"]["split"] if run["eval"]["in_train"]
                             else "train"))  # fmt: skip
-    per_image = 1
-    for size in manifest["shape"]:
-        per_image *= size
-    nbytes = sum(manifest["sizes"][split] for split in splits) * per_image
+    nbytes = sum(manifest["sizes"][split] for split in splits) * math.prod(manifest["shape"])
     in_memory, why = data.choose_in_memory(run, nbytes)
     loading = run["data"]["loading"]
     how = "in memory" if in_memory else (

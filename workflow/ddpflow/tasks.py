@@ -22,7 +22,7 @@ import torch.distributed as dist
 from . import distenv, evaluate, feed, monitor, runtime
 from .checkpoint import Checkpointer, Preempted, hand_over_to_requeue, stop_on_signal
 from .config import config_hash, evaluation_fingerprint, plugin_source, plugin_source_hash
-from .data import DataError, open_split
+from .data import DataError, choose_in_memory, open_split
 from .jobs import published
 from .loop import Loop, fit, sync_buffers
 from .models import build_model, count_parameters, place
@@ -87,7 +87,7 @@ def load_data(run: dict, staged: str, env, device, splits=("train", "val")) -> d
         )
     manifest = next(iter(opened.values()))[2]
     nbytes = sum(images.nbytes for images, _, _ in opened.values())
-    in_memory, why = feed.choose_in_memory(run, nbytes)
+    in_memory, why = choose_in_memory(run, nbytes)
     data: dict = {"in_memory": in_memory}
     for split, (images, labels, _) in opened.items():
         if in_memory:
@@ -215,6 +215,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
                 raise
             finally:
                 watch.close()
+                data["feed"].close()  # streamed: the DataLoader workers end here
         summary = None
         weights = loop.full_model_state()  # collective under FSDP; the whole model on rank 0
         if env.is_master:
