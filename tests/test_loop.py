@@ -295,3 +295,57 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(ddp_results):
     single, steps, _ = _one_epoch(SINGLE, datasets[32], batch=32, accum=1)
     assert steps == 1
     torch.testing.assert_close(ranks[0]["one_step_large"]["params"], single, rtol=1e-5, atol=1e-6)
+
+
+# --- channels_last on CPU ranks ---------------------------------------------------------------
+
+
+def _cnn_epoch(env, data, channels_last: bool):
+    import warnings
+
+    from ddpflow.models import place, small_cnn
+
+    run = make_run(
+        model={"name": "cnn", "cnn_channels": 8},
+        train={"epochs": 1, "batch_size": 16, "progress": False, "channels_last": channels_last},
+        machine={"cpu_ranks_per_node": env.world_size},
+    )
+    torch.manual_seed(0)
+    model = place(small_cnn(1, 8, 4), CPU, channels_last)
+    conv = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)][-1]
+    grads_nhwc = []
+    conv.weight.register_post_accumulate_grad_hook(
+        lambda p: grads_nhwc.append(p.grad.is_contiguous(memory_format=torch.channels_last))
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loop = Loop(run, data, env, CPU, model)
+        loop.train_epoch()
+    return {
+        "weight_nhwc": conv.weight.is_contiguous(memory_format=torch.channels_last),
+        "grads_nhwc": grads_nhwc,
+        "params": torch.cat([p.detach().flatten() for p in loop.model.parameters()]),
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
+def _both_layouts(env, data):
+    return {layout: _cnn_epoch(env, data, layout) for layout in (True, False)}
+
+
+def test_channels_last_on_cpu_ranks_trains_the_same_model_in_nhwc(tmp_path):
+    """oneDNN's NHWC convolutions on CPU ranks (faster, bench/README.md): the weights and
+    their gradients stay NHWC through DDP's buckets (no grad-stride warning: the buckets
+    follow the parameters' layout), the ranks agree, and the model is the NCHW one up to
+    fp32 rounding; the MLP keeps its plain layout."""
+    from ddpflow.models import place
+
+    data = make_data(96, 8)
+    ranks = run_group(2, _both_layouts, (data,), tmp_path)
+    nhwc, nchw = ranks[0][True], ranks[0][False]
+    assert nhwc["weight_nhwc"] and not nchw["weight_nhwc"]
+    assert len(nhwc["grads_nhwc"]) == 3 and all(nhwc["grads_nhwc"])  # 48 samples / 16
+    assert not [w for w in nhwc["warnings"] if "stride" in w], nhwc["warnings"]
+    assert torch.equal(ranks[0][True]["params"], ranks[1][True]["params"])
+    torch.testing.assert_close(nhwc["params"], nchw["params"], rtol=1e-4, atol=1e-5)
+    assert all(p.is_contiguous() for p in place(mlp(64, [16], 4), CPU, True).parameters())

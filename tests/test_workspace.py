@@ -43,7 +43,6 @@ def _edited(run: dict, path: str, value) -> dict:
         ("eval.batch_size", 100),
         # GPU-only settings on CPU ranks (the default config has gpus_per_node: 0)
         ("train.precision", "bf16"),
-        ("train.channels_last", False),
         ("train.deterministic", True),
         ("train.strategy", "zero"),  # the same weights as ddp (tests/test_resume_exact.py)
     ],
@@ -62,6 +61,8 @@ def test_keys_that_cannot_change_the_model_are_not_in_the_training_fingerprint(r
         ("data.seed", 1, "data.seed"),
         ("world_size", 4, "world_size"),
         ("machine.gpus_per_node", 2, "device"),
+        # the default CNN's convolutions run NHWC on CPU ranks too
+        ("train.channels_last", False, "train.channels_last"),
     ],
 )
 def test_keys_that_determine_the_model_are(run, path, value, key):
@@ -80,6 +81,12 @@ def test_gpu_only_keys_retrain_gpu_runs(run, path, value):
     before = ddpconfig.training_fingerprint(gpu)
     after = ddpconfig.training_fingerprint(_edited(gpu, f"train.{path}", value))
     assert ddpconfig.describe_changes(before, after).startswith(f"train.{path} ")
+
+
+def test_channels_last_does_not_retrain_a_model_without_convolutions(run):
+    mlp = _edited(run, "model.name", "mlp")
+    before = ddpconfig.training_fingerprint(mlp)
+    assert ddpconfig.training_fingerprint(_edited(mlp, "train.channels_last", False)) == before
 
 
 def test_describe_changes_is_one_short_line(run):

@@ -35,8 +35,11 @@ SECTIONS = ("data", "model", "train", "eval", "machine")
 # its settings), ddp and zero are not. activation_checkpointing recomputes the same values
 VOLATILE_TRAIN_KEYS = ("progress", "checkpoint", "max_requeues", "on_nonfinite", "monitor",
                        "strategy", "fsdp", "activation_checkpointing")  # fmt: skip
-# train keys that act on GPUs only: on CPU ranks they change nothing, so nothing retrains
-GPU_ONLY_TRAIN_KEYS = ("precision", "channels_last", "deterministic")
+# train keys that act on GPUs only: on CPU ranks they change nothing, so nothing retrains.
+# channels_last acts on every device (oneDNN's NHWC convolutions are faster on CPU too), but
+# only on models with convolutions: the built-in MLP has none
+GPU_ONLY_TRAIN_KEYS = ("precision", "deterministic")
+NO_CONV_MODELS = ("mlp",)
 
 
 class ConfigError(UserError, ValueError):
@@ -347,6 +350,8 @@ def training_fingerprint(run: dict) -> dict[str, Any]:
     train = {k: v for k, v in run["train"].items() if k not in ignored}
     if not train["augment"]["enabled"]:  # its settings act only when it is on
         del train["augment"]
+    if not gpu and run["model"]["name"] in NO_CONV_MODELS:  # no convolution to lay out
+        del train["channels_last"]
     flat = flatten({"data": data_keys(run["data"]), "model": model_settings(run["model"]),
                     "train": train})  # fmt: skip
     if is_own_data(run["data"]["source"]):  # the files' or the plug-in's content too

@@ -165,14 +165,15 @@ def small_resnet(name: str, in_channels: int, num_classes: int) -> nn.Module:
 
 
 def place(model: nn.Module, device: torch.device, channels_last: bool, move=True) -> nn.Module:
-    """Move the model to its device; on CUDA, convolutional models in channels_last (cuDNN
-    then picks NHWC kernels and the inputs follow the weights' layout). move=False (strategy
+    """Move the model to its device; convolutional models in channels_last: cuDNN and oneDNN
+    then pick their NHWC kernels (the inputs follow the weights' layout; on a CPU 1.2x the
+    small CNN's training step, 1.04x ResNet-18's, bench/README.md). move=False (strategy
     fsdp): the model stays in host memory, and fully_shard moves it block by block, already
     sharded, so that the whole model never has to fit on one device."""
     if move:
         model = model.to(device)
     has_conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
-    if device.type == "cuda" and channels_last and has_conv:
+    if channels_last and has_conv:
         model = model.to(memory_format=torch.channels_last)
     return model
 
