@@ -104,9 +104,11 @@ class LightningLoop:
         steps = math.ceil(self.per_rank / cfg["batch"])
         torch.manual_seed(run["train"]["seed"])  # same initial weights as the other loops
         from ddpflow.models import build_model
+        from throughput import peer_layout
 
-        model = build_model(run["model"], cfg["case"]["shape"], NUM_CLASSES)
+        model = peer_layout(cfg, build_model(run["model"], cfg["case"]["shape"], NUM_CLASSES))
         self.module = Module(model, run, lr, norm, steps)
+        self.precision = "bf16-mixed" if cfg["precision"] == "bf16" else "32-true"
         self.epochs = cfg["warmup"] + cfg["repeats"]
         self.queue: list = []
 
@@ -119,6 +121,7 @@ class LightningLoop:
             max_epochs=self.epochs,
             plugins=[LightningEnvironment()],
             callbacks=[Interleave(self)],
+            precision=self.precision,
             **TRAINER_ARGS,
         )
         trainer.fit(self.module, self.loader)

@@ -88,6 +88,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--lightning", action="store_true", help="ddpflow vs a Lightning Trainer (not raw)"
     )
     p.add_argument("--compile", action="store_true", help="--gpu: torch.compile ddpflow's model")
+    p.add_argument(
+        "--precision", choices=["fp32", "bf16"], default="fp32",
+        help="CPU: every loop in this precision (ddpflow train.precision, Lightning "
+        "'bf16-mixed', the raw loop under torch.autocast)",
+    )  # fmt: skip
+    p.add_argument(
+        "--peer-channels-last", action="store_true",
+        help="CPU: the peer's convolutional model in channels_last too, as ddpflow places "
+        "it (isolates the loops from the layout)",
+    )  # fmt: skip
     p.add_argument("--peak-tflops", type=float, default=None, help="GPU peak for MFU")
     p.add_argument(
         "--out", type=Path, default=None, help="default bench/out/throughput[_lightning].json"
@@ -120,7 +130,7 @@ def ddpflow_run(cfg: dict) -> dict:
             "batch_size": cfg["batch"],
             "epochs": cfg["warmup"] + cfg["repeats"],
             "progress": False,
-            "precision": "bf16" if cuda else "fp32",
+            "precision": "bf16" if cuda else cfg["precision"],
             "ddp": cfg.get("ddp", {}),
         },
         "machine": {
@@ -190,7 +200,9 @@ def raw_epoch(cfg: dict, run: dict, lr: float, images, labels, norm, device):
         dataset, batch_size=cfg["batch"], sampler=sampler, pin_memory=device.type == "cuda"
     )
     torch.manual_seed(run["train"]["seed"])
-    model = build_model(run["model"], cfg["case"]["shape"], NUM_CLASSES).to(device)
+    model = peer_layout(cfg, build_model(run["model"], cfg["case"]["shape"], NUM_CLASSES))
+    model = model.to(device)
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=cfg["precision"] == "bf16")
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = run["train"]["optimizer"]
     if opt["name"] != "sgd":  # the tutorial's optimizer; the shipped config's too
@@ -214,7 +226,8 @@ def raw_epoch(cfg: dict, run: dict, lr: float, images, labels, norm, device):
         for x, y in loader:
             x, y = x.to(device), y.to(device)
             x = (x.float() / 255.0 - mean) / std
-            loss = loss_fn(ddp(x), y)
+            with autocast:
+                loss = loss_fn(ddp(x), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -222,6 +235,14 @@ def raw_epoch(cfg: dict, run: dict, lr: float, images, labels, norm, device):
         return {"samples": len(sampler), "train_loss": running_loss / len(loader)}
 
     return epoch
+
+
+def peer_layout(cfg: dict, model: nn.Module) -> nn.Module:
+    """The peer's model as its user writes it (NCHW), or, --peer-channels-last, in the
+    layout ddpflow gives convolutional models."""
+    if cfg.get("peer_channels_last"):
+        return place(model, torch.device("cpu"), True, move=False)
+    return model
 
 
 def timed_epoch(epoch_fn, world: int, device, sync) -> tuple[float, float, dict]:
@@ -397,6 +418,8 @@ def plan(args: argparse.Namespace) -> list[dict]:
                 "warmup": max(args.warmup, 1) if args.compile else args.warmup,
                 "compile": args.compile,
                 "baseline": "lightning" if args.lightning else "raw",
+                "precision": args.precision,  # the peers' (and ddpflow's on CPU)
+                "peer_channels_last": args.peer_channels_last,
             }
         )
     if not args.gpu and not args.lightning and "mlp" in cases:
@@ -429,7 +452,10 @@ def format_table(rows: list[dict]) -> str:
     w = max(9, *(len(r["name"]) for r in rows))
     target = " target" if base == "lightning" else ""
     lines = [
-        f"# training throughput, {first['device']}, batch {first['batch']}/rank; median of "
+        f"# training throughput, {first['device']}, "
+        + ("ddpflow bf16, raw fp32, " if first["device"] == "cuda" else f"{first['precision']}, ")
+        + f"peers {'channels_last' if first['peer_channels_last'] else 'NCHW'}, "
+        f"batch {first['batch']}/rank; median of "
         f"{first['repeats']} epochs after {first['warmup']} warmup; slowest rank",
         f"{'case':<{w}} {'world':>5} {'threads':>7} {'samples':>7} | {short + ' samp/s':>12} "
         f"{'ddpflow samp/s':>14} {'speedup':>7} | {'by CPU s':>8} | {'GFLOP/s':>7} {'MFU':>11}"
@@ -482,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpu and args.lightning:
         print("--lightning: CPU cases only", file=sys.stderr)
         return 2
+    if args.gpu and (args.precision != "fp32" or args.peer_channels_last):
+        print("--precision, --peer-channels-last: CPU cases only (--gpu is bf16)", file=sys.stderr)
+        return 2
     name = "throughput_lightning" if args.lightning else "throughput"
     args.out = args.out or Path(__file__).parent / "out" / f"{name}.json"
     peak = peak_flops(args)
@@ -501,7 +530,19 @@ def main(argv: list[str] | None = None) -> int:
             "per step, DDP-wrapped at every world size (1-rank group at world 1)",
             "ddpflow": "Loop from the shipped config (SGD nesterov, cosine schedule); "
             "DDP only when world > 1; "
-            + ("bf16 autocast, channels_last, fused SGD" if args.gpu else "fp32"),
+            + (
+                "bf16 autocast, channels_last, fused SGD"
+                if args.gpu
+                else f"{args.precision}, convolutional models in channels_last"
+            ),
+            "peers": (
+                f"{args.precision}; "
+                + (
+                    "convolutional models in channels_last like ddpflow's"
+                    if args.peer_channels_last
+                    else "models in their default NCHW layout"
+                )
+            ),
             "launch": "one process per rank, tcp rendezvous on 127.0.0.1",
             "peak_flops": peak,
         },

@@ -99,8 +99,10 @@ def test_schedule_alternates_loops_after_warmup():
 def test_throughput_lightning_tiny_run_writes_complete_json(tmp_path, lightning_site):
     out = tmp_path / "throughput_lightning.json"
     cmd = [sys.executable, str(REPO / "bench" / "throughput.py"), "--lightning"]
-    cmd += ["--cases", "mlp", "--world-sizes", "2", "--repeats", "2", "--warmup", "1"]
-    cmd += ["--samples-scale", "0.01", "--out", str(out)]
+    cmd += ["--cases", "cnn", "--world-sizes", "2", "--repeats", "2", "--warmup", "1"]
+    # both loops in bf16 (Lightning's 'bf16-mixed'), the peer's model in ddpflow's layout
+    cmd += ["--precision", "bf16", "--peer-channels-last"]
+    cmd += ["--samples-scale", "0.05", "--out", str(out)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ddpflow / lightning" in result.stdout
@@ -110,7 +112,9 @@ def test_throughput_lightning_tiny_run_writes_complete_json(tmp_path, lightning_
     assert {"hostname", "cpu_model", "cpu_count"} <= set(report["machine"])
     assert "1.2x" in report["conditions"]["target"]
     (row,) = report["runs"]
-    assert (row["name"], row["world_size"], row["baseline"]) == ("mlp", 2, "lightning")
+    assert (row["name"], row["world_size"], row["baseline"]) == ("cnn", 2, "lightning")
+    assert (row["precision"], row["peer_channels_last"]) == ("bf16", True)
+    assert report["conditions"]["peers"].startswith("bf16; convolutional models in channels_last")
     assert "raw" not in row
     for loop in ("lightning", "ddpflow"):
         assert len(row[loop]["all"]) == 2  # the warmup epoch is not among them

@@ -349,3 +349,50 @@ def test_channels_last_on_cpu_ranks_trains_the_same_model_in_nhwc(tmp_path):
     assert torch.equal(ranks[0][True]["params"], ranks[1][True]["params"])
     torch.testing.assert_close(nhwc["params"], nchw["params"], rtol=1e-4, atol=1e-5)
     assert all(p.is_contiguous() for p in place(mlp(64, [16], 4), CPU, True).parameters())
+
+
+# --- bf16 autocast on CPU ranks ---------------------------------------------------------------
+
+
+def _bf16_epochs(env, data, precision: str):
+    from ddpflow.models import place, small_cnn
+
+    run = make_run(
+        model={"name": "cnn", "cnn_channels": 8},
+        train={"epochs": 4, "batch_size": 16, "progress": False, "precision": precision},
+        machine={"cpu_ranks_per_node": env.world_size},
+    )
+    torch.manual_seed(0)
+    model = place(small_cnn(1, 8, 4), CPU, True)
+    conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+    dtypes = set()
+    conv.register_forward_hook(lambda m, i, out: dtypes.add(out.dtype) if m.training else None)
+    loop = Loop(run, data, env, CPU, model)
+    records = []
+    fit(loop, records.append)
+    return {
+        "activations": dtypes,
+        "params": {p.dtype for p in loop.model.parameters()},
+        "flat": torch.cat([p.detach().flatten() for p in loop.model.parameters()]),
+        "scaler": loop.scaler.is_enabled(),
+        "val_accuracy": records[-1]["val_accuracy"],
+    }
+
+
+def _precisions(env, data):
+    return {p: _bf16_epochs(env, data, p) for p in ("bf16", "fp16", "fp32")}
+
+
+def test_bf16_autocast_on_cpu_ranks_fp16_stays_fp32(tmp_path):
+    """train.precision bf16 on CPU ranks: the convolutions compute in bf16 (autocast), the
+    weights stay fp32, the ranks agree and the model learns as in fp32; fp16 is GPU only
+    (CPU ranks train it in fp32, bitwise the fp32 run, no gradient scaler)."""
+    data = make_data(320, 64)
+    ranks = run_group(2, _precisions, (data,), tmp_path)
+    bf16, fp16, fp32 = (ranks[0][p] for p in ("bf16", "fp16", "fp32"))
+    assert bf16["activations"] == {torch.bfloat16} and bf16["params"] == {torch.float32}
+    assert fp32["activations"] == fp16["activations"] == {torch.float32}
+    assert not bf16["scaler"] and not fp16["scaler"]
+    assert torch.equal(ranks[0]["bf16"]["flat"], ranks[1]["bf16"]["flat"])
+    assert torch.equal(fp16["flat"], fp32["flat"])
+    assert bf16["val_accuracy"] >= fp32["val_accuracy"] - 0.1 and bf16["val_accuracy"] > 0.8

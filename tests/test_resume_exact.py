@@ -18,7 +18,7 @@ import io
 import pytest
 import torch
 from ddpflow.loop import Loop, fit
-from ddpflow.models import build_model
+from ddpflow.models import build_model, place
 from distributed_helpers import make_data, run_group
 from workflow_helpers import make_run
 
@@ -53,6 +53,9 @@ CASES = {
         {"augment": {"enabled": True, "crop_padding": 2}},
         7,
     ),
+    # the layouts and precisions of CPU ranks (the cases above: fp32, channels_last)
+    "cnn_nchw": ({"name": "cnn", "cnn_channels": 16}, {"channels_last": False}, 7),
+    "cnn_bf16": ({"name": "cnn", "cnn_channels": 16}, {"precision": "bf16"}, 7),
     # checkpoints before DDP rebuilt its buckets (static graph: rebuilt one step later)
     "cnn_first_step": ({"name": "cnn", "cnn_channels": 16}, {}, 1),
     "cnn_static_graph_first_step": (
@@ -76,7 +79,7 @@ def _loop(env, case: str) -> Loop:
     run, data = _run(case), make_data(120, 30)
     torch.manual_seed(run["train"]["seed"])  # as TrainTask.work
     model = build_model(run["model"], data["shape"], data["num_classes"])
-    return Loop(run, data, env, CPU, model)
+    return Loop(run, data, env, CPU, place(model, CPU, run["train"]["channels_last"]))
 
 
 def _result(loop: Loop) -> dict:

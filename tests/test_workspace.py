@@ -42,7 +42,7 @@ def _edited(run: dict, path: str, value) -> dict:
         ("train.checkpoint.every_steps", 7),
         ("eval.batch_size", 100),
         # GPU-only settings on CPU ranks (the default config has gpus_per_node: 0)
-        ("train.precision", "bf16"),
+        ("train.precision", "fp16"),  # fp16 is GPU only: CPU ranks train it in fp32
         ("train.deterministic", True),
         ("train.strategy", "zero"),  # the same weights as ddp (tests/test_resume_exact.py)
     ],
@@ -63,6 +63,8 @@ def test_keys_that_cannot_change_the_model_are_not_in_the_training_fingerprint(r
         ("machine.gpus_per_node", 2, "device"),
         # the default CNN's convolutions run NHWC on CPU ranks too
         ("train.channels_last", False, "train.channels_last"),
+        # bf16 autocast acts on CPU ranks too
+        ("train.precision", "bf16", "train.precision"),
     ],
 )
 def test_keys_that_determine_the_model_are(run, path, value, key):

@@ -36,6 +36,7 @@ SECTIONS = ("data", "model", "train", "eval", "machine")
 VOLATILE_TRAIN_KEYS = ("progress", "checkpoint", "max_requeues", "on_nonfinite", "monitor",
                        "strategy", "fsdp", "activation_checkpointing")  # fmt: skip
 # train keys that act on GPUs only: on CPU ranks they change nothing, so nothing retrains.
+# precision acts on CPU ranks when it is bf16 (fp16 and fp32 train in fp32 there).
 # channels_last acts on every device (oneDNN's NHWC convolutions are faster on CPU too), but
 # only on models with convolutions: the built-in MLP has none
 GPU_ONLY_TRAIN_KEYS = ("precision", "deterministic")
@@ -347,6 +348,8 @@ def training_fingerprint(run: dict) -> dict[str, Any]:
     validation loss, whose last bits may depend on eval.batch_size)."""
     gpu = bool(run["machine"]["gpus_per_node"])
     ignored = VOLATILE_TRAIN_KEYS if gpu else VOLATILE_TRAIN_KEYS + GPU_ONLY_TRAIN_KEYS
+    if not gpu and run["train"]["precision"] == "bf16":  # bf16 autocast on CPU ranks too
+        ignored = tuple(key for key in ignored if key != "precision")
     train = {k: v for k, v in run["train"].items() if k not in ignored}
     if not train["augment"]["enabled"]:  # its settings act only when it is on
         del train["augment"]

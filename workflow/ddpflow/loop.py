@@ -91,11 +91,19 @@ def lr_schedule(schedule: str, warmup_steps: int, total_steps: int):
 
 
 def autocast_factory(precision: str, device: torch.device):
-    """A context-manager factory for mixed precision; None means fp32 (always on CPU)."""
-    if precision == "fp32" or device.type != "cuda":
+    """A context-manager factory for mixed precision; None means fp32. bf16 on CUDA and on
+    CPU ranks (oneDNN's bf16 kernels: AMX / AVX512-BF16); fp16 on CUDA only (CPU ranks train
+    it in fp32: fp16 needs loss scaling and few CPUs compute it natively)."""
+    if precision == "fp32" or (precision == "fp16" and device.type != "cuda"):
         return None
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return lambda: torch.autocast("cuda", dtype=dtype)
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether oneDNN computes bf16 in hardware here (AVX512-BF16 or AMX); without it
+    bf16 autocast on a CPU is emulated and slower than fp32."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def wrap_ddp(model: nn.Module, device: torch.device, ddp_cfg: dict) -> DDP:

@@ -24,7 +24,7 @@ from .checkpoint import Checkpointer, Preempted, hand_over_to_requeue, stop_on_s
 from .config import config_hash, evaluation_fingerprint, plugin_source, plugin_source_hash
 from .data import DataError, choose_in_memory, open_split
 from .jobs import published
-from .loop import Loop, fit, sync_buffers
+from .loop import Loop, cpu_has_native_bf16, fit, sync_buffers
 from .models import build_model, count_parameters, place
 from .paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
 from .preflight import run_preflight
@@ -175,6 +175,17 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
                 "train.augment.crop_padding %d on %s images: a random crop can cut away up to "
                 "half of an image; lower it (the CIFAR recipe pads 32x32 images by 4)",
                 augment["crop_padding"], "x".join(map(str, data["shape"][1:])),
+            )  # fmt: skip
+        if (
+            env.local_rank == 0
+            and device.type == "cpu"
+            and run["train"]["precision"] == "bf16"
+            and not cpu_has_native_bf16()
+        ):
+            log.warning(
+                "train.precision bf16 on %s, whose CPU has no bf16 instructions (AMX or "
+                "AVX512-BF16): oneDNN emulates bf16 here, likely slower than fp32; set "
+                "train.precision: fp32 for this machine", socket.gethostname(),
             )  # fmt: skip
         torch.manual_seed(run["train"]["seed"])  # same init everywhere (DDP also broadcasts)
         model = build_model(run["model"], data["shape"], data["num_classes"])
