@@ -310,6 +310,35 @@ def measure(loops: dict, cfg: dict, device, sync) -> dict:
     return out
 
 
+# kernels by what they compute (torch.profiler's self CPU time of aten ops, by name)
+OP_KINDS = {"convolution": ("conv",), "batch_norm": ("batch_norm",),
+            "matmul": ("addmm", "mm", "linear", "bmm")}  # fmt: skip
+
+
+def op_shares(epoch_fn, profile: bool) -> dict | None:
+    """One epoch of ddpflow's loop under torch.profiler (rank 0; the others train along):
+    the share of its ops' self CPU time in convolution, batch norm and matmul kernels, which
+    every loop runs alike, and in everything else (what a loop can still save)."""
+    if not profile:
+        epoch_fn()
+        return None
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    with profiler(activities=[ProfilerActivity.CPU]) as prof:
+        epoch_fn()
+    times = {
+        e.key: e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("aten::")
+    }
+    total = sum(times.values()) or 1.0
+    shares = dict.fromkeys([*OP_KINDS, "other"], 0.0)
+    for name, us in times.items():
+        op = name.removeprefix("aten::")
+        kind = next((k for k, parts in OP_KINDS.items() if any(p in op for p in parts)), "other")
+        shares[kind] += us / total
+    return shares
+
+
 def run_worker(cfg: dict) -> int:
     rank, world = cfg["rank"], cfg["world_size"]
     torch.set_num_threads(cfg["threads"])
@@ -340,6 +369,8 @@ def run_worker(cfg: dict) -> int:
                 variant.clock = clock(device)
         result = measure(loops, cfg, device, sync)
         result["lr"] = loop.lr
+        if cfg["device"] == "cpu":  # where the step's time goes: one more, profiled epoch
+            result["ddpflow"]["op_shares"] = op_shares(ours, profile=rank == 0)
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -556,6 +587,9 @@ def main(argv: list[str] | None = None) -> int:
         report["runs"].append(finish_row(cfg, launch(cfg), peak))
     print(format_table(report["runs"]), flush=True)
     for row in report["runs"]:
+        if shares := row["ddpflow"].get("op_shares"):
+            print(f"# {row['name']}: ddpflow's ops' CPU time: " + ", ".join(
+                f"{kind} {share:.0%}" for kind, share in shares.items()))  # fmt: skip
         if "ddpflow_no_timing" in row:
             rates = {n: row[n]["samples_per_s"] for n in ("ddpflow_no_timing", "ddpflow")}
             rates["ddpflow_sync_timing"] = row["ddpflow_sync_timing"]["samples_per_s"]
