@@ -85,10 +85,15 @@ def test_gpu_only_keys_retrain_gpu_runs(run, path, value):
     assert ddpconfig.describe_changes(before, after).startswith(f"train.{path} ")
 
 
-def test_channels_last_does_not_retrain_a_model_without_convolutions(run):
-    mlp = _edited(run, "model.name", "mlp")
-    before = ddpconfig.training_fingerprint(mlp)
-    assert ddpconfig.training_fingerprint(_edited(mlp, "train.channels_last", False)) == before
+@pytest.mark.parametrize("path, value", [("model.name", "mlp"), ("train.strategy", "fsdp")])
+def test_channels_last_does_not_retrain_where_it_does_not_act(run, path, value):
+    """The MLP has no convolution; fsdp keeps the plain layout (FSDP2 shards contiguous
+    parameters only): on CPU ranks neither retrains when channels_last is edited."""
+    assert run["world_size"] > 1  # fsdp acts from 2 ranks
+    edited = _edited(run, path, value)
+    assert ddpconfig.uses_channels_last(edited) == (path != "train.strategy")
+    before = ddpconfig.training_fingerprint(edited)
+    assert ddpconfig.training_fingerprint(_edited(edited, "train.channels_last", False)) == before
 
 
 def test_describe_changes_is_one_short_line(run):

@@ -353,18 +353,29 @@ def training_fingerprint(run: dict) -> dict[str, Any]:
     train = {k: v for k, v in run["train"].items() if k not in ignored}
     if not train["augment"]["enabled"]:  # its settings act only when it is on
         del train["augment"]
-    if not gpu and run["model"]["name"] in NO_CONV_MODELS:  # no convolution to lay out
-        del train["channels_last"]
+    if not gpu and (run["model"]["name"] in NO_CONV_MODELS or trains_sharded(run)):
+        del train["channels_last"]  # no convolution to lay out, or fsdp's plain layout
     flat = flatten({"data": data_keys(run["data"]), "model": model_settings(run["model"]),
                     "train": train})  # fmt: skip
     if is_own_data(run["data"]["source"]):  # the files' or the plug-in's content too
         flat["dataset_id"] = run["dataset_id"]
-    if run["train"]["strategy"] == "fsdp" and run["world_size"] > 1:
+    if trains_sharded(run):
         fsdp = {"strategy": "fsdp", "fsdp": run["train"]["fsdp"]}
         flat.update(flatten({"train": fsdp}))
     flat["world_size"] = run["world_size"]
     flat["device"] = "cuda" if gpu else "cpu"
     return flat
+
+
+def trains_sharded(run: dict) -> bool:
+    """Whether the run trains under fsdp (a 1-rank run trains as ddp)."""
+    return run["train"]["strategy"] == "fsdp" and run["world_size"] > 1
+
+
+def uses_channels_last(run: dict) -> bool:
+    """train.channels_last, except under fsdp: FSDP2 shards contiguous parameters only.
+    Training and both evaluations lay the model out alike, so that they score alike."""
+    return run["train"]["channels_last"] and not trains_sharded(run)
 
 
 BUILT_IN_MODELS = {"mlp": ("mlp_hidden",), "cnn": ("cnn_channels",), "resnet18": (),
@@ -554,7 +565,7 @@ def run_warnings(run: dict, launcher: str) -> list[str]:
             f"{where}: data.max_train_samples {samples} is less than one global batch "
             f"({global_batch}): every epoch is a single optimizer step on {samples} sample(s)"
         )
-    if train["strategy"] == "fsdp" and run["world_size"] > 1:
+    if trains_sharded(run):
         defaults = validate({})["train"]["ddp"]
         changed = sorted(k for k, v in train["ddp"].items() if v != defaults[k])
         if changed:

@@ -21,7 +21,14 @@ import torch.distributed as dist
 
 from . import distenv, evaluate, feed, monitor, runtime
 from .checkpoint import Checkpointer, Preempted, hand_over_to_requeue, stop_on_signal
-from .config import config_hash, evaluation_fingerprint, plugin_source, plugin_source_hash
+from .config import (
+    config_hash,
+    evaluation_fingerprint,
+    plugin_source,
+    plugin_source_hash,
+    trains_sharded,
+    uses_channels_last,
+)
 from .data import DataError, choose_in_memory, open_split
 from .jobs import published
 from .loop import Loop, cpu_has_native_bf16, fit, sync_buffers
@@ -189,8 +196,8 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             )  # fmt: skip
         torch.manual_seed(run["train"]["seed"])  # same init everywhere (DDP also broadcasts)
         model = build_model(run["model"], data["shape"], data["num_classes"])
-        sharded = run["train"]["strategy"] == "fsdp" and env.world_size > 1
-        model = place(model, device, run["train"]["channels_last"], move=not sharded)
+        sharded = trains_sharded(run)
+        model = place(model, device, uses_channels_last(run), move=not sharded)
         loop = Loop(run, data, env, device, model)
         ckpt = Checkpointer(run, paths.work, env)
         live_metrics = Path(paths.work) / LIVE_METRICS
@@ -420,7 +427,7 @@ class EvalTask(DistributedTask):
         checkpoint = torch.load(paths.model, map_location=device, weights_only=True)
         model = build_model(checkpoint["model"], checkpoint["shape"], checkpoint["num_classes"])
         model.load_state_dict(checkpoint["state_dict"])
-        model = place(model, device, run["train"]["channels_last"])
+        model = place(model, device, uses_channels_last(run))
         result = evaluate.evaluate_split(
             model,
             images,
