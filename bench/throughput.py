@@ -588,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(report["runs"]), flush=True)
     for row in report["runs"]:
         if shares := row["ddpflow"].get("op_shares"):
-            print(f"# {row['name']}: ddpflow's ops' CPU time: " + ", ".join(
+            print(f"# {row['name']} x{row['world_size']}: ddpflow's ops' CPU time: " + ", ".join(
                 f"{kind} {share:.0%}" for kind, share in shares.items()))  # fmt: skip
         if "ddpflow_no_timing" in row:
             rates = {n: row[n]["samples_per_s"] for n in ("ddpflow_no_timing", "ddpflow")}
