@@ -306,6 +306,9 @@ def test_suspicious_settings_are_warned_about():
     (crowded,) = _warnings({"machine": {"cpu_ranks_per_node": 4096}})
     assert "cpu_ranks_per_node 4096" in crowded and "cores" in crowded
     assert _warnings({"launcher": "slurm", "machine": {"cpu_ranks_per_node": 4096}}) == []
+    (fp16,) = _warnings({"train": {"precision": "fp16"}})
+    assert "train.precision fp16 on CPU ranks" in fp16 and "train.precision: bf16" in fp16
+    assert _warnings({"train": {"precision": "bf16"}}) == []  # acts on CPU ranks
 
 
 def test_a_batch_larger_than_a_ranks_share_is_refused():

@@ -558,6 +558,11 @@ def run_warnings(run: dict, launcher: str) -> list[str]:
             f"{train['epochs']}: the learning rate only reaches {reached:.0%} of its value; "
             "lower warmup_epochs"
         )
+    if train["precision"] == "fp16" and not machine["gpus_per_node"]:
+        out.append(
+            f"{where}: train.precision fp16 on CPU ranks (machine.gpus_per_node 0) trains in "
+            "fp32: fp16 is for GPUs; for mixed precision on a CPU set train.precision: bf16"
+        )
     samples = run["data"]["max_train_samples"]
     global_batch = train["batch_size"] * train["grad_accum_steps"] * run["world_size"]
     if samples is not None and samples < global_batch:
