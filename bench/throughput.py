@@ -317,8 +317,11 @@ OP_KINDS = {"convolution": ("conv",), "batch_norm": ("batch_norm",),
 
 def op_shares(epoch_fn, profile: bool) -> dict | None:
     """One epoch of ddpflow's loop under torch.profiler (rank 0; the others train along):
-    the share of its ops' self CPU time in convolution, batch norm and matmul kernels, which
-    every loop runs alike, and in everything else (what a loop can still save)."""
+    the shares of its wall time spent in convolution, batch-norm and matmul kernels (which
+    every loop runs alike), in other aten ops, and outside any op: Python, and waiting for
+    the gradient all-reduce, which gloo runs on its own thread (the inherent cost of
+    communication on this machine; what a loop could still save is in "other" and part of
+    "outside")."""
     if not profile:
         epoch_fn()
         return None
@@ -326,16 +329,17 @@ def op_shares(epoch_fn, profile: bool) -> dict | None:
     from torch.profiler import profile as profiler
 
     with profiler(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
         epoch_fn()
-    times = {
-        e.key: e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("aten::")
-    }
-    total = sum(times.values()) or 1.0
-    shares = dict.fromkeys([*OP_KINDS, "other"], 0.0)
-    for name, us in times.items():
-        op = name.removeprefix("aten::")
-        kind = next((k for k, parts in OP_KINDS.items() if any(p in op for p in parts)), "other")
-        shares[kind] += us / total
+        wall_us = (time.perf_counter() - start) * 1e6
+    shares = dict.fromkeys([*OP_KINDS, "other_ops"], 0.0)
+    for event in prof.key_averages():
+        if event.key.startswith("aten::"):
+            op = event.key.removeprefix("aten::")
+            kind = next((k for k, parts in OP_KINDS.items() if any(p in op for p in parts)),
+                        "other_ops")  # fmt: skip
+            shares[kind] += event.self_cpu_time_total / wall_us
+    shares["outside_ops"] = max(0.0, 1.0 - sum(shares.values()))
     return shares
 
 
@@ -588,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(report["runs"]), flush=True)
     for row in report["runs"]:
         if shares := row["ddpflow"].get("op_shares"):
-            print(f"# {row['name']} x{row['world_size']}: ddpflow's ops' CPU time: " + ", ".join(
+            print(f"# {row['name']} x{row['world_size']}: ddpflow's epoch time in: " + ", ".join(
                 f"{kind} {share:.0%}" for kind, share in shares.items()))  # fmt: skip
         if "ddpflow_no_timing" in row:
             rates = {n: row[n]["samples_per_s"] for n in ("ddpflow_no_timing", "ddpflow")}
