@@ -300,18 +300,24 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(ddp_results):
 # --- channels_last on CPU ranks ---------------------------------------------------------------
 
 
-def _cnn_epoch(env, data, channels_last: bool):
-    import warnings
-
+def _small_cnn(env, epochs: int, **train) -> tuple[dict, torch.nn.Module]:
+    """A run of the built-in CNN (8 channels) on this group's ranks, and its model placed as
+    TrainTask places it."""
     from ddpflow.models import place, small_cnn
 
     run = make_run(
         model={"name": "cnn", "cnn_channels": 8},
-        train={"epochs": 1, "batch_size": 16, "progress": False, "channels_last": channels_last},
+        train={"epochs": epochs, "batch_size": 16, "progress": False, **train},
         machine={"cpu_ranks_per_node": env.world_size},
     )
     torch.manual_seed(0)
-    model = place(small_cnn(1, 8, 4), CPU, channels_last)
+    return run, place(small_cnn(1, 8, 4), CPU, run["train"]["channels_last"])
+
+
+def _cnn_epoch(env, data, channels_last: bool):
+    import warnings
+
+    run, model = _small_cnn(env, 1, channels_last=channels_last)
     conv = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)][-1]
     grads_nhwc = []
     conv.weight.register_post_accumulate_grad_hook(
@@ -355,15 +361,7 @@ def test_channels_last_on_cpu_ranks_trains_the_same_model_in_nhwc(tmp_path):
 
 
 def _bf16_epochs(env, data, precision: str):
-    from ddpflow.models import place, small_cnn
-
-    run = make_run(
-        model={"name": "cnn", "cnn_channels": 8},
-        train={"epochs": 4, "batch_size": 16, "progress": False, "precision": precision},
-        machine={"cpu_ranks_per_node": env.world_size},
-    )
-    torch.manual_seed(0)
-    model = place(small_cnn(1, 8, 4), CPU, True)
+    run, model = _small_cnn(env, 4, precision=precision)
     conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
     dtypes = set()
     conv.register_forward_hook(lambda m, i, out: dtypes.add(out.dtype) if m.training else None)
