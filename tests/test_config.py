@@ -297,7 +297,7 @@ def _warnings(config: dict) -> list[str]:
     return [w for run in runs for w in ddpconfig.run_warnings(run, checked["launcher"])]
 
 
-def test_suspicious_settings_are_warned_about():
+def test_suspicious_settings_are_warned_about(monkeypatch):
     assert _warnings({}) == []  # the shipped defaults are not suspicious
     (warmup,) = _warnings({"train": {"warmup_epochs": 50, "epochs": 3}})
     assert "train.warmup_epochs 50 is more than train.epochs 3" in warmup and "6%" in warmup
@@ -308,7 +308,21 @@ def test_suspicious_settings_are_warned_about():
     assert _warnings({"launcher": "slurm", "machine": {"cpu_ranks_per_node": 4096}}) == []
     (fp16,) = _warnings({"train": {"precision": "fp16"}})
     assert "train.precision fp16 on CPU ranks" in fp16 and "train.precision: bf16" in fp16
-    assert _warnings({"train": {"precision": "bf16"}}) == []  # acts on CPU ranks
+    bf16 = {"train": {"precision": "bf16"}}  # acts on CPU ranks
+    assert _warnings(bf16) == [] or not ddpconfig.cpu_computes_bf16()
+    monkeypatch.setattr(ddpconfig, "cpu_computes_bf16", lambda: False)
+    (emulated,) = _warnings(bf16)
+    assert "no bf16 instructions" in emulated and "train.precision: fp32" in emulated
+    assert _warnings({**bf16, "launcher": "slurm"}) == []  # the nodes' CPUs are not this one
+
+
+def test_bf16_instructions_are_read_from_cpuinfo(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f\n")
+    assert not ddpconfig.cpu_computes_bf16(str(cpuinfo))
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_tile\n")
+    assert ddpconfig.cpu_computes_bf16(str(cpuinfo))
+    assert ddpconfig.cpu_computes_bf16(str(tmp_path / "missing"))  # unknown: no warning
 
 
 def test_a_batch_larger_than_a_ranks_share_is_refused():

@@ -589,7 +589,24 @@ def run_warnings(run: dict, launcher: str) -> list[str]:
                 f"fewer would; set cpu_ranks_per_node to at most "
                 f"{max(1, cores // machine['cpus_per_task'])}"
             )
+        if train["precision"] == "bf16" and not cpu_computes_bf16():
+            out.append(
+                f"{where}: train.precision bf16, but this machine's CPU has no bf16 "
+                "instructions (AMX or AVX512-BF16 in /proc/cpuinfo): oneDNN would emulate "
+                "bf16, likely slower than fp32; set train.precision: fp32"
+            )
     return out
+
+
+def cpu_computes_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this machine's CPU has bf16 instructions (read without importing torch;
+    the ranks ask oneDNN itself, loop.cpu_has_native_bf16). True where unknown."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return True
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), None)
+    return flags is None or bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
 
 
 def check_batch_fits(run: dict, train_samples: int) -> None:
