@@ -102,6 +102,11 @@ def test_describe_changes_is_one_short_line(run):
         ddpconfig.training_fingerprint(run), ddpconfig.training_fingerprint(edited)
     )
     assert text == "train.optimizer.lr 0.05 -> 0.02, world_size 2 -> 4"
+    mlp = _edited(run, "model.name", "mlp")  # channels_last acts on the CNN, not the MLP
+    text = ddpconfig.describe_changes(
+        ddpconfig.training_fingerprint(mlp), ddpconfig.training_fingerprint(run)
+    )
+    assert "train.channels_last (not in effect) -> true" in text, text
 
 
 def _checkpoint(work, step: int) -> None:

@@ -432,12 +432,17 @@ def as_params(fingerprint: dict[str, Any]) -> list[str]:
 
 
 def describe_changes(old: dict[str, Any], new: dict[str, Any]) -> str:
-    """'train.optimizer.lr 0.05 -> 0.02, world_size 2 -> 4' (empty when nothing changed)."""
-    keys = sorted(set(old) | set(new))
-    missing = "<unset>"
+    """'train.optimizer.lr 0.05 -> 0.02, world_size 2 -> 4' (empty when nothing changed). A
+    key on one side only did not act on the other (augmentation off, a key a model or device
+    ignores, or one that an older ddpflow did not apply): '(not in effect)'."""
+    missing = object()
+
+    def shown(value) -> str:
+        return "(not in effect)" if value is missing else json.dumps(value)
+
     return ", ".join(
-        f"{key} {json.dumps(old.get(key, missing))} -> {json.dumps(new.get(key, missing))}"
-        for key in keys
+        f"{key} {shown(old.get(key, missing))} -> {shown(new.get(key, missing))}"
+        for key in sorted(set(old) | set(new))
         if old.get(key, missing) != new.get(key, missing)
     )
 
