@@ -488,8 +488,12 @@ def format_table(rows: list[dict]) -> str:
     target = " target" if base == "lightning" else ""
     lines = [
         f"# training throughput, {first['device']}, "
-        + ("ddpflow bf16, raw fp32, " if first["device"] == "cuda" else f"{first['precision']}, ")
-        + f"peers {'channels_last' if first['peer_channels_last'] else 'NCHW'}, "
+        + (
+            "ddpflow bf16, raw fp32, "
+            if first["device"] == "cuda"
+            else f"{first.get('precision', 'fp32')}, "
+        )
+        + f"peers {'channels_last' if first.get('peer_channels_last') else 'NCHW'}, "
         f"batch {first['batch']}/rank; median of "
         f"{first['repeats']} epochs after {first['warmup']} warmup; slowest rank",
         f"{'case':<{w}} {'world':>5} {'threads':>7} {'samples':>7} | {short + ' samp/s':>12} "

@@ -49,6 +49,11 @@ def test_throughput_tiny_run_writes_complete_json(tmp_path):
         assert len(row[loop]["all"]) == 1
         assert math.isfinite(row[loop]["samples_per_s"])
     assert set(row["ddpflow"]["phase_seconds_per_step"]) >= {"data", "forward", "optimizer"}
+    # the profiled epoch's split of wall time: the MLP's time is in matmuls and other ops
+    shares = row["ddpflow"]["op_shares"]
+    assert set(shares) == {"convolution", "batch_norm", "matmul", "other_ops", "outside_ops"}
+    assert shares["convolution"] == 0 and shares["matmul"] > 0
+    assert sum(shares.values()) == pytest.approx(1.0)
     assert math.isfinite(row["speedup"])
     assert row["train_flops_per_sample"] > 0
 
