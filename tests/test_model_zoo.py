@@ -194,3 +194,32 @@ def test_a_bad_plugin_fails_before_any_job_is_submitted(workdir):
     assert (workdir / "results/staged").exists()  # staging ran; no training job was submitted
     assert not list((workdir / "logs").rglob("*_submitted.pkl"))
     assert not (workdir / "results/runs/flat/model.pt").exists()
+
+
+def test_a_model_whose_forward_fails_in_channels_last_is_refused_naming_the_fix(in_workdir):
+    """A tutorial-style .view() of a convolution's output works in NCHW and fails in the
+    channels_last layout that ddpflow gives convolutional models (on CPUs too, since they
+    train faster that way): refused before submission, naming both fixes."""
+    (in_workdir / "view_model.py").write_text(
+        "from torch import nn\n\n\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self, channels, num_classes):\n"
+        "        super().__init__()\n"
+        "        self.conv = nn.Conv2d(channels, 4, 3, padding=1)\n"
+        "        self.fc = nn.Linear(4 * 8 * 8, num_classes)\n\n"
+        "    def forward(self, x):\n"
+        "        return self.fc(self.conv(x).view(x.shape[0], -1))\n\n\n"
+        "def build(input_shape, num_classes):\n"
+        "    return Net(input_shape[0], num_classes)\n"
+    )
+    cfg = {"name": "view_model:build"}
+    assert check_model(cfg, DIGITS, 10) > 0  # NCHW: fine
+    with pytest.raises(ModelError) as err:
+        check_model(cfg, DIGITS, 10, channels_last=True)
+    message = str(err.value)
+    assert "'view_model:build'" in message and "channels_last" in message
+    assert ".reshape()" in message and "train.channels_last: false" in message
+    # the shipped example plug-in and a torchvision model run in channels_last
+    shutil.copy(REPO / "config/examples/my_model.py", in_workdir / "my_model.py")
+    assert check_model({"name": "my_model:build"}, DIGITS, 10, channels_last=True) > 0
+    assert check_model({"name": "resnet18"}, DIGITS, 10, channels_last=True) > 0

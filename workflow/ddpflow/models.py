@@ -94,10 +94,14 @@ def _adapt_input_channels(model: nn.Module, channels: int) -> None:
                 return
 
 
-def check_model(model_cfg: dict, shape: list[int], num_classes: int) -> int:
+def check_model(
+    model_cfg: dict, shape: list[int], num_classes: int, channels_last: bool = False
+) -> int:
     """Build the model on the CPU and run one forward of two dummy samples: a factory that
     fails, a model that cannot take the data's shape, or logits of the wrong width are
-    refused here, before any job is queued. Returns the parameter count."""
+    refused here, before any job is queued. channels_last (the run's layout): a model with
+    convolutions runs once more in that layout, where a .view() of a convolution's output
+    fails. Returns the parameter count."""
     model = build_model(model_cfg, shape, num_classes)
     name = model_cfg["name"]
     for mode in ("training", "evaluation"):  # some models answer differently in each
@@ -118,6 +122,18 @@ def check_model(model_cfg: dict, shape: list[int], num_classes: int) -> int:
             raise ModelError(f"model.name {name!r}: in {mode} mode the model returns "
                              f"{tuple(out.shape)} for 2 samples; expected logits of shape "
                              f"(2, {num_classes}), one per class")  # fmt: skip
+    if channels_last:
+        place(model, torch.device("cpu"), True, move=False)  # a no-op without convolutions
+        try:
+            with torch.no_grad():
+                model(torch.zeros(2, *shape))
+        except Exception as err:
+            raise ModelError(f"model.name {name!r}: its forward fails in the channels_last "
+                             f"layout that train.channels_last: true gives models with "
+                             f"convolutions ({type(err).__name__}: {err}); in the model use "
+                             f".reshape() or torch.flatten() where it calls .view() on a "
+                             f"convolution's output, or set train.channels_last: false"
+                             ) from err  # fmt: skip
     return count_parameters(model)
 
 

@@ -18,6 +18,7 @@ from .config import (
     config_hash,
     evaluation_fingerprint,
     training_fingerprint,
+    uses_channels_last,
 )
 from .errors import UserError
 from .jobs import EvalJob, TrainJob, published
@@ -154,7 +155,8 @@ def _check_user_model(run: dict, manifest: dict) -> None:
         return
     from .models import check_model
 
-    parameters = check_model(run["model"], manifest["shape"], manifest["num_classes"])
+    parameters = check_model(run["model"], manifest["shape"], manifest["num_classes"],
+                             uses_channels_last(run))  # fmt: skip
     log.info("model %r: %s parameters; one forward of [N, %s] gave %d logits per sample",
              run["model"]["name"], f"{parameters:,}", ", ".join(map(str, manifest["shape"])),
              manifest["num_classes"])  # fmt: skip
