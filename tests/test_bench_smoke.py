@@ -227,3 +227,22 @@ def test_data_tiny_run_writes_complete_json(tmp_path):
     assert whole["images"] == 300 and 0 < quarter["images"] < 300
     assert whole["peak_rss_bytes"] >= whole["constant_rss_bytes"] > 0
     assert list(tmp_path.glob("ddpflow-bench-data-*")) == []  # the folders are removed
+
+
+def test_layout_tiny_run_writes_complete_json(tmp_path):
+    """bench/layout.py: the CPU step in fp32 NCHW, fp32 channels_last and bf16 channels_last,
+    each model built as ddpflow builds it (no timing asserted)."""
+    out = tmp_path / "layout.json"
+    cmd = [sys.executable, str(REPO / "bench" / "layout.py"), "--cases", "cnn:1x8x8", "mlp:1x8x8"]
+    cmd += ["--steps", "1", "--repeats", "2", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "bf16 CL ms" in result.stdout
+    report = json.loads(out.read_text())
+    assert {"hostname", "cpu_model", "cpu_bf16_instructions"} <= set(report["machine"])
+    assert [r["case"] for r in report["runs"]] == ["cnn:1x8x8", "mlp:1x8x8"]
+    for row in report["runs"]:
+        assert set(row["step_s"]) == {"fp32_nchw", "fp32_channels_last", "bf16_channels_last"}
+        assert all(len(times) == 2 for times in row["all_step_s"].values())
+        assert row["speedup_vs_fp32_nchw"]["fp32_nchw"] == 1.0
+        assert all(math.isfinite(s) and s > 0 for s in row["step_s"].values())
