@@ -182,8 +182,8 @@ def small_resnet(name: str, in_channels: int, num_classes: int) -> nn.Module:
 
 def place(model: nn.Module, device: torch.device, channels_last: bool, move=True) -> nn.Module:
     """Move the model to its device; convolutional models in channels_last: cuDNN and oneDNN
-    then pick their NHWC kernels (the inputs follow the weights' layout; on a CPU 1.2x the
-    small CNN's training step, 1.04x ResNet-18's, bench/README.md). move=False (strategy
+    then pick their NHWC kernels (the inputs follow the weights' layout; on a CPU mostly
+    faster, not for ResNets on tiny images: bench/layout.py). move=False (strategy
     fsdp): the model stays in host memory, and fully_shard moves it block by block, already
     sharded, so that the whole model never has to fit on one device."""
     if move:
