@@ -92,8 +92,9 @@ def lr_schedule(schedule: str, warmup_steps: int, total_steps: int):
 
 def autocast_factory(precision: str, device: torch.device):
     """A context-manager factory for mixed precision; None means fp32. bf16 on CUDA and on
-    CPU ranks (oneDNN's bf16 kernels: AMX / AVX512-BF16; bench/layout.py); fp16 on CUDA only (CPU ranks train
-    it in fp32: fp16 needs loss scaling and few CPUs compute it natively)."""
+    CPU ranks (oneDNN's bf16 kernels: AMX / AVX512-BF16; bench/layout.py); fp16 on CUDA
+    only (CPU ranks train it in fp32: fp16 needs loss scaling and few CPUs compute it
+    natively)."""
     if precision == "fp32" or (precision == "fp16" and device.type != "cuda"):
         return None
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
