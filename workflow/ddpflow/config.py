@@ -24,6 +24,7 @@ import jsonschema
 import yaml
 
 from .errors import UserError
+from .runtime import usable_cores
 from .slurm_parse import parse_slurm_time
 
 SCHEMA = "config.schema.yaml"  # package data: found by importlib.resources in any install
@@ -584,7 +585,7 @@ def run_warnings(run: dict, launcher: str) -> list[str]:
                 "does not use DistributedDataParallel: these settings are ignored"
             )
     if launcher == "local" and not machine["gpus_per_node"]:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        cores = usable_cores()
         wanted = machine["cpu_ranks_per_node"] * machine["cpus_per_task"]
         if cores and wanted > cores:
             out.append(

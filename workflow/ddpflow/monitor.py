@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import runtime
 from .rankstats import MEAN_KEYS, rank_summary, stragglers
 
 log = logging.getLogger(__name__)
@@ -96,14 +97,11 @@ def open_gpu(device: torch.device, rank: int) -> _Gpu | None:
         return None
 
 
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
 def _cpu_percent(cpu_s: float, wall_s: float) -> float:
     """100 = one core busy, at most every core this process may run on: the kernel brings a
     running thread's CPU time up to date only at its scheduler ticks, so over a short window
     (the CI machine, busy, 50 ms) the sum read a few ms ahead and gave 2 cores 210%."""
-    return min(100 * cpu_s / max(wall_s, 1e-9), 100.0 * (CORES or 1))
+    return min(100 * cpu_s / max(wall_s, 1e-9), 100.0 * runtime.usable_cores())
 
 
 class SystemSampler:

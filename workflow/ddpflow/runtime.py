@@ -20,6 +20,14 @@ log = logging.getLogger(__name__)
 PHASES = ("data", "forward", "backward_sync", "optimizer")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a Slurm task's allocation), else
+    the machine's count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def setup_logging(rank: int | None = None, level: int = logging.INFO) -> None:
     """Every line says which rank and host wrote it (interleaved multi-rank logs stay readable)."""
     prefix = f"[rank {rank} {socket.gethostname()}] " if rank is not None else ""
