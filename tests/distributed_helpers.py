@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-MAX_RANKS = 3
+MAX_RANKS = 4
 PG_TIMEOUT_S = 30  # a deadlocked collective fails after this instead of hanging the suite
 LAUNCH_TIMEOUT_S = 120
 _JOB_IDS = itertools.count(1)

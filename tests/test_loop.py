@@ -3,8 +3,6 @@ DDP loop itself (a real 2-rank gloo group for gradient accumulation with no_sync
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from ddpflow.distenv import DistEnv
@@ -12,14 +10,15 @@ from ddpflow.loop import (
     Diverged,
     Loop,
     effective_lr,
-    epoch_indices,
     fit,
     lr_schedule,
     make_optimizer,
+    micro_batch_seed,
+    rank_micro_batches,
+    step_micro_batches,
 )
 from ddpflow.models import mlp
 from distributed_helpers import make_data, run_group
-from torch.utils.data import DistributedSampler
 from workflow_helpers import make_run
 
 CPU = torch.device("cpu")
@@ -37,59 +36,66 @@ SINGLE = DistEnv(
 )
 
 
-# --- epoch_indices: the DistributedSampler contract -------------------------------------------
+# --- the data order: the science's, the same at every world size ----------------------------
 
 
-def _sampler_order(n, world, rank, seed, epoch) -> list[int]:
-    sampler = DistributedSampler(range(n), world, rank, shuffle=True, seed=seed, drop_last=False)
-    sampler.set_epoch(epoch)
-    return list(sampler)
+@pytest.mark.parametrize(("n", "global_batch", "micro"), [(64, 16, 4), (100, 32, 8), (37, 8, 8)])
+def test_step_micro_batches_cut_one_shuffle_into_whole_steps(n, global_batch, micro):
+    for seed, epoch in [(0, 0), (7, 3)]:
+        batches = step_micro_batches(n, global_batch, micro, seed, epoch)
+        steps = n // global_batch
+        assert batches.shape == (steps, global_batch // micro, micro)
+        seen = batches.flatten().tolist()
+        assert len(set(seen)) == len(seen) == steps * global_batch  # no repeats, no padding
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+        assert seen == order[: steps * global_batch].tolist()  # one shuffle, cut in order
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("n", [2, 5, 10, 37, 1001])
-def test_epoch_indices_equal_distributed_sampler(n, world):
-    for seed in (0, 7):
-        for epoch in (0, 1, 5):
-            for rank in range(world):
-                ours = epoch_indices(n, world, rank, seed, epoch).tolist()
-                assert ours == _sampler_order(n, world, rank, seed, epoch)
+def test_step_micro_batches_reshuffle_per_epoch_and_repeat_per_seed():
+    first = step_micro_batches(1001, 32, 8, seed=0, epoch=0)
+    assert torch.equal(first, step_micro_batches(1001, 32, 8, seed=0, epoch=0))
+    assert not torch.equal(first, step_micro_batches(1001, 32, 8, seed=0, epoch=1))
+    assert not torch.equal(first, step_micro_batches(1001, 32, 8, seed=1, epoch=0))
+    # the samples left over by the cut differ per epoch: no sample always sits out
+    left_over = [set(range(1001)) - set(step_micro_batches(1001, 32, 8, 0, e).flatten().tolist())
+                 for e in range(4)]  # fmt: skip
+    assert all(len(s) == 1001 % 32 for s in left_over) and len(set.union(*left_over)) > 1001 % 32
 
 
-@pytest.mark.parametrize(("n", "world"), [(10, 3), (37, 4), (1001, 2), (64, 2)])
-def test_epoch_indices_cover_everything_in_equal_shares(n, world):
-    shards = [epoch_indices(n, world, r, seed=3, epoch=2) for r in range(world)]
-    assert {len(s) for s in shards} == {math.ceil(n / world)}  # equal steps on every rank
-    seen = torch.cat(shards).tolist()
-    assert set(seen) == set(range(n))
-    assert len(seen) - n == (-n) % world  # only the padding repeats
-
-
-def test_epoch_indices_reshuffle_per_epoch_and_repeat_per_seed():
-    first = epoch_indices(1001, 2, 0, seed=0, epoch=0)
-    assert torch.equal(first, epoch_indices(1001, 2, 0, seed=0, epoch=0))
-    assert not torch.equal(first, epoch_indices(1001, 2, 0, seed=0, epoch=1))
-    assert not torch.equal(first, epoch_indices(1001, 2, 0, seed=1, epoch=0))
-
-
-@pytest.mark.parametrize(("n", "world"), [(1, 3), (2, 5)])
-def test_epoch_indices_with_more_than_twice_as_many_ranks_as_samples(n, world):
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_ranks_split_each_step_into_the_same_micro_batches_at_any_world_size(world):
+    batches = step_micro_batches(200, 64, 8, seed=3, epoch=1)  # 3 steps of 8 micro-batches
+    accum = 8 // world
+    computed = {}  # (step, micro) -> indices, from every rank's own list
     for rank in range(world):
-        assert epoch_indices(n, world, rank, 0, 0).tolist() == _sampler_order(n, world, rank, 0, 0)
+        mine = rank_micro_batches(batches, world, rank)
+        assert mine.shape == (3 * accum, 8)
+        for index, indices in enumerate(mine):
+            step, within = divmod(index, accum)
+            computed[(step, rank * accum + within)] = indices.tolist()
+    assert computed == {(s, j): batches[s, j].tolist() for s in range(3) for j in range(8)}
+
+
+def test_micro_batch_seeds_depend_on_the_micro_batch_alone():
+    seeds = {micro_batch_seed(0, e, s, j) for e in range(2) for s in range(3) for j in range(4)}
+    assert len(seeds) == 24
+    assert micro_batch_seed(0, 1, 2, 3) == micro_batch_seed(0, 1, 2, 3)
+    assert micro_batch_seed(0, 1, 2, 3) != micro_batch_seed(1, 1, 2, 3)
 
 
 # --- learning rate and optimizers -------------------------------------------------------------
 
 
-def test_effective_lr_scales_with_the_global_batch():
-    train = make_run(train={"batch_size": 32, "grad_accum_steps": 2, "base_batch_size": 64})[
-        "train"
-    ]
+def test_effective_lr_scales_with_the_global_batch_not_the_world_size():
+    train = make_run(
+        train={"global_batch_size": 256, "micro_batch_size": 32, "base_batch_size": 64}
+    )["train"]
     lr = train["optimizer"]["lr"]
-    expected = {"none": lr, "linear": lr * 4.0, "sqrt": lr * 2.0}  # global 32*2*4 = 4 x 64
+    expected = {"none": lr, "linear": lr * 4.0, "sqrt": lr * 2.0}  # global 256 = 4 x 64
     for scaling, value in expected.items():
-        assert effective_lr({**train, "lr_scaling": scaling}, world=4) == pytest.approx(value)
-    assert effective_lr({**train, "lr_scaling": "linear"}, world=1) == pytest.approx(lr)
+        assert effective_lr({**train, "lr_scaling": scaling}) == pytest.approx(value)
+    at_base = {**train, "global_batch_size": 64, "lr_scaling": "linear"}
+    assert effective_lr(at_base) == pytest.approx(lr)
 
 
 def test_lr_schedule_warmup_then_cosine_to_zero():
@@ -140,7 +146,13 @@ def test_single_rank_loop_learns():
     torch.manual_seed(0)
     run = make_run(
         model={"name": "mlp", "mlp_hidden": [32]},
-        train={"epochs": 4, "batch_size": 16, "progress": False, "lr_scaling": "none"},
+        train={
+            "epochs": 4,
+            "global_batch_size": 16,
+            "micro_batch_size": 16,
+            "progress": False,
+            "lr_scaling": "none",
+        },  # fmt: skip
         eval={"batch_size": 50},
         machine={"cpu_ranks_per_node": 1},
     )
@@ -153,8 +165,8 @@ def test_single_rank_loop_learns():
     assert len(records) == 4 and [r["epoch"] for r in records] == [1, 2, 3, 4]
     assert losses[-1] < 0.5 * losses[0], losses
     assert records[-1]["val_accuracy"] > 0.9
-    assert records[-1]["step"] == loop.steps_per_epoch * 4 == math.ceil(200 / 16) * 4
-    assert all(r["samples"] == 200 and r["micro_steps"] == 13 for r in records)
+    assert records[-1]["step"] == loop.steps_per_epoch * 4 == (200 // 16) * 4
+    assert all(r["samples"] == 192 and r["micro_steps"] == 12 for r in records)
     assert records[-1]["lr"] == pytest.approx(0.0, abs=1e-3 * loop.lr)  # cosine ran out
 
 
@@ -166,7 +178,8 @@ def _huge_lr_run(on_nonfinite: str, world: int = 1) -> dict:
         model={"name": "mlp", "mlp_hidden": [32]},
         train={
             "epochs": 3,
-            "batch_size": 16,
+            "global_batch_size": 16 * world,
+            "micro_batch_size": 16,
             "progress": False,
             "warmup_epochs": 0,
             "optimizer": {"lr": 1e12},
@@ -227,20 +240,25 @@ def test_a_rank_whose_loss_is_not_finite_stops_every_rank_at_that_step(tmp_path)
 
 # --- two real DDP ranks: accumulation with no_sync == one large batch ---------------------------
 
-# (case, n_train, per-rank batch, grad_accum_steps); each pair sees the same samples per
-# optimizer step with the same global batch, hence the same scaled lr
+# (case, n_train, global batch, micro-batch) at 2 ranks; each pair sees the same samples per
+# optimizer step with the same global batch, hence the same lr
 ACCUMULATION_CASES = [
-    ("one_step_accum", 32, 8, 2),
-    ("one_step_large", 32, 16, 1),
-    ("two_steps_accum", 48, 8, 2),  # 3 micro-batches per rank: the last group is short
-    ("two_steps_large", 48, 16, 1),
+    ("one_step_accum", 32, 32, 8),  # 2 micro-batches per rank and step
+    ("one_step_large", 32, 32, 16),
+    ("two_steps_accum", 64, 32, 8),
+    ("two_steps_large", 64, 32, 16),
 ]
 
 
-def _one_epoch(env, data, batch, accum) -> tuple[torch.Tensor, int]:
+def _one_epoch(env, data, global_batch, micro) -> tuple[torch.Tensor, int]:
     run = make_run(
         model={"name": "mlp", "mlp_hidden": [16]},
-        train={"epochs": 1, "batch_size": batch, "grad_accum_steps": accum, "progress": False},
+        train={
+            "epochs": 1,
+            "global_batch_size": global_batch,
+            "micro_batch_size": micro,
+            "progress": False,
+        },  # fmt: skip
         machine={"cpu_ranks_per_node": env.world_size},
     )
     torch.manual_seed(0)  # the same initial weights on every rank and in every case
@@ -256,15 +274,15 @@ def _one_epoch(env, data, batch, accum) -> tuple[torch.Tensor, int]:
 
 def _accumulation_on_rank(env, datasets):
     out = {}
-    for name, n, batch, accum in ACCUMULATION_CASES:
-        flat, steps, no_sync_calls = _one_epoch(env, datasets[n], batch, accum)
+    for name, n, global_batch, micro in ACCUMULATION_CASES:
+        flat, steps, no_sync_calls = _one_epoch(env, datasets[n], global_batch, micro)
         out[name] = {"params": flat, "steps": steps, "no_sync": no_sync_calls}
     return out
 
 
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
-    datasets = {n: make_data(n, 8, seed=n) for n in (32, 48)}
+    datasets = {n: make_data(n, 8, seed=n) for n in (32, 64)}
     ranks = run_group(2, _accumulation_on_rank, (datasets,), tmp_path_factory.mktemp("rdzv"))
     return ranks, datasets
 
@@ -275,7 +293,8 @@ def test_accumulation_with_no_sync_equals_the_large_batch(ddp_results, steps):
     accum, large = (ranks[0][f"{steps}_{kind}"] for kind in ("accum", "large"))
     expected_steps = 1 if steps == "one_step" else 2
     assert accum["steps"] == large["steps"] == expected_steps
-    assert accum["no_sync"] == 1 and large["no_sync"] == 0  # the all-reduce was skipped once
+    # the all-reduce was skipped once per step
+    assert accum["no_sync"] == expected_steps and large["no_sync"] == 0
     torch.testing.assert_close(accum["params"], large["params"], rtol=1e-5, atol=1e-6)
 
 
@@ -292,7 +311,7 @@ def test_ddp_ranks_end_with_identical_parameters(ddp_results, case):
 def test_two_ranks_equal_one_rank_with_the_whole_batch(ddp_results):
     """One step of 2 ranks x 16 samples is one step of 1 rank x 32 samples (same scaled lr)."""
     ranks, datasets = ddp_results
-    single, steps, _ = _one_epoch(SINGLE, datasets[32], batch=32, accum=1)
+    single, steps, _ = _one_epoch(SINGLE, datasets[32], global_batch=32, micro=32)
     assert steps == 1
     torch.testing.assert_close(ranks[0]["one_step_large"]["params"], single, rtol=1e-5, atol=1e-6)
 
@@ -307,7 +326,13 @@ def _small_cnn(env, epochs: int, **train) -> tuple[dict, torch.nn.Module]:
 
     run = make_run(
         model={"name": "cnn", "cnn_channels": 8},
-        train={"epochs": epochs, "batch_size": 16, "progress": False, **train},
+        train={
+            "epochs": epochs,
+            "global_batch_size": 16 * env.world_size,
+            "micro_batch_size": 16,
+            "progress": False,
+            **train,
+        },  # fmt: skip
         machine={"cpu_ranks_per_node": env.world_size},
     )
     torch.manual_seed(0)
@@ -350,7 +375,7 @@ def test_channels_last_on_cpu_ranks_trains_the_same_model_in_nhwc(tmp_path):
     ranks = run_group(2, _both_layouts, (data,), tmp_path)
     nhwc, nchw = ranks[0][True], ranks[0][False]
     assert nhwc["weight_nhwc"] and not nchw["weight_nhwc"]
-    assert len(nhwc["grads_nhwc"]) == 3 and all(nhwc["grads_nhwc"])  # 48 samples / 16
+    assert len(nhwc["grads_nhwc"]) == 3 and all(nhwc["grads_nhwc"])  # 96 samples / 32
     assert not [w for w in nhwc["warnings"] if "stride" in w], nhwc["warnings"]
     assert torch.equal(ranks[0][True]["params"], ranks[1][True]["params"])
     torch.testing.assert_close(nhwc["params"], nchw["params"], rtol=1e-4, atol=1e-5)

@@ -24,8 +24,9 @@ from workflow_helpers import make_run
 
 CPU = torch.device("cpu")
 WORLD = 3
-# name -> (model, train overrides, step of the checkpoint); 5 micro-batches per rank and
-# epoch (120 samples, 3 ranks, batch 8), 2 epochs; every checkpoint is mid-epoch
+# name -> (model, train overrides, step of the checkpoint); 5 steps per epoch (120 samples, a
+# global batch of 24 in micro-batches of 8: one per rank), 2 epochs; every checkpoint is
+# mid-epoch
 CASES = {
     "cnn": ({"name": "cnn", "cnn_channels": 16}, {}, 7),  # BatchNorm buffers
     "cnn_static_graph": (
@@ -33,8 +34,8 @@ CASES = {
         {"ddp": {"static_graph": True}},
         7,
     ),
-    # 3 optimizer steps per epoch, the last one over a short group of 1 micro-batch
-    "cnn_grad_accum": ({"name": "cnn", "cnn_channels": 16}, {"grad_accum_steps": 2}, 4),
+    # 2 micro-batches per rank and step (global 48): 2 steps per epoch, 24 samples sit out
+    "cnn_grad_accum": ({"name": "cnn", "cnn_channels": 16}, {"global_batch_size": 48}, 3),
     "mlp_adamw": (
         {"name": "mlp", "mlp_hidden": [64, 64]},
         {"optimizer": {"name": "adamw", "lr": 0.002}},
@@ -47,7 +48,7 @@ CASES = {
         {"optimizer": {"name": "adamw", "lr": 0.002}, "strategy": "zero"},
         3,
     ),
-    # augmentation (random crop + flip) drawn from (seed, epoch, micro-batch, rank) alone
+    # augmentation (random crop + flip) drawn from (seed, epoch, step, micro-batch) alone
     "cnn_augment": (
         {"name": "cnn", "cnn_channels": 16},
         {"augment": {"enabled": True, "crop_padding": 2}},
@@ -70,7 +71,13 @@ def _run(case: str) -> dict:
     model, train, _ = CASES[case]
     return make_run(
         model=model,
-        train={"epochs": 2, "batch_size": 8, "progress": False, **train},
+        train={
+            "epochs": 2,
+            "global_batch_size": 24,
+            "micro_batch_size": 8,
+            "progress": False,
+            **train,
+        },  # fmt: skip
         machine={"cpu_ranks_per_node": WORLD},
     )
 
@@ -142,7 +149,7 @@ def _resumed(env, checkpoints: dict) -> dict:
         loaded = loop.model.state_dict()
         unchanged = all(torch.equal(loaded[k], v) for k, v in state["model"].items())
         unchanged &= all(p.grad is None for p in loop.model.parameters())
-        position = (state["epoch"], state["batch_index"])
+        position = (state["epoch"], state["epoch_step"])
         fit(loop, lambda record: None)
         out[case] = {**_result(loop), "load_unchanged": unchanged, "position": position}
     return out

@@ -1,10 +1,14 @@
 """Training checkpoints: atomic, checksummed, the last K kept, outside Snakemake's outputs.
 
 A checkpoint holds everything an exact resume needs: model, optimizer, LR schedule and grad
-scaler state, the position in the data order (epoch and micro-batch index: the order itself
-is a pure function of seed and epoch), the epoch's partial loss sum, every rank's RNG state,
-the per-epoch metrics so far, and a hash of the config it was written under. It is loaded
-with `weights_only=True` (no pickled code runs on load).
+scaler state, the global position in the data order (epoch and optimizer step: the order
+and every random draw are functions of seed, epoch, step and micro-batch), the epoch's step
+losses so far summed over the ranks, the per-epoch metrics so far, the world size and hosts
+of each segment of the training, and a hash of the config it was written under (the
+science: the world size is not in it). Nothing in it is per rank, so any world size that
+divides the global batch continues it: bitwise at the same size, up to floating-point
+summation order at another. It is loaded with `weights_only=True` (no pickled code runs on
+load).
 """
 
 from __future__ import annotations
@@ -21,11 +25,11 @@ import torch
 from . import sharding
 from .config import config_hash, training_fingerprint
 from .distenv import any_rank, barrier
-from .runtime import atomic_torch_save, atomic_write_bytes
-from .workspace import candidates, checkpoint_dir, remove_checkpoint, set_aside, sidecar
+from .runtime import atomic_torch_save, atomic_write_bytes, atomic_write_json
+from .workspace import NEWEST, candidates, checkpoint_dir, remove_checkpoint, set_aside, sidecar
 
 log = logging.getLogger(__name__)
-FORMAT = 1
+FORMAT = 2  # 2: global position (epoch_step), step losses, segments; 1: per-rank position
 
 
 class CheckpointMismatch(RuntimeError):
@@ -67,19 +71,12 @@ def load_latest(directory: Path, expected_hash: str, map_location="cpu") -> dict
         if state["config_hash"] != expected_hash:
             raise CheckpointMismatch(
                 f"{path} was written under a different config (hash {state['config_hash'][:12]}"
-                f", now {expected_hash[:12]}): the data, model, training settings or world size "
-                "changed. Restore the old config to resume, or set "
+                f", now {expected_hash[:12]}): the data, model or training settings changed. "
+                "Restore the old config to resume, or set "
                 "train.checkpoint.on_config_change: start_over (the default; old checkpoints "
                 "are set aside)"
             )
-        log.info(
-            "resuming from %s (epoch %d, batch %d, step %d, written by attempt %d)",
-            path.name,
-            state["epoch"],
-            state["batch_index"],
-            state["step"],
-            state["attempt"],
-        )
+        log.info("resuming from %s (written by attempt %d)", path.name, state["attempt"])
         return state
     return None
 
@@ -175,12 +172,14 @@ class Checkpointer:
         loop.gather_state()
         step = loop.scheduler.last_epoch
         sharded = None
-        if loop.fsdp:  # every rank writes its shards first; rank 0's .pt then commits them
+        if loop.checkpoints_sharded:  # every rank writes its shards; rank 0's .pt commits them
             self.directory.mkdir(parents=True, exist_ok=True)
             sharded = sharding.save(
                 loop.model, loop.optimizer, checkpoint_path(self.directory, step),
-                self.env.is_master,
+                self.env.is_master, self.env.world_size,
             )  # fmt: skip
+        if loop.segments:  # the steps this world size has trained, as far as they are saved
+            loop.segments[-1]["end_step"] = step
         if self.env.is_master:
             state = {
                 **loop.state_dict(),
@@ -192,6 +191,7 @@ class Checkpointer:
             if sharded is not None:
                 state["sharded"] = sharded
             path = save(state, self.directory, step, self.keep)
+            atomic_write_json(path.parent / NEWEST, position(state, path))
             log.info("checkpoint %s (%s)", path.name, reason)
 
     def on_step(self, loop) -> None:
@@ -211,6 +211,22 @@ class Checkpointer:
     def stop_agreed(self) -> bool:
         """True on every rank once any rank got the signal (ranks must stop at one step)."""
         return any_rank(self.env.world_size, self.stop_requested)
+
+
+def position(state: dict, path: Path) -> dict:
+    """The newest checkpoint's place in the training, small enough for the login node to
+    read before it submits (the .pt may be gigabytes)."""
+    return {"checkpoint": path.name, "epoch": state["epoch"], "epoch_step": state["epoch_step"],
+            "step": state["step"], "world_size": state["world_size"]}  # fmt: skip
+
+
+def resumed_line(state: dict, world_size: int) -> str:
+    """'resumed at epoch 3 step 41 on 2 ranks; the checkpoint was written on 4'."""
+    where = f"epoch {state['epoch'] + 1} step {state['step']}"
+    written = state["world_size"]
+    if written == world_size:
+        return f"resumed at {where} on {world_size} ranks, the world size it was written on"
+    return f"resumed at {where} on {world_size} ranks; the checkpoint was written on {written}"
 
 
 def _gather_rng(env) -> list[dict]:

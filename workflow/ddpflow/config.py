@@ -168,6 +168,7 @@ def _describe(error: jsonschema.ValidationError) -> str:
 
 def validate(config: dict, where: str = "config") -> dict:
     """Validate in place, filling defaults; ConfigError names the first problem."""
+    _refuse_per_rank_batch(config, where)
     validator = _defaulting_validator(load_schema())
     errors = list(validator.iter_errors(config))
     # accept numbers written as strings and Slurm time strings; validate again only then
@@ -179,6 +180,49 @@ def validate(config: dict, where: str = "config") -> dict:
     if errors:
         raise ConfigError(f"{where}: {_describe(errors[0])}")
     return config
+
+
+# train keys of the per-rank batch that train.global_batch_size / micro_batch_size replaced
+PER_RANK_BATCH_KEYS = ("batch_size", "grad_accum_steps")
+
+
+def _refuse_per_rank_batch(config: dict, where: str) -> None:
+    """A config written for the per-rank batch fails in one line that says what to write
+    instead: the two new keys with the values that reproduce it at its own world size.
+    (Not kept as an alias: a per-rank batch makes the science move with the world size,
+    which is exactly what the new keys end.)"""
+    sections = [(where, config)]
+    runs = config.get("runs")
+    if isinstance(runs, list):
+        for index, entry in enumerate(runs):
+            if isinstance(entry, dict):
+                name = entry.get("name", index)
+                sections.append((f"{where}: runs[{index}] ({name!r})", entry))
+    for place, section in sections:
+        train = section.get("train")
+        if not isinstance(train, dict) or not set(PER_RANK_BATCH_KEYS) & set(train):
+            continue
+        top = config.get("train") if isinstance(config.get("train"), dict) else {}
+        per_rank = train.get("batch_size", top.get("batch_size", 32))
+        accum = train.get("grad_accum_steps", top.get("grad_accum_steps", 1))
+        machine = deep_merge(config.get("machine") or {}, section.get("machine") or {})
+        try:
+            world = world_size(validate({"machine": machine})["machine"])
+        except ConfigError:
+            world = None
+        named = [f"train.{k}" for k in PER_RANK_BATCH_KEYS if k in train]
+        keys = " and ".join(named) + (" (per rank) are" if len(named) > 1 else " (per rank) is")
+        if isinstance(per_rank, int) and isinstance(accum, int) and world:
+            advice = (f"to reproduce batch_size {per_rank} x grad_accum_steps {accum} at world "
+                      f"size {world}, set train.global_batch_size: {per_rank * accum * world} "
+                      f"and train.micro_batch_size: {per_rank}")  # fmt: skip
+        else:
+            advice = "set both (docs/configuration: batches)"
+        raise ConfigError(
+            f"{place}: {keys} replaced by train.global_batch_size (samples per "
+            f"optimizer step, at any world size) and train.micro_batch_size (per rank per "
+            f"forward/backward); {advice}"
+        )
 
 
 def load(path: str | Path | None = None, overrides: dict | None = None) -> dict:
@@ -249,6 +293,45 @@ def ranks_per_node(machine: dict) -> int:
 
 def world_size(machine: dict) -> int:
     return machine["nodes"] * ranks_per_node(machine)
+
+
+def accumulation_steps(train: dict, world: int) -> int:
+    """Micro-batches each rank computes per optimizer step: global / (micro x world),
+    derived (check_world_size has made sure it divides)."""
+    return train["global_batch_size"] // (train["micro_batch_size"] * world)
+
+
+def micro_batches_per_step(train: dict) -> int:
+    return train["global_batch_size"] // train["micro_batch_size"]
+
+
+def working_world_sizes(train: dict, up_to: int | None = None) -> list[int]:
+    """The world sizes that split a step's micro-batches evenly: divisors of global/micro."""
+    count = micro_batches_per_step(train)
+    return [w for w in range(1, (up_to or count) + 1) if count % w == 0]
+
+
+def check_world_size(where: str, train: dict, world: int, machine_text: str = "") -> None:
+    """Refuse, before anything is submitted, a world size that cannot compute the recipe's
+    global batch in whole micro-batches, naming the sizes that can."""
+    global_, micro = train["global_batch_size"], train["micro_batch_size"]
+    if global_ % micro:
+        raise ConfigError(
+            f"{where}: train.global_batch_size {global_} is not a multiple of "
+            f"train.micro_batch_size {micro}: a step is a whole number of micro-batches; "
+            f"set global_batch_size to a multiple of {micro} (e.g. "
+            f"{max(micro, global_ // micro * micro)} or {(global_ // micro + 1) * micro}) or "
+            "another micro_batch_size"
+        )
+    count = global_ // micro
+    if count % world:
+        works = ", ".join(map(str, working_world_sizes(train)))
+        raise ConfigError(
+            f"{where}: {global_} = {micro} x world size x accumulation steps "
+            f"(train.global_batch_size = train.micro_batch_size x ...), but world size "
+            f"{world}{machine_text} does not divide {count} micro-batches: world sizes "
+            f"{works} work; {world} does not. Change the machine, or the two batch sizes"
+        )
 
 
 def memory_mb(machine: dict) -> int:
@@ -341,9 +424,10 @@ def flatten(section: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def training_fingerprint(run: dict) -> dict[str, Any]:
-    """Every key that determines a trained model, flat: the data, model and training settings,
-    the world size (data sharding, lr scaling, reduction order) and the device kind. Not in
-    it: where and how the ranks run (launcher, partition, account, time limit, memory,
+    """Every key that determines a trained model, flat: the data, model and training settings
+    and the device kind. Not in it: the world size (every step computes the same
+    micro-batches, with the same draws, at any size: loop.step_micro_batches), where and how
+    the ranks run (launcher, nodes, ranks per node, partition, account, time limit, memory,
     logging, progress, checkpoint cadence): changing those retrains nothing. The eval section
     is the evaluate rule's (training's validation metrics are exact counts, except the float
     validation loss, whose last bits may depend on eval.batch_size)."""
@@ -354,16 +438,15 @@ def training_fingerprint(run: dict) -> dict[str, Any]:
     train = {k: v for k, v in run["train"].items() if k not in ignored}
     if not train["augment"]["enabled"]:  # its settings act only when it is on
         del train["augment"]
-    if not gpu and (run["model"]["name"] in NO_CONV_MODELS or trains_sharded(run)):
+    fsdp = run["train"]["strategy"] == "fsdp"
+    if not gpu and (run["model"]["name"] in NO_CONV_MODELS or fsdp):
         del train["channels_last"]  # no convolution to lay out, or fsdp's plain layout
     flat = flatten({"data": data_keys(run["data"]), "model": model_settings(run["model"]),
                     "train": train})  # fmt: skip
     if is_own_data(run["data"]["source"]):  # the files' or the plug-in's content too
         flat["dataset_id"] = run["dataset_id"]
-    if trains_sharded(run):
-        fsdp = {"strategy": "fsdp", "fsdp": run["train"]["fsdp"]}
-        flat.update(flatten({"train": fsdp}))
-    flat["world_size"] = run["world_size"]
+    if fsdp:  # at any world size: its checkpoints and layout are fsdp's, even on 1 rank
+        flat.update(flatten({"train": {"strategy": "fsdp", "fsdp": run["train"]["fsdp"]}}))
     flat["device"] = "cuda" if gpu else "cpu"
     return flat
 
@@ -374,9 +457,10 @@ def trains_sharded(run: dict) -> bool:
 
 
 def uses_channels_last(run: dict) -> bool:
-    """train.channels_last, except under fsdp: FSDP2 shards contiguous parameters only.
-    Training and both evaluations lay the model out alike, so that they score alike."""
-    return run["train"]["channels_last"] and not trains_sharded(run)
+    """train.channels_last, except under fsdp (at any world size, so that the layout does
+    not change with it): FSDP2 shards contiguous parameters only. Training and both
+    evaluations lay the model out alike, so that they score alike."""
+    return run["train"]["channels_last"] and run["train"]["strategy"] != "fsdp"
 
 
 BUILT_IN_MODELS = {"mlp": ("mlp_hidden",), "cnn": ("cnn_channels",), "resnet18": (),
@@ -483,21 +567,26 @@ def _check_run(run: dict, launcher: str) -> None:
             f"plug-ins); remove model.kwargs, or use the built-in model's own keys "
             f"(model.cnn_channels, model.mlp_hidden)"
         )
+    world = run["world_size"]
+    machine_text = f" (machine.nodes {machine['nodes']} x {ranks_per_node(machine)} ranks)"
+    check_world_size(where, train, world, machine_text)
     samples = run["data"]["max_train_samples"]
-    if samples is not None and samples < run["world_size"]:
+    if samples is not None and samples < train["global_batch_size"]:
         raise ConfigError(
-            f"{where}: data.max_train_samples is {samples} but the run has {run['world_size']} "
-            f"ranks, so some ranks would train on padding only; set it to at least "
-            f"{run['world_size']} (or null for the whole split)"
+            f"{where}: data.max_train_samples is {samples}, less than one global batch "
+            f"(train.global_batch_size {train['global_batch_size']}): an epoch would have no "
+            f"step; raise max_train_samples or lower global_batch_size"
         )
     # torch 2.14 fails an internal assert at the first no_sync micro-step with a static graph
     # (pytorch/pytorch#143580): refuse it here, not minutes later on every rank
-    if train["ddp"]["static_graph"] and train["grad_accum_steps"] > 1 and run["world_size"] > 1:
+    accum = accumulation_steps(train, world)
+    if train["ddp"]["static_graph"] and accum > 1 and world > 1:
         raise ConfigError(
-            f"{where}: train.ddp.static_graph is true with train.grad_accum_steps "
-            f"{train['grad_accum_steps']}: DDP's static graph does not support skipping the "
-            "all-reduce on accumulation steps; set train.ddp.static_graph: false or "
-            "train.grad_accum_steps: 1"
+            f"{where}: train.ddp.static_graph is true with {accum} accumulation steps per "
+            f"rank (global_batch_size {train['global_batch_size']} / (micro_batch_size "
+            f"{train['micro_batch_size']} x world size {world})): DDP's static graph does not "
+            "support skipping the all-reduce on accumulation steps; set "
+            "train.ddp.static_graph: false, or micro_batch_size x world size = global_batch_size"
         )
 
 
@@ -569,13 +658,6 @@ def run_warnings(run: dict, launcher: str) -> list[str]:
             f"{where}: train.precision fp16 on CPU ranks (machine.gpus_per_node 0) trains in "
             "fp32: fp16 is for GPUs; for mixed precision on a CPU set train.precision: bf16"
         )
-    samples = run["data"]["max_train_samples"]
-    global_batch = train["batch_size"] * train["grad_accum_steps"] * run["world_size"]
-    if samples is not None and samples < global_batch:
-        out.append(
-            f"{where}: data.max_train_samples {samples} is less than one global batch "
-            f"({global_batch}): every epoch is a single optimizer step on {samples} sample(s)"
-        )
     if trains_sharded(run):
         defaults = validate({})["train"]["ddp"]
         changed = sorted(k for k, v in train["ddp"].items() if v != defaults[k])
@@ -616,13 +698,13 @@ def cpu_computes_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 
 def check_batch_fits(run: dict, train_samples: int) -> None:
-    """Before the training job is submitted: a per-rank batch larger than the rank's share of
-    the staged training split would silently shrink to that share (and the lr, scaled by the
-    configured batch, would be far too large)."""
-    per_rank = math.ceil(train_samples / run["world_size"])
-    if run["train"]["batch_size"] > per_rank:
+    """Before the training job is submitted: an epoch takes floor(samples / global batch)
+    steps, so a global batch larger than the staged training split would train nothing."""
+    global_ = run["train"]["global_batch_size"]
+    if global_ > train_samples:
         raise ConfigError(
-            f"run {run['name']!r}: train.batch_size is {run['train']['batch_size']} but each of "
-            f"the {run['world_size']} ranks has only {per_rank} training samples "
-            f"({train_samples} in the staged split); set train.batch_size to at most {per_rank}"
+            f"run {run['name']!r}: train.global_batch_size is {global_} but the staged "
+            f"training split has only {train_samples} samples, so an epoch would have no "
+            f"optimizer step; set train.global_batch_size to at most {train_samples} (a "
+            f"multiple of train.micro_batch_size {run['train']['micro_batch_size']})"
         )

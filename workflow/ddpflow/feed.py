@@ -1,9 +1,9 @@
 """How a rank reads its data: in memory, or streamed from the staged shards.
 
 `data.loading.in_memory` picks the path (auto: in memory if the splits the rank uses fit
-`memory_budget_gb`). Both give every rank exactly the same samples in the same order (the
-seeded DistributedSampler order of loop.epoch_indices), as the same uint8 values, so a run
-trains to bitwise the same weights on either path, and resumes mid-epoch exactly on either.
+`memory_budget_gb`). Both give every rank exactly the same samples in the same order (its
+micro-batches of loop.step_micro_batches), as the same uint8 values, so a run trains to
+bitwise the same weights on either path, and resumes mid-epoch exactly on either.
 
 * in memory: each split a uint8 tensor on the device; a batch is one index_select.
 * streamed: the train split read batch by batch by DataLoader workers (positional reads from
@@ -13,7 +13,7 @@ trains to bitwise the same weights on either path, and resumes mid-epoch exactly
 
 Augmentation (train.augment) is applied to the uint8 batch on the device, whichever path
 delivered it: random crop with zero padding and horizontal flip, drawn from (seed, epoch,
-micro-batch, rank) alone.
+step, micro-batch) alone: the same whichever rank computes the micro-batch.
 """
 
 from __future__ import annotations
@@ -149,17 +149,17 @@ class StreamFeed:
         self.loader = None
 
 
-def augment(x: torch.Tensor, cfg: dict, seed: int, epoch: int, step: int, rank: int):
+def augment(x: torch.Tensor, cfg: dict, draws: int):
     """Random crop (zero padding cfg["crop_padding"] each side, then a crop back to size) and
     horizontal flip of a uint8 [B, C, H, W] batch, in one gather on its device. The draws
-    come from (seed, epoch, step, rank) alone: a resumed run draws what the uninterrupted
-    one drew, on any path and device."""
+    come from the micro-batch's seed `draws` alone (loop.micro_batch_seed: seed, epoch,
+    step, micro-batch): a resumed run, or one at another world size, draws what the
+    uninterrupted one drew, on any path and device."""
     if not cfg["enabled"] or x.shape[0] == 0:
         return x
     n, _, height, width = x.shape
     pad = cfg["crop_padding"]
-    key = np.random.SeedSequence([seed, epoch, step, rank]).generate_state(2, np.uint64)
-    generator = torch.Generator().manual_seed(int(key[0] >> np.uint64(1)))
+    generator = torch.Generator().manual_seed(draws)
     offsets = torch.randint(0, 2 * pad + 1, (n, 2), generator=generator)
     if cfg["horizontal_flip"]:
         flips = torch.rand(n, generator=generator) < 0.5

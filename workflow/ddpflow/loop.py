@@ -6,9 +6,13 @@ Launch (every launcher reaches the same code through ddpflow.distenv.discover):
   srun python -m ddpflow train --run default ...       # plain sbatch (scripts/sbatch_train.sh)
   torchrun --nproc-per-node 2 -m ddpflow train ...     # torchrun
 
-The dataset is small enough to live as uint8 tensors on the device (as airbench does): each
-epoch every rank takes a disjoint, seeded, reshuffled shard (the DistributedSampler contract,
-including set_epoch and padding to equal length so all ranks take the same number of steps).
+The data order is the science's, not the machine's (step_micro_batches): each epoch is one
+seeded shuffle cut into optimizer steps of train.global_batch_size samples, each step into
+micro-batches of train.micro_batch_size; micro-batch j of step s is fixed by (seed, epoch, s,
+j), and rank r computes the contiguous block j in [r*a, (r+1)*a) (a accumulation steps), so
+every world size that divides the step computes the same micro-batches with the same random
+draws, and the gradient is their mean. The batches come from the feed (feed.py: in memory or
+streamed from the staged shards).
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ import math
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import evaluate, faults, feed, sharding
+from .config import accumulation_steps, micro_batches_per_step
 from .runtime import PHASES, PhaseClock
 
 log = logging.getLogger(__name__)
@@ -34,20 +40,35 @@ class Diverged(RuntimeError):
     """The training loss became NaN or infinite (train.on_nonfinite: fail)."""
 
 
-def epoch_indices(n: int, world: int, rank: int, seed: int, epoch: int) -> torch.Tensor:
-    """This rank's sample order for `epoch`: DistributedSampler(shuffle=True, drop_last=False)."""
+def step_micro_batches(n: int, global_batch: int, micro: int, seed: int, epoch: int):
+    """The epoch's sample indices as [steps, micro-batches per step, micro]: one seeded
+    shuffle of the n training samples (a function of seed and epoch alone), cut into
+    n // global_batch optimizer steps; the n % global_batch samples left over sit out this
+    epoch (the next shuffle draws others). The same at every world size."""
     generator = torch.Generator().manual_seed(seed + epoch)
     order = torch.randperm(n, generator=generator)
-    total = math.ceil(n / world) * world
-    if total > n:  # pad by repeating the order, as DistributedSampler does
-        order = torch.cat([order, order.repeat(math.ceil((total - n) / n))[: total - n]])
-    return order[rank:total:world]
+    steps = n // global_batch
+    return order[: steps * global_batch].view(steps, global_batch // micro, micro)
 
 
-def effective_lr(train_cfg: dict, world: int) -> float:
-    """The configured lr, scaled with the global batch (Goyal et al.: linear; or sqrt)."""
-    ratio = train_cfg["batch_size"] * train_cfg["grad_accum_steps"] * world
-    ratio /= train_cfg["base_batch_size"]
+def rank_micro_batches(batches: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """This rank's micro-batches in the order it computes them, [steps * a, micro]: of each
+    step the contiguous block j in [rank * a, (rank + 1) * a), a = micro-batches / world."""
+    accum = batches.shape[1] // world
+    return batches[:, rank * accum : (rank + 1) * accum].reshape(-1, batches.shape[2])
+
+
+def micro_batch_seed(seed: int, epoch: int, step: int, micro: int) -> int:
+    """The seed of the random draws of micro-batch `micro` of step `step` (augmentation,
+    dropout): the same whichever rank computes it."""
+    key = np.random.SeedSequence([seed, epoch, step, micro]).generate_state(2, np.uint64)
+    return int(key[0] >> np.uint64(1))
+
+
+def effective_lr(train_cfg: dict) -> float:
+    """The configured lr, scaled with the global batch (Goyal et al.: linear; or sqrt). The
+    world size plays no part: the global batch is the recipe's."""
+    ratio = train_cfg["global_batch_size"] / train_cfg["base_batch_size"]
     factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[train_cfg["lr_scaling"]]
     return train_cfg["optimizer"]["lr"] * factor
 
@@ -155,7 +176,9 @@ class Loop:
             # the DDP module is compiled (not the model inside): dynamo then splits the graph
             # at DDP's bucket boundaries, so the all-reduce still overlaps the backward
             self.ddp = torch.compile(self.ddp)
-        self.lr = effective_lr(tcfg, env.world_size)
+        self.lr = effective_lr(tcfg)
+        self.micro_per_step = micro_batches_per_step(tcfg)
+        self.accum = accumulation_steps(tcfg, env.world_size)
         self.optimizer = make_optimizer(
             model.parameters(), tcfg["optimizer"], self.lr, device, self.sharded_optimizer,
             dtensors=self.fsdp,
@@ -172,10 +195,14 @@ class Loop:
         )
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=tcfg["label_smoothing"])
         self.clock = PhaseClock(device)
-        # position and partial-epoch accumulators: all of it goes into a checkpoint, so a
-        # resumed run continues mid-epoch exactly where the interrupted one stopped
-        self.epoch, self.batch_index = 0, 0
-        self.epoch_loss = torch.zeros((), device=device)
+        # position (global: epoch and optimizer step within it, never a rank's own index) and
+        # partial-epoch accumulators: all of it goes into a checkpoint, so a resumed run
+        # continues mid-epoch where the interrupted one stopped, at any world size
+        self.epoch, self.epoch_step = 0, 0
+        # this rank's summed micro-batch losses per step of the epoch: summed over the ranks
+        # at the epoch's end (and at a checkpoint), the whole step's loss at any world size
+        self.step_losses = torch.zeros(self.steps_per_epoch, device=device)
+        self.segments: list[dict] = []  # [{world_size, hosts, attempt, start_step, end_step}]
         self.epoch_seconds = dict.fromkeys(PHASES, 0.0)
         self.history: list[dict] = []
         self.on_step = None  # called after every optimizer step (checkpoint / stop checks)
@@ -189,65 +216,77 @@ class Loop:
         self._unread: tuple | None = None  # (flag, epoch, step) not yet looked at
         self._warned_nonfinite = False
 
-    def _micro_batches(self) -> int:
-        per_rank = math.ceil(self.data["train_x"].shape[0] / self.env.world_size)
-        return math.ceil(per_rank / self.tcfg["batch_size"])
-
     def _optimizer_steps_per_epoch(self) -> int:
-        return math.ceil(self._micro_batches() / self.tcfg["grad_accum_steps"])
+        return self.data["train_x"].shape[0] // self.tcfg["global_batch_size"]
 
     def train_epoch(self, progress=None) -> dict:
-        """Finish the current epoch from self.batch_index; returns its mean loss and seconds."""
+        """Finish the current epoch from self.epoch_step; returns its mean loss and seconds."""
         self.ddp.train()
-        tcfg, env, seconds = self.tcfg, self.env, self.epoch_seconds
-        order = epoch_indices(
-            self.data["train_x"].shape[0], env.world_size, env.rank, tcfg["seed"], self.epoch
-        )
-        batches = order.split(tcfg["batch_size"])
+        tcfg, env, accum = self.tcfg, self.env, self.accum
+        batches = step_micro_batches(
+            self.data["train_x"].shape[0], tcfg["global_batch_size"], tcfg["micro_batch_size"],
+            tcfg["seed"], self.epoch,
+        )  # fmt: skip
+        mine = rank_micro_batches(batches, env.world_size, env.rank)
         feed_ = self.data["feed"]
-        device_batches = order.to(self.device).split(tcfg["batch_size"])
-        images = feed_.epoch(device_batches if not feed_.streamed else batches, self.batch_index)
+        device_batches = mine.to(self.device)
+        start = self.epoch_step * accum
+        images = feed_.epoch(device_batches if not feed_.streamed else mine, start)
         if progress is not None:
-            progress.update(self.batch_index)
-        for index in range(self.batch_index, len(batches)):
+            progress.update(start)
+        for index in range(start, len(mine)):
+            step, within = divmod(index, accum)
+            micro = env.rank * accum + within  # the micro-batch's index in its step
             faults.maybe_inject(env.rank, self.epoch, index)
             if slow := faults.slow_seconds(env.rank):
                 time.sleep(slow)
-            last_micro = (index + 1) % tcfg["grad_accum_steps"] == 0 or index + 1 == len(batches)
+            last_micro = within == accum - 1
             started = time.perf_counter() if self._compiling else 0.0
             self.last_loss = self._micro_step(
-                device_batches[index], images, last_micro, len(batches), index
+                device_batches[index], images, last_micro, step, micro
             )
             if self._compiling:  # the first step compiled the forward and backward
                 self._compiling = False
                 log.info("torch.compile: the first step took %.1f s (compiling forward and "
                          "backward)", time.perf_counter() - started)  # fmt: skip
-            self.epoch_loss += self.last_loss
-            self.batch_index = index + 1
+            self.step_losses[step] += self.last_loss
             if progress is not None:
                 progress.update(1)
-            if last_micro and self.on_step is not None:
-                self.on_step(self)
+            if last_micro:
+                self.epoch_step = step + 1
+                if self.on_step is not None:
+                    self.on_step(self)
         self._read_nonfinite(None)  # the epoch's last step (the host syncs here anyway)
         # One host sync per epoch, not per step (the tutorials' .item() every step stalls).
         self.clock.settle()
         record = {
-            "train_loss": float(self.epoch_loss) / len(batches),
-            "seconds": dict(seconds),
-            "samples": len(order),
-            "micro_steps": len(batches),
+            "train_loss": float(self.global_step_losses().sum()) / batches[:, :, 0].numel(),
+            "seconds": dict(self.epoch_seconds),
+            "samples": batches.numel(),  # of all ranks
+            "micro_steps": len(mine),  # of each rank
         }
-        self.epoch, self.batch_index = self.epoch + 1, 0
-        self.epoch_loss.zero_()
+        self.epoch, self.epoch_step = self.epoch + 1, 0
+        self.step_losses.zero_()
         self.epoch_seconds = dict.fromkeys(PHASES, 0.0)
         return record
+
+    def global_step_losses(self) -> torch.Tensor:
+        """Collective: each step's summed micro-batch losses over all ranks (the step's loss
+        times its micro-batch count), the same at every world size up to summation order.
+        A copy: this rank's own sums stay as they are."""
+        losses = self.step_losses.detach().clone()
+        if self.env.world_size > 1:
+            dist.all_reduce(losses)
+        return losses
 
     def gather_state(self) -> None:
         """Collective, before rank 0 takes state_dict(): ZeRO's optimizer state lives in
         shards, which rank 0 collects (a checkpoint holds the whole state, as with ddp, so a
-        run resumes under either strategy and at any world size's sharding)."""
+        run resumes under either strategy and at any world size's sharding); the epoch's
+        step losses so far are summed over the ranks (a checkpoint holds the global sums)."""
         if self.sharded_optimizer:
             self.optimizer.consolidate_state_dict(to=0)
+        self._global_step_losses = self.global_step_losses()
 
     def full_model_state(self) -> dict:
         """Collective under FSDP: the whole model's state dict, on rank 0 (what model.pt
@@ -261,36 +300,49 @@ class Loop:
         Rank 0 only where the optimizer is sharded, after gather_state() on every rank.
         FSDP: without the model and optimizer, which sharding.save writes (every rank)."""
         self.clock.settle()  # the partial epoch's phase seconds are part of the state
-        tensors = {} if self.fsdp else {
+        tensors = {} if self.checkpoints_sharded else {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
         }  # fmt: skip
+        losses = getattr(self, "_global_step_losses", None)
         return {
             **tensors,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "epoch": self.epoch,
-            "batch_index": self.batch_index,
+            "epoch_step": self.epoch_step,
             "step": self.scheduler.last_epoch,
-            "epoch_loss": self.epoch_loss.detach().cpu(),
+            "step_losses": (losses if losses is not None else self.step_losses).detach().cpu(),
             "epoch_seconds": dict(self.epoch_seconds),
             "history": list(self.history),
+            "world_size": self.env.world_size,
+            "segments": [dict(s) for s in self.segments],
         }
 
+    @property
+    def checkpoints_sharded(self) -> bool:
+        """Strategy fsdp checkpoints in DCP's resharding format at every world size (on one
+        rank too, where it trains unsharded), so that any world size continues them."""
+        return self.tcfg["strategy"] == "fsdp"
+
     def load_state_dict(self, state: dict, path: Path | None = None) -> None:
-        """Collective. FSDP: the model and optimizer shards are read from the DCP directory
-        next to the checkpoint at path."""
-        if self.fsdp:
+        """Collective, at any world size: the position is global, the step losses are the
+        ranks' sums (rank 0 takes them, the others start from zero), ZeRO's optimizer state
+        is whole and DCP reshards. FSDP: the model and optimizer shards are read from the
+        DCP directory next to the checkpoint at path."""
+        if "sharded" in state:
             sharding.load(self.model, self.optimizer, path, state["sharded"])
         else:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
-        self.epoch, self.batch_index = state["epoch"], state["batch_index"]
-        self.epoch_loss = state["epoch_loss"].to(self.device)
+        self.epoch, self.epoch_step = state["epoch"], state["epoch_step"]
+        losses = state["step_losses"].to(self.device)
+        self.step_losses = losses if self.env.is_master else torch.zeros_like(losses)
         self.epoch_seconds = dict(state["epoch_seconds"])
         self.history = list(state["history"])
+        self.segments = [dict(s) for s in state["segments"]]
         self.prime_ddp()
 
     def prime_ddp(self) -> None:
@@ -316,7 +368,7 @@ class Loop:
         iterations = min(self.scheduler.last_epoch, 2 if ddp.static_graph else 1)
         if iterations == 0:
             return
-        size = min(self.tcfg["batch_size"], self.data["train_x"].shape[0])
+        size = min(self.tcfg["micro_batch_size"], self.data["train_x"].shape[0])
         x = evaluate.normalize(feed.rows(self.data["train_x"], 0, size), *self.data["norm"])
         y = self.data["train_y"][:size]
         buffers = [b.detach().clone() for b in self.model.buffers()]  # BatchNorm statistics
@@ -336,18 +388,19 @@ class Loop:
                 buffer.copy_(saved)
         self.ddp.train(was_training)
 
-    def _micro_step(self, batch, images, last_micro, n_batches, index) -> torch.Tensor:
-        """One micro-batch: `batch` its sample indices (on the device), `images` the feed's
-        iterator of the epoch's uint8 batches (in memory: index_select; streamed: read ahead
-        by DataLoader workers)."""
-        accum, seconds = self.tcfg["grad_accum_steps"], self.epoch_seconds
-        # the last group of an epoch may be shorter than grad_accum_steps
-        group = min(accum, n_batches - (index // accum) * accum)
+    def _micro_step(self, batch, images, last_micro, step, micro) -> torch.Tensor:
+        """Micro-batch `micro` of the epoch's step `step`: `batch` its sample indices (on the
+        device), `images` the feed's iterator of the epoch's uint8 batches (in memory:
+        index_select; streamed: read ahead by DataLoader workers)."""
+        accum, seconds = self.accum, self.epoch_seconds
         self.clock.step()
         with self.clock.phase(seconds, "data"):
             x = next(images)
-            x = feed.augment(x, self.tcfg["augment"], self.tcfg["seed"], self.epoch, index,
-                             self.env.rank)  # fmt: skip
+            # every random draw of this micro-batch (augmentation, a model's dropout) comes
+            # from (seed, epoch, step, micro), whichever rank computes it
+            draws = micro_batch_seed(self.tcfg["seed"], self.epoch, step, micro)
+            torch.manual_seed(draws)
+            x = feed.augment(x, self.tcfg["augment"], draws)
             x = evaluate.normalize(x, *self.data["norm"])
             y = self.data["train_y"].index_select(0, batch)
         # no_sync(): skip the gradient all-reduce on all but the last micro-step
@@ -361,8 +414,9 @@ class Loop:
             ):
                 loss = self.loss_fn(self.ddp(x), y)
             with self.clock.phase(seconds, "backward_sync"):
-                # mean over the accumulation group (no extra kernel when there is none)
-                self.scaler.scale(loss / group if group > 1 else loss).backward()
+                # DDP/FSDP average over the ranks, so 1/accum here makes the gradient the
+                # mean over the step's micro-batches (no extra kernel when accum is 1)
+                self.scaler.scale(loss / accum if accum > 1 else loss).backward()
         loss = loss.detach().float()
         torch.maximum(self._nonfinite, (~torch.isfinite(loss)).float(), out=self._nonfinite)
         if last_micro:
@@ -476,7 +530,7 @@ def fit(loop: Loop, on_epoch, progress_factory=None) -> float:
             lr=loop.optimizer.param_groups[0]["lr"],
         )
         # global samples (all ranks) per second of training, validation excluded
-        record["samples_per_s"] = record["samples"] * loop.env.world_size / train_seconds
+        record["samples_per_s"] = record["samples"] / train_seconds
         loop.history.append(record)
         on_epoch(record)
     return time.perf_counter() - start

@@ -134,10 +134,11 @@ def dcp_dir(pt: Path) -> Path:
     return pt.with_suffix(".dcp")
 
 
-def save(model: nn.Module, optimizer, pt: Path, is_master: bool) -> dict | None:
+def save(model: nn.Module, optimizer, pt: Path, is_master: bool, world_size: int = 2):
     """Collective: write model and optimizer shards to pt's DCP directory; rank 0 returns the
     file checksums for its .pt (the other ranks None). A directory left by a crash at this
-    step is replaced."""
+    step is replaced. On one rank (strategy fsdp trains unsharded there) the same format,
+    written without a process group: any world size reshards it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -148,12 +149,16 @@ def save(model: nn.Module, optimizer, pt: Path, is_master: bool) -> dict | None:
     # is not a DTensor, from whichever rank balances the writes. Only rank 0's statistics
     # matter (training uses batch statistics; validation and model.pt take rank 0's, as
     # with DDP), so every rank takes rank 0's first: the copy saved is rank 0's.
-    for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)
-    dist.barrier()  # rank 0 removed a crashed attempt's directory before anyone writes
+    distributed = world_size > 1
+    if distributed:
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+        dist.barrier()  # rank 0 removed a crashed attempt's directory before anyone writes
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=directory)
-    dist.barrier()  # every rank's files are complete before rank 0 hashes them
+    with _single_process_quiet(distributed):
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=directory)
+    if distributed:
+        dist.barrier()  # every rank's files are complete before rank 0 hashes them
     if not is_master:
         return None
     return {"dir": directory.name, "files": _hashes(directory)}
@@ -192,7 +197,22 @@ def load(model: nn.Module, optimizer, pt: Path, sharded: dict) -> None:
 
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=pt.with_name(sharded["dir"]))
+    with _single_process_quiet(dist.is_initialized()):
+        dcp.load(state, checkpoint_id=pt.with_name(sharded["dir"]))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )
+
+
+@contextlib.contextmanager
+def _single_process_quiet(distributed: bool):
+    """DCP warns that it assumes a single process when there is no process group: on one
+    rank that is the intent (a 1-rank run of strategy fsdp), so the warning is dropped."""
+    if distributed:
+        yield
+        return
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield

@@ -20,7 +20,13 @@ import torch
 import torch.distributed as dist
 
 from . import distenv, evaluate, feed, monitor, runtime
-from .checkpoint import Checkpointer, Preempted, hand_over_to_requeue, stop_on_signal
+from .checkpoint import (
+    Checkpointer,
+    Preempted,
+    hand_over_to_requeue,
+    resumed_line,
+    stop_on_signal,
+)
 from .config import (
     config_hash,
     evaluation_fingerprint,
@@ -203,6 +209,10 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         live_metrics = Path(paths.work) / LIVE_METRICS
         resumed = ckpt.restore(loop)
         ckpt.attempt = _next_attempt(Path(paths.work), resumed is not None, env)
+        loop.segments.append({
+            "world_size": env.world_size, "hosts": sorted(set(hosts)), "attempt": ckpt.attempt,
+            "start_step": loop.scheduler.last_epoch, "end_step": loop.scheduler.last_epoch,
+        })  # fmt: skip
         if env.is_master:
             _start_log(run, model, loop, resumed, ckpt.attempt, live_metrics)
         watch = monitor.RunMonitor(
@@ -291,8 +301,9 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             paths.model,
         )
         records = loop.history
+        loop.segments[-1]["end_step"] = loop.scheduler.last_epoch
         train_seconds = sum(r["seconds"]["train"] for r in records)
-        samples = sum(r["samples"] for r in records) * env.world_size
+        samples = sum(r["samples"] for r in records)  # global: every rank's
         phases = {p: sum(r["seconds"][p] for r in records) for p in records[0]["seconds"]}
         summary = {
             "run": run["name"],
@@ -313,9 +324,12 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             "data_in_memory": data["in_memory"],
             "parameters": count_parameters(model),
             "lr": loop.lr,
-            "global_batch": run["train"]["batch_size"]
-            * run["train"]["grad_accum_steps"]
-            * env.world_size,
+            "global_batch": run["train"]["global_batch_size"],
+            "micro_batch": run["train"]["micro_batch_size"],
+            "accumulation_steps": loop.accum,
+            # the world size and hosts of each stretch of the training, in order (one unless
+            # it was continued on another allocation)
+            "segments": loop.segments,
             "precision": run["train"]["precision"] if loop.autocast else "fp32",
         }
         runtime.atomic_write_bytes(paths.train_metrics, live_metrics.read_bytes())
@@ -346,23 +360,16 @@ def _start_log(run, model, loop, resumed, attempt, live_metrics: Path) -> None:
     # the live metrics file always equals the checkpoint's history plus what follows
     lines = "".join(json.dumps(r, sort_keys=True) + "\n" for r in loop.history)
     runtime.atomic_write_bytes(live_metrics, lines.encode())
+    train = run["train"]
     log.info(
-        "model %s: %d parameters; lr %.4g (scaled for world size %d); strategy %s; attempt %d",
-        run["model"]["name"],
-        count_parameters(model),
-        loop.lr,
-        loop.env.world_size,
-        loop.strategy,
-        attempt,
-    )
+        "model %s: %d parameters; lr %.4g (global batch %d = micro-batch %d x %d ranks x %d "
+        "accumulation steps); strategy %s; attempt %d",
+        run["model"]["name"], count_parameters(model), loop.lr, train["global_batch_size"],
+        train["micro_batch_size"], loop.env.world_size, loop.accum, loop.strategy, attempt,
+    )  # fmt: skip
     if resumed:
-        log.info(
-            "RESUMED from step %d (epoch %d, batch %d) of attempt %d",
-            resumed["step"],
-            resumed["epoch"] + 1,
-            resumed["batch_index"],
-            resumed["attempt"],
-        )
+        log.info("RESUMED from attempt %d: %s", resumed["attempt"],
+                 resumed_line(resumed, loop.env.world_size))  # fmt: skip
 
 
 def _progress_bar(run: dict, env):

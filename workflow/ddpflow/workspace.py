@@ -29,6 +29,10 @@ from .runtime import atomic_write_json
 log = logging.getLogger(__name__)
 
 
+# beside the checkpoints: the newest one's position, what the login node says as it resumes
+NEWEST = "newest.json"
+
+
 def checkpoint_dir(work: str | Path) -> Path:
     return Path(work) / paths.CHECKPOINTS
 
@@ -94,6 +98,7 @@ def prepare(run: dict, work: str | Path) -> str:
         decision = f"retrain: {describe_changes(old, new)}"
     elif candidates(ckpts):
         decision = f"resume: an interrupted attempt of this config left {ckpts}"
+        decision += _newest_position(ckpts, run["world_size"])
     else:
         decision = "fresh"
     if decision.startswith("retrain"):
@@ -109,6 +114,17 @@ def prepare(run: dict, work: str | Path) -> str:
         log.info("run %r: %s; resuming from its newest checkpoint", run["name"], decision[8:])
     atomic_write_json(work / paths.FINGERPRINT, new)
     return decision
+
+
+def _newest_position(ckpts: Path, world_size: int) -> str:
+    """' (epoch 3 step 41, written on 4 ranks; continuing on 2)': the newest checkpoint's
+    place, from the small file the ranks write beside it (empty if there is none)."""
+    newest = _read_json(ckpts / NEWEST)
+    if not newest or not (ckpts / newest.get("checkpoint", "")).is_file():
+        return ""
+    written, epoch, step = newest["world_size"], newest["epoch"] + 1, newest["step"]
+    other = f"; continuing on {world_size}" if written != world_size else ""
+    return f" (newest at epoch {epoch} step {step}, written on {written} ranks{other})"
 
 
 def finish(run: dict, work: str | Path) -> None:

@@ -1,0 +1,184 @@
+"""The world size is a machine setting: the same training at 1, 2 and 4 real gloo ranks, and a
+checkpoint written at 4 ranks continued at 2 and at 1, under ddp, zero and fsdp.
+
+Every step computes the same micro-batches with the same random draws (augmentation,
+dropout) at any world size, and the gradient is their mean; what may differ is the order in
+which floats are summed (DDP's all-reduce, the accumulation of micro-batch gradients), so
+losses and weights agree to within fp32 rounding grown over the run (TOLERANCE, measured
+here). BatchNorm's running statistics are the one known difference: DDP keeps rank 0's,
+which at W ranks have seen 1/W of each step's micro-batches; they do not enter any training
+loss (training normalises with the micro-batch's own statistics) and are compared apart.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ddpflow.checkpoint import Checkpointer
+from ddpflow.loop import Loop, fit
+from ddpflow.models import build_model, mlp, place
+from distributed_helpers import make_data, run_group
+from torch import nn
+from workflow_helpers import make_run
+
+CPU = torch.device("cpu")
+# 128 samples, a global batch of 32 in micro-batches of 8: 4 steps per epoch, 4 micro-batches
+# per step (world 1: 4 accumulation steps per rank, 2: 2, 4: 1), 3 epochs
+TRAIN = {"epochs": 3, "global_batch_size": 32, "micro_batch_size": 8, "progress": False}
+# measured on the 2-core Xeon CI machine (torch 2.14.1, fp32): per-step losses at 2 and 4
+# ranks within 1.7e-7 (relative) of 1 rank's, final weights within 3e-8 (absolute) after 12
+# steps; resumed 4 -> 2 and 4 -> 1 within 6e-8 of the uninterrupted 4-rank run. The bounds
+# leave about 10x room for another CPU's summation kernels.
+LOSS_RTOL, WEIGHT_ATOL, WEIGHT_RTOL = 2e-6, 1e-6, 1e-5
+CASES = {
+    # BatchNorm, and random crop + flip drawn per micro-batch
+    "cnn_augment": ({"name": "cnn", "cnn_channels": 8},
+                    {"augment": {"enabled": True, "crop_padding": 1}}),
+    # dropout: drawn from the torch RNG, which every micro-batch seeds from its own index
+    "mlp_dropout": ({"name": "mlp", "mlp_hidden": [32]}, {}),
+}  # fmt: skip
+STRATEGIES = ("ddp", "zero", "fsdp")
+CHECKPOINT_STEP = 5  # epoch 2, after its first step: mid-epoch
+
+
+def _run(env, model: dict, train: dict) -> dict:
+    return make_run(
+        model=model, train={**TRAIN, **train}, machine={"cpu_ranks_per_node": env.world_size}
+    )
+
+
+def _model(run: dict, data: dict) -> nn.Module:
+    torch.manual_seed(run["train"]["seed"])  # as TrainTask.work
+    if run["model"]["name"] == "mlp":  # the built-in MLP with a dropout layer
+        net = mlp(64, run["model"]["mlp_hidden"], data["num_classes"])
+        return nn.Sequential(*list(net)[:3], nn.Dropout(0.3), *list(net)[3:])
+    model = build_model(run["model"], data["shape"], data["num_classes"])
+    return place(model, CPU, run["train"]["channels_last"] and run["train"]["strategy"] != "fsdp")
+
+
+def _train_case(env, case: str) -> dict:
+    model_cfg, train = CASES[case]
+    run, data = _run(env, model_cfg, train), make_data(128, 32)
+    loop = Loop(run, data, env, CPU, _model(run, data))
+    losses = []
+
+    def on_step(lp):  # the whole step's mean loss, over every rank's micro-batches
+        losses.append(float(lp.global_step_losses()[lp.epoch_step - 1]) / lp.micro_per_step)
+
+    loop.on_step = on_step
+    fit(loop, lambda record: None)
+    return {"losses": losses, **_weights(loop), "history": [r["train_loss"] for r in loop.history]}
+
+
+def _weights(loop: Loop) -> dict:
+    """The whole model's parameters and buffers (collective under fsdp; rank 0 has them)."""
+    state = loop.full_model_state()
+    params = {name for name, _ in loop.model.named_parameters()}
+    return {
+        "params": {k: v.detach().clone() for k, v in state.items() if k in params},
+        "buffers": {k: v.detach().clone().float() for k, v in state.items() if k not in params},
+    }
+
+
+def _strategy_run(env, strategy: str) -> dict:
+    return _run(env, {"name": "cnn", "cnn_channels": 8}, {"strategy": strategy})
+
+
+def _with_checkpoint(env, work_root: str) -> dict:
+    """At 4 ranks: each strategy trained uninterrupted, writing (with the real
+    Checkpointer) a mid-epoch checkpoint on the way."""
+    out = {}
+    for strategy in STRATEGIES:
+        run, data = _strategy_run(env, strategy), make_data(128, 32)
+        loop = Loop(run, data, env, CPU, _model(run, data))
+        ckpt = Checkpointer(run, f"{work_root}/{strategy}", env)
+
+        def on_step(lp, ckpt=ckpt):
+            if lp.scheduler.last_epoch == CHECKPOINT_STEP:
+                ckpt.save(lp, "test")
+
+        loop.on_step = on_step
+        fit(loop, lambda record: None)
+        out[strategy] = _weights(loop)
+    return out
+
+
+def _resumed(env, work_root: str) -> dict:
+    """At another world size: the same Checkpointer restores each strategy's checkpoint."""
+    out = {}
+    for strategy in STRATEGIES:
+        run, data = _strategy_run(env, strategy), make_data(128, 32)
+        loop = Loop(run, data, env, CPU, _model(run, data))
+        state = Checkpointer(run, f"{work_root}/{strategy}", env).restore(loop)
+        position = (state["world_size"], loop.epoch, loop.epoch_step, loop.scheduler.last_epoch)
+        fit(loop, lambda record: None)
+        out[strategy] = {**_weights(loop), "position": position}
+    return out
+
+
+def _at_world_size(env, work_root: str) -> dict:
+    cases = {case: _train_case(env, case) for case in CASES}
+    if env.world_size == 4:
+        return {"cases": cases, "strategies": _with_checkpoint(env, work_root)}
+    return {"cases": cases, "strategies": _resumed(env, work_root)}
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    """One group per world size, 4 first: it writes the checkpoints the others continue."""
+    work_root = str(tmp_path_factory.mktemp("work"))
+    return {
+        world: run_group(world, _at_world_size, (work_root,), tmp_path_factory.mktemp("rdzv"))[0]
+        for world in (4, 2, 1)
+    }
+
+
+def _assert_close_weights(got: dict, expected: dict, what: str) -> None:
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL,
+                                   msg=lambda m, k=key: f"{what}: {k}: {m}")  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_per_step_losses_agree_at_one_two_and_four_ranks(worlds, case):
+    reference = worlds[1]["cases"][case]
+    assert len(reference["losses"]) == 12  # 4 steps x 3 epochs, the same at every size
+    for world in (2, 4):
+        got = worlds[world]["cases"][case]
+        torch.testing.assert_close(
+            torch.tensor(got["losses"]), torch.tensor(reference["losses"]),
+            rtol=LOSS_RTOL, atol=0.0,
+        )  # fmt: skip
+        torch.testing.assert_close(
+            torch.tensor(got["history"]), torch.tensor(reference["history"]), rtol=LOSS_RTOL,
+            atol=0.0,
+        )  # fmt: skip
+        _assert_close_weights(got["params"], reference["params"], f"{case} at {world} ranks")
+
+
+def test_the_losses_are_not_trivially_equal(worlds):
+    """Guards the test above: the cases learn, and the two cases train differently."""
+    losses = worlds[1]["cases"]["cnn_augment"]["losses"]
+    assert losses[-1] < 0.9 * losses[0], losses
+    assert losses != worlds[1]["cases"]["mlp_dropout"]["losses"]
+
+
+def test_batchnorm_running_statistics_are_rank_zeros(worlds):
+    """The one known difference: running statistics are an average over the micro-batches
+    rank 0 computed (all of them at 1 rank, a quarter at 4): close, not equal."""
+    one, four = (worlds[w]["cases"]["cnn_augment"]["buffers"] for w in (1, 4))
+    means = [k for k in one if k.endswith("running_mean")]
+    assert means and any(not torch.equal(one[k], four[k]) for k in means)
+    for key in means:
+        torch.testing.assert_close(four[key], one[key], rtol=0.5, atol=0.1)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("world", [2, 1])
+def test_a_checkpoint_written_at_four_ranks_continues_at_another_size(worlds, strategy, world):
+    resumed = worlds[world]["strategies"][strategy]
+    written_on, epoch, epoch_step, step = resumed["position"]
+    assert (written_on, epoch, epoch_step, step) == (4, 1, 1, CHECKPOINT_STEP)
+    expected = worlds[4]["strategies"][strategy]
+    _assert_close_weights(resumed["params"], expected["params"], f"{strategy} 4 -> {world}")
