@@ -286,10 +286,10 @@ CONFIG_4_RANKS = {
     "machine": {"pg_timeout_s": 20, "cpu_ranks_per_node": 4},
     "runs": [{"name": "cnn"}],
 }  # fmt: skip
-# measured on the 2-core CI machine: parameters within 2e-7 of the uninterrupted 4-rank run
-# (float summation order); test accuracy equal. BatchNorm's running statistics are rank 0's
-# (a quarter of each step's micro-batches at 4 ranks, half at 2), so they differ more: the
-# accuracy may move by a sample of the 359, which the bound allows
+# measured on the 2-core CI machine (2026-11-23): parameters within 1.4e-6 of the
+# uninterrupted 4-rank run (float summation order, over 40 steps); BatchNorm's running
+# statistics are rank 0's (a quarter of each step's micro-batches at 4 ranks, half at 2),
+# so they differ more, and the test accuracy moved by one sample of 359 (0.9749 -> 0.9777)
 PARAM_ATOL, ACCURACY_TOL = 1e-5, 2 / 359
 
 
@@ -345,12 +345,3 @@ def test_killed_at_four_ranks_continues_at_two_to_the_same_model(tmp_path_factor
     summary = json.loads((workdir / "results/runs/cnn/train_summary.json").read_text())
     segments = [(s["world_size"], s["start_step"], s["end_step"]) for s in summary["segments"]]
     assert segments == [(4, 0, 24), (2, 24, 40)], summary["segments"]
-    print(
-        "MEASURED",
-        accuracy,
-        max(
-            float((resumed[k] - v).abs().max())
-            for k, v in expected.items()
-            if "running" not in k and "num_batches" not in k
-        ),
-    )
