@@ -26,7 +26,8 @@ RESNET = {"name": "resnet18"}
 def _trained(env, model_cfg: dict, strategy: str, checkpointing: bool) -> dict:
     run = make_run(
         model=model_cfg,
-        train={"epochs": 1, "batch_size": 8, "progress": False, "strategy": strategy,
+        train={"epochs": 1, "global_batch_size": 8 * env.world_size, "micro_batch_size": 8,
+               "progress": False, "strategy": strategy,
                "activation_checkpointing": checkpointing},
         machine={"cpu_ranks_per_node": env.world_size},
     )  # fmt: skip

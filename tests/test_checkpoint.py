@@ -18,7 +18,7 @@ def _state(step: int, config_hash: str = "h1") -> dict:
     return {
         "model": {"w": torch.full((4,), float(step))},
         "epoch": 1,
-        "batch_index": step,
+        "epoch_step": step,
         "step": step,
         "attempt": 1,
         "config_hash": config_hash,
@@ -80,8 +80,9 @@ def test_training_hash_ignores_volatile_keys_but_not_science():
     run["train"]["optimizer"]["lr"] *= 2
     assert checkpoint.training_hash(run) != base
     run["train"]["optimizer"]["lr"] /= 2
-    run["world_size"] = 8
-    assert checkpoint.training_hash(run) != base
+    run["world_size"] = 8  # a machine setting: the same training continues at any size
+    run["machine"]["nodes"], run["machine"]["cpu_ranks_per_node"] = 4, 2
+    assert checkpoint.training_hash(run) == base
 
 
 def test_loading_runs_no_pickled_code(tmp_path):
@@ -106,7 +107,7 @@ def test_full_disk_during_write_keeps_previous_checkpoint(tmp_path):
         from ddpflow import checkpoint
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # get EFBIG instead of being killed
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
-        state = {{"model": {{"w": torch.zeros(1_000_000)}}, "epoch": 2, "batch_index": 0,
+        state = {{"model": {{"w": torch.zeros(1_000_000)}}, "epoch": 2, "epoch_step": 0,
                  "step": 8, "attempt": 1, "config_hash": "h1", "rng": []}}
         try:
             checkpoint.save(state, __import__("pathlib").Path({str(tmp_path)!r}), 8, keep=3)

@@ -24,13 +24,13 @@ pytestmark = pytest.mark.skipif(
 )
 
 CPU = torch.device("cpu")
-AT_STEP = 5  # mid-epoch: 8 micro-batches of 8 per rank and epoch, 2 per optimizer step
+AT_STEP = 5  # mid-epoch: 4 steps per epoch of 2 micro-batches of 8 per rank
 
 
 def _loop(env, compiled: bool) -> Loop:
     run = make_run(
         model={"name": "mlp", "mlp_hidden": [32]},
-        train={"epochs": 2, "batch_size": 8, "grad_accum_steps": 2, "progress": False,
+        train={"epochs": 2, "global_batch_size": 32, "micro_batch_size": 8, "progress": False,
                "compile": compiled},
         machine={"cpu_ranks_per_node": 2},
     )  # fmt: skip
@@ -72,7 +72,7 @@ def _resumed(env, checkpoints: list) -> dict:
     state = torch.load(io.BytesIO(checkpoints[env.rank]), map_location=CPU, weights_only=True)
     loop.load_state_dict(state)
     torch.set_rng_state(state["rng"])
-    assert loop.batch_index > 0, "the checkpoint should be mid-epoch"
+    assert loop.epoch_step > 0, "the checkpoint should be mid-epoch"
     fit(loop, lambda record: None)
     return {"compiled": _weights(loop)}
 

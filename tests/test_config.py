@@ -14,7 +14,7 @@ import pytest
 import yaml
 from ddpflow import config as ddpconfig
 from ddpflow.config import ConfigError
-from workflow_helpers import REPO, snakemake_command
+from workflow_helpers import REPO, make_run, snakemake_command
 
 SHIPPED = REPO / "config" / "config.yaml"
 
@@ -86,7 +86,7 @@ def test_run_overrides_deep_merge():
                 {
                     "name": "mlp-3",
                     "model": {"name": "mlp"},
-                    "train": {"optimizer": {"momentum": 0.5}},
+                    "train": {"optimizer": {"momentum": 0.5}, "global_batch_size": 96},
                     "machine": {"cpu_ranks_per_node": 3},
                 },
             ],
@@ -109,6 +109,7 @@ def test_world_size_counts_gpus_when_given():
         None,
         {
             "launcher": "slurm",
+            "train": {"global_batch_size": 256},
             "machine": {"nodes": 2, "gpus_per_node": 4, "partition": "gpu"},
             "runs": [{"name": "big"}, {"name": "one", "machine": {"nodes": 1, "gpus_per_node": 1}}],
         },
@@ -170,11 +171,51 @@ BAD_CONFIGS = [
     ("image-size-one-number", "data: {source: image_folder, image_size: 32}", ["data.image_size"]),
     ("zero-nodes", "machine: {nodes: 0}", ["machine.nodes"]),
     ("negative-gpus", "machine: {gpus_per_node: -1}", ["machine.gpus_per_node"]),
-    ("zero-batch", "train: {batch_size: 0}", ["train.batch_size"]),
+    ("zero-batch", "train: {micro_batch_size: 0}", ["train.micro_batch_size"]),
+    (
+        "per-rank-batch",
+        "train: {batch_size: 16}",
+        [
+            "train.batch_size (per rank) is replaced",
+            "train.global_batch_size: 32",
+            "train.micro_batch_size: 16",
+            "world size 2",
+        ],
+    ),
+    (
+        "per-rank-batch-and-accumulation-in-a-run",
+        "runs: [{name: a, train: {batch_size: 8, grad_accum_steps: 4},"
+        " machine: {cpu_ranks_per_node: 1}}]",
+        [
+            "runs[0] ('a')",
+            "train.batch_size and train.grad_accum_steps (per rank) are replaced",
+            "global_batch_size: 32",
+            "micro_batch_size: 8",
+            "world size 1",
+        ],
+    ),
+    (
+        "world-size-does-not-divide",
+        "machine: {cpu_ranks_per_node: 3}",
+        [
+            "64 = 32 x world size x accumulation steps",
+            "world sizes 1, 2 work; 3 does not",
+            "machine.nodes 1 x 3 ranks",
+        ],
+    ),
+    (
+        "global-not-a-multiple",
+        "train: {global_batch_size: 60}",
+        ["train.global_batch_size 60 is not a multiple of train.micro_batch_size 32", "64"],
+    ),
     ("zero-lr", "train: {optimizer: {lr: 0}}", ["train.optimizer.lr"]),
     ("unknown-optimizer", "train: {optimizer: {name: lion}}", ["train.optimizer.name", "lion"]),
     ("unknown-top-level-key", "trian: {epochs: 3}", ["trian", "<top level>"]),
-    ("unknown-nested-key", "train: {batchsize: 64}", ["train", "batchsize", "batch_size"]),
+    (
+        "unknown-nested-key",
+        "train: {global_batchsize: 64}",
+        ["train", "global_batchsize", "global_batch_size"],
+    ),
     ("val-fraction-too-big", "data: {val_fraction: 0.7}", ["data.val_fraction"]),
     ("precision-fp8", "train: {precision: fp8}", ["train.precision", "fp8"]),
     ("synthetic-too-small", "data: {synthetic: {height: 2}}", ["data.synthetic.height"]),
@@ -192,8 +233,8 @@ BAD_CONFIGS = [
     ("unknown-launcher", "launcher: kubernetes", ["launcher", "kubernetes"]),
     (
         "static-graph-with-accumulation",
-        "train: {grad_accum_steps: 2, ddp: {static_graph: true}}",
-        ["train.ddp.static_graph", "train.grad_accum_steps 2", "static_graph: false"],
+        "train: {global_batch_size: 128, ddp: {static_graph: true}}",
+        ["train.ddp.static_graph", "2 accumulation steps", "static_graph: false"],
     ),
     ("not-a-mapping", "- train\n- epochs\n", ["config.yaml", "mapping"]),
     ("scalar-file", "just a string\n", ["config.yaml", "mapping"]),
@@ -208,12 +249,13 @@ BAD_CONFIGS = [
     (
         "max-train-samples-below-ranks",
         "data: {max_train_samples: 1}",
-        ["data.max_train_samples is 1", "2 ranks", "at least 2"],
+        ["data.max_train_samples is 1", "less than one global batch", "global_batch_size 64"],
     ),
     (
         "run-max-train-samples-below-ranks",
-        "runs: [{name: tiny, data: {max_train_samples: 3}, machine: {cpu_ranks_per_node: 4}}]",
-        ["'tiny'", "data.max_train_samples is 3", "4 ranks"],
+        "runs: [{name: tiny, data: {max_train_samples: 3}, train: {global_batch_size: 4,"
+        " micro_batch_size: 1}, machine: {cpu_ranks_per_node: 4}}]",
+        ["'tiny'", "data.max_train_samples is 3", "global_batch_size 4"],
     ),
 ]
 
@@ -241,7 +283,7 @@ def test_empty_file_means_all_defaults(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "text", ["machine: {cpu_ranks_per_node: 2.0}", "train: {batch_size: 32.0}"]
+    "text", ["machine: {cpu_ranks_per_node: 2.0}", "train: {micro_batch_size: 32.0}"]
 )
 def test_integer_keys_reject_floats(tmp_path, text):
     with pytest.raises(ConfigError):
@@ -289,7 +331,9 @@ def test_gpus_on_a_machine_without_them_are_refused_for_the_local_launcher(monke
     ddpconfig.check_runs({"machine": {"gpus_per_node": 1}})  # enough GPUs: fine
     # on Slurm the GPUs are the cluster's (checked against its nodes, tests/slurm)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    ddpconfig.check_runs({"launcher": "slurm", "machine": {"gpus_per_node": 4}})
+    ddpconfig.check_runs(
+        {"launcher": "slurm", "machine": {"gpus_per_node": 4}, "train": {"global_batch_size": 128}}
+    )
 
 
 def _warnings(config: dict) -> list[str]:
@@ -301,11 +345,10 @@ def test_suspicious_settings_are_warned_about(monkeypatch):
     assert _warnings({}) == []  # the shipped defaults are not suspicious
     (warmup,) = _warnings({"train": {"warmup_epochs": 50, "epochs": 3}})
     assert "train.warmup_epochs 50 is more than train.epochs 3" in warmup and "6%" in warmup
-    (tiny,) = _warnings({"data": {"max_train_samples": 20}})
-    assert "data.max_train_samples 20" in tiny and "one global batch (64)" in tiny
-    (crowded,) = _warnings({"machine": {"cpu_ranks_per_node": 4096}})
-    assert "cpu_ranks_per_node 4096" in crowded and "cores" in crowded
-    assert _warnings({"launcher": "slurm", "machine": {"cpu_ranks_per_node": 4096}}) == []
+    crowd = {"machine": {"cpu_ranks_per_node": 2, "cpus_per_task": 4096}}
+    (crowded,) = _warnings(crowd)
+    assert "cpus_per_task 4096" in crowded and "cores" in crowded
+    assert _warnings({"launcher": "slurm", **crowd}) == []
     (fp16,) = _warnings({"train": {"precision": "fp16"}})
     assert "train.precision fp16 on CPU ranks" in fp16 and "train.precision: bf16" in fp16
     bf16 = {"train": {"precision": "bf16"}}  # acts on CPU ranks
@@ -325,14 +368,45 @@ def test_bf16_instructions_are_read_from_cpuinfo(tmp_path):
     assert ddpconfig.cpu_computes_bf16(str(tmp_path / "missing"))  # unknown: no warning
 
 
-def test_a_batch_larger_than_a_ranks_share_is_refused():
-    run = ddpconfig.resolve_runs(ddpconfig.check({"train": {"batch_size": 100000}}))[0]
+def test_a_global_batch_larger_than_the_training_split_is_refused():
+    train = {"global_batch_size": 100000, "micro_batch_size": 50000}
+    run = ddpconfig.resolve_runs(ddpconfig.check({"train": train}))[0]
     with pytest.raises(ConfigError) as info:
         ddpconfig.check_batch_fits(run, 1293)
     message = str(info.value)
-    assert "train.batch_size is 100000" in message and "only 647 training samples" in message
-    assert "at most 647" in message
-    ddpconfig.check_batch_fits({**run, "train": {**run["train"], "batch_size": 647}}, 1293)
+    assert "train.global_batch_size is 100000" in message and "only 1293 samples" in message
+    assert "at most 1293" in message
+    ddpconfig.check_batch_fits({**run, "train": {**run["train"], "global_batch_size": 1293}}, 1293)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "ranks", "works"),
+    [(1, 1, True), (1, 2, True), (2, 2, True), (1, 4, True), (1, 8, True), (3, 1, False),
+     (1, 16, False)],
+)  # fmt: skip
+def test_world_sizes_that_split_the_step_into_whole_micro_batches(nodes, ranks, works):
+    """global 64 / micro 8 = 8 micro-batches per step: world sizes 1, 2, 4, 8."""
+    train = {"global_batch_size": 64, "micro_batch_size": 8}
+    config = {"launcher": "slurm", "train": train,
+              "machine": {"nodes": nodes, "cpu_ranks_per_node": ranks}}  # fmt: skip
+    if works:
+        run = ddpconfig.check_runs(config)[1][0]
+        assert ddpconfig.accumulation_steps(run["train"], run["world_size"]) == 8 // (nodes * ranks)
+        return
+    with pytest.raises(ConfigError, match=r"world sizes 1, 2, 4, 8 work; \d+ does not"):
+        ddpconfig.check(config)
+
+
+def test_the_world_size_is_not_in_the_training_fingerprint():
+    """Nodes and ranks per node are the machine's: the same science at any world size."""
+    base = ddpconfig.training_fingerprint(make_run(machine={"cpu_ranks_per_node": 2}))
+    for machine in ({"cpu_ranks_per_node": 1}, {"nodes": 2, "cpu_ranks_per_node": 1}):
+        config = ddpconfig.check({"launcher": "slurm", "machine": machine})
+        assert ddpconfig.training_fingerprint(ddpconfig.resolve_runs(config)[0]) == base
+    fsdp = {"strategy": "fsdp"}  # its keys and plain layout count at any world size
+    one, two = (make_run(train=fsdp, machine={"cpu_ranks_per_node": n}) for n in (1, 2))
+    assert ddpconfig.training_fingerprint(one) == ddpconfig.training_fingerprint(two)
+    assert not ddpconfig.uses_channels_last(one) and not ddpconfig.uses_channels_last(two)
 
 
 # --- bad configs through the real workflow ----------------------------------------------------
@@ -348,13 +422,18 @@ WORKFLOW_CASES = [
      ["train.optimizer.lr", "'fast'", "in quotes"]),
     ("time-min-words", {"machine": {"time_min": "an hour"}}, ["machine.time_min", "1:30:00"]),
     ("max-train-samples-1", {"data": {"max_train_samples": 1}},
-     ["data.max_train_samples is 1", "2 ranks", "at least 2"]),
+     ["data.max_train_samples is 1", "less than one global batch", "global_batch_size 64"]),
+    ("per-rank-batch", {"train": {"batch_size": 32}},
+     ["train.batch_size (per rank) is replaced", "global_batch_size: 64"]),
+    ("world-size-3", {"machine": {"cpu_ranks_per_node": 3}},
+     ["world sizes 1, 2 work; 3 does not"]),
     ("run-name-space", {"runs": [{"name": "my run"}]},
      ["runs[0].name", "'my run'", "letters, digits"]),
-    ("misspelt-key", {"train": {"batchsize": 64}},
-     ["train", "did you mean 'batch_size' for 'batchsize'?"]),
+    ("misspelt-key", {"train": {"global_batchsize": 64}},
+     ["train", "did you mean 'global_batch_size' for 'global_batchsize'?"]),
     ("precision-fp8", {"train": {"precision": "fp8"}}, ["train.precision", "fp8"]),
-    ("static-graph-accumulation", {"train": {"grad_accum_steps": 2, "ddp": {"static_graph": True}}},
+    ("static-graph-accumulation",
+     {"train": {"global_batch_size": 128, "ddp": {"static_graph": True}}},
      ["train.ddp.static_graph", "static_graph: false"]),
     ("duplicate-runs", {"runs": [{"name": "a"}, {"name": "a"}]}, ["runs", "unique", "'a'"]),
     ("val-fraction", {"data": {"val_fraction": 0.7}}, ["data.val_fraction", "0.7"]),
@@ -447,12 +526,12 @@ def test_warnings_are_printed_by_the_dry_run(tmp_path):
 def test_oversized_batch_fails_the_train_rule_before_submitting(tmp_path):
     """Known only once the data are staged: the train rule refuses before any job exists."""
     configfile = tmp_path / "big.yaml"
-    configfile.write_text(yaml.safe_dump({"train": {"batch_size": 100000}}))
+    configfile.write_text(yaml.safe_dump({"train": {"global_batch_size": 100032}}))
     cmd, env = snakemake_command(tmp_path, configfile)
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     log = (tmp_path / "logs/train/default.log").read_text()
-    assert "train.batch_size is 100000" in log and "at most 647" in log, log
+    assert "train.global_batch_size is 100032" in log and "at most 1293" in log, log
     assert "Traceback" not in log, log
     assert not (tmp_path / "logs/submitit/default/train").exists(), "a job was submitted"
     assert not (tmp_path / "results/runs/default/model.pt").exists()

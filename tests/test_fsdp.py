@@ -26,15 +26,15 @@ from workflow_helpers import make_run
 
 CPU = torch.device("cpu")
 WORLD = 3
-# 5 micro-batches per rank and epoch (120 samples, 3 ranks, batch 8), accumulated in pairs:
-# 3 optimizer steps per epoch (the last over one micro-batch); step 4 is mid-epoch 2
-SAVE_AT = 4
+# 2 steps per epoch (120 samples, a global batch of 48: 2 micro-batches of 8 per rank and
+# step, accumulated; 24 samples sit out each epoch); step 3 is mid-epoch 2
+SAVE_AT = 3
 
 
 def _run() -> dict:
     return make_run(
         model={"name": "cnn", "cnn_channels": 8},
-        train={"epochs": 3, "batch_size": 8, "grad_accum_steps": 2, "progress": False,
+        train={"epochs": 3, "global_batch_size": 48, "micro_batch_size": 8, "progress": False,
                "strategy": "fsdp",
                "optimizer": {"name": "adamw", "lr": 0.003},
                "checkpoint": {"every_steps": 1, "every_epochs": 0, "keep": 50}},
@@ -115,7 +115,7 @@ def test_a_checkpoint_is_shards_plus_the_pt_that_commits_them(groups):
     state = torch.load(directory.with_suffix(".pt"), weights_only=True)
     assert "model" not in state and "optimizer" not in state
     assert sorted(state["sharded"]["files"]) == names and state["step"] == SAVE_AT
-    assert state["epoch"] == 1 and state["batch_index"] == 2  # mid-epoch, after one step
+    assert state["epoch"] == 1 and state["epoch_step"] == 1  # mid-epoch, after one step
 
 
 def test_fsdp_resumes_bitwise_from_a_mid_epoch_checkpoint(groups):

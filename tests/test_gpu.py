@@ -31,7 +31,8 @@ def _run(precision="fp32", deterministic=True, channels_last=True, epochs=3, **t
         model={"name": "cnn", "cnn_channels": 16},
         train={
             "epochs": epochs,
-            "batch_size": 16,
+            "global_batch_size": 32,
+            "micro_batch_size": 16,
             "progress": False,
             "precision": precision,
             "deterministic": deterministic,
@@ -273,7 +274,7 @@ def _resumed(env, work: str):
     for case in RESUME_CASES:
         loop = _loop(env, _resume_run(case))
         state = Checkpointer(_resume_run(case), f"{work}/{case}", env).restore(loop)
-        position = (state["step"], state["epoch"], state["batch_index"])
+        position = (state["step"], state["epoch"], state["epoch_step"])
         fit(loop, lambda record: None)
         out[case] = {
             "weights": _weights(loop),

@@ -194,10 +194,10 @@ def _with_config(run: dict, model: str, world: int) -> dict:
     ev["provenance"]["config"] = {
         "data": {"source": "digits"},
         "model": {"name": model},
-        "train": {"epochs": 4, "batch_size": 32, "progress": False},
+        "train": {"epochs": 4, "global_batch_size": 64, "micro_batch_size": 32, "progress": False},
         "machine": {"gpus_per_node": 0, "cpu_ranks_per_node": world},
     }
-    ev["train"].update(parameters=1234, lr=0.05, global_batch=32 * world, precision="fp32")
+    ev["train"].update(parameters=1234, lr=0.05, global_batch=64, precision="fp32")
     path.write_text(json.dumps(ev))
     return run
 
@@ -223,7 +223,7 @@ def test_scaling_compares_only_runs_that_differ_in_machine_shape(tmp_path):
     assert "Throughput against ranks (cnn1, cnn2, cnn4)" in page
     assert "0.19×" not in page and "3.00×" in page
     # the runs table says what each run trained
-    assert "<td>resnet18</td>" in page and "<td>1,234</td>" in page and "<td>256</td>" in page
+    assert "<td>resnet18</td>" in page and "<td>1,234</td>" in page and "<td>64</td>" in page
     assert "node0 ×" not in page  # one rank per host here; hosts are listed once each
 
 
@@ -313,3 +313,26 @@ def test_throughput_of_one_run_is_one_labelled_bar():
     many = plot_throughput([f"r{i}" for i in range(8)], [1000.0 * (i + 1) for i in range(8)])
     many = matplotlib.image.imread(io.BytesIO(many))
     assert one.shape[1] == many.shape[1] and one.shape[0] < many.shape[0] / 2
+
+
+def test_a_run_continued_at_another_world_size_lists_its_segments(tmp_path):
+    """A run that trained its first 24 steps on 4 ranks (node0, node1) and its last 16 on 2
+    (node0 alone): the report's segment table says where each stretch ran; a run in one piece
+    adds no table."""
+    moved = _write_run(tmp_path / "a", "moved", 2, 1, 900.0, resumed=True)
+    ev = json.loads(moved["eval_metrics"].read_text())
+    ev["train"]["segments"] = [
+        {"world_size": 4, "hosts": ["node0", "node0", "node1", "node1"], "attempt": 1,
+         "start_step": 0, "end_step": 24},
+        {"world_size": 2, "hosts": ["node0", "node0"], "attempt": 2, "start_step": 24,
+         "end_step": 40},
+    ]  # fmt: skip
+    moved["eval_metrics"].write_text(json.dumps(ev))
+    still = _write_run(tmp_path / "b", "still", 2, 1, 950.0)
+    markdown = build_report([moved, still], tmp_path / "out")["markdown"].read_text()
+    assert "Segments: runs continued on another allocation" in markdown
+    rows = [line for line in markdown.splitlines() if line.startswith("| moved |")]
+    assert any("| 1 | 4 | node0 ×2, node1 ×2 | 0–24 | 24 | 1 |" in r for r in rows), rows
+    assert any("| 2 | 2 | node0 ×2 | 24–40 | 16 | 2 |" in r for r in rows), rows
+    one_piece = build_report([still], tmp_path / "out1")["markdown"].read_text()
+    assert "Segments" not in one_piece

@@ -18,13 +18,15 @@ from workflow_helpers import jobs_planned, make_run, snakemake, write_config
 AUGMENT = {"enabled": True, "crop_padding": 2, "horizontal_flip": True}
 
 
-def test_augmentation_is_a_padded_crop_then_a_flip_drawn_from_seed_epoch_step_rank():
+def test_augmentation_is_a_padded_crop_then_a_flip_drawn_from_seed_epoch_step_micro_batch():
+    from ddpflow.loop import micro_batch_seed
+
     x = torch.randint(0, 256, (64, 3, 8, 10), dtype=torch.uint8)
-    out = feed.augment(x, AUGMENT, 0, 1, 2, 3)
-    assert torch.equal(out, feed.augment(x, AUGMENT, 0, 1, 2, 3))  # the same draw again
+    out = feed.augment(x, AUGMENT, micro_batch_seed(0, 1, 2, 3))
+    assert torch.equal(out, feed.augment(x, AUGMENT, micro_batch_seed(0, 1, 2, 3)))  # again
     assert out.stride() == (240, 80, 10, 1)  # plain NCHW: the convolutions see no layout change
     for other in ((1, 1, 2, 3), (0, 2, 2, 3), (0, 1, 3, 3), (0, 1, 2, 4)):
-        assert not torch.equal(out, feed.augment(x, AUGMENT, *other)), other
+        assert not torch.equal(out, feed.augment(x, AUGMENT, micro_batch_seed(*other))), other
     # each sample is a crop of the zero-padded image, flipped or not: torchvision's
     # RandomCrop(padding=2) then RandomHorizontalFlip, one sample at a time
     padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
@@ -39,7 +41,7 @@ def test_augmentation_is_a_padded_crop_then_a_flip_drawn_from_seed_epoch_step_ra
         flipped += mirrored and not plain
     assert 16 < flipped < 48  # about half
     off = {**AUGMENT, "enabled": False}
-    assert feed.augment(x, off, 0, 1, 2, 3) is x
+    assert feed.augment(x, off, micro_batch_seed(0, 1, 2, 3)) is x
 
 
 def test_auto_keeps_data_in_memory_when_it_fits_the_budget():

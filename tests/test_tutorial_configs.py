@@ -23,9 +23,11 @@ def test_fashion_mnist_mlp_tutorial(workdir):
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((workdir / "results/runs/fashion_mnist_mlp/eval_metrics.json").read_text())
     assert metrics["samples_evaluated"] == metrics["test_size"] == 101
-    # what ran is the tutorial's scenario (batch 100 per rank, Adam lr 0.01), only shortened
+    # what ran is the tutorial's scenario (batch 100 per rank on 2 ranks, Adam lr 0.01), only
+    # shortened
     ran = metrics["provenance"]["config"]
-    assert ran["model"]["name"] == "mlp" and ran["train"]["batch_size"] == 100
+    assert ran["model"]["name"] == "mlp" and ran["train"]["micro_batch_size"] == 100
+    assert ran["train"]["global_batch_size"] == 200
     assert ran["train"]["optimizer"]["name"] == "adam" and ran["train"]["optimizer"]["lr"] == 0.01
     assert ran["train"]["epochs"] == 3
     assert metrics["accuracy"] > 0.5  # learnable fixture, 10 classes: chance is 0.1
@@ -38,7 +40,7 @@ def test_cifar10_resnet34_tutorial(workdir, monkeypatch):
         monkeypatch, "cifar10", write_cifar(workdir / "data/raw", "cifar10", n_train=96, n_test=37)
     )
     quick = {
-        "train": {"epochs": 1, "batch_size": 16, "progress": False},
+        "train": {"epochs": 1, "global_batch_size": 32, "micro_batch_size": 16, "progress": False},
         "machine": {
             "nodes": 1,
             "gpus_per_node": 0,

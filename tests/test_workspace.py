@@ -45,6 +45,11 @@ def _edited(run: dict, path: str, value) -> dict:
         ("train.precision", "fp16"),  # fp16 is GPU only: CPU ranks train it in fp32
         ("train.deterministic", True),
         ("train.strategy", "zero"),  # the same weights as ddp (tests/test_resume_exact.py)
+        # the machine's shape: every world size computes the same training
+        # (tests/test_world_size.py)
+        ("world_size", 1),
+        ("machine.cpu_ranks_per_node", 1),
+        ("machine.nodes", 2),
     ],
 )
 def test_keys_that_cannot_change_the_model_are_not_in_the_training_fingerprint(run, path, value):
@@ -59,7 +64,8 @@ def test_keys_that_cannot_change_the_model_are_not_in_the_training_fingerprint(r
         ("train.epochs", 3, "train.epochs"),
         ("model.name", "mlp", "model.name"),
         ("data.seed", 1, "data.seed"),
-        ("world_size", 4, "world_size"),
+        ("train.global_batch_size", 128, "train.global_batch_size"),
+        ("train.micro_batch_size", 16, "train.micro_batch_size"),
         ("machine.gpus_per_node", 2, "device"),
         # the default CNN's convolutions run NHWC on CPU ranks too
         ("train.channels_last", False, "train.channels_last"),
@@ -89,7 +95,6 @@ def test_gpu_only_keys_retrain_gpu_runs(run, path, value):
 def test_channels_last_does_not_retrain_where_it_does_not_act(run, path, value):
     """The MLP has no convolution; fsdp keeps the plain layout (FSDP2 shards contiguous
     parameters only): on CPU ranks neither retrains when channels_last is edited."""
-    assert run["world_size"] > 1  # fsdp acts from 2 ranks
     edited = _edited(run, path, value)
     assert ddpconfig.uses_channels_last(edited) == (path != "train.strategy")
     before = ddpconfig.training_fingerprint(edited)
@@ -97,11 +102,11 @@ def test_channels_last_does_not_retrain_where_it_does_not_act(run, path, value):
 
 
 def test_describe_changes_is_one_short_line(run):
-    edited = _edited(_edited(run, "train.optimizer.lr", 0.02), "world_size", 4)
+    edited = _edited(_edited(run, "train.optimizer.lr", 0.02), "train.global_batch_size", 128)
     text = ddpconfig.describe_changes(
         ddpconfig.training_fingerprint(run), ddpconfig.training_fingerprint(edited)
     )
-    assert text == "train.optimizer.lr 0.05 -> 0.02, world_size 2 -> 4"
+    assert text == "train.global_batch_size 64 -> 128, train.optimizer.lr 0.05 -> 0.02"
     mlp = _edited(run, "model.name", "mlp")  # channels_last acts on the CNN, not the MLP
     text = ddpconfig.describe_changes(
         ddpconfig.training_fingerprint(mlp), ddpconfig.training_fingerprint(run)

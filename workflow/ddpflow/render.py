@@ -91,6 +91,25 @@ def _machine_table(rows: list[dict], scaling: bool) -> tuple:
     return ("table", headers, body, None)
 
 
+def _segments_table(loaded) -> tuple | None:
+    """The stretches of each run that trained on different allocations (world size, hosts,
+    optimizer steps), where any run has more than one; None otherwise."""
+    body = []
+    for name, _, ev in loaded:
+        segments = ev["train"].get("segments") or []
+        if len(segments) < 2:
+            continue
+        for number, seg in enumerate(segments, start=1):
+            steps = seg["end_step"] - seg["start_step"]
+            body.append([name, str(number), str(seg["world_size"]), _hosts(seg["hosts"]),
+                         f"{seg['start_step']}–{seg['end_step']}", str(steps),
+                         str(seg["attempt"])])  # fmt: skip
+    if not body:
+        return None
+    headers = ["Run", "Segment", "World size", "Hosts", "Optimizer steps", "Steps", "Attempt"]
+    return ("table", headers, body, None)
+
+
 def _phase_table(rows: list[dict]) -> tuple:
     body = []
     for row in rows:
@@ -178,10 +197,17 @@ def document(loaded, rows, figures, generated: str, unfinished=(), inside=()) ->
     blocks += [("h2", "Machine and speed"), _machine_table(rows, scaling)]
     if scaling:
         blocks.append(("p", "Speedup and efficiency compare only runs that differ in machine "
-                            "shape alone (same data, model and training settings: one scaling "
-                            "group), each against its group's fastest run at the group's "
-                            "smallest world size (ideal: linear in ranks). Runs without a "
-                            "group have nothing to compare with."))  # fmt: skip
+                            "shape alone (same data, model and training settings, the global "
+                            "batch included: one scaling group, so this is strong scaling of "
+                            "the same training), each against its group's fastest run at the "
+                            "group's smallest world size (ideal: linear in ranks). Runs without "
+                            "a group have nothing to compare with."))  # fmt: skip
+    if (segments := _segments_table(loaded)) is not None:
+        blocks += [("h3", "Segments: runs continued on another allocation"), segments,
+                   ("p", "Each segment trained the optimizer steps shown, from the checkpoint "
+                         "the previous one left, at its own world size; the steps are the "
+                         "same training at any size (the global batch and the data order are "
+                         "the recipe's).")]  # fmt: skip
     blocks += [("h2", "Time per phase (sum over epochs, share of epoch time)"), _phase_table(rows)]
     blocks += list(inside)  # ddpflow.insight: ranks, stragglers, profiles, cluster efficiency
     blocks += [("h2", f"Per-class {label} accuracy"), *_class_tables(loaded)]

@@ -210,7 +210,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         resumed = ckpt.restore(loop)
         ckpt.attempt = _next_attempt(Path(paths.work), resumed is not None, env)
         loop.segments.append({
-            "world_size": env.world_size, "hosts": sorted(set(hosts)), "attempt": ckpt.attempt,
+            "world_size": env.world_size, "hosts": list(hosts), "attempt": ckpt.attempt,
             "start_step": loop.scheduler.last_epoch, "end_step": loop.scheduler.last_epoch,
         })  # fmt: skip
         if env.is_master:
