@@ -4,14 +4,17 @@ On an image folder that Pillow writes into a temporary directory (--images PNG f
 --classes classes, each --sizes pixels square, stored at that size), three measurements:
 
 1. Loader throughput: images/s delivered to the training step of ONE rank (rank 0 of a
-   2-rank job, its DistributedSampler shard), batch --batch, --workers worker processes for
+   2-rank job: its micro-batches, or its DistributedSampler shard), batch --batch per rank
+   (ddpflow: the micro-batch, global batch 2 x --batch), --workers worker processes for
    both loaders, each batch normalised to float as the step does (ddpflow.evaluate.normalize
    with the staged train mean/std, the same for every path) and its labels taken:
 
    * ``streamed``: ddpflow's streamed path: the folder staged once (not timed) with
      ``ddpflow.data.stage_dataset``, then ``ddpflow.feed.StreamFeed`` over
-     ``open_split(...)[0]`` (the train split), batches from ``ddpflow.loop.epoch_indices``
-     split by the batch size, labels by index_select (ddpflow keeps them in memory);
+     ``open_split(...)[0]`` (the train split), batches as Loop takes them
+     (``ddpflow.loop.step_micro_batches`` + ``rank_micro_batches``: one shuffle cut into
+     steps of the global batch, this rank's micro-batch of each; the remainder of n sits
+     the epoch out), labels by index_select (ddpflow keeps them in memory);
    * ``tutorial``: ``torchvision.datasets.ImageFolder(root/train, transform=Compose([Resize,
      CenterCrop, PILToTensor]))`` + ``DistributedSampler(num_replicas=2, rank=0,
      shuffle=True, seed=0)`` + ``DataLoader(batch_size, num_workers, pin_memory=False)``,
@@ -64,7 +67,7 @@ from ddpflow import config as ddpconfig
 from ddpflow import data as ddata
 from ddpflow import feed, runtime
 from ddpflow.evaluate import normalize
-from ddpflow.loop import epoch_indices
+from ddpflow.loop import rank_micro_batches, step_micro_batches
 from workers import machine_info
 
 WORLD, RANK, SEED = 2, 0, 0  # one rank of a 2-rank job, the sampler's seed
@@ -192,8 +195,7 @@ class Streamed:
         self.batch = batch
 
     def epoch(self, epoch: int, normalise: bool = True) -> int:
-        order = epoch_indices(len(self.images), WORLD, RANK, SEED, epoch)
-        batches = order.split(self.batch)
+        batches = rank_batches(len(self.images), self.batch, epoch)
         done = 0
         for index, x in enumerate(self.feed.epoch(batches, 0)):
             x = normalize(x, *self.norm) if normalise else x
@@ -204,6 +206,18 @@ class Streamed:
     def close(self) -> None:
         self.feed.close()
         self.images.close()
+
+
+def rank_batches(n: int, batch: int, epoch: int) -> torch.Tensor:
+    """Rank RANK's micro-batches of the epoch, [steps, batch], as Loop takes them: global
+    batch WORLD x batch, one micro-batch per rank and step (no accumulation)."""
+    steps = step_micro_batches(n, WORLD * batch, batch, SEED, epoch)
+    return rank_micro_batches(steps, WORLD, RANK)
+
+
+def rank_images(n: int, batch: int) -> int:
+    """Images rank RANK reads in an epoch of rank_batches: batch per full global step."""
+    return n // (WORLD * batch) * batch
 
 
 class InMemory(Streamed):
@@ -273,11 +287,11 @@ def loader_case(root: Path, staged: Path, size: int, args: argparse.Namespace) -
         "tutorial": Tutorial(root, size, args.workers, args.batch, norm_of(manifest)),
         "in_memory": InMemory(staged, args.workers, args.prefetch, args.batch),
     }
-    expected = {
-        "streamed": math.ceil(manifest["sizes"]["train"] / WORLD),
-        "tutorial": len(paths["tutorial"].sampler),
-        "in_memory": math.ceil(manifest["sizes"]["train"] / WORLD),
-    }
+    ours = rank_images(manifest["sizes"]["train"], args.batch)
+    if ours == 0:
+        raise SystemExit(f"the train split ({manifest['sizes']['train']} images) is smaller "
+                         f"than one global batch ({WORLD} x --batch {args.batch})")  # fmt: skip
+    expected = {"streamed": ours, "tutorial": len(paths["tutorial"].sampler), "in_memory": ours}
     seconds: dict[str, list[float]] = {name: [] for name in paths}
     first: dict[str, float] = {}
     names = list(paths)
@@ -626,13 +640,16 @@ def main(argv: list[str] | None = None) -> int:
             "resize": "images are stored at the target size: the tutorial's Resize and "
             "CenterCrop (and ddpflow's staging resize) change no pixel (decode + convert "
             "only): the cheapest case for the tutorial loader",
-            "rank": f"rank {RANK} of a {WORLD}-rank job: the DistributedSampler shard "
-            f"(shuffle, seed {SEED}; ddpflow.loop.epoch_indices gives the same order)",
+            "rank": f"rank {RANK} of a {WORLD}-rank job, seed {SEED}: ddpflow's paths take "
+            f"its micro-batches (global batch {WORLD} x batch, one shuffle cut into steps, "
+            "the remainder left out: fewer images per epoch than the tutorial's); the "
+            "tutorial its DistributedSampler shard (shuffle, padded); images/s compares them",
             "batch": args.batch,
             "workers": args.workers,
             "prefetch": args.prefetch,
             "streamed": "ddpflow.feed.StreamFeed(open_split(staged, 'train')[0], cpu, workers, "
-            "prefetch) built once, .epoch(epoch_indices(...).split(batch), 0) per epoch "
+            "prefetch) built once, .epoch(rank_micro_batches(step_micro_batches(n, 2 x "
+            "batch, batch, seed, epoch), 2, 0), 0) per epoch "
             "(persistent workers, one pread per image); labels by index_select",
             "tutorial": "torchvision.datasets.ImageFolder(root/train, Compose([Resize(size), "
             "CenterCrop(size), PILToTensor()])) + DistributedSampler(num_replicas=2, rank=0, "

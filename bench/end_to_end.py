@@ -9,7 +9,8 @@ Lightning script and as the raw PyTorch DDP tutorial script, from command to tes
 * ``raw``: ``python bench/peers/raw_digits.py`` (mp.spawn, gloo, DDP, DistributedSampler).
 
 The same job for all three (bench/peers/digits_job.py): digits split as ddpflow stages it,
-ddpflow's CNN and initial weights, epochs, batch per rank, SGD and lr schedule, 2 CPU ranks.
+ddpflow's CNN and initial weights, epochs, global batch (the peers' per-rank batch is
+ddpflow's micro-batch, no accumulation), steps per epoch, SGD and lr schedule, 2 CPU ranks.
 Each run starts in a fresh temporary directory; its wall time is the harness's, from starting
 the command to its exit. The three alternate run by run (order flipped every repeat) so that
 background load hits all of them; the table gives the median and the range.
@@ -212,7 +213,8 @@ def conditions(args: argparse.Namespace, job: dict) -> dict:
     ranks = m["nodes"] * m["cpu_ranks_per_node"]
     return {
         "job": f"{job['data']['source']}, {job['model']['name']}, {t['epochs']} epochs, "
-        f"batch {t['batch_size']}/rank, {ranks} CPU ranks, gloo",
+        f"global batch {t['global_batch_size']} ({t['micro_batch_size']}/rank), {ranks} CPU "
+        "ranks, gloo",
         "config": str(args.config),
         "epochs_override": args.epochs,
         "repeats": args.repeats,
@@ -225,6 +227,10 @@ def conditions(args: argparse.Namespace, job: dict) -> dict:
         "strategy=ddp) with its defaults (sanity check, checkpoint, logger, progress bar)",
         "raw": "bench/peers/raw_digits.py: mp.spawn, gloo, DDP, DistributedSampler, "
         "loss.item() per step, all_reduce of correct/total",
+        "batch": "the peers' per-rank batch is train.micro_batch_size at the job's world size "
+        "(global batch = ddpflow's, no accumulation); their loaders drop each rank's short "
+        "last batch (drop_last), so every epoch is ddpflow's floor(n / global batch) steps "
+        "(ddpflow's order: one shuffle cut into steps; the peers': DistributedSampler)",
         "shared": "bench/peers/digits_job.py: ddpflow's split, normalisation, model, lr "
         "scaling and schedule; plain torch.optim.SGD in the peers (ddpflow: fused)",
     }

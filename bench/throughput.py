@@ -2,15 +2,19 @@
 
 Both loops train the same model (ddpflow.models) on the same synthetic uint8 images,
 normalised with the same per-channel mean/std, with the same per-rank batch, world size,
-optimizer (the shipped config's SGD) and initial weights:
+optimizer (the shipped config's SGD) and initial weights. ddpflow gets the per-rank batch as
+train.micro_batch_size and the global batch as train.global_batch_size = batch x world (one
+micro-batch per rank and step, no accumulation: the raw loop's step), and the epoch sizes are
+whole global batches, so both loops take the same steps of the same sizes:
 
 * ``raw``: the FashionMNIST DDP tutorial, as written there: TensorDataset + DataLoader
   (batch_size, sampler=DistributedSampler, pin_memory on CUDA), ``sampler.set_epoch``,
   per-step ``.to(device)``, zero_grad/backward/step, ``loss.item()`` every step, the model
   always wrapped in DDP (a 1-rank process group at world size 1).
 * ``ddpflow``: ``ddpflow.loop.Loop`` built as ``tasks.TrainTask`` builds it (the shipped
-  config, the dataset held as tensors on the device, the checkpointer's per-step hook), one
-  ``train_epoch()`` per repeat.
+  config, the dataset held as tensors on the device, its order from
+  ``loop.step_micro_batches`` + ``rank_micro_batches``, the checkpointer's per-step hook),
+  one ``train_epoch()`` per repeat.
 
 One repeat is one epoch; its time is the slowest rank's (barrier before, MAX all-reduce
 after) and samples/s = global samples / that time. The two loops alternate repeat by
@@ -127,7 +131,10 @@ def ddpflow_run(cfg: dict) -> dict:
     overrides = {
         "model": {"name": cfg["case"]["model"]},
         "train": {
-            "batch_size": cfg["batch"],
+            # the per-rank batch as the micro-batch, one per rank and step (no accumulation),
+            # unless the caller fixes the global batch (bench/scaling.py)
+            "global_batch_size": cfg.get("global_batch") or cfg["batch"] * cfg["world_size"],
+            "micro_batch_size": cfg["batch"],
             "epochs": cfg["warmup"] + cfg["repeats"],
             "progress": False,
             "precision": "bf16" if cuda else cfg["precision"],
@@ -232,7 +239,8 @@ def raw_epoch(cfg: dict, run: dict, lr: float, images, labels, norm, device):
             loss.backward()
             optimizer.step()
             running_loss += loss.item()
-        return {"samples": len(sampler), "train_loss": running_loss / len(loader)}
+        # global samples (all ranks), as Loop's epoch record counts them
+        return {"samples": len(sampler) * world, "train_loss": running_loss / len(loader)}
 
     return epoch
 
@@ -245,7 +253,7 @@ def peer_layout(cfg: dict, model: nn.Module) -> nn.Module:
     return model
 
 
-def timed_epoch(epoch_fn, world: int, device, sync) -> tuple[float, float, dict]:
+def timed_epoch(epoch_fn, device, sync) -> tuple[float, float, dict]:
     """One epoch: global samples per wall second (slowest rank) and per CPU second (all
     ranks' process time summed: robust to other processes sharing the cores)."""
     sync()
@@ -257,7 +265,7 @@ def timed_epoch(epoch_fn, world: int, device, sync) -> tuple[float, float, dict]
     cpu = torch.tensor(time.process_time() - cpu_start, dtype=torch.float64, device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
-    samples = record["samples"] * world
+    samples = record["samples"]  # of all ranks
     return samples / float(seconds), samples / float(cpu), record
 
 
@@ -273,7 +281,6 @@ def schedule(names: list[str], warmup: int, repeats: int) -> list[tuple[str, int
 def measure(loops: dict, cfg: dict, device, sync) -> dict:
     """Warm each loop up, then alternate them repeat by repeat (order flipped each time). A
     loop with drive() (Lightning's Trainer owns its epoch loop) runs the whole schedule."""
-    world = cfg["world_size"]
     rates = {name: ([], []) for name in loops}
     phases = []
 
@@ -283,7 +290,7 @@ def measure(loops: dict, cfg: dict, device, sync) -> dict:
             rates[name][1].append(cpu_rate)
 
     def run(name, repeat):
-        rate, cpu_rate, rec = timed_epoch(loops[name], world, device, sync)
+        rate, cpu_rate, rec = timed_epoch(loops[name], device, sync)
         record(name, repeat, rate, cpu_rate)
         if name == "ddpflow" and repeat is not None:
             phases.append({k: v / rec["micro_steps"] for k, v in rec["seconds"].items()})
@@ -343,20 +350,33 @@ def op_shares(epoch_fn, profile: bool) -> dict | None:
     return shares
 
 
-def run_worker(cfg: dict) -> int:
-    rank, world = cfg["rank"], cfg["world_size"]
+def rank_device(cfg: dict) -> tuple[torch.device, str, object]:
+    """This worker's device, process-group backend and device sync (a no-op on CPU)."""
     torch.set_num_threads(cfg["threads"])
-    if cfg["device"] == "cuda":
-        device, backend, sync = torch.device("cuda", rank), "nccl", torch.cuda.synchronize
-        torch.cuda.set_device(device)
-        runtime.configure_cuda(deterministic=False)  # as TrainTask does (cuDNN autotuning)
-    else:
-        device, backend, sync = torch.device("cpu"), "gloo", lambda: None
-    # the tutorial's set-up; both loops share this one real process group
+    if cfg["device"] != "cuda":
+        return torch.device("cpu"), "gloo", lambda: None
+    device = torch.device("cuda", cfg["rank"])
+    torch.cuda.set_device(device)
+    runtime.configure_cuda(deterministic=False)  # as TrainTask does (cuDNN autotuning)
+    return device, "nccl", torch.cuda.synchronize
+
+
+@contextlib.contextmanager
+def process_group(cfg: dict, backend: str):
+    """The tutorial's set-up: one real process group on 127.0.0.1 (every loop of the worker
+    shares it), and the DistEnv ddpflow's Loop gets; destroyed on the way out."""
+    rank, world = cfg["rank"], cfg["world_size"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
-        env = DistEnv(rank, world, rank, world, 0, 1, "127.0.0.1", cfg["port"], "bench", "bench")
+        yield DistEnv(rank, world, rank, world, 0, 1, "127.0.0.1", cfg["port"], "bench", "bench")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_worker(cfg: dict) -> int:
+    device, backend, sync = rank_device(cfg)
+    with process_group(cfg, backend) as env:
         run = ddpflow_run(cfg)
         images, labels, norm = synthetic(cfg["case"]["shape"], cfg["samples"])
         ours, loop = ddpflow_epoch(cfg, run, images, labels, norm, env, device)
@@ -374,10 +394,8 @@ def run_worker(cfg: dict) -> int:
         result = measure(loops, cfg, device, sync)
         result["lr"] = loop.lr
         if cfg["device"] == "cpu":  # where the step's time goes: one more, profiled epoch
-            result["ddpflow"]["op_shares"] = op_shares(ours, profile=rank == 0)
-    finally:
-        dist.destroy_process_group()
-    if rank == 0:
+            result["ddpflow"]["op_shares"] = op_shares(ours, profile=env.is_master)
+    if cfg["rank"] == 0:
         Path(cfg["result_file"]).write_text(json.dumps(result))
     return 0
 
@@ -391,12 +409,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(cfg: dict) -> dict:
-    """One (case, world size) in fresh worker processes; rank 0's measurements."""
-    env = peers_env() if cfg["baseline"] == "lightning" else None  # Lightning's ranks only
+def launch(cfg: dict, script: str = __file__) -> dict:
+    """One (case, world size) in fresh worker processes of `script` (this file, or another
+    benchmark's with the same --worker protocol); rank 0's measurements."""
+    lightning = cfg.get("baseline") == "lightning"
+    env = peers_env() if lightning else None  # Lightning's ranks only
     with tempfile.TemporaryDirectory(prefix="ddpflow-bench-") as tmp:
         cfg = {**cfg, "port": free_port(), "result_file": f"{tmp}/result.json", "work": tmp}
-        return spawn_ranks(__file__, cfg, WORKER_TIMEOUT_S, env)
+        return spawn_ranks(script, cfg, WORKER_TIMEOUT_S, env)
 
 
 def train_flops_per_sample(case: dict) -> int:
@@ -568,6 +588,8 @@ def main(argv: list[str] | None = None) -> int:
             "raw": "TensorDataset+DataLoader(DistributedSampler), .to(device), loss.item() "
             "per step, DDP-wrapped at every world size (1-rank group at world 1)",
             "ddpflow": "Loop from the shipped config (SGD nesterov, cosine schedule); "
+            "micro_batch_size = the per-rank batch, global_batch_size = batch x world (no "
+            "accumulation); order: step_micro_batches + rank_micro_batches; "
             "DDP only when world > 1; "
             + (
                 "bf16 autocast, channels_last, fused SGD"

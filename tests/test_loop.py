@@ -419,3 +419,24 @@ def test_bf16_autocast_on_cpu_ranks_fp16_stays_fp32(tmp_path):
     assert torch.equal(ranks[0]["bf16"]["flat"], ranks[1]["bf16"]["flat"])
     assert torch.equal(fp16["flat"], fp32["flat"])
     assert bf16["val_accuracy"] >= fp32["val_accuracy"] - 0.1 and bf16["val_accuracy"] > 0.8
+
+
+def test_rank_zeros_progress_counts_its_micro_batches(caplog, monkeypatch):
+    """train.progress (on by default): rank 0's progress within an epoch counts the
+    micro-batches it computes, steps x accumulation (1 rank: 6 steps x 4)."""
+    import functools
+    import logging
+
+    from ddpflow import tasks
+
+    monkeypatch.setattr(tasks, "LineProgress", functools.partial(tasks.LineProgress, interval=0))
+    run = make_run(
+        model={"name": "mlp", "mlp_hidden": [16]},
+        train={"epochs": 1, "global_batch_size": 32, "micro_batch_size": 8, "progress": True},
+        machine={"cpu_ranks_per_node": 1},
+    )
+    loop = Loop(run, make_data(200, 20), SINGLE, CPU, mlp(64, [16], 4))
+    with caplog.at_level(logging.INFO, logger="ddpflow.tasks"):
+        fit(loop, lambda record: None, tasks._progress_bar(run, SINGLE))
+    lines = [r.getMessage() for r in caplog.records if r.name == "ddpflow.tasks"]
+    assert lines and lines[-1].startswith("epoch 1: step 23/24 "), lines

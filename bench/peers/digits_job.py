@@ -9,6 +9,10 @@ What it takes from ddpflow (so that the job is identical, not a copy that could 
   the same train/val/test samples as the stage rule) and standardised with the train split's
   per-channel mean/std (ddpflow.data.channel_stats, ddpflow.evaluate.normalize);
 * the model: ddpflow.models.build_model (the CNN), initialised after torch.manual_seed(seed);
+* the batch: train.micro_batch_size per rank at the job's world size, one micro-batch per
+  rank and step, so the global batch is train.global_batch_size (check_job refuses a job
+  that would need gradient accumulation); the loaders drop each rank's short last batch, so
+  an epoch is ddpflow's floor(train samples / global batch) full steps;
 * the lr: ddpflow.loop.effective_lr (linear scaling with the global batch) and
   ddpflow.loop.lr_schedule (linear warmup, then cosine, per optimizer step).
 
@@ -53,12 +57,15 @@ def load_job(path: str | None) -> dict:
 def check_job(job: dict) -> None:
     """What these scripts write out; anything else would silently be another job."""
     train = job["train"]
+    per_step = train["micro_batch_size"] * world_size(job)  # one micro-batch per rank
     unsupported = {
         "data.source": (job["data"]["source"], "digits"),
         "train.optimizer.name": (train["optimizer"]["name"], "sgd"),
-        "train.grad_accum_steps": (train["grad_accum_steps"], 1),
+        "train.global_batch_size (micro_batch_size x world size: no accumulation)": (
+            train["global_batch_size"], per_step,
+        ),
         "machine.gpus_per_node": (job["machine"]["gpus_per_node"], 0),
-    }
+    }  # fmt: skip
     for key, (value, supported) in unsupported.items():
         if value != supported:
             raise SystemExit(f"peer scripts support {key}: {supported!r} only, not {value!r}")
@@ -95,7 +102,7 @@ def optimizer_and_schedule(job: dict, params, steps_per_epoch: int):
     """SGD at ddpflow's effective lr and the LambdaLR to step after every optimizer step."""
     from ddpflow.loop import effective_lr
 
-    lr = effective_lr(job["train"], world_size(job))
+    lr = effective_lr(job["train"])
     return sgd_schedule(job["train"], params, lr, steps_per_epoch)
 
 
@@ -124,8 +131,17 @@ def lightning_optimizers(optimizer, scheduler) -> dict:
 
 
 def steps_per_epoch(job: dict, train_samples: int) -> int:
-    """DistributedSampler(drop_last=False) pads to equal shards; the last batch may be short."""
-    return math.ceil(math.ceil(train_samples / world_size(job)) / job["train"]["batch_size"])
+    """Lightning's steps: its DistributedSampler pads to equal shards of ceil(n / world) and
+    the DataLoader's drop_last=True leaves out each rank's short last batch. ddpflow takes
+    floor(n / global batch): the same 20 for the digits' 1,294 at 2 ranks x 32 (they differ
+    only where the padding completes one more batch)."""
+    per_rank = math.ceil(train_samples / world_size(job))
+    return per_rank // micro_batch(job)
+
+
+def micro_batch(job: dict) -> int:
+    """The per-rank batch of the peers' loaders: ddpflow's micro-batch."""
+    return job["train"]["micro_batch_size"]
 
 
 def write_result(path: str, **result) -> None:

@@ -68,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     L.seed_everything(job["train"]["seed"])
     data = digits_job.load_splits(job)
     train_x, train_y = data["train"]
-    batch, eval_batch = job["train"]["batch_size"], job["eval"]["batch_size"]
-    train = DataLoader(TensorDataset(train_x, train_y), batch_size=batch, shuffle=True)
+    # per rank: ddpflow's micro-batch, so the global batch is ddpflow's; no short last batch
+    batch, eval_batch = digits_job.micro_batch(job), job["eval"]["batch_size"]
+    train = DataLoader(
+        TensorDataset(train_x, train_y), batch_size=batch, shuffle=True, drop_last=True
+    )
     val = DataLoader(TensorDataset(*data["val"]), batch_size=eval_batch)
     test = DataLoader(TensorDataset(*data["test"]), batch_size=eval_batch)
     steps = digits_job.steps_per_epoch(job, len(train_y))

@@ -1,6 +1,9 @@
 """ddpflow's default job as the raw PyTorch DDP tutorial script: mp.spawn, gloo, DDP,
 DistributedSampler, loss.item() every step, validation after every epoch and the test
-accuracy at the end, each an all_reduce of correct/total over unpadded shards.
+accuracy at the end, each an all_reduce of correct/total over unpadded shards. The batch per
+rank is ddpflow's micro-batch, so the global batch is ddpflow's at the same world size; the
+sampler and loader drop the remainder (drop_last), so an epoch is ddpflow's floor(n / global
+batch) full steps.
 
 Same job as `snakemake` with the shipped config (digits_job.py says what is shared):
 
@@ -46,8 +49,10 @@ def worker(rank: int, world: int, job: dict, port: int, result_file: str | None)
     data = digits_job.load_splits(job)
     train_x, train_y = data["train"]
     dataset = TensorDataset(train_x, train_y)
-    sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=job["train"]["seed"])
-    loader = DataLoader(dataset, batch_size=job["train"]["batch_size"], sampler=sampler)
+    seed = job["train"]["seed"]
+    sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=seed, drop_last=True)
+    batch = digits_job.micro_batch(job)  # per rank: global batch = batch x world
+    loader = DataLoader(dataset, batch_size=batch, sampler=sampler, drop_last=True)
     model = DDP(digits_job.build(job, train_x))
     optimizer, scheduler = digits_job.optimizer_and_schedule(job, model.parameters(), len(loader))
     loss_fn = nn.CrossEntropyLoss(label_smoothing=job["train"]["label_smoothing"])

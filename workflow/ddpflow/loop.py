@@ -216,6 +216,11 @@ class Loop:
         self._unread: tuple | None = None  # (flag, epoch, step) not yet looked at
         self._warned_nonfinite = False
 
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        """The micro-batches this rank computes in an epoch (what its progress bar counts)."""
+        return self.steps_per_epoch * self.accum
+
     def _optimizer_steps_per_epoch(self) -> int:
         return self.data["train_x"].shape[0] // self.tcfg["global_batch_size"]
 

@@ -380,7 +380,7 @@ def _progress_bar(run: dict, env):
         return None
 
     def factory(loop):
-        total = loop._micro_batches()
+        total = loop.micro_batches_per_epoch
         desc = f"epoch {loop.epoch + 1}"
         if not sys.stderr.isatty():
             return LineProgress(total, desc)
