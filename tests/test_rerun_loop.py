@@ -69,8 +69,10 @@ def test_success_leaves_a_lean_work_folder(trained):
 
 
 def test_changes_that_cannot_change_results_redo_nothing(trained):
-    """Where and how the ranks run, logging and checkpoint cadence: nothing is redone."""
-    machine = _edit(BASE, "machine", time_min=30, mem_gb=2, pg_timeout_s=99, cpus_per_task=1)
+    """Where and how the ranks run (the world size too), logging and checkpoint cadence:
+    nothing is redone."""
+    machine = _edit(BASE, "machine", time_min=30, mem_gb=2, pg_timeout_s=99, cpus_per_task=1,
+                    cpu_ranks_per_node=1)  # fmt: skip
     edited = _edit(machine, "train", progress=True, max_requeues=1, checkpoint__keep=5)
     configfile = write_config(trained / "harmless.yaml", edited)
     assert jobs_planned(trained, configfile) == set()

@@ -224,9 +224,10 @@ def resumed_line(state: dict, world_size: int) -> str:
     """'resumed at epoch 3 step 41 on 2 ranks; the checkpoint was written on 4'."""
     where = f"epoch {state['epoch'] + 1} step {state['step']}"
     written = state["world_size"]
+    ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
     if written == world_size:
-        return f"resumed at {where} on {world_size} ranks, the world size it was written on"
-    return f"resumed at {where} on {world_size} ranks; the checkpoint was written on {written}"
+        return f"resumed at {where} on {ranks}, the world size it was written on"
+    return f"resumed at {where} on {ranks}; the checkpoint was written on {written}"
 
 
 def _gather_rng(env) -> list[dict]:
