@@ -13,7 +13,7 @@ from datafixtures import image_of, make_folder
 from ddpflow import config as ddpconfig
 from ddpflow.data import load_split, stage_dataset
 from ddpflow.sources import DataError
-from workflow_helpers import REPO, jobs_planned, snakemake, write_config
+from workflow_helpers import REPO, jobs_planned, make_run, snakemake, write_config
 
 
 def _data(**over) -> dict:
@@ -149,6 +149,38 @@ def test_the_dataset_id_follows_the_files_not_only_the_config(tmp_path):
     # default's id is the one ddpflow has always given it, so an upgrade restages nothing
     digits = ddpconfig.load(None, {})["data"]
     assert ddpconfig.dataset_id(digits) == "digits-53539ea563"
+
+
+def test_on_small_is_in_the_dataset_id_only_where_it_can_act(tmp_path):
+    """upscale (the default) leaves the dataset id, the stage rule's params and the training
+    fingerprint as they were before data.on_small existed: a folder without small images
+    restages and retrains nothing after the upgrade. skip and error get ids of their own
+    (the reasons: ddpflow/config.py, above data_keys)."""
+    root = make_folder(tmp_path / "images", per_class=(4, 2))
+    old = _data(root=str(root))
+    del old["on_small"]  # as a ddpflow without on_small resolved it
+    old_keys = {k: v for k, v in old.items() if k not in ddpconfig.DATA_RUNTIME_KEYS}
+    old_id = "image_folder-" + ddpconfig.config_hash(
+        {**old_keys, "files": ddpconfig.own_data_listing(old)}
+    )[:10]
+    ids = {mode: ddpconfig.dataset_id(_data(root=str(root), on_small=mode))
+           for mode in ("upscale", "skip", "error")}  # fmt: skip
+    assert ids["upscale"] == old_id and len(set(ids.values())) == 3
+    assert ddpconfig.stage_params(_data(root=str(root))) == old_keys
+    assert ddpconfig.stage_params(_data(root=str(root), on_small="skip"))["on_small"] == "skip"
+    fingerprints = {
+        mode: ddpconfig.training_fingerprint(
+            make_run(data={"source": "image_folder", "root": str(root), "image_size": [16, 16],
+                           "on_small": mode})  # fmt: skip
+        )
+        for mode in ("upscale", "skip")
+    }
+    assert "data.on_small" not in fingerprints["upscale"]
+    assert fingerprints["skip"]["data.on_small"] == "skip"
+    # the built-in sources and npz never resize an image: the key is never theirs
+    digits = ddpconfig.load(None, {"data": {"on_small": "skip"}})["data"]
+    assert ddpconfig.dataset_id(digits) == "digits-53539ea563"
+    assert "on_small" not in ddpconfig.stage_params(digits)
 
 
 @pytest.mark.e2e
