@@ -313,3 +313,26 @@ def test_throughput_of_one_run_is_one_labelled_bar():
     many = plot_throughput([f"r{i}" for i in range(8)], [1000.0 * (i + 1) for i in range(8)])
     many = matplotlib.image.imread(io.BytesIO(many))
     assert one.shape[1] == many.shape[1] and one.shape[0] < many.shape[0] / 2
+
+
+def test_the_provenance_says_what_staging_upscaled_or_skipped():
+    """An image folder's line names corrupt, ignored and small images; a plug-in's has only
+    the small ones; a manifest staged before data.on_small existed has none of its keys."""
+    from ddpflow.render import _dataset_line
+
+    folder = {"skipped_corrupt": 1, "skipped_files": ["x.png"], "ignored_files": 2}
+    small = {"on_small": "upscale", "image_size": [32, 48], "upscaled_small": 12,
+             "skipped_small": 0, "small_per_split": {"train": 12}, "small_files": []}  # fmt: skip
+    lines = {
+        name: _dataset_line({"source": "s", "sizes": {"train": 5}, "source_notes": notes})[0][1]
+        for name, notes in (("old", folder), ("folder", {**folder, **small}), ("plugin", small))
+    }
+    assert lines["old"] == (
+        "data: s (train 5); 1 corrupt image(s) skipped, 2 file(s) that are not images ignored"
+    )
+    assert lines["folder"] == lines["old"] + (
+        "; 12 image(s) smaller than data.image_size [32, 48] upscaled (data.on_small: upscale)"
+    )
+    assert lines["plugin"] == "data: s (train 5); 12 image(s) smaller than data.image_size " + (
+        "[32, 48] upscaled (data.on_small: upscale)"
+    )
