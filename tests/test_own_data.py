@@ -283,6 +283,32 @@ def test_the_workflow_trains_on_an_image_folder_and_restages_on_a_new_image(work
     assert {"stage", "train", "evaluate", "report"} <= jobs_planned(workdir, configfile)
 
 
+@pytest.mark.e2e
+def test_the_workflow_trains_on_a_folder_with_small_images(workdir):
+    """A user's folder of mixed sizes (28x40 to 44x38, PNG and JPEG, some grayscale) at
+    image_size [32, 32]: the default upscales the small ones, says so once, and trains; skip
+    is another dataset, and writing the default out changes nothing."""
+    make_mixed_folder(workdir / "my_images", per_class=(40, 10))
+    data = {"source": "image_folder", "root": "my_images", "image_size": [32, 32]}
+    config = {"data": data, "train": {"epochs": 4, "progress": False}, "runs": [{"name": "mixed"}]}
+    configfile = write_config(workdir / "config.yaml", config)
+    result = snakemake(workdir, configfile)
+    assert result.returncode == 0, result.stderr[-3000:]
+    told = [line for line in result.stderr.splitlines() if "were smaller than" in line]
+    assert (
+        len(told) == 1 and "60 of 150 images were smaller than 32x32 and were upscaled" in told[0]
+    )
+    metrics = json.loads((workdir / "results/runs/mixed/eval_metrics.json").read_text())
+    # measured 2026-11-23: 30 of 30
+    assert metrics["samples_evaluated"] == 30 and metrics["accuracy"] > 0.9
+    report = (workdir / "results/report/report.md").read_text()
+    assert "60 image(s) smaller than data.image\\_size \\[32, 32\\] upscaled" in report
+    written_out = {**config, "data": {**data, "on_small": "upscale"}}
+    assert jobs_planned(workdir, write_config(workdir / "upscale.yaml", written_out)) == set()
+    skip = {**config, "data": {**data, "on_small": "skip"}}
+    assert {"stage", "train"} <= jobs_planned(workdir, write_config(workdir / "skip.yaml", skip))
+
+
 # -- a plug-in source: "module:function" from the working directory -------------------------
 
 
