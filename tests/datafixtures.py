@@ -151,3 +151,23 @@ def make_folder(root, per_class=(20, 6), rng_seed=0):
                 ext = "jpg" if mode == "RGB" and i % 2 else "png"
                 image.convert(mode).save(folder / f"{i:03d}.{ext}")
     return root
+
+
+# (width, height) of a folder of mixed sizes, as a user's: against image_size [32, 32], the
+# 2nd and 5th are too narrow or too low (2 of every 5 images are small)
+MIXED_SIZES = [(40, 36), (28, 40), (32, 32), (44, 38), (36, 30)]
+
+
+def make_mixed_folder(root, per_class=(10, 5), sizes=MIXED_SIZES, rng_seed=0):
+    """root/train/<colour>/* (and root/test/...): PNG and JPEG, every 3rd image grayscale
+    (its colour then shows as brightness), sides cycling through `sizes`."""
+    rng = np.random.default_rng(rng_seed)
+    for split, count in zip(("train", "test"), per_class, strict=True):
+        for name, colour in COLOURS.items() if count else ():
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                image = image_of(colour, rng, size=sizes[i % len(sizes)])
+                image = image.convert("L") if i % 3 == 2 else image
+                image.save(folder / f"{i:03d}.{'jpg' if i % 2 else 'png'}")
+    return root

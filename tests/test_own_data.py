@@ -9,11 +9,12 @@ import shutil
 
 import numpy as np
 import pytest
-from datafixtures import image_of, make_folder
+from datafixtures import image_of, make_folder, make_mixed_folder
 from ddpflow import config as ddpconfig
 from ddpflow.data import load_split, stage_dataset
 from ddpflow.sources import DataError
-from workflow_helpers import REPO, jobs_planned, snakemake, write_config
+from PIL import Image
+from workflow_helpers import REPO, jobs_planned, make_run, snakemake, write_config
 
 
 def _data(**over) -> dict:
@@ -32,8 +33,11 @@ def test_an_image_folder_stages_like_a_built_in_source(tmp_path):
         manifest["sizes"]["test"] == 18
         and manifest["sizes"]["train"] + manifest["sizes"]["val"] == 60
     )
-    assert manifest["source_notes"] == {"skipped_corrupt": 0, "skipped_files": [],
-                                        "ignored_files": 1}  # fmt: skip
+    assert manifest["source_notes"] == {
+        "skipped_corrupt": 0, "skipped_files": [], "ignored_files": 1, "on_small": "upscale",
+        "image_size": [16, 16], "upscaled_small": 0, "skipped_small": 0, "small_per_split": {},
+        "small_files": [],
+    }  # fmt: skip
     images, labels, _ = load_split(tmp_path / "staged", "test")
     means = images.float().mean(dim=(2, 3))  # per image and channel
     dominant = means.argmax(dim=1)  # blue -> channel 2, green -> 1, red -> 0
@@ -68,7 +72,6 @@ def test_grayscale_conversion(tmp_path):
         ("corrupt", r"train/green/bad.png: not a readable image.*data.on_corrupt: skip"),
         ("empty_class", r"train/violet: class 'violet' has no images"),
         ("test_classes", r"different classes \(only in train: none; only in test: \['violet'\]"),
-        ("small", r"1 image\(s\) smaller than data.image_size \[16, 16\].*tiny.png \(8x8\)"),
         ("no_train", r"no train/ folder"),
     ],
 )
@@ -82,8 +85,6 @@ def test_bad_image_folders_name_the_file(tmp_path, damage, expected):
     elif damage == "test_classes":
         (root / "test/violet").mkdir()
         image_of((120, 0, 200), np.random.default_rng(0)).save(root / "test/violet/a.png")
-    elif damage == "small":
-        image_of((0, 0, 0), np.random.default_rng(0), size=(8, 8)).save(root / "train/red/tiny.png")
     elif damage == "no_train":
         (root / "train").rename(root / "training")
     with pytest.raises(DataError, match=expected):
@@ -97,6 +98,85 @@ def test_corrupt_images_can_be_skipped_and_are_counted(tmp_path):
     manifest = stage_dataset(_data(root=str(root), on_corrupt="skip"), tmp_path / "s", seed=0)
     assert manifest["source_notes"]["skipped_corrupt"] == 1
     assert manifest["source_notes"]["skipped_files"][0].endswith("train/green/bad.png")
+
+
+# -- images smaller than image_size (data.on_small) ------------------------------------------
+# make_mixed_folder: 10 train and 5 test images per class, 2 of every 5 smaller than 32x32,
+# so 12 of 30 in train/ (train and val splits) and 6 of 15 in test/; PNG, JPEG, grayscale
+
+
+@pytest.mark.parametrize(
+    "on_small, sizes, counts",
+    [
+        ("upscale", {"train": 27, "val": 3, "test": 15}, {"upscaled_small": 18,
+                                                          "skipped_small": 0}),
+        ("skip", {"train": 17, "val": 1, "test": 9}, {"upscaled_small": 0, "skipped_small": 18}),
+    ],
+)  # fmt: skip
+def test_small_images_are_upscaled_or_skipped_and_counted(tmp_path, caplog, on_small, sizes,
+                                                          counts):  # fmt: skip
+    root = make_mixed_folder(tmp_path / "images")
+    data = _data(root=str(root), image_size=[32, 32], on_small=on_small)
+    with caplog.at_level("INFO"):
+        manifest = stage_dataset(data, tmp_path / "one", seed=0, threads=1)
+    assert manifest["shape"] == [3, 32, 32] and manifest["sizes"] == sizes
+    notes = manifest["source_notes"]
+    assert {k: notes[k] for k in counts} == counts and notes["on_small"] == on_small
+    assert sum(notes["small_per_split"].values()) == 18 and notes["small_per_split"]["test"] == 6
+    assert len(notes["small_files"]) == 18 and notes["small_files"][0].endswith("001.jpg (28x40)")
+    done = "upscaled" if on_small == "upscale" else "skipped"
+    told = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert len(told) == 1 and f"18 of 45 images were smaller than 32x32 and were {done}" in told[0]
+    two = stage_dataset(data, tmp_path / "two", seed=0, threads=2)  # decoded in 2 processes
+    assert two["files"] == manifest["files"]
+
+
+def test_small_images_are_refused_under_on_small_error(tmp_path):
+    root = make_mixed_folder(tmp_path / "images")
+    data = _data(root=str(root), image_size=[32, 32], on_small="error")
+    expected = (r"18 image\(s\) smaller than data.image_size \[32, 32\] \(width x height "
+                r"shown\): .*train/blue/001.jpg \(28x40\).* and 13 more; set data.on_small: "
+                r"upscale")  # fmt: skip
+    with pytest.raises(DataError, match=expected):
+        stage_dataset(data, tmp_path / "staged", seed=0)
+    assert not (tmp_path / "staged").exists()
+
+
+def test_an_upscaled_image_is_resized_up_then_centre_cropped(tmp_path):
+    """The same resampling as the down path: the shorter side to 32 (16x24 -> 32x48, bilinear),
+    then the centre crop; a dark left half stays the left half, nothing is padded."""
+    root = tmp_path / "images"
+    pixels = np.full((24, 16), 250, np.uint8)  # 16 wide, 24 high
+    pixels[:, :8] = 10
+    for folder in ("train/a", "train/b", "test/a", "test/b"):
+        (root / folder).mkdir(parents=True)
+        Image.fromarray(pixels).save(root / folder / "x.png")
+    data = _data(root=str(root), image_size=[32, 32], channels=1)  # 2 train images: no val
+    manifest = stage_dataset(data, tmp_path / "staged", seed=0)
+    assert manifest["source_notes"]["upscaled_small"] == 4
+    images, _, _ = load_split(tmp_path / "staged", "train")
+    assert images.shape == (2, 1, 32, 32)
+    assert (images[:, :, :, :15] < 20).all() and (images[:, :, :, 17:] > 240).all()
+
+
+def test_most_of_a_split_upscaled_warns_once_with_a_smaller_size(tmp_path, caplog):
+    root = make_mixed_folder(tmp_path / "images")
+    with caplog.at_level("INFO"):
+        stage_dataset(_data(root=str(root), image_size=[38, 38]), tmp_path / "staged", seed=0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1
+    assert ("more than half of the images of a split were smaller than 38x38 and were upscaled "
+            "(train 22 of 27, val 2 of 3, test 12 of 15)") in warnings[0]  # fmt: skip
+    # the median image fits 32x32: 3 of the 5 sizes do
+    assert "consider a smaller data.image_size, e.g. [32, 32]" in warnings[0]
+
+
+def test_a_split_left_empty_by_skipping_is_refused(tmp_path):
+    root = make_mixed_folder(tmp_path / "images")
+    with pytest.raises(DataError, match=r"all 27 images of the train split were skipped"):
+        stage_dataset(_data(root=str(root), image_size=[48, 48], on_small="skip"),
+                      tmp_path / "staged", seed=0)  # fmt: skip
+    assert not (tmp_path / "staged").exists()
 
 
 def _npz(path, **arrays):
@@ -151,6 +231,37 @@ def test_the_dataset_id_follows_the_files_not_only_the_config(tmp_path):
     assert ddpconfig.dataset_id(digits) == "digits-53539ea563"
 
 
+def test_on_small_is_in_the_dataset_id_only_where_it_can_act(tmp_path):
+    """upscale (the default) leaves the dataset id, the stage rule's params and the training
+    fingerprint as they were before data.on_small existed: a folder without small images
+    restages and retrains nothing after the upgrade. skip and error get ids of their own
+    (the reasons: ddpflow/config.py, above data_keys)."""
+    root = make_folder(tmp_path / "images", per_class=(4, 2))
+    old = _data(root=str(root))
+    del old["on_small"]  # as a ddpflow without on_small resolved it
+    old_keys = {k: v for k, v in old.items() if k not in ddpconfig.DATA_RUNTIME_KEYS}
+    old_id = (
+        "image_folder-"
+        + ddpconfig.config_hash({**old_keys, "files": ddpconfig.own_data_listing(old)})[:10]
+    )
+    ids = {mode: ddpconfig.dataset_id(_data(root=str(root), on_small=mode))
+           for mode in ("upscale", "skip", "error")}  # fmt: skip
+    assert ids["upscale"] == old_id and len(set(ids.values())) == 3
+    assert ddpconfig.stage_params(_data(root=str(root))) == old_keys
+    assert ddpconfig.stage_params(_data(root=str(root), on_small="skip"))["on_small"] == "skip"
+    folder = {"source": "image_folder", "root": str(root), "image_size": [16, 16]}
+    fingerprints = {
+        mode: ddpconfig.training_fingerprint(make_run(data={**folder, "on_small": mode}))
+        for mode in ("upscale", "skip")
+    }
+    assert "data.on_small" not in fingerprints["upscale"]
+    assert fingerprints["skip"]["data.on_small"] == "skip"
+    # the built-in sources and npz never resize an image: the key is never theirs
+    digits = ddpconfig.load(None, {"data": {"on_small": "skip"}})["data"]
+    assert ddpconfig.dataset_id(digits) == "digits-53539ea563"
+    assert "on_small" not in ddpconfig.stage_params(digits)
+
+
 @pytest.mark.e2e
 def test_the_workflow_trains_on_an_image_folder_and_restages_on_a_new_image(workdir):
     root = make_folder(workdir / "my_images", per_class=(40, 10))
@@ -170,6 +281,32 @@ def test_the_workflow_trains_on_an_image_folder_and_restages_on_a_new_image(work
     assert jobs_planned(workdir, configfile) == set()
     image_of((30, 200, 40), np.random.default_rng(7)).save(root / "train/green/extra.png")
     assert {"stage", "train", "evaluate", "report"} <= jobs_planned(workdir, configfile)
+
+
+@pytest.mark.e2e
+def test_the_workflow_trains_on_a_folder_with_small_images(workdir):
+    """A user's folder of mixed sizes (28x40 to 44x38, PNG and JPEG, some grayscale) at
+    image_size [32, 32]: the default upscales the small ones, says so once, and trains; skip
+    is another dataset, and writing the default out changes nothing."""
+    make_mixed_folder(workdir / "my_images", per_class=(40, 10))
+    data = {"source": "image_folder", "root": "my_images", "image_size": [32, 32]}
+    config = {"data": data, "train": {"epochs": 4, "progress": False}, "runs": [{"name": "mixed"}]}
+    configfile = write_config(workdir / "config.yaml", config)
+    result = snakemake(workdir, configfile)
+    assert result.returncode == 0, result.stderr[-3000:]
+    told = [line for line in result.stderr.splitlines() if "were smaller than" in line]
+    assert (
+        len(told) == 1 and "60 of 150 images were smaller than 32x32 and were upscaled" in told[0]
+    )
+    metrics = json.loads((workdir / "results/runs/mixed/eval_metrics.json").read_text())
+    # measured 2026-11-23: 30 of 30
+    assert metrics["samples_evaluated"] == 30 and metrics["accuracy"] > 0.9
+    report = (workdir / "results/report/report.md").read_text()
+    assert "60 image(s) smaller than data.image\\_size \\[32, 32\\] upscaled" in report
+    written_out = {**config, "data": {**data, "on_small": "upscale"}}
+    assert jobs_planned(workdir, write_config(workdir / "upscale.yaml", written_out)) == set()
+    skip = {**config, "data": {**data, "on_small": "skip"}}
+    assert {"stage", "train"} <= jobs_planned(workdir, write_config(workdir / "skip.yaml", skip))
 
 
 # -- a plug-in source: "module:function" from the working directory -------------------------
@@ -262,6 +399,30 @@ def test_a_bad_plugin_source_names_the_cause(in_workdir, function, expected):
         stage_dataset(_plugin_data(f"bad:{function}"), in_workdir / "staged", seed=0)
     with pytest.raises(DataError, match=r"cannot import 'nowhere'.*working directory"):
         stage_dataset(_plugin_data("nowhere:data"), in_workdir / "staged", seed=0)
+
+
+SMALL_PLUGIN = """
+from PIL import Image
+
+def mixed():
+    sizes = [(40, 36), (28, 40), (32, 32), (44, 38), (36, 30)]  # 2 of 5 smaller than 32x32
+    return [(Image.new("RGB", sizes[i % 5], (80 * (i % 3), 0, 0)), i % 3) for i in range(30)]
+"""
+
+
+@pytest.mark.parametrize("on_small, staged", [("upscale", 30), ("skip", 18), ("error", None)])
+def test_a_plugins_small_pil_images_follow_on_small(in_workdir, on_small, staged):
+    (in_workdir / "small.py").write_text(SMALL_PLUGIN)
+    data = _plugin_data("small:mixed", image_size=[32, 32], on_small=on_small)
+    if staged is None:
+        with pytest.raises(DataError, match=r"train item 1: 28x40 is smaller than data.image_size "
+                                            r"\[32, 32\]; set data.on_small: upscale"):  # fmt: skip
+            stage_dataset(data, in_workdir / "staged", seed=0)
+        return
+    manifest = stage_dataset(data, in_workdir / "staged", seed=0)
+    assert sum(manifest["sizes"].values()) == staged and manifest["shape"] == [3, 32, 32]
+    notes = manifest["source_notes"]
+    assert notes[f"{'upscaled' if on_small == 'upscale' else 'skipped'}_small"] == 12
 
 
 @pytest.mark.e2e

@@ -336,3 +336,26 @@ def test_a_run_continued_at_another_world_size_lists_its_segments(tmp_path):
     assert any("| 2 | 2 | node0 ×2 | 24–40 | 16 | 2 |" in r for r in rows), rows
     one_piece = build_report([still], tmp_path / "out1")["markdown"].read_text()
     assert "Segments" not in one_piece
+
+
+def test_the_provenance_says_what_staging_upscaled_or_skipped():
+    """An image folder's line names corrupt, ignored and small images; a plug-in's has only
+    the small ones; a manifest staged before data.on_small existed has none of its keys."""
+    from ddpflow.render import _dataset_line
+
+    folder = {"skipped_corrupt": 1, "skipped_files": ["x.png"], "ignored_files": 2}
+    small = {"on_small": "upscale", "image_size": [32, 48], "upscaled_small": 12,
+             "skipped_small": 0, "small_per_split": {"train": 12}, "small_files": []}  # fmt: skip
+    lines = {
+        name: _dataset_line({"source": "s", "sizes": {"train": 5}, "source_notes": notes})[0][1]
+        for name, notes in (("old", folder), ("folder", {**folder, **small}), ("plugin", small))
+    }
+    assert lines["old"] == (
+        "data: s (train 5); 1 corrupt image(s) skipped, 2 file(s) that are not images ignored"
+    )
+    assert lines["folder"] == lines["old"] + (
+        "; 12 image(s) smaller than data.image_size [32, 48] upscaled (data.on_small: upscale)"
+    )
+    assert lines["plugin"] == "data: s (train 5); 12 image(s) smaller than data.image_size " + (
+        "[32, 48] upscaled (data.on_small: upscale)"
+    )

@@ -353,10 +353,47 @@ def is_own_data(source: str) -> bool:
 DATA_RUNTIME_KEYS = ("stage_threads", "loading")
 
 
+# data.on_small: what staging does with an image smaller than data.image_size. The dataset
+# id is computed at parse time from the config and the folder's listing, without opening an
+# image, so it cannot know whether a folder has small images. The rule that follows:
+# - upscale is left out of the id, the training fingerprint and the stage rule's params: on
+#   a folder with no small image it stages the bytes staged before on_small existed, so the
+#   id is unchanged and nothing restages or retrains after the upgrade; a folder with small
+#   images was refused before, so no staged data carries its id;
+# - skip and error are in them: on a folder with small images, skip stages other images
+#   than upscale, and error must really look at the images (under upscale's id, a folder
+#   staged with upscaled images would never be checked, or, rerun for its changed params,
+#   a refusal would make Snakemake delete a directory that upscale runs share). On a folder
+#   without small images they stage the same images into a directory of their own: one
+#   restaging and retraining after that edit, the price of not decoding every image at parse;
+# - sources that never resize an image (built-in, npz) leave it out whatever its value.
+ON_SMALL_IMPLIED = "upscale"  # what a data config without on_small (an id, params) stands for
+
+
+def on_small(data: dict) -> str:
+    return data.get("on_small", ON_SMALL_IMPLIED)
+
+
+def _on_small_acts(data: dict) -> bool:
+    resizes = data["source"] == "image_folder" or ":" in data["source"]  # a plug-in's PIL images
+    return resizes and on_small(data) != ON_SMALL_IMPLIED
+
+
 def data_keys(data: dict) -> dict:
     """The data keys that define the staged data: those that apply to the source (the
-    built-in sources ignore OWN_DATA_KEYS), without DATA_RUNTIME_KEYS."""
+    built-in sources ignore OWN_DATA_KEYS; on_small: see above), without DATA_RUNTIME_KEYS."""
     skip = DATA_RUNTIME_KEYS if is_own_data(data["source"]) else DATA_RUNTIME_KEYS + OWN_DATA_KEYS
+    if not _on_small_acts(data):
+        skip += ("on_small",)
+    return {k: v for k, v in data.items() if k not in skip}
+
+
+def stage_params(data: dict) -> dict:
+    """The stage rule's params (Snakemake restages when they change): the data keys without
+    DATA_RUNTIME_KEYS and on_small where it does not act, so that editing those restages
+    nothing. (The keys a built-in source ignores stay, as they always were: removing them
+    would change every staged dataset's params, and restage it, once.)"""
+    skip = DATA_RUNTIME_KEYS if _on_small_acts(data) else DATA_RUNTIME_KEYS + ("on_small",)
     return {k: v for k, v in data.items() if k not in skip}
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ddpflow.own_data import manifest_notes
 from ddpflow.sources import DataError, RawSource, load_source
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ def stage_dataset(
         finish = getattr(raw.train_x, "finish", None)
         if finish is not None:  # an image folder: what it could only tell after reading
             finish()
+        _refuse_emptied(plan, written)
         manifest = _base_manifest(raw, written, data_cfg, seed)
         _write_json(tmp / MANIFEST, manifest)
         _fsync_dir(tmp)
@@ -76,6 +78,18 @@ def stage_dataset(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest  # pipeline.stage_data logs it, with the time taken
+
+
+def _refuse_emptied(plan: dict, written: dict) -> None:
+    """A split whose every image was skipped (too small, or corrupt) would fail later, in a
+    training job, with a less helpful message."""
+    for split, (_, indices) in plan.items():
+        if len(indices) and not len(written["labels"][split]):
+            raise DataError(
+                f"data: all {len(indices)} images of the {split} split were skipped (data."
+                "on_small: skip or data.on_corrupt: skip; named in the lines above); lower "
+                "data.image_size or set data.on_small: upscale"
+            )
 
 
 def split_indices(raw: RawSource, data_cfg: dict, seed: int) -> dict:
@@ -155,17 +169,7 @@ def _base_manifest(raw: RawSource, written: dict, data_cfg: dict, seed: int) -> 
         "seed": seed,
         "shards": written["shards"],
         "files": written["files"],
-        **(
-            {
-                "source_notes": {
-                    "skipped_corrupt": len(raw.notes["skipped_corrupt"]),
-                    "skipped_files": raw.notes["skipped_corrupt"][:100],
-                    "ignored_files": raw.notes["ignored_files"],
-                }
-            }
-            if raw.notes
-            else {}
-        ),
+        **({"source_notes": manifest_notes(raw.notes)} if raw.notes else {}),
         "data_cfg": data_cfg,
     }
 
@@ -207,7 +211,7 @@ def _write_splits(directory: Path, raw: RawSource, plan: dict, threads: int, sha
                 if isinstance(images, np.ndarray):
                     x, keep = images[chunk], None
                 else:  # read (decoded) now: an image folder
-                    x, keep = images.read(chunk, pool)
+                    x, keep = images.read(chunk, pool, split)
                 kept.append(labels[chunk] if keep is None else labels[chunk][keep])
                 if split == "train":  # exact integer sums from a histogram per channel
                     for channel in range(shape[0]):

@@ -26,7 +26,8 @@ def load_image_folder(cfg: dict) -> RawSource:
     """root/train/<class>/<image> (and root/test/<class>/<image> if present): classes sorted by
     name, as ImageFolder does. Only the listing is read here; the images are decoded while
     they are staged, a shard at a time (ImageFiles.read): converted to cfg["channels"],
-    resized so that the shorter side fits image_size, then centre-cropped to it."""
+    resized so that the shorter side fits image_size, then centre-cropped to it; an image
+    smaller than image_size is upscaled, skipped or refused (data.on_small)."""
     from PIL import Image
 
     root = Path(cfg["root"])
@@ -43,7 +44,7 @@ def load_image_folder(cfg: dict) -> RawSource:
         )
     extensions = {ext.lower() for ext in Image.registered_extensions()}
     classes = _classes(train_dir)
-    notes = {"skipped_corrupt": [], "ignored_files": 0, "too_small": []}
+    notes = {"skipped_corrupt": [], "ignored_files": 0, "small": SmallImages(cfg)}
     train_files, train_y = _list_split(train_dir, classes, extensions, notes)
     test_x = test_y = None
     test_dir = root / "test"
@@ -96,8 +97,10 @@ def _list_split(split_dir, classes, extensions, notes) -> tuple[list[Path], np.n
 DECODE_CHUNK = 256  # images per task of the staging processes
 
 
-def _decode_all(paths: list[Path], height: int, width: int, mode: str) -> list:
-    """Each image fitted to height x width in mode, or ("small" | "corrupt", detail)."""
+def _decode_all(paths: list[Path], height: int, width: int, mode: str, upscale: bool) -> list:
+    """Each image as (pixels fitted to height x width in mode, or None, (width, height)); a
+    small one is fitted only if upscale, else (None, size); one that does not decode,
+    (None, detail), a string: it crosses processes."""
     from PIL import Image, UnidentifiedImageError
 
     results = []
@@ -105,13 +108,14 @@ def _decode_all(paths: list[Path], height: int, width: int, mode: str) -> list:
         try:
             with Image.open(path) as image:
                 image.load()
-                if image.height < height or image.width < width:
-                    results.append(("small", f"{image.width}x{image.height}"))
+                size = image.size
+                if (image.height < height or image.width < width) and not upscale:
+                    results.append((None, size))  # skipped or refused: not worth converting
                     continue
                 converted = image.convert("RGBA" if image.mode == "P" else image.mode)
-                results.append(_fit(converted.convert(mode), height, width))
+                results.append((_fit(converted.convert(mode), height, width), size))
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
-            results.append(("corrupt", str(err)))  # a string: it crosses processes
+            results.append((None, str(err)))
     return results
 
 
@@ -121,6 +125,7 @@ class ImageFiles:
 
     def __init__(self, files: list[Path], cfg: dict, notes: dict):
         self.files, self.cfg, self.notes = files, cfg, notes
+        self.small: SmallImages = notes["small"]
         self.height, self.width = cfg["image_size"]
         self.mode = "L" if cfg["channels"] == 1 else "RGB"
 
@@ -131,23 +136,21 @@ class ImageFiles:
     def __len__(self) -> int:
         return len(self.files)
 
-    def read(self, indices, pool=None) -> tuple[np.ndarray, np.ndarray]:
-        """(uint8 [k, C, H, W] of the images that decoded, mask of those over indices)."""
+    def read(self, indices, pool=None, split: str = "train") -> tuple[np.ndarray, np.ndarray]:
+        """(uint8 [k, C, H, W] of the images kept, mask of those over indices); the images
+        smaller than image_size are counted under `split`."""
         paths = [self.files[i] for i in np.asarray(indices).tolist()]
-        fit = (self.height, self.width, self.mode)
+        fit = (self.height, self.width, self.mode, self.small.on_small == "upscale")
         if pool is None:
             results = _decode_all(paths, *fit)
         else:  # in order (map keeps it): the staged bytes do not depend on the process count
             chunks = [paths[i : i + DECODE_CHUNK] for i in range(0, len(paths), DECODE_CHUNK)]
             parts = pool.map(_decode_all, chunks, *([value] * len(chunks) for value in fit))
             results = [result for part in parts for result in part]
-        keep = np.array([isinstance(r, np.ndarray) for r in results], dtype=bool)
-        for path, result in zip(paths, results, strict=True):
-            if isinstance(result, np.ndarray):
-                continue
-            kind, detail = result
-            if kind == "small":
-                self.notes["too_small"].append(f"{path} ({detail})")
+        keep = np.array([pixels is not None for pixels, _ in results], dtype=bool)
+        for path, (_, detail) in zip(paths, results, strict=True):
+            if isinstance(detail, tuple):
+                self.small.count(split, str(path), detail)
             elif self.cfg["on_corrupt"] == "error":
                 raise DataError(
                     f"{path}: not a readable image ({detail}); replace or delete "
@@ -157,22 +160,14 @@ class ImageFiles:
             else:
                 self.notes["skipped_corrupt"].append(str(path))
         out = np.empty((int(keep.sum()), *self.shape[1:]), np.uint8)  # the shard, NCHW
-        row = 0
-        for result in results:
-            if isinstance(result, np.ndarray):
-                out[row] = result[None] if result.ndim == 2 else result.transpose(2, 0, 1)
-                row += 1
+        for row, pixels in enumerate(pixels for pixels, _ in results if pixels is not None):
+            out[row] = pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
         return out, keep
 
     def finish(self) -> None:
         """After every split was read: what could only be told then."""
-        small, skipped = self.notes["too_small"], self.notes["skipped_corrupt"]
-        if small:
-            raise DataError(
-                f"{len(small)} image(s) smaller than data.image_size "
-                f"[{self.height}, {self.width}] (width x height shown): {_names(small)}; lower "
-                f"data.image_size or remove them (images are never upscaled)"
-            )
+        self.small.tell()
+        skipped = self.notes["skipped_corrupt"]
         if skipped:
             log.warning(
                 "image_folder: %d corrupt images skipped (data.on_corrupt: skip): %s",
@@ -181,8 +176,107 @@ class ImageFiles:
             )
 
 
+class SmallImages:
+    """The images smaller than data.image_size, per split: counted while staging reads them,
+    told once when it is done (data.on_small: upscale or skip), or refused (error)."""
+
+    def __init__(self, cfg: dict, where: str = "image_folder"):
+        from .config import on_small
+
+        self.on_small, self.where = on_small(cfg), where
+        self.height, self.width = cfg["image_size"]
+        self.small: dict[str, list[str]] = {}  # split -> "path (WxH)" of each small image
+        self.fits: dict[str, list[float]] = {}  # split -> min(h / H, w / W) of each image
+
+    def count(self, split: str, name: str, size: tuple[int, int]) -> bool:
+        """Count an image of size (width, height) read for split; whether it is small."""
+        width, height = size
+        fit = min(height / self.height, width / self.width)
+        self.fits.setdefault(split, []).append(fit)
+        if fit < 1:
+            self.small.setdefault(split, []).append(f"{name} ({width}x{height})")
+        return fit < 1
+
+    def names(self) -> list[str]:
+        return [name for names in self.small.values() for name in names]
+
+    def tell(self) -> None:
+        """Refuse them (error), or say once how many were upscaled or skipped, and warn for
+        each split where they were more than half: a smaller image_size would suit it."""
+        names = self.names()
+        if names and self.on_small == "error":
+            raise DataError(
+                f"{len(names)} image(s) smaller than data.image_size [{self.height}, "
+                f"{self.width}] (width x height shown): {_names(names)}; set data.on_small: "
+                "upscale to resize them up (or skip to leave them out; both are counted in "
+                "the manifest), lower data.image_size, or remove them"
+            )
+        if not names:
+            return
+        seen = sum(len(fits) for fits in self.fits.values())
+        log.info(
+            "%s: %s of %s images were smaller than %s and were %s (data.on_small: %s): %s",
+            self.where, f"{len(names):,}", f"{seen:,}", self._size(), self._done(),
+            self.on_small, _names(names),
+        )  # fmt: skip
+        mostly = [split for split, fits in self.fits.items()
+                  if len(self.small.get(split, [])) * 2 > len(fits)]  # fmt: skip
+        if mostly:
+            log.warning(self._mostly_small(mostly))
+
+    def _mostly_small(self, splits: list[str]) -> str:
+        """One warning for the splits where more than half of the images were small."""
+        counts = [f"{split} {len(self.small[split]):,} of {len(self.fits[split]):,}"
+                  for split in splits]  # fmt: skip
+        # at least half of these images reach image_size scaled by their median fit
+        factor = float(np.median([fit for split in splits for fit in self.fits[split]]))
+        size = [max(4, int(self.height * factor)), max(4, int(self.width * factor))]
+        upscaled = self.on_small == "upscale"
+        return (
+            f"{self.where}: more than half of the images of a split were smaller than "
+            f"{self._size()} and were {self._done()} ({', '.join(counts)})"
+            f"{'; upscaling adds pixels, not detail' if upscaled else ''}: consider a smaller "
+            f"data.image_size, e.g. {size}, which at least half of them reach"
+            f"{'' if upscaled else ', or data.on_small: upscale'}"
+        )
+
+    def _size(self) -> str:
+        square = self.height == self.width
+        return f"{self.width}x{self.height}" + ("" if square else " (width x height)")
+
+    def _done(self) -> str:
+        return "upscaled" if self.on_small == "upscale" else "skipped"
+
+    def manifest(self) -> dict:
+        """The counts for the manifest and the report's provenance."""
+        names = self.names()
+        return {
+            "on_small": self.on_small,
+            "image_size": [self.height, self.width],
+            "upscaled_small": len(names) if self.on_small == "upscale" else 0,
+            "skipped_small": len(names) if self.on_small == "skip" else 0,
+            "small_per_split": {split: len(found) for split, found in self.small.items()},
+            "small_files": names[:100],
+        }
+
+
+def manifest_notes(notes: dict) -> dict:
+    """What a reader of your own data skipped, ignored or upscaled, for the manifest."""
+    out = {}
+    if "skipped_corrupt" in notes:  # an image folder
+        out.update(
+            skipped_corrupt=len(notes["skipped_corrupt"]),
+            skipped_files=notes["skipped_corrupt"][:100],
+            ignored_files=notes["ignored_files"],
+        )
+    if notes.get("small") is not None:
+        out.update(notes["small"].manifest())
+    return out
+
+
 def _fit(image, height: int, width: int) -> np.ndarray:
-    """Resize (bilinear, antialiased) so the image covers height x width, then centre-crop."""
+    """Resize (bilinear, antialiased) so the image covers height x width, then centre-crop:
+    down, or up for an image smaller than that (data.on_small: upscale)."""
     from PIL import Image
 
     scale = max(height / image.height, width / image.width)
@@ -301,10 +395,13 @@ def load_plugin(cfg: dict) -> RawSource:
             f"data.source {spec!r}: returned a dict without 'train' (keys: "
             f"{sorted(parts)}); return {{'train': ..., 'test': ...}} or the train data"
         )
-    train_x, train_y = _plugin_split(parts["train"], f"data.source {spec!r} train", cfg)
+    # PIL images are fitted to image_size: the small ones as data.on_small says
+    small = SmallImages(cfg, f"data.source {spec!r}") if cfg["image_size"] is not None else None
+    train_x, train_y = _plugin_split(parts["train"], f"data.source {spec!r} train", cfg, small)
     test_x = test_y = None
     if parts.get("test") is not None:
-        test_x, test_y = _plugin_split(parts["test"], f"data.source {spec!r} test", cfg)
+        where = f"data.source {spec!r} test"
+        test_x, test_y = _plugin_split(parts["test"], where, cfg, small, "test")
         if test_x.shape[1:] != train_x.shape[1:]:
             raise DataError(
                 f"data.source {spec!r}: test images are {list(test_x.shape[1:])}, "
@@ -317,10 +414,13 @@ def load_plugin(cfg: dict) -> RawSource:
             f"data.source {spec!r}: label {top} but only {len(names)} class_names; "
             "labels are 0..K-1 for K class names"
         )
-    return RawSource(train_x, train_y, test_x, test_y, names)
+    if small is not None:
+        small.tell()
+    notes = {"small": small} if small is not None else None
+    return RawSource(train_x, train_y, test_x, test_y, names, notes)
 
 
-def _plugin_split(data, where: str, cfg: dict) -> tuple[np.ndarray, np.ndarray]:
+def _plugin_split(data, where: str, cfg: dict, small=None, part="train") -> tuple[np.ndarray, ...]:
     arrays = isinstance(data, (tuple, list)) and len(data) == 2
     if arrays and all(isinstance(a, np.ndarray) or hasattr(a, "detach") for a in data):
         images, labels = (_as_numpy(a) for a in data)
@@ -343,7 +443,9 @@ def _plugin_split(data, where: str, cfg: dict) -> tuple[np.ndarray, np.ndarray]:
             raise DataError(
                 f"{where}: item {i} is a {type(item).__name__}; expected an (image, label) pair"
             )
-        pixels = _pixels(item[0], f"{where} item {i}", cfg)
+        pixels = _pixels(item[0], f"{where} item {i}", cfg, small, part)
+        if pixels is None:  # smaller than image_size, skipped (data.on_small: skip)
+            continue
         if images and pixels.shape != images[0].shape:
             raise DataError(
                 f"{where}: item {i} has shape {list(pixels.shape)}, item 0 "
@@ -352,6 +454,11 @@ def _plugin_split(data, where: str, cfg: dict) -> tuple[np.ndarray, np.ndarray]:
             )
         images.append(pixels)
         labels.append(_as_numpy(item[1]).reshape(-1)[:1])
+    if not images:
+        raise DataError(
+            f"{where}: all {len(data)} images were smaller than data.image_size and skipped "
+            "(data.on_small: skip); lower data.image_size or set data.on_small: upscale"
+        )
     return np.stack(images), _labels(np.concatenate(labels), where)
 
 
@@ -361,18 +468,22 @@ def _as_numpy(value) -> np.ndarray:
     return np.asarray(value)
 
 
-def _pixels(image, where: str, cfg: dict) -> np.ndarray:
-    """One image as uint8 [C, H, W]."""
+def _pixels(image, where: str, cfg: dict, small=None, part="train") -> np.ndarray | None:
+    """One image as uint8 [C, H, W]; None for a PIL image smaller than data.image_size under
+    data.on_small: skip (counted in small, under part)."""
     if hasattr(image, "convert") and hasattr(image, "size"):  # a PIL image
         mode = "L" if cfg["channels"] == 1 else "RGB"
         image = image.convert("RGBA" if image.mode == "P" else image.mode).convert(mode)
         if cfg["image_size"] is not None:
             height, width = cfg["image_size"]
-            if image.height < height or image.width < width:
-                raise DataError(
-                    f"{where}: {image.width}x{image.height} is smaller than "
-                    f"data.image_size [{height}, {width}] (never upscaled)"
-                )
+            if small.count(part, where, image.size) and small.on_small != "upscale":
+                if small.on_small == "error":
+                    raise DataError(
+                        f"{where}: {image.width}x{image.height} is smaller than data.image_size "
+                        f"[{height}, {width}]; set data.on_small: upscale to resize such images "
+                        "up or skip to leave them out, or lower data.image_size"
+                    )
+                return None
             pixels = _fit(image, height, width)
         else:
             pixels = np.asarray(image, dtype=np.uint8)

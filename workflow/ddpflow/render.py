@@ -159,10 +159,14 @@ def _dataset_line(dataset: dict) -> list[tuple]:
     found = dataset.get("sizes", {})
     sizes = ", ".join(f"{k} {found[k]}" for k in ("train", "val", "test") if k in found)
     text = f"data: {dataset.get('source')} ({sizes})"
-    notes = dataset.get("source_notes")
-    if notes:
+    notes = dataset.get("source_notes") or {}
+    if "skipped_corrupt" in notes:  # an image folder
         text += (f"; {notes['skipped_corrupt']} corrupt image(s) skipped, "
                  f"{notes['ignored_files']} file(s) that are not images ignored")  # fmt: skip
+    for done in ("upscaled", "skipped"):  # data.on_small (a manifest staged before: none)
+        if count := notes.get(f"{done}_small"):
+            text += (f"; {count} image(s) smaller than data.image_size {notes['image_size']} "
+                     f"{done} (data.on_small: {notes['on_small']})")  # fmt: skip
     return [("p", text)]
 
 

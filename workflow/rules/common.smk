@@ -81,9 +81,9 @@ def run_for_dataset(dataset):
 
 def data_cfg_for(dataset):
     """The stage rule's params: the data keys without those that change no staged byte
-    (threads, loading), so that editing those restages nothing."""
-    data = run_for_dataset(dataset)["data"]
-    return {k: v for k, v in data.items() if k not in ddpconfig.DATA_RUNTIME_KEYS}
+    (threads, loading, on_small where it does not act), so that editing those restages
+    nothing (ddpflow.config.stage_params)."""
+    return ddpconfig.stage_params(run_for_dataset(dataset)["data"])
 
 
 def stage_threads(wildcards):
