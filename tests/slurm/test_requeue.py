@@ -23,6 +23,8 @@ def _config(workdir: Path, time_min: int) -> Path:
             "train": {
                 "epochs": 16,
                 "progress": False,
+                "global_batch_size": 128,  # one micro-batch of 32 per rank (2 nodes x 2)
+                "micro_batch_size": 32,
                 "checkpoint": {"every_steps": 0, "every_epochs": 1},
             },
             "machine": {**CLUSTER_MACHINE, "time_min": time_min},

@@ -18,7 +18,10 @@ from workflow_helpers import BIN, REPO, jobs_planned, snakemake, snakemake_comma
 
 pytestmark = pytest.mark.slurm
 
-SCIENCE = {"train": {"epochs": 4, "progress": False}}
+# 4 ranks (2 nodes x 2) take one micro-batch of 32 each per step of 128
+SCIENCE = {
+    "train": {"epochs": 4, "progress": False, "global_batch_size": 128, "micro_batch_size": 32}
+}
 CLUSTER_MACHINE = {
     "nodes": 2,
     "cpu_ranks_per_node": 2,
