@@ -136,6 +136,9 @@ def test_a_monitored_run_tensorboard_ranks_straggler_and_profile(workdir):
         for r in record["ranks"]:
             assert 0 < r["cpu_percent"] <= 100 * os.cpu_count() + 5
             assert r["rss_mib"] > 50 and r["train_s"] > 0
+        # each rank's own samples/s: together about the epoch's (every rank's) rate
+        ranks_rate = sum(r["samples_per_s"] for r in record["ranks"])
+        assert ranks_rate == pytest.approx(record["samples_per_s"], rel=0.25), record
     for rank in (0, 1):
         lines = (run_dir / "system" / f"rank-{rank}.jsonl").read_text().splitlines()
         assert lines and json.loads(lines[0])["rss_mib"] > 0

@@ -268,6 +268,7 @@ class Loop:
             "train_loss": float(self.global_step_losses().sum()) / batches[:, :, 0].numel(),
             "seconds": dict(self.epoch_seconds),
             "samples": batches.numel(),  # of all ranks
+            "rank_samples": mine.numel(),  # of this rank (the same on every rank)
             "micro_steps": len(mine),  # of each rank
         }
         self.epoch, self.epoch_step = self.epoch + 1, 0

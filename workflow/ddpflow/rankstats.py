@@ -25,7 +25,8 @@ def rank_summary(record: dict, system: dict, rank: int, host: str) -> dict:
         "host": host,
         "train_s": seconds["train"],
         "compute_s": seconds["forward"] + seconds["backward_sync"],
-        "samples_per_s": record["samples"] / seconds["train"] if seconds["train"] else 0.0,
+        # this rank's own samples (an epoch record's "samples" counts every rank's)
+        "samples_per_s": record["rank_samples"] / seconds["train"] if seconds["train"] else 0.0,
         **{k: round(v, 3) for k, v in system.items()},
     }
 
