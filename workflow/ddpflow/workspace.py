@@ -124,7 +124,8 @@ def _newest_position(ckpts: Path, world_size: int) -> str:
         return ""
     written, epoch, step = newest["world_size"], newest["epoch"] + 1, newest["step"]
     other = f"; continuing on {world_size}" if written != world_size else ""
-    return f" (newest at epoch {epoch} step {step}, written on {written} ranks{other})"
+    ranks = f"{written} rank{'s' if written != 1 else ''}"
+    return f" (newest at epoch {epoch} step {step}, written on {ranks}{other})"
 
 
 def finish(run: dict, work: str | Path) -> None:
