@@ -85,8 +85,8 @@ def _strategy_run(env, strategy: str) -> dict:
 
 
 def _with_checkpoint(env, work_root: str) -> dict:
-    """At 4 ranks: each strategy trained uninterrupted, writing (with the real
-    Checkpointer) a mid-epoch checkpoint on the way."""
+    """Each strategy trained uninterrupted, writing (with the real Checkpointer) a mid-epoch
+    checkpoint on the way into work_root/<strategy>."""
     out = {}
     for strategy in STRATEGIES:
         run, data = _strategy_run(env, strategy), make_data(128, 32)
@@ -119,18 +119,29 @@ def _resumed(env, work_root: str) -> dict:
 def _at_world_size(env, work_root: str) -> dict:
     cases = {case: _train_case(env, case) for case in CASES}
     if env.world_size == 4:
-        return {"cases": cases, "strategies": _with_checkpoint(env, work_root)}
-    return {"cases": cases, "strategies": _resumed(env, work_root)}
+        return {"cases": cases, "strategies": _with_checkpoint(env, f"{work_root}/at4")}
+    out = {"cases": cases, "strategies": _resumed(env, f"{work_root}/at4")}
+    if env.world_size == 1:  # and the other way: checkpoints written on one rank
+        out["uninterrupted"] = _with_checkpoint(env, f"{work_root}/at1")
+    return out
+
+
+def _from_one_rank(env, work_root: str) -> dict:
+    return _resumed(env, f"{work_root}/at1")
 
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
-    """One group per world size, 4 first: it writes the checkpoints the others continue."""
+    """One group per world size, 4 first: it writes the checkpoints 2 and 1 continue; the
+    1-rank group writes checkpoints too, which a last 2-rank group continues."""
     work_root = str(tmp_path_factory.mktemp("work"))
-    return {
+    out = {
         world: run_group(world, _at_world_size, (work_root,), tmp_path_factory.mktemp("rdzv"))[0]
         for world in (4, 2, 1)
     }
+    rdzv = tmp_path_factory.mktemp("rdzv")
+    out["1 -> 2"] = run_group(2, _from_one_rank, (work_root,), rdzv)[0]
+    return out
 
 
 def _assert_close_weights(got: dict, expected: dict, what: str) -> None:
@@ -182,3 +193,14 @@ def test_a_checkpoint_written_at_four_ranks_continues_at_another_size(worlds, st
     assert (written_on, epoch, epoch_step, step) == (4, 1, 1, CHECKPOINT_STEP)
     expected = worlds[4]["strategies"][strategy]
     _assert_close_weights(resumed["params"], expected["params"], f"{strategy} 4 -> {world}")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_checkpoint_written_on_one_rank_continues_on_two(worlds, strategy):
+    """fsdp trains unsharded on one rank, with the fused optimizer kernel that FSDP's
+    DTensors refuse: its checkpoint (DCP, like every fsdp checkpoint) must still continue
+    sharded at 2 ranks, under the 2-rank run's own kernels."""
+    resumed = worlds["1 -> 2"][strategy]
+    assert resumed["position"] == (1, 1, 1, CHECKPOINT_STEP)
+    expected = worlds[1]["uninterrupted"][strategy]
+    _assert_close_weights(resumed["params"], expected["params"], f"{strategy} 1 -> 2")

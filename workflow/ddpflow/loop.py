@@ -336,11 +336,16 @@ class Loop:
         ranks' sums (rank 0 takes them, the others start from zero), ZeRO's optimizer state
         is whole and DCP reshards. FSDP: the model and optimizer shards are read from the
         DCP directory next to the checkpoint at path."""
+        kernels = _kernel_choices(self.optimizer)
         if "sharded" in state:
             sharding.load(self.model, self.optimizer, path, state["sharded"])
         else:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
+        # a loaded param group brings the kernel choice of the run that wrote it (fused on
+        # one rank, foreach for FSDP's DTensors, which fused kernels refuse): keep this run's
+        for group, own in zip(self.optimizer.param_groups, kernels, strict=True):
+            group.update(own)
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.epoch, self.epoch_step = state["epoch"], state["epoch_step"]
@@ -497,6 +502,11 @@ class Loop:
             self.autocast,
         )
         return {"val_accuracy": result["accuracy"], "val_loss": result["loss"]}
+
+
+def _kernel_choices(optimizer) -> list[dict]:
+    """Each param group's fused/foreach flags: how the optimizer computes, not what."""
+    return [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
 
 
 def _output_parameter(model: nn.Module) -> nn.Parameter | None:
