@@ -183,7 +183,10 @@ def launch(
 def _blame_nodes(err: LaunchError, job, ledger, run_name: str):
     """Re-raise a Slurm job's failure, first naming the nodes it failed on (if any), which
     are recorded in the bad-node ledger."""
-    first = nodes.after_failure(job.job_id, ledger, run_name, isinstance(err, NodeLost), str(err))
+    lost_node = isinstance(err, NodeLost) or "DUE TO NODE FAILURE" in str(err)
+    first = nodes.after_failure(job.job_id, ledger, run_name, lost_node, str(err))
+    if first or lost_node:
+        nodes.cancel_requeued(job)
     if not first:
         raise err
     raise LaunchError(f"{first}\n{err}") from err

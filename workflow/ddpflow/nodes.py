@@ -229,6 +229,36 @@ class NodeFailureWatch:
         return any(r.state == "NODE_FAIL" for r in runs)
 
 
+# squeue states of a job that may still run (again); NODE_FAIL: Slurm's requeue may follow
+LIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
+               "SUSPENDED", "RESIZING", "NODE_FAIL", "COMPLETING"}  # fmt: skip
+
+
+def cancel_requeued(job, timeout_s: float = 30.0) -> None:
+    """Slurm requeues a NODE_FAIL job (JobRequeue=1) a few seconds after the failure, under
+    the same id: it would pend for the lost node, or rerun behind the retry's back into the
+    same work folder. Cancel it, also when the requeue comes after a first cancel."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = _squeue_state(job.job_id)
+        if state not in LIVE_STATES:
+            return
+        if state != "NODE_FAIL":
+            job.cancel(check=False)
+        time.sleep(2.0)
+    log.error("job %s is still in the queue %.0fs after its node failure", job.job_id, timeout_s)
+
+
+def _squeue_state(job_id: str) -> str:
+    """The job's state in squeue; "" once it left the queue (squeue then exits non-zero)."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"],
+                             capture_output=True, text=True, timeout=QUERY_TIMEOUT_S)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
 def describe(failed: list[dict], ledger: str | Path) -> str:
     """The first line of a failure caused by nodes: which, why, and what happens next."""
     names = ", ".join(f"{e['node']} ({e['reason']})" for e in failed)
