@@ -184,7 +184,11 @@ def _blame_nodes(err: LaunchError, job, ledger, run_name: str):
     """Re-raise a Slurm job's failure, first naming the nodes it failed on (if any), which
     are recorded in the bad-node ledger."""
     lost_node = isinstance(err, NodeLost) or "DUE TO NODE FAILURE" in str(err)
-    first = nodes.after_failure(job.job_id, ledger, run_name, lost_node, str(err))
+    try:
+        first = nodes.after_failure(job.job_id, ledger, run_name, lost_node, str(err))
+    except OSError as exc:  # the ledger could not be written: the job's failure still shows
+        log.error("could not record the failed node in %s: %s", ledger, exc)
+        first = ""
     if first or lost_node:
         nodes.cancel_requeued(job)
     if not first:
