@@ -145,7 +145,7 @@ def test_failed_node_is_excluded_and_the_retry_runs_on_the_rest(slurm_cluster, t
     rank0 = (folder / f"{retry}_0_log.err").read_text(errors="replace")
     if "world_size" in training_fingerprint(make_run(launcher="slurm", machine=MACHINE)):
         pytest.xfail("resume at another world size needs the world-size-free fingerprint")
-    assert "RESUMED from step" in rank0, rank0[-3000:]
+    assert "RESUMED from" in rank0, rank0[-3000:]
 
 
 def test_too_few_healthy_nodes_fails_before_submitting(slurm_cluster, tmp_path):
