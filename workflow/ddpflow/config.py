@@ -579,6 +579,7 @@ def _check_run(run: dict, launcher: str) -> None:
         )
     if launcher == "local" and machine["gpus_per_node"]:
         _check_local_gpus(where, machine["gpus_per_node"])
+    _check_min_nodes(where, machine)
     if train["strategy"] == "fsdp":
         _check_fsdp(where, run)
     if train["activation_checkpointing"] and train["compile"]:
@@ -646,6 +647,17 @@ def _check_fsdp(where: str, run: dict) -> None:
             f"{where}: train.fsdp.cpu_offload is true but the run has no GPU "
             "(machine.gpus_per_node is 0): everything is in host memory already; set "
             "train.fsdp.cpu_offload: false"
+        )
+
+
+def _check_min_nodes(where: str, machine: dict) -> None:
+    fewest = machine["min_nodes"]
+    if fewest is not None and fewest > machine["nodes"]:
+        raise ConfigError(
+            f"{where}: machine.min_nodes is {fewest} but machine.nodes is {machine['nodes']}: "
+            "min_nodes is the fewest nodes a submission may shrink to after node failures; "
+            f"set machine.min_nodes to at most {machine['nodes']} (or null to always run on "
+            "machine.nodes)"
         )
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import submitit
 
-from . import failures
+from . import failures, nodes
 from .config import memory_mb, ranks_per_node, world_size
 from .errors import UserError
 from .runtime import atomic_write_json
@@ -30,9 +30,18 @@ class LaunchError(UserError, RuntimeError):
     """A distributed job failed; the message names the ranks and shows their log tails."""
 
 
-def slurm_parameters(machine: dict, job_name: str) -> dict:
-    """submitit SlurmExecutor parameters for a run's `machine` section."""
+class NodeLost(LaunchError):
+    """Slurm requeued the job after a node failure; the job was cancelled."""
+
+
+def slurm_parameters(machine: dict, job_name: str, exclude=()) -> dict:
+    """submitit SlurmExecutor parameters for a run's `machine` section; exclude: nodes the
+    job must not run on (the bad-node ledger's, ddpflow.placement), added to any
+    `exclude` of machine.sbatch_extra."""
     cpus = machine["cpus_per_task"]
+    extra = dict(machine["sbatch_extra"])
+    if exclude:
+        extra["exclude"] = ",".join(filter(None, [extra.get("exclude"), *exclude]))
     params = {
         "job_name": job_name,
         "nodes": machine["nodes"],
@@ -46,7 +55,7 @@ def slurm_parameters(machine: dict, job_name: str) -> dict:
         # one dead rank must end the step instead of leaving the others blocked.
         "srun_args": [f"--cpus-per-task={cpus}", "--kill-on-bad-exit=1"],
         "setup": list(machine["setup"]),
-        "additional_parameters": dict(machine["sbatch_extra"]),
+        "additional_parameters": extra,
         "stderr_to_stdout": False,
     }
     if machine["gpus_per_node"]:
@@ -58,7 +67,12 @@ def slurm_parameters(machine: dict, job_name: str) -> dict:
 
 
 def make_executor(
-    launcher: str, machine: dict, folder: str | Path, job_name: str, max_requeues: int = 3
+    launcher: str,
+    machine: dict,
+    folder: str | Path,
+    job_name: str,
+    max_requeues: int = 3,
+    exclude=(),
 ):
     if launcher == "local":
         executor = submitit.LocalExecutor(folder=str(folder))
@@ -71,7 +85,7 @@ def make_executor(
         return executor
     # max_num_timeout: requeues after hitting the time limit (preemptions are not counted)
     executor = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=max_requeues)
-    executor.update_parameters(**slurm_parameters(machine, job_name))
+    executor.update_parameters(**slurm_parameters(machine, job_name, exclude))
     return executor
 
 
@@ -121,10 +135,14 @@ def launch(
     fingerprint: str = "",
     max_requeues: int = 3,
     on_poll=None,
+    exclude=(),
+    ledger: str | Path | None = None,
 ) -> list:
     """Submit `task` with one process per rank (or reattach to the same job if a previous
     Snakemake was stopped while it ran), wait, and return every rank's result. `on_poll()`
-    runs at every status poll while the job runs (live progress) and once at its end."""
+    runs at every status poll while the job runs (live progress) and once at its end.
+    exclude: nodes the Slurm job must avoid. ledger: the bad-node ledger (ddpflow.nodes): a
+    Slurm job that fails, or is requeued, because of a node records the node there."""
     Path(folder).mkdir(parents=True, exist_ok=True)
     cancel = launcher == "local" or machine["cancel_on_interrupt"]
     job = None
@@ -134,18 +152,24 @@ def launch(
             job = reattach(record, launcher, folder, fingerprint, world_size(machine))
             if job is None:
                 job = submit(
-                    task, launcher, machine, folder, job_name, record, fingerprint, max_requeues
-                )
+                    task, launcher, machine, folder, job_name, record, fingerprint, max_requeues,
+                    exclude,
+                )  # fmt: skip
+            watch = None
+            if launcher == "slurm" and ledger is not None:
+                watch = nodes.NodeFailureWatch(job.job_id)
             try:
                 # a poll stats result files (sacct is rate-limited by submitit itself)
                 poll_s = 0.2 if launcher == "local" else 2.0
-                results = wait(job, job_name, poll_s, on_poll=on_poll)
-            except LaunchError:
+                results = wait(job, job_name, poll_s, on_poll=on_poll, watch=watch)
+            except LaunchError as err:
                 # the job ended and failed: a retry or rerun must submit a new one, not
                 # reattach to this one and read its failure again
                 if record:
                     Path(record).unlink(missing_ok=True)
-                raise
+                if watch is None:
+                    raise
+                _blame_nodes(err, job, ledger, getattr(task, "run", {}).get("name", job_name))
     except KeyboardInterrupt:
         if job is not None:
             with ignore_stop_signals():  # a second Ctrl-C must not abandon the cancel
@@ -156,9 +180,28 @@ def launch(
     return results
 
 
-def submit(task, launcher, machine, folder, job_name, record, fingerprint, max_requeues):
-    """Submit one job with one task per rank and record its id (for a later reattach)."""
-    executor = make_executor(launcher, machine, folder, job_name, max_requeues)
+def _blame_nodes(err: LaunchError, job, ledger, run_name: str):
+    """Re-raise a Slurm job's failure, first naming the nodes it failed on (if any), which
+    are recorded in the bad-node ledger."""
+    lost_node = isinstance(err, NodeLost) or "DUE TO NODE FAILURE" in str(err)
+    try:
+        first = nodes.after_failure(job.job_id, ledger, run_name, lost_node, str(err))
+    except OSError as exc:  # the ledger could not be written: the job's failure still shows
+        log.error("could not record the failed node in %s: %s", ledger, exc)
+        first = ""
+    if first or lost_node:
+        nodes.cancel_requeued(job)
+    if not first:
+        raise err
+    raise LaunchError(f"{first}\n{err}") from err
+
+
+def submit(
+    task, launcher, machine, folder, job_name, record, fingerprint, max_requeues, exclude=()
+):
+    """Submit one job with one task per rank and record its id and placement (for a later
+    reattach)."""
+    executor = make_executor(launcher, machine, folder, job_name, max_requeues, exclude)
     with clean_slurm_environment():
         job = executor.submit(task)
     log.info(
@@ -178,6 +221,8 @@ def submit(task, launcher, machine, folder, job_name, record, fingerprint, max_r
                 "folder": str(folder),
                 "fingerprint": fingerprint,
                 "num_tasks": job.num_tasks,
+                "nodes": machine["nodes"],
+                "exclude": list(exclude),
                 "submitted": time.time(),
             },
         )
@@ -236,13 +281,23 @@ def slurm_job_alive(job_id: str) -> bool:
     return out.returncode == 0 and bool(out.stdout.strip())
 
 
-def wait(job, job_name: str, poll_s: float, grace_s: float = 10.0, on_poll=None) -> list:
+def wait(
+    job, job_name: str, poll_s: float, grace_s: float = 10.0, on_poll=None, watch=None
+) -> list:
     """Wait for every rank. Fail fast: once one rank has failed, the others get `grace_s` to
     write their own errors, then the job is cancelled (a hung or blocked rank would otherwise
-    keep it alive until its time limit)."""
+    keep it alive until its time limit). watch(): True once Slurm requeued the job after a
+    node failure (nodes.NodeFailureWatch): the job is cancelled, NodeLost raised."""
     start = time.monotonic()
     failed_at, cancelled = None, False
     while not job.done():
+        if watch is not None and watch():
+            log.error("Slurm requeued job %s after a node failure: cancelling it", job.job_id)
+            cancel_and_wait(job)
+            raise NodeLost(
+                f"{job_name} (job {job.job_id}): Slurm requeued the job after a node failure; "
+                "ddpflow cancelled it (it would wait for the lost node)"
+            )
         if failed_at is None and (rank := first_failed_rank(job)) is not None:
             failed_at = time.monotonic()
             log.error(

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from .config import evaluation_fingerprint, training_fingerprint
 from .errors import UserError
-from .paths import FAILED, REPORT_FILES, RunPaths, report_dir, work_dir
+from .nodes import read_ledger
+from .paths import FAILED, REPORT_FILES, RunPaths, bad_nodes_file, report_dir, work_dir
 from .runtime import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,13 @@ def report_unfinished(runs: dict[str, dict], results_dir: str | Path) -> Path | 
         return None
 
 
+def bad_nodes_line(bad_nodes: list[dict]) -> str:
+    """The ledger in one line for the terminal."""
+    names = ", ".join(f"{e['node']} ({e.get('reason', '?')})" for e in bad_nodes)
+    return (f"bad nodes, excluded from later Slurm jobs: {names}; once repaired: "
+            "snakemake clean_bad_nodes")  # fmt: skip
+
+
 def _report_unfinished(runs: dict[str, dict], results_dir: str | Path) -> Path | None:
     finished, unfinished = [], []
     for name, run in runs.items():
@@ -121,7 +129,8 @@ def _report_unfinished(runs: dict[str, dict], results_dir: str | Path) -> Path |
     from .report import build_report  # matplotlib: only once a report is written
 
     out = report_dir(results_dir)
-    written = build_report(finished, out, unfinished=unfinished)
+    bad_nodes = read_ledger(bad_nodes_file(results_dir))
+    written = build_report(finished, out, unfinished=unfinished, bad_nodes=bad_nodes)
     # Older than any input: Snakemake's report rule must redo this report on the next run
     # even when no input changes (the failed run removed from config.yaml, say).
     for key in ("markdown", "html", "summary_json", "summary_csv"):
@@ -133,6 +142,8 @@ def _report_unfinished(runs: dict[str, dict], results_dir: str | Path) -> Path |
             + (f" ({entry['stage']} failed: {entry['cause']})" if "log" in entry else ""),
             file=sys.stderr,
         )
+    if bad_nodes:
+        print(f"ddpflow: {bad_nodes_line(bad_nodes)}", file=sys.stderr)
     print(
         f"ddpflow: report of the {len(finished)} finished run(s) of {len(runs)}, "
         f"naming the others: {written['html']}",

@@ -34,6 +34,9 @@ FINISHED = "finished.json"  # written once a training's outputs are published
 EVAL_FROM_TRAIN = "eval_from_train.json"  # the training job's evaluation, until published
 FAILED = "failed.json"  # why the run's last train/evaluate rule failed (ddpflow.outcome)
 LIVE_METRICS = "metrics.jsonl"  # rank 0's epoch lines while it trains (progress, resume)
+# results/work/ itself: nodes that failed under the workflow's Slurm jobs (ddpflow.nodes);
+# a run name cannot collide with it in practice, and clean_work only looks at folders
+BAD_NODES = "bad_nodes.json"
 
 
 def run_dir(results_dir: str | Path, run_name: str) -> Path:
@@ -42,6 +45,10 @@ def run_dir(results_dir: str | Path, run_name: str) -> Path:
 
 def work_dir(results_dir: str | Path, run_name: str) -> Path:
     return Path(results_dir) / "work" / run_name
+
+
+def bad_nodes_file(results_dir: str | Path) -> Path:
+    return Path(results_dir) / "work" / BAD_NODES
 
 
 def staged_dir(results_dir: str | Path, dataset_id: str) -> Path:

@@ -11,7 +11,7 @@ import math
 import time
 from pathlib import Path
 
-from . import data, launch, outcome, runtime, workspace
+from . import data, launch, nodes, outcome, placement, runtime, workspace
 from .config import (
     BUILT_IN_MODELS,
     check_batch_fits,
@@ -116,7 +116,22 @@ class EpochProgress:
         self.stragglers = {f["rank"] for f in flagged}
 
 
-def _distributed(task_cls, stage_name: str, run: dict, paths: RunPaths, logs_dir: str) -> list:
+def _placed(run: dict, paths: RunPaths, stage_name: str) -> tuple[dict, tuple[str, ...]]:
+    """The run as its Slurm job runs it (machine.nodes may be fewer: ddpflow.placement) and
+    the nodes the job avoids; a job an earlier attempt left running keeps its placement."""
+    if run["launcher"] != "slurm":
+        return run, ()
+    previous = launch.read_record(_job_record(paths, stage_name))
+    if not (previous and previous.get("launcher") == "slurm"
+            and launch.slurm_job_alive(previous["job_id"])):  # fmt: skip
+        previous = None
+    return placement.place(run, nodes.ledger_beside(paths.work), previous)
+
+
+def _distributed(
+    task_cls, stage_name: str, run: dict, paths: RunPaths, logs_dir: str, exclude=()
+) -> list:
+    """Submit the stage's job for `run` (as placed: _placed) and wait for its ranks."""
     folder = Path(logs_dir).resolve() / "submitit" / run["name"] / stage_name
     start = time.perf_counter()
     results = launch.launch(
@@ -137,6 +152,8 @@ def _distributed(task_cls, stage_name: str, run: dict, paths: RunPaths, logs_dir
         on_poll=EpochProgress(run, Path(paths.work) / LIVE_METRICS)
         if stage_name == "train"
         else None,
+        exclude=exclude,
+        ledger=nodes.ledger_beside(paths.work),
     )
     log.info(
         "%s of run %r: %d ranks done in %.1fs",
@@ -185,11 +202,14 @@ def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     check_batch_fits(run, manifest["sizes"]["train"])
     _check_user_model(run, manifest)
     _say_how_data_is_read(run, manifest)
+    # from here on the run as its job runs it: on fewer nodes after node failures
+    # (machine.min_nodes); the user's config is not edited
+    run, exclude = _placed(run, paths, "train")
     # a job still running for an edited config (kept after a stop) must be gone before the
     # work folder is decided on: it would write its old-config checkpoints into it
     launch.cancel_outdated(_job_record(paths, "train"), config_hash(training_fingerprint(run)))
     workspace.prepare(run, paths.work)
-    summary = _distributed(TrainJob, "train", run, paths, logs_dir)[0]
+    summary = _distributed(TrainJob, "train", run, paths, logs_dir, exclude)[0]
     workspace.finish(run, paths.work)
     log.info(
         "train %r: %.0f samples/s on %d ranks (%s)",
@@ -208,7 +228,8 @@ def evaluate_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     result = _publish_evaluation_from_training(run, paths)
     where = "by the training job, no job of its own"
     if result is None:
-        result = _distributed(EvalJob, "evaluate", run, paths, logs_dir)[0]
+        placed, exclude = _placed(run, paths, "evaluate")
+        result = _distributed(EvalJob, "evaluate", placed, paths, logs_dir, exclude)[0]
         workspace.remove_rendezvous_files(paths.work)
         where = "in a job of its own"
     log.info(
@@ -251,25 +272,42 @@ def _publish_evaluation_from_training(run: dict, paths: RunPaths) -> dict | None
 
 
 def build_report(
-    run_names: list[str], train_metrics: list[str], eval_metrics: list[str], out_dir: str
+    run_names: list[str],
+    train_metrics: list[str],
+    eval_metrics: list[str],
+    out_dir: str,
+    ledger: str | None = None,
 ) -> dict:
     """The report over every run, from the files the rule declares as its inputs (in the
-    order of run_names)."""
+    order of run_names), and the bad-node ledger's nodes if there are any."""
     runs = [
         {"name": name, "train_metrics": train, "eval_metrics": evaluation}
         for name, train, evaluation in zip(run_names, train_metrics, eval_metrics, strict=True)
     ]
     from .report import build_report  # matplotlib: only the report rule needs it
 
-    return build_report(runs, out_dir)
+    bad_nodes = nodes.read_ledger(ledger) if ledger else []
+    if bad_nodes:
+        log.warning("%s (%s)", outcome.bad_nodes_line(bad_nodes), nodes.shown(ledger))
+    return build_report(runs, out_dir, bad_nodes=bad_nodes)
 
 
 def clean_work(work_root: str) -> list[str]:
-    """Every run folder under results/work/: see ddpflow.workspace.clean."""
+    """Every run folder under results/work/: see ddpflow.workspace.clean. The bad-node
+    ledger beside them stays (snakemake clean_bad_nodes clears it)."""
     removed: list[str] = []
     for work in sorted(p for p in Path(work_root).glob("*") if p.is_dir()):
         removed += [str(path) for path in workspace.clean(work)]
     log.info("clean_work removed %d item(s)%s", len(removed), "".join(f"\n  {r}" for r in removed))
+    return removed
+
+
+def clean_bad_nodes(ledger: str) -> list[dict]:
+    """Empty the bad-node ledger (ddpflow.nodes): its nodes were repaired."""
+    removed = nodes.clear_ledger(ledger)
+    log.info("clean_bad_nodes: %s%s", f"forgot {len(removed)} node(s) of {ledger}" if removed
+             else f"no bad nodes recorded ({ledger})",
+             "".join(f"\n  {e['node']}: {e.get('reason', '?')}" for e in removed))  # fmt: skip
     return removed
 
 

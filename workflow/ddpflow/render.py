@@ -187,10 +187,27 @@ def _unfinished_blocks(unfinished, finished: int) -> list[tuple]:
     return blocks
 
 
-def document(loaded, rows, figures, generated: str, unfinished=(), inside=()) -> list[tuple]:
+def _bad_node_blocks(bad_nodes) -> list[tuple]:
+    """The nodes of the bad-node ledger (ddpflow.nodes), which later Slurm jobs avoid."""
+    return [
+        ("h2", "Bad nodes"),
+        ("p", f"{len(bad_nodes)} node(s) failed under this workflow's Slurm jobs; later jobs "
+              "exclude them (and run on fewer nodes with machine.min_nodes). Once they are "
+              "repaired: snakemake clean_bad_nodes."),
+        ("table", ["Node", "Reason", "Job", "Run", "Time"],
+         [[e["node"], e.get("reason", "?"), e.get("job_id", "-"), e.get("run", "-"),
+           e.get("time", "-")] for e in bad_nodes], None),
+    ]  # fmt: skip
+
+
+def document(
+    loaded, rows, figures, generated: str, unfinished=(), inside=(), bad_nodes=()
+) -> list[tuple]:
     blocks = [("p", f"Generated {generated}.")]
     if unfinished:
         blocks += _unfinished_blocks(unfinished, len(rows))
+    if bad_nodes:
+        blocks += _bad_node_blocks(bad_nodes)
     if not rows:
         return blocks
     best = next(row["run"] for row in rows if row["best"])

@@ -250,14 +250,17 @@ def _write_all(out_dir: Path, figures: dict, texts: dict) -> dict[str, Path]:
     return paths
 
 
-def build_report(runs: list[dict], out_dir, unfinished: list[dict] = ()) -> dict[str, Path]:
+def build_report(
+    runs: list[dict], out_dir, unfinished: list[dict] = (), bad_nodes: list[dict] = ()
+) -> dict[str, Path]:
     """Write report.md/.html, summary.json/.csv and plots/*.png for runs into out_dir.
 
     runs: [{"name", "train_metrics", "eval_metrics"}, ...]; unfinished: runs that did not
     finish, [{"run", "stage", "cause", "detail", "log"}, ...] (ddpflow.outcome), named in a
-    section of their own. Returns {key: path}, with keys markdown, html, summary_json,
-    summary_csv and plot_<stem> for every plots/<stem>.png. Raises ValueError naming the
-    run and file for a missing, unreadable or incomplete input.
+    section of their own; bad_nodes: the bad-node ledger's entries (ddpflow.nodes), a
+    section of their own where there are any. Returns {key: path}, with keys markdown,
+    html, summary_json, summary_csv and plot_<stem> for every plots/<stem>.png. Raises
+    ValueError naming the run and file for a missing, unreadable or incomplete input.
     """
     loaded = _load_runs(runs, unfinished)
     rows = [_summary_row(name, epochs, ev) for name, epochs, ev in loaded]
@@ -269,8 +272,10 @@ def build_report(runs: list[dict], out_dir, unfinished: list[dict] = ()) -> dict
     figures = plots.render_figures(loaded, rows, baseline) if rows else {}
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     found = insight.collect(runs, loaded)
-    blocks = document(loaded, rows, figures, generated, unfinished, insight.blocks(found))
+    blocks = document(loaded, rows, figures, generated, unfinished, insight.blocks(found),
+                      bad_nodes)  # fmt: skip
     summary = _summary(loaded, rows, baseline, generated, unfinished)
+    summary["bad_nodes"] = list(bad_nodes)
     summary["insight"] = found
     title = "ddpflow report"
     texts = {

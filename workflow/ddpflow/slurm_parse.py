@@ -1,5 +1,5 @@
-"""Pure parsers of Slurm client text: `scontrol --all --oneliner show partition|node` and
-`sacctmgr -nP show assoc` output -> frozen dataclasses.
+"""Pure parsers of Slurm client text: `scontrol --all --oneliner show partition|node`,
+`sacctmgr -nP show assoc|event` and `sacct -D -X -P` output -> frozen dataclasses.
 
 Kept apart from slurm_checks.py (which runs the commands and checks runs against the result)
 so that they can be unit-tested on captured output (tests/golden/slurm/) with no cluster.
@@ -17,10 +17,14 @@ from .distenv import expand_nodelist
 
 __all__ = [
     "Association",
+    "JobInstance",
     "Node",
+    "NodeEvent",
     "Partition",
     "parse_associations",
     "parse_gpu_count",
+    "parse_job_instances",
+    "parse_node_events",
     "parse_nodes",
     "parse_oneliner",
     "parse_partitions",
@@ -28,6 +32,9 @@ __all__ = [
 ]
 
 NO_LIMIT = {"INFINITE", "UNLIMITED"}
+# node state flags (scontrol's State=A+B, sinfo's trailing *) under which no job starts there
+UNHEALTHY_STATES = {"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "NOT_RESPONDING",
+                    "INVAL"}  # fmt: skip
 # A key starts a record field only after whitespace: values may hold spaces (OS=Linux 6.1 #1
 # SMP, Reason=Not responding) and '=' (TRES=cpu=8,mem=16000M), so a value runs to the next key.
 FIELD_KEY = re.compile(r"(?:^|\s)([A-Za-z]\w*)=")
@@ -51,6 +58,37 @@ class Node:
     memory_mb: int
     gpus: int
     gres: str
+    state: str = ""  # DOWN+NOT_RESPONDING, IDLE+DRAIN, MIXED, ...
+    reason: str = ""  # why an admin or Slurm took it out ("" if none)
+
+    @property
+    def unhealthy(self) -> bool:
+        """Down, drained or draining, failing, not responding: no new job starts on it."""
+        return bool(set(self.state.upper().replace("*", "+NOT_RESPONDING").split("+"))
+                    & UNHEALTHY_STATES)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class JobInstance:
+    """One run of a job in `sacct -D -X` (a requeued job has one line per run)."""
+
+    job_id: str
+    state: str  # NODE_FAIL, REQUEUED, RUNNING, ... ("CANCELLED by 0" -> CANCELLED)
+    nodes: tuple[str, ...]
+    start: str
+    end: str
+
+
+@dataclass(frozen=True)
+class NodeEvent:
+    """A node state change in `sacctmgr show event` (slurmdbd keeps them after the node is
+    back: what names the node of a NODE_FAIL that returned to service at once)."""
+
+    node: str
+    start: str
+    end: str
+    state: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -150,6 +188,8 @@ def parse_nodes(text: str) -> tuple[Node, ...]:
                 memory_mb=memory,
                 gpus=parse_gpu_count(rec.get("Gres", "")),
                 gres=rec.get("Gres", "(null)"),
+                state=rec.get("State", ""),
+                reason=_reason(rec.get("Reason", "")),
             )
         )
     return tuple(nodes)
@@ -163,4 +203,35 @@ def parse_associations(text: str) -> tuple[Association, ...]:
         if fields[0]:
             qos = tuple(q for q in fields[2].split(",") if q)
             out.append(Association(fields[0], fields[1], qos))
+    return tuple(out)
+
+
+def _reason(text: str) -> str:
+    """'test [root@2026-11-23T20:20:08]' -> 'test' (who and when are in the ledger anyway)."""
+    return "" if text in ("", "(null)", "none") else re.sub(r"\s*\[[^]]*@[^]]*\]$", "", text)
+
+
+def parse_job_instances(text: str) -> tuple[JobInstance, ...]:
+    """`sacct -D -X -n -P -o JobID,State,NodeList,Start,End` lines; a NodeList of
+    'None assigned' (a pending run) gives no nodes."""
+    out = []
+    for line in text.splitlines():
+        fields = line.split("|")
+        if len(fields) < 5 or not fields[0]:
+            continue
+        nodelist = fields[2].strip()
+        nodes = () if not nodelist or " " in nodelist else tuple(expand_nodelist(nodelist))
+        state = fields[1].split()[0] if fields[1].strip() else ""
+        out.append(JobInstance(fields[0], state, nodes, fields[3], fields[4]))
+    return tuple(out)
+
+
+def parse_node_events(text: str) -> tuple[NodeEvent, ...]:
+    """`sacctmgr -nP show event format=NodeName,TimeStart,TimeEnd,State,Reason` lines (the
+    cluster's own events have no node name and are left out)."""
+    out = []
+    for line in text.splitlines():
+        fields = (line.split("|") + [""] * 5)[:5]
+        if fields[0]:
+            out.append(NodeEvent(*fields))
     return tuple(out)

@@ -1,0 +1,175 @@
+"""A node dies under a 2-node training on the real Slurm cluster: the rule's retry runs on the
+node left (machine.min_nodes: 1) without it, the bad-node ledger names it, the report and
+the terminal say so; with too few healthy nodes nothing is submitted.
+
+What Slurm does here (tests/slurm/README.md, "A node that fails"): the node set DOWN ends the
+job's run as NODE_FAIL and Slurm requeues the job under the same id; with a live slurmd the
+node is back in service within milliseconds (ReturnToService=2), so the test stops that
+node's slurmd (SIGSTOP to the PID cluster.sh recorded) for the node to stay down, as a dead
+one does, and restores it (SIGCONT, State=RESUME) whatever happens."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from ddpflow.config import training_fingerprint
+from slurm_helpers import job_story, sacct_state
+from test_workflow_slurm import CLUSTER_MACHINE, FAST_POLL, slurm_snakemake
+from workflow_helpers import REPO, make_run, snakemake_command, write_config
+
+pytestmark = pytest.mark.slurm
+
+MACHINE = {**CLUSTER_MACHINE, "cpu_ranks_per_node": 1}
+TRAIN = {"epochs": 40, "progress": False, "checkpoint": {"every_steps": 0, "every_epochs": 1}}
+
+
+def _scontrol(*args: str) -> str:
+    return subprocess.run(["scontrol", *args], capture_output=True, text=True, check=True,
+                          timeout=30).stdout  # fmt: skip
+
+
+def _node_state(name: str) -> str:
+    out = subprocess.run(["sinfo", "-h", "-n", name, "-o", "%t"], capture_output=True,
+                         text=True, timeout=30)  # fmt: skip
+    return out.stdout.split()[0] if out.stdout.split() else ""
+
+
+@contextlib.contextmanager
+def node_dead(cluster, name: str):
+    """`name` dies and stays dead until the block ends: its slurmd (a PID cluster.sh
+    started) stops answering and Slurm is told the node is DOWN; then it is restored."""
+    pid = int((cluster.state_dir / "pids" / f"slurmd-{name}.pid").read_text())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        _scontrol("update", f"NodeName={name}", "State=DOWN", "Reason=ddpflow-test")
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        subprocess.run(["scontrol", "update", f"NodeName={name}", "State=RESUME"], timeout=30)
+        deadline = time.monotonic() + 60
+        while _node_state(name) not in ("idle", "mix", "alloc") and time.monotonic() < deadline:
+            time.sleep(1)
+
+
+@contextlib.contextmanager
+def node_blip(cluster, name: str):
+    """`name` is set DOWN under the job, but its slurmd lives and answers: with
+    ReturnToService=2 the node is back in service within milliseconds (a node that
+    rebooted); only slurmdbd's node events still name it."""
+    _scontrol("update", f"NodeName={name}", "State=DOWN", "Reason=ddpflow-test")
+    try:
+        yield
+    finally:
+        if _node_state(name).startswith("down"):
+            subprocess.run(["scontrol", "update", f"NodeName={name}", "State=RESUME"], timeout=30)
+
+
+def _wait_for_checkpoint(workdir: Path, proc: subprocess.Popen) -> None:
+    checkpoints = workdir / "results/work/nf/checkpoints"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if list(checkpoints.glob("ckpt-*.pt")):
+            return
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.5)
+    raise AssertionError("no checkpoint written")
+
+
+def _job_ids(folder: Path) -> list[str]:
+    return sorted({p.name.split("_")[0] for p in folder.glob("*_0_log.out")}, key=int)
+
+
+@pytest.mark.parametrize(
+    ("lose", "why"),
+    [(node_dead, "(node DOWN"), (node_blip, "back in service since)")],
+    ids=["dead", "back-at-once"],
+)
+def test_failed_node_is_excluded_and_the_retry_runs_on_the_rest(slurm_cluster, tmp_path, lose, why):
+    configfile = write_config(
+        tmp_path / "config.yaml",
+        {"train": TRAIN, "machine": {**MACHINE, "min_nodes": 1}, "runs": [{"name": "nf"}]},
+    )
+    cmd, env = snakemake_command(
+        tmp_path, configfile, "--profile", str(REPO / "profiles/slurm"), *FAST_POLL
+    )
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=tmp_path)  # fmt: skip
+    try:
+        _wait_for_checkpoint(tmp_path, proc)
+        with lose(slurm_cluster, "node2"):
+            output, _ = proc.communicate(timeout=480)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    folder = tmp_path / "logs/submitit/nf/train"
+    ids = _job_ids(folder)
+    assert proc.returncode == 0, output[-5000:] + "".join(job_story(i, folder) for i in ids)
+    first, retry = ids  # the job that lost node2, the retry's
+
+    # the first job: a NODE_FAIL run on both nodes; Slurm's requeue of it was cancelled
+    runs = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", first, "-o", "State,NodeList"],
+                          capture_output=True, text=True, timeout=30).stdout  # fmt: skip
+    assert "NODE_FAIL|node[1-2]" in runs, runs
+    queued = subprocess.run(["squeue", "-h", "-j", first, "-t", "PD,R,CF"], capture_output=True,
+                            text=True, timeout=30).stdout  # fmt: skip
+    assert queued.strip() == "", f"Slurm's requeue of job {first} was left queued: {queued}"
+    # the retry: node2 excluded, ran and finished on node1 alone
+    assert sacct_state(retry) == "COMPLETED", job_story(retry, folder)
+    assert "#SBATCH --exclude=node2" in (folder / f"{retry}_submission.sh").read_text()
+    shown = _scontrol("--oneliner", "show", "job", retry)
+    assert "ExcNodeList=node2 " in shown and " NodeList=node1 " in shown, shown
+    train = json.loads((tmp_path / "results/runs/nf/eval_metrics.json").read_text())["train"]
+    assert (train["nodes"], train["world_size"], set(train["hosts"])) == (1, 1, {"node1"})
+
+    (entry,) = json.loads((tmp_path / "results/work/bad_nodes.json").read_text())["nodes"]
+    assert (entry["node"], entry["job_id"], entry["run"]) == ("node2", first, "nf")
+    assert entry["reason"].startswith(f"NODE_FAIL in job {first}") and why in entry["reason"]
+    assert f"node failure: node2 (NODE_FAIL in job {first}" in output
+    assert (
+        f"run 'nf': excluding node2 (NODE_FAIL in job {first}" in output
+        and "running on 1 node of 2 (machine.min_nodes: 1)" in output
+    ), output[-5000:]
+    report = (tmp_path / "results/report/report.md").read_text()
+    assert "## Bad nodes" in report and f"| node2 | NODE\\_FAIL in job {first}" in report
+
+    # Depends on the world-size-invariant resume (issue 23's other part: the world size leaves
+    # the training fingerprint): until then the retry on 1 node trains from scratch
+    # ("world_size 2 -> 1: training from scratch") instead of resuming.
+    rank0 = (folder / f"{retry}_0_log.err").read_text(errors="replace")
+    if "world_size" in training_fingerprint(make_run(launcher="slurm", machine=MACHINE)):
+        pytest.xfail("resume at another world size needs the world-size-free fingerprint")
+    assert "RESUMED from" in rank0, rank0[-3000:]
+
+
+def test_too_few_healthy_nodes_fails_before_submitting(slurm_cluster, tmp_path):
+    ledger = tmp_path / "results/work/bad_nodes.json"
+    ledger.parent.mkdir(parents=True)
+    entry = {"node": "node2", "reason": "NODE_FAIL in job 99", "job_id": "99", "run": "nf",
+             "time": "2026-11-23T20:20:08Z", "failures": 1}  # fmt: skip
+    ledger.write_text(json.dumps({"nodes": [entry]}))
+    configfile = write_config(
+        tmp_path / "config.yaml",
+        {"train": {**TRAIN, "epochs": 1}, "machine": MACHINE, "runs": [{"name": "nf"}]},
+    )
+    result = slurm_snakemake(tmp_path, configfile, "--retries", "0", timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert (
+        "machine.nodes is 2 (machine.min_nodes is null) but the partition has 1 healthy "
+        "node(s): node1; left out: node2 (NODE_FAIL in job 99, ledger "
+        "results/work/bad_nodes.json). Nothing was submitted."
+    ) in output, output[-3000:]
+    assert "`snakemake clean_bad_nodes`" in output and "machine.min_nodes: 1" in output
+    assert not list((tmp_path / "logs/submitit").glob("**/*_submission.sh")), "a job was queued"
+
+    cleaned = slurm_snakemake(tmp_path, configfile, "clean_bad_nodes", timeout=120)
+    assert cleaned.returncode == 0, (cleaned.stdout + cleaned.stderr)[-3000:]
+    assert not ledger.exists()
+    assert "forgot 1 node(s)" in cleaned.stdout + cleaned.stderr
