@@ -137,7 +137,7 @@ def test_hyperparameter_edit_retrains_from_scratch_and_names_the_change(trained)
 
 def test_deleted_model_retrains_from_scratch(trained):
     """Finding 2: deleting model.pt used to restore the finished training's last checkpoint
-    ('RESUMED from step N', zero epochs trained)."""
+    ('RESUMED from attempt 1: resumed at epoch E step N', zero epochs trained)."""
     configfile = write_config(trained / "config.yaml", _edit(BASE, "train", optimizer__lr=0.02))
     (trained / "results/runs/cnn/model.pt").unlink()
     assert jobs_planned(trained, configfile) == {"train", "evaluate", "report", "all"}
@@ -209,7 +209,7 @@ def test_signals_to_snakemake_stop_the_jobs_and_rerun_recovers(workdir):
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=90) != 0
     assert not any(_alive(pid) for pid in _job_pids(eval_logs)), "evaluation job left running"
-    assert "RESUMED from step" in _newest_rank0_log(workdir, "train")
+    assert "RESUMED from attempt" in _newest_rank0_log(workdir, "train")
     assert not (workdir / "results/runs/cnn/eval_metrics.json").exists(), "stopped too late"
 
     output = _ok(snakemake(workdir, configfile))

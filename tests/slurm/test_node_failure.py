@@ -19,10 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
-from ddpflow.config import training_fingerprint
 from slurm_helpers import job_story, sacct_state
 from test_workflow_slurm import CLUSTER_MACHINE, FAST_POLL, slurm_snakemake
-from workflow_helpers import REPO, make_run, snakemake_command, write_config
+from workflow_helpers import REPO, snakemake_command, write_config
 
 pytestmark = pytest.mark.slurm
 
@@ -139,13 +138,12 @@ def test_failed_node_is_excluded_and_the_retry_runs_on_the_rest(slurm_cluster, t
     report = (tmp_path / "results/report/report.md").read_text()
     assert "## Bad nodes" in report and f"| node2 | NODE\\_FAIL in job {first}" in report
 
-    # Depends on the world-size-invariant resume (issue 23's other part: the world size leaves
-    # the training fingerprint): until then the retry on 1 node trains from scratch
-    # ("world_size 2 -> 1: training from scratch") instead of resuming.
+    # the retry continued the 2-node training from its checkpoint on 1 node (the same global
+    # batch: 1 rank now accumulates both micro-batches of a step)
     rank0 = (folder / f"{retry}_0_log.err").read_text(errors="replace")
-    if "world_size" in training_fingerprint(make_run(launcher="slurm", machine=MACHINE)):
-        pytest.xfail("resume at another world size needs the world-size-free fingerprint")
-    assert "RESUMED from" in rank0, rank0[-3000:]
+    assert "RESUMED from attempt" in rank0, rank0[-3000:]
+    assert "on 1 rank; the checkpoint was written on 2" in rank0, rank0[-3000:]
+    assert "training from scratch" not in output, output[-5000:]
 
 
 def test_too_few_healthy_nodes_fails_before_submitting(slurm_cluster, tmp_path):

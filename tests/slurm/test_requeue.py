@@ -77,7 +77,7 @@ def test_interrupted_job_requeues_and_resumes(slurm_cluster, tmp_path, case, tim
     rank0 = (folder / f"{job_id}_0_log.err").read_text(errors="replace")
     kind = "timed-out" if case == "timeout" else "preempted"
     assert f"this job is {kind}" in rank0
-    assert "RESUMED from step" in rank0
+    assert "RESUMED from attempt" in rank0
     summary = json.loads((tmp_path / "results/runs/rq/train_summary.json").read_text())
     assert summary["attempts"] == 2
     records = [
