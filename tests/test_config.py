@@ -375,7 +375,11 @@ def test_a_global_batch_larger_than_the_training_split_is_refused():
         ddpconfig.check_batch_fits(run, 1293)
     message = str(info.value)
     assert "train.global_batch_size is 100000" in message and "only 1293 samples" in message
-    assert "at most 1293" in message
+    # not even one micro-batch per rank fits: the advice is the micro-batch
+    assert "lower train.micro_batch_size (now 50000)" in message
+    small = {**run, "train": {**run["train"], "global_batch_size": 2048, "micro_batch_size": 32}}
+    with pytest.raises(ConfigError, match=r"at most 1280 \(a multiple of micro_batch_size 32 x"):
+        ddpconfig.check_batch_fits(small, 1293)
     ddpconfig.check_batch_fits({**run, "train": {**run["train"], "global_batch_size": 1293}}, 1293)
 
 
@@ -531,7 +535,7 @@ def test_oversized_batch_fails_the_train_rule_before_submitting(tmp_path):
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     log = (tmp_path / "logs/train/default.log").read_text()
-    assert "train.global_batch_size is 100032" in log and "at most 1293" in log, log
+    assert "train.global_batch_size is 100032" in log and "at most 1280" in log, log
     assert "Traceback" not in log, log
     assert not (tmp_path / "logs/submitit/default/train").exists(), "a job was submitted"
     assert not (tmp_path / "results/runs/default/model.pt").exists()

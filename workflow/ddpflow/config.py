@@ -749,11 +749,18 @@ def cpu_computes_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 def check_batch_fits(run: dict, train_samples: int) -> None:
     """Before the training job is submitted: an epoch takes floor(samples / global batch)
     steps, so a global batch larger than the staged training split would train nothing."""
-    global_ = run["train"]["global_batch_size"]
+    global_, micro = run["train"]["global_batch_size"], run["train"]["micro_batch_size"]
     if global_ > train_samples:
+        unit = micro * run["world_size"]  # a global batch this world size can split
+        fits = train_samples // unit * unit
+        advice = (
+            f"set train.global_batch_size to at most {fits} (a multiple of micro_batch_size "
+            f"{micro} x world size {run['world_size']})"
+            if fits
+            else f"lower train.micro_batch_size (now {micro}) and the global batch"
+        )
         raise ConfigError(
             f"run {run['name']!r}: train.global_batch_size is {global_} but the staged "
             f"training split has only {train_samples} samples, so an epoch would have no "
-            f"optimizer step; set train.global_batch_size to at most {train_samples} (a "
-            f"multiple of train.micro_batch_size {run['train']['micro_batch_size']})"
+            f"optimizer step; {advice}"
         )
