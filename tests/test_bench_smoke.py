@@ -1,5 +1,5 @@
-"""The benchmarks (bench/throughput.py, end_to_end.py, memory.py, data.py) run in a tiny
-configuration and write complete JSON.
+"""The benchmarks (bench/throughput.py, end_to_end.py, memory.py, data.py, layout.py,
+scaling.py) run in a tiny configuration and write complete JSON.
 
 Speed is measured by the benchmarks and never asserted here: only that the numbers exist.
 """
@@ -185,8 +185,9 @@ def test_data_tiny_run_writes_complete_json(tmp_path):
     """bench/data.py: loader throughput (streamed, tutorial, in memory), a rank's peak memory
     against the budget and staging, on a tiny image folder; numbers exist, none asserted."""
     out = tmp_path / "data.json"
+    # batch 32 per rank: the 216 staged train images hold 3 global batches of 2 x 32
     cmd = [sys.executable, str(REPO / "bench" / "data.py"), "--quick", "--images", "300",
-           "--sizes", "16", "--repeats", "1", "--memory-budget-gb", "0.002",
+           "--sizes", "16", "--batch", "32", "--repeats", "1", "--memory-budget-gb", "0.002",
            "--tmp", str(tmp_path), "--out", str(out)]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
@@ -205,13 +206,17 @@ def test_data_tiny_run_writes_complete_json(tmp_path):
         assert path["images_per_epoch"] > 0 and len(path["all_images_per_s"]) == 1
         assert math.isfinite(path["images_per_s"]) and path["images_per_s"] > 0
     assert row["paths"]["tutorial"]["images_per_epoch"] == 150  # 300 images, rank 0 of 2
+    # ddpflow's paths: rank 0's micro-batch of each full global step of the train split
+    train = report["staging"][0]["splits"]["train"]
+    for name in ("streamed", "in_memory"):
+        assert row["paths"][name]["images_per_epoch"] == train // 64 * 32
     assert math.isfinite(row["streamed_over_tutorial"]) and isinstance(row["meets_target"], bool)
 
     mem = report["memory"]
     assert mem["train_over_budget"] >= 4.0
     assert [r["path"] for r in mem["runs"]] == ["streamed", "in_memory"]
     for r in mem["runs"]:
-        assert r["images_read"] == math.ceil(mem["train_images"] / 2)
+        assert r["images_read"] == mem["train_images"] // 64 * 32
         assert r["peak_rss_bytes"] >= r["constant_rss_bytes"] > 0
         assert isinstance(r["fits_budget"], bool) and r["sampled"]["samples"] > 0
         assert r["auto_in_memory"] is False  # 4x the budget: auto streams
@@ -246,3 +251,76 @@ def test_layout_tiny_run_writes_complete_json(tmp_path):
         assert all(len(times) == 2 for times in row["all_step_s"].values())
         assert row["speedup_vs_fp32_nchw"]["fp32_nchw"] == 1.0
         assert all(math.isfinite(s) and s > 0 for s in row["step_s"].values())
+
+
+# --- strong scaling and the sampler's cost (issue 23) ----------------------------------
+
+
+def test_scaling_plan_flips_the_world_sizes_every_round():
+    sys.path.insert(0, str(REPO / "bench"))
+    from scaling import parse_args, scaling_plan
+
+    args = parse_args(["--rounds", "2", "--world-sizes", "1", "2", "4"])
+    plan = scaling_plan(args)
+    assert [(c["round"], c["world_size"]) for c in plan] == [
+        (0, 1), (0, 2), (0, 4), (1, 4), (1, 2), (1, 1)
+    ]  # fmt: skip
+    # the same science at every world size: the global batch and micro-batch are fixed
+    assert {(c["global_batch"], c["batch"]) for c in plan} == {(64, 16)}
+    with pytest.raises(ValueError, match="does not divide"):
+        scaling_plan(parse_args(["--world-sizes", "3"]))
+
+
+def test_scaling_baseline_is_the_distributed_sampler_order():
+    """The old order the benchmark times new against is DistributedSampler's, padding too."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from scaling import old_epoch_indices
+    from torch.utils.data import DistributedSampler
+
+    for n, world, rank in ((10, 3, 1), (10, 3, 2), (7, 4, 3), (8, 2, 0)):
+        sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, seed=5)
+        sampler.set_epoch(2)
+        assert old_epoch_indices(n, world, rank, 5, 2).tolist() == list(sampler)
+
+
+def test_scaling_tiny_run_writes_complete_json(tmp_path):
+    """bench/scaling.py: samples/s at world sizes 1 and 2 with one global batch, the two
+    sampler orders and the seeding; numbers exist and the science is the same, no timing
+    asserted."""
+    out = tmp_path / "scaling.json"
+    cmd = [sys.executable, str(REPO / "bench" / "scaling.py"), "--case", "mlp",
+           "--world-sizes", "1", "2", "--samples", "128", "--repeats", "1", "--warmup", "1",
+           "--rounds", "1", "--sampler-n", "1000", "--sampler-repeats", "2",
+           "--seed-calls", "10", "--seed-repeats", "2", "--out", str(out)]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "efficiency" in result.stdout and "new / old" in result.stdout
+
+    report = json.loads(out.read_text())
+    assert {"hostname", "cpu_model", "cpu_count", "loadavg_at_start"} <= set(report["machine"])
+    assert {"torch", "python"} <= set(report["provenance"]["versions"])
+    assert "git_commit" in report["provenance"]
+    c = report["conditions"]
+    assert (c["global_batch"], c["micro_batch"]) == (64, 16)
+    assert c["cores"] == report["machine"]["cpu_count"]
+    assert len(c["loadavg_after"]) == 3 and "shared_machine" in c and c["note"]
+    rows = report["scaling"]["rows"]
+    assert [(r["world_size"], r["accum"]) for r in rows] == [(1, 4), (2, 2)]
+    assert rows[0]["speedup"] == 1.0 and rows[0]["efficiency"] == 1.0
+    for r in rows:
+        assert r["epoch_samples"] == 128 and len(r["all_samples_per_s"]) == 1
+        assert math.isfinite(r["speedup"]) and r["samples_per_s"] > 0
+        assert len(r["train_loss"]) == 2  # warmup + repeats epochs
+        # the same micro-batches and mean gradient at both world sizes: the same loss up
+        # to the summation order
+        assert r["first_loss_diff_vs_base"] <= r["max_loss_diff_vs_base"] < 1e-4
+    assert [(r["n"], r["world_size"]) for r in report["sampler"]] == [(1000, 1), (1000, 2)]
+    for r in report["sampler"]:
+        for key in ("old_s", "new_s", "old_batches_s", "new_batches_s"):
+            assert r[key] > 0 and len(r["all_s"][key.removesuffix("_s")]) == 2
+    seeding = report["seeding"]
+    assert set(seeding["seconds_per_call"]) == {
+        "loop", "loop_depth_30", "micro_batch_seed", "torch_manual_seed", "cpu_generator"
+    }  # fmt: skip
+    assert all(v > 0 for v in seeding["seconds_per_call"].values())
+    assert set(seeding["share_of_micro_step"]) == {"loop", "loop_depth_30"}
