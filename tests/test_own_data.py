@@ -290,7 +290,9 @@ def test_the_workflow_trains_on_a_folder_with_small_images(workdir):
     is another dataset, and writing the default out changes nothing."""
     make_mixed_folder(workdir / "my_images", per_class=(40, 10))
     data = {"source": "image_folder", "root": "my_images", "image_size": [32, 32]}
-    config = {"data": data, "train": {"epochs": 4, "progress": False}, "runs": [{"name": "mixed"}]}
+    # about 105 training images: 3 steps of 32 per epoch (2 ranks x 16)
+    train = {"epochs": 4, "progress": False, "global_batch_size": 32, "micro_batch_size": 16}
+    config = {"data": data, "train": train, "runs": [{"name": "mixed"}]}
     configfile = write_config(workdir / "config.yaml", config)
     result = snakemake(workdir, configfile)
     assert result.returncode == 0, result.stderr[-3000:]
