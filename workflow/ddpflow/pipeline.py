@@ -195,11 +195,30 @@ def _say_how_data_is_read(run: dict, manifest: dict) -> None:
     log.info("run %r: data %s%s (%s)", run["name"], how, where, why)
 
 
+def _say_what_sits_out(run: dict, samples: int) -> None:
+    """A warning in the terminal when a large share of the training split sits out of each
+    epoch (an epoch is whole global batches of a fresh shuffle): small data, large batch."""
+    train = run["train"]
+    global_, micro = train["global_batch_size"], train["micro_batch_size"]
+    left = samples % global_
+    if left * 5 <= samples:  # a fifth or less
+        return
+    unit = micro * run["world_size"]  # the global batches this world size can split
+    fewer = min(range(unit, global_, unit), key=lambda b: (samples % b, -b), default=None)
+    better = f"batch (e.g. {fewer})" if fewer and samples % fewer < left else "and micro batch"
+    log.warning(
+        "run %r: train.global_batch_size %d leaves %d of the %d training samples out of each "
+        "epoch (the next epoch's shuffle leaves out others); a smaller global %s uses more of "
+        "them per epoch", run["name"], global_, left, samples, better,
+    )  # fmt: skip
+
+
 def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     """Train one run: resume only an interrupted attempt of this very config (else from
     scratch, saying why), then keep the work folder lean."""
     manifest = data.read_manifest(paths.staged)
     check_batch_fits(run, manifest["sizes"]["train"])
+    _say_what_sits_out(run, manifest["sizes"]["train"])
     _check_user_model(run, manifest)
     _say_how_data_is_read(run, manifest)
     # from here on the run as its job runs it: on fewer nodes after node failures
