@@ -19,7 +19,8 @@
    took them (old: .split(micro) once; new: one row view per micro-step), for --sampler-n
    samples at each world size (rank 0), in this process with 1 torch thread, alternating
    (order flipped every repeat), median of --sampler-repeats. Then the per-micro-step
-   seeding the loop now does, torch.manual_seed(micro_batch_seed(seed, epoch, step, micro)),
+   seeding the loop does, loop._seed_random_draws(micro_batch_seed(seed, epoch, step, micro)),
+   against torch.manual_seed of the same seed (what it did first),
    and its parts, median of --seed-repeats batches of --seed-calls calls, alternating, and
    its share of the fastest training micro-step measured in part 1.
 
@@ -42,7 +43,12 @@ from pathlib import Path
 import torch
 from ddpflow import config as ddpconfig
 from ddpflow import runtime
-from ddpflow.loop import micro_batch_seed, rank_micro_batches, step_micro_batches
+from ddpflow.loop import (
+    _seed_random_draws,
+    micro_batch_seed,
+    rank_micro_batches,
+    step_micro_batches,
+)
 from throughput import (
     CASES,
     ddpflow_epoch,
@@ -241,7 +247,16 @@ def alternate(fns: dict, repeats: int) -> dict[str, list[float]]:
     return times
 
 
+CPU = torch.device("cpu")
+
+
 def loop_seeding(i: int) -> None:
+    """What Loop._micro_step does per micro-batch on a CPU rank."""
+    _seed_random_draws(micro_batch_seed(0, 1, i // 4, i % 4), CPU)
+
+
+def torch_seeding(i: int) -> None:
+    """What it did first (torch.manual_seed): the baseline."""
     torch.manual_seed(micro_batch_seed(0, 1, i // 4, i % 4))
 
 
@@ -252,12 +267,15 @@ def nested(depth: int, fn, i: int) -> None:
 
 # the per-micro-step seeding, and its parts. While CUDA is not initialised (a CPU rank),
 # torch.manual_seed also queues lazy seeding calls for the other devices, each with a
-# formatted stack trace (torch.cuda._lazy_call): the cost grows with the caller's stack
-# depth, hence "loop_depth_30". "cpu_generator" is a reference: the CPU generator alone
+# formatted stack trace (torch.cuda._lazy_call): its cost grows with the caller's stack
+# depth, hence the "_depth_30" cases; the loop seeds the generators directly instead
+# (loop._seed_random_draws). "cpu_generator" is a reference: the CPU generator alone
 SEED_DEPTH = 30
 SEEDINGS = {
     "loop": loop_seeding,
     "loop_depth_30": lambda i: nested(SEED_DEPTH, loop_seeding, i),
+    "torch_manual_seed_loop": torch_seeding,
+    "torch_manual_seed_loop_depth_30": lambda i: nested(SEED_DEPTH, torch_seeding, i),
     "micro_batch_seed": lambda i: micro_batch_seed(0, 1, i // 4, i % 4),
     "torch_manual_seed": lambda i: torch.manual_seed(i),
     "cpu_generator": lambda i: torch.default_generator.manual_seed(i),
@@ -345,11 +363,13 @@ def conditions(args: argparse.Namespace) -> dict:
         ".split(micro) once, new one row view per micro-batch (Loop's device_batches[i]); "
         "after one untimed call each, the four alternating, order flipped every repeat",
         "sampler_repeats": args.sampler_repeats,
-        "seeding": "loop = torch.manual_seed(micro_batch_seed(seed, epoch, step, micro)) as "
-        "Loop._micro_step calls it, and its parts; cpu_generator = "
-        "torch.default_generator.manual_seed alone (reference); loop_depth_30: the loop's "
-        "call 30 frames deeper (torch.manual_seed formats stack traces for its lazy device "
-        f"seeding while CUDA is not initialised); {args.seed_calls} calls per timed batch, "
+        "seeding": "loop = loop._seed_random_draws(micro_batch_seed(seed, epoch, step, "
+        "micro)) as Loop._micro_step calls it on a CPU rank, and its parts; "
+        "torch_manual_seed_loop = the same seed through torch.manual_seed (the baseline: what "
+        "the loop did first); cpu_generator = torch.default_generator.manual_seed alone "
+        "(reference); *_depth_30: 30 frames deeper (torch.manual_seed formats stack traces "
+        "for its lazy device seeding while CUDA is not initialised); "
+        f"{args.seed_calls} calls per timed batch, "
         "median of "
         f"{args.seed_repeats} batches, alternating",
         "cuda_initialised": torch.cuda.is_initialized(),

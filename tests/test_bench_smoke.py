@@ -320,7 +320,8 @@ def test_scaling_tiny_run_writes_complete_json(tmp_path):
             assert r[key] > 0 and len(r["all_s"][key.removesuffix("_s")]) == 2
     seeding = report["seeding"]
     assert set(seeding["seconds_per_call"]) == {
-        "loop", "loop_depth_30", "micro_batch_seed", "torch_manual_seed", "cpu_generator"
+        "loop", "loop_depth_30", "torch_manual_seed_loop", "torch_manual_seed_loop_depth_30",
+        "micro_batch_seed", "torch_manual_seed", "cpu_generator",
     }  # fmt: skip
     assert all(v > 0 for v in seeding["seconds_per_call"].values())
     assert set(seeding["share_of_micro_step"]) == {"loop", "loop_depth_30"}
