@@ -337,7 +337,7 @@ def _long_config(workdir: Path, cancel: bool) -> Path:
     return write_config(
         workdir / "config.yaml",
         {
-            "train": {"epochs": 40, "progress": False},
+            "train": {**SCIENCE["train"], "epochs": 40},
             "machine": machine,
             "runs": [{"name": "long"}],
         },
@@ -391,7 +391,7 @@ def test_edited_config_cancels_the_detached_job_instead_of_reattaching(slurm_clu
     _stop(proc)
     assert _in_queue(old_job), "the job should survive the stop"
     edited = {
-        "train": {"epochs": 2, "progress": False, "optimizer": {"lr": 0.02}},
+        "train": {**SCIENCE["train"], "epochs": 2, "optimizer": {"lr": 0.02}},
         "machine": {**CLUSTER_MACHINE, "cancel_on_interrupt": False},
         "runs": [{"name": "long"}],
     }
