@@ -305,10 +305,10 @@ def micro_batches_per_step(train: dict) -> int:
     return train["global_batch_size"] // train["micro_batch_size"]
 
 
-def working_world_sizes(train: dict, up_to: int | None = None) -> list[int]:
+def working_world_sizes(train: dict) -> list[int]:
     """The world sizes that split a step's micro-batches evenly: divisors of global/micro."""
     count = micro_batches_per_step(train)
-    return [w for w in range(1, (up_to or count) + 1) if count % w == 0]
+    return [w for w in range(1, count + 1) if count % w == 0]
 
 
 def check_world_size(where: str, train: dict, world: int, machine_text: str = "") -> None:

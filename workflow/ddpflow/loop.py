@@ -202,6 +202,7 @@ class Loop:
         # this rank's summed micro-batch losses per step of the epoch: summed over the ranks
         # at the epoch's end (and at a checkpoint), the whole step's loss at any world size
         self.step_losses = torch.zeros(self.steps_per_epoch, device=device)
+        self._global_step_losses: torch.Tensor | None = None  # gather_state's, for state_dict
         self.segments: list[dict] = []  # [{world_size, hosts, attempt, start_step, end_step}]
         self.epoch_seconds = dict.fromkeys(PHASES, 0.0)
         self.history: list[dict] = []
@@ -310,7 +311,7 @@ class Loop:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
         }  # fmt: skip
-        losses = getattr(self, "_global_step_losses", None)
+        losses = self._global_step_losses
         return {
             **tensors,
             "scheduler": self.scheduler.state_dict(),
