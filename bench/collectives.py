@@ -4,8 +4,8 @@ For each backend (gloo always; nccl when >= 2 GPUs are visible) and world size, 
 workers time, for message sizes from --min-bytes to --max-bytes (x4 steps):
 
 * ``torch``: ``torch.distributed.all_reduce`` (the backend's native algorithm),
-* ``ring``:  ``ddpflow.collectives.ring_all_reduce`` (point-to-point ring),
-* ``naive``: ``ddpflow.collectives.naive_all_reduce`` (tree reduce + broadcast),
+* ``ring``:  ``ddpflow.tutorial.collectives.ring_all_reduce`` (point-to-point ring),
+* ``naive``: ``ddpflow.tutorial.collectives.naive_all_reduce`` (tree reduce + broadcast),
 
 each ``--warmup`` untimed then ``--iters`` timed iterations. Every iteration starts
 from the same input behind a barrier; its time is the slowest rank's, and the
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from ddpflow import runtime
-from ddpflow.collectives import bus_bandwidth, naive_all_reduce, ring_all_reduce
+from ddpflow.tutorial.collectives import bus_bandwidth, naive_all_reduce, ring_all_reduce
 from workers import machine_info, spawn_ranks
 
 IMPLS = ("torch", "ring", "naive")
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker is not None:
         return run_worker(args.worker)
     report = {
-        "benchmark": "all_reduce: torch.distributed vs ddpflow.collectives (p2p)",
+        "benchmark": "all_reduce: torch.distributed vs ddpflow.tutorial.collectives (p2p)",
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "provenance": runtime.provenance(),

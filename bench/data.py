@@ -6,13 +6,14 @@ On an image folder that Pillow writes into a temporary directory (--images PNG f
 1. Loader throughput: images/s delivered to the training step of ONE rank (rank 0 of a
    2-rank job: its micro-batches, or its DistributedSampler shard), batch --batch per rank
    (ddpflow: the micro-batch, global batch 2 x --batch), --workers worker processes for
-   both loaders, each batch normalised to float as the step does (ddpflow.evaluate.normalize
-   with the staged train mean/std, the same for every path) and its labels taken:
+   both loaders, each batch normalised to float as the step does
+   (ddpflow.training.evaluate.normalize with the staged train mean/std, the same for every
+   path) and its labels taken:
 
    * ``streamed``: ddpflow's streamed path: the folder staged once (not timed) with
-     ``ddpflow.data.stage_dataset``, then ``ddpflow.feed.StreamFeed`` over
+     ``ddpflow.data.staged.stage_dataset``, then ``ddpflow.data.feed.StreamFeed`` over
      ``open_split(...)[0]`` (the train split), batches as Loop takes them
-     (``ddpflow.loop.step_micro_batches`` + ``rank_micro_batches``: one shuffle cut into
+     (``ddpflow.training.loop.step_micro_batches`` + ``rank_micro_batches``: one shuffle cut into
      steps of the global batch, this rank's micro-batch of each; the remainder of n sits
      the epoch out), labels by index_select (ddpflow keeps them in memory);
    * ``tutorial``: ``torchvision.datasets.ImageFolder(root/train, transform=Compose([Resize,
@@ -20,7 +21,7 @@ On an image folder that Pillow writes into a temporary directory (--images PNG f
      shuffle=True, seed=0)`` + ``DataLoader(batch_size, num_workers, pin_memory=False)``,
      ``sampler.set_epoch`` each epoch;
    * ``in_memory`` (reference): ddpflow's in-memory path, the whole split loaded once (not
-     timed) and one index_select per batch (``ddpflow.feed.MemoryFeed``).
+     timed) and one index_select per batch (``ddpflow.data.feed.MemoryFeed``).
 
    Each loader is built once and iterated epoch after epoch as training does (the tutorial's
    DataLoader starts its workers every epoch; StreamFeed's persist). After one untimed epoch
@@ -64,10 +65,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from ddpflow import config as ddpconfig
-from ddpflow import data as ddata
-from ddpflow import feed, runtime
-from ddpflow.evaluate import normalize
-from ddpflow.loop import rank_micro_batches, step_micro_batches
+from ddpflow import runtime
+from ddpflow.data import feed
+from ddpflow.data import staged as ddata
+from ddpflow.training.evaluate import normalize
+from ddpflow.training.loop import rank_micro_batches, step_micro_batches
 from workers import machine_info
 
 WORLD, RANK, SEED = 2, 0, 0  # one rank of a 2-rank job, the sampler's seed
@@ -647,7 +649,8 @@ def main(argv: list[str] | None = None) -> int:
             "batch": args.batch,
             "workers": args.workers,
             "prefetch": args.prefetch,
-            "streamed": "ddpflow.feed.StreamFeed(open_split(staged, 'train')[0], cpu, workers, "
+            "streamed": "ddpflow.data.feed.StreamFeed(open_split(staged, 'train')[0], cpu, "
+            "workers, "
             "prefetch) built once, .epoch(rank_micro_batches(step_micro_batches(n, 2 x "
             "batch, batch, seed, epoch), 2, 0), 0) per epoch "
             "(persistent workers, one pread per image); labels by index_select",
@@ -656,9 +659,11 @@ def main(argv: list[str] | None = None) -> int:
             "shuffle=True, seed=0) + DataLoader(batch, num_workers=workers, "
             "pin_memory=False), built once, set_epoch + a fresh iterator per epoch (workers "
             "started every epoch, as the tutorials do)",
-            "in_memory": "ddpflow.feed.MemoryFeed over the split loaded whole (load not timed; "
+            "in_memory": "ddpflow.data.feed.MemoryFeed over the split loaded whole "
+            "(load not timed; "
             "its seconds reported): one index_select per batch",
-            "step": "each batch: ddpflow.evaluate.normalize(x, train mean, train std) (float), "
+            "step": "each batch: ddpflow.training.evaluate.normalize(x, train mean, train std) "
+            "(float), "
             "labels taken; no model",
             "timing": "per path: one untimed epoch (page cache, persistent workers), then "
             "--repeats epochs, paths alternating with the order rotated every repeat; an "

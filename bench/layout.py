@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from ddpflow import config as ddpconfig
 from ddpflow import runtime
-from ddpflow.models import build_model, place
+from ddpflow.training.models import build_model, place
 from workers import machine_info
 
 # model:CxHxW; the default digits are 1x8x8, the throughput benchmark's images 1x28x28 / 3x32x32
@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             "timing": "mean step time over `steps` steps per repeat, median of repeats; the "
             "three variants alternate repeat by repeat, order flipped each repeat; 2 untimed "
             "steps first",
-            "model": "ddpflow.models.build_model with the shipped model defaults (small-image "
+            "model": "ddpflow.training.models.build_model with the shipped model defaults "
+            "(small-image "
             "stem), random init, seed 0; "
             "SGD momentum 0.9; random inputs and labels",
         },

@@ -30,7 +30,7 @@ import time
 import lightning as L
 import torch
 import torch.distributed as dist
-from ddpflow.evaluate import normalize
+from ddpflow.training.evaluate import normalize
 from lightning.pytorch.plugins.environments import LightningEnvironment
 from peers.digits_job import NUM_CLASSES, lightning_optimizers, sgd_schedule
 from torch import nn
@@ -103,7 +103,7 @@ class LightningLoop:
         )
         steps = math.ceil(self.per_rank / cfg["batch"])
         torch.manual_seed(run["train"]["seed"])  # same initial weights as the other loops
-        from ddpflow.models import build_model
+        from ddpflow.training.models import build_model
         from throughput import peer_layout
 
         model = peer_layout(cfg, build_model(run["model"], cfg["case"]["shape"], NUM_CLASSES))

@@ -1,12 +1,13 @@
 """Per-rank memory of the training state, and training throughput, by strategy: ddp, zero
-(ZeRO stage 1) and fsdp (FSDP2, ddpflow.sharding.shard).
+(ZeRO stage 1) and fsdp (FSDP2, ddpflow.training.sharding.shard).
 
 For each model (torchvision ResNet-50; ViT-B/16 at image size 32, i.e. 4 patches), optimizer
 (AdamW: 2 state tensors per parameter; SGD with momentum: 1), strategy and world size, fresh
 rank processes with a real gloo process group on 127.0.0.1 build the model (random init, 10
-classes), wrap it in DDP when world > 1 (``ddpflow.loop.wrap_ddp`` with the config's DDP
-defaults) or, for fsdp, shard it with ``ddpflow.sharding.shard`` (fully_shard per block and
-on the root, as the training does), build the optimizer with ``ddpflow.loop.make_optimizer``
+classes), wrap it in DDP when world > 1 (``ddpflow.training.loop.wrap_ddp`` with the config's DDP
+defaults) or, for fsdp, shard it with ``ddpflow.training.sharding.shard`` (fully_shard per block and
+on the root, as the training does), build the optimizer with
+``ddpflow.training.loop.make_optimizer``
 (``sharded=True`` for zero: a ZeroRedundancyOptimizer), train --steps steps on random
 batches of --batch 3x32x32 images, and then measure on every rank:
 
@@ -50,9 +51,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torchvision
-from ddpflow import runtime, sharding
-from ddpflow.loop import make_optimizer, wrap_ddp
-from ddpflow.models import build_model as ddpflow_model
+from ddpflow import runtime
+from ddpflow.training import sharding
+from ddpflow.training.loop import make_optimizer, wrap_ddp
+from ddpflow.training.models import build_model as ddpflow_model
 from throughput import free_port
 from workers import machine_info, spawn_ranks
 
@@ -71,11 +73,11 @@ OPTIMIZERS = {
 }  # fmt: skip
 STATE_TENSORS = {"adamw": 2, "sgd": 1}
 STRATEGIES = ("ddp", "zero", "fsdp")
-# config.schema.yaml's train.fsdp defaults (fp32 on CPU: no mixed precision policy)
+# config/schema.yaml's train.fsdp defaults (fp32 on CPU: no mixed precision policy)
 FSDP_TRAIN = {"precision": "fp32",
               "fsdp": {"reshard_after_forward": True, "reduce_dtype": "fp32",
                        "cpu_offload": False}}  # fmt: skip
-# config.schema.yaml's train.ddp defaults, as Loop passes them to wrap_ddp
+# config/schema.yaml's train.ddp defaults, as Loop passes them to wrap_ddp
 DDP_DEFAULTS = {
     "bucket_cap_mb": 25,
     "gradient_as_bucket_view": True,
@@ -425,12 +427,14 @@ def main(argv: list[str] | None = None) -> int:
             "tcp rendezvous on 127.0.0.1), so peak RSS is that configuration's alone",
             "models": {name: MODELS[name] for name in args.models},
             "optimizers": {name: OPTIMIZERS[name] for name in args.optimizers},
-            "optimizer_factory": "ddpflow.loop.make_optimizer (fused kernels; sharded=True for "
+            "optimizer_factory": "ddpflow.training.loop.make_optimizer (fused kernels; "
+            "sharded=True for "
             "zero: torch.distributed.optim.ZeroRedundancyOptimizer)",
             "state_tensors_per_param": {name: STATE_TENSORS[name] for name in args.optimizers},
             "strategies": args.strategies,
             "world_sizes": args.world_sizes,
-            "ddp": "ddpflow.loop.wrap_ddp when world > 1, settings: " + json.dumps(DDP_DEFAULTS),
+            "ddp": "ddpflow.training.loop.wrap_ddp when world > 1, settings: "
+            + json.dumps(DDP_DEFAULTS),
             "world_1": "no DDP wrapper (as Loop); zero at world 1 is a ZeroRedundancyOptimizer "
             "on a 1-rank group (Loop itself trains plain at 1 rank)",
             "steps": args.steps,
@@ -444,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
             "base: VmRSS after init_process_group, before the model",
             "theory": "P = parameter bytes, k state tensors per parameter: ddp (2 + k)P, "
             "zero 2P + kP/N, fsdp (2 + k)P/N per rank",
-            "fsdp": "ddpflow.sharding.shard (fully_shard per block, then the root; "
+            "fsdp": "ddpflow.training.sharding.shard (fully_shard per block, then the root; "
             "reshard_after_forward, fp32), optimizer on the DTensor shards (foreach)",
             "row": "max over ranks of each figure; measured/theory = largest rank's total / theory",
             "mb": "10^6 bytes",

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from ddpflow import config as ddpconfig
 from ddpflow import runtime
-from ddpflow.loop import (
+from ddpflow.training.loop import (
     _seed_random_draws,
     micro_batch_seed,
     rank_micro_batches,
@@ -186,7 +186,7 @@ def scaling_row(world: int, runs: list[dict]) -> dict:
 
 
 def old_epoch_indices(n: int, world: int, rank: int, seed: int, epoch: int) -> torch.Tensor:
-    """The order the loop used before (removed from ddpflow.loop), as the baseline:
+    """The order the loop used before (removed from ddpflow.training.loop), as the baseline:
     DistributedSampler(shuffle=True, drop_last=False): pad by repeating, then stride."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
     total = math.ceil(n / world) * world
@@ -353,7 +353,8 @@ def conditions(args: argparse.Namespace) -> dict:
         "rounds": args.rounds,
         "cores": cores,
         "note": note,
-        "loop": "ddpflow.loop.Loop from the shipped config (SGD nesterov, cosine schedule, "
+        "loop": "ddpflow.training.loop.Loop from the shipped config (SGD nesterov, cosine "
+        "schedule, "
         "fp32, CNN in channels_last), data on the device, DDP only when world > 1",
         "timing": "one epoch per repeat, barrier before, slowest rank; fresh rank processes "
         "per launch; world sizes in rounds, order flipped each round; median of all epochs",

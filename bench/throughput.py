@@ -1,6 +1,6 @@
 """Training throughput: ddpflow's loop vs the raw PyTorch DDP tutorial loop.
 
-Both loops train the same model (ddpflow.models) on the same synthetic uint8 images,
+Both loops train the same model (ddpflow.training.models) on the same synthetic uint8 images,
 normalised with the same per-channel mean/std, with the same per-rank batch, world size,
 optimizer (the shipped config's SGD) and initial weights. ddpflow gets the per-rank batch as
 train.micro_batch_size and the global batch as train.global_batch_size = batch x world (one
@@ -11,7 +11,7 @@ whole global batches, so both loops take the same steps of the same sizes:
   (batch_size, sampler=DistributedSampler, pin_memory on CUDA), ``sampler.set_epoch``,
   per-step ``.to(device)``, zero_grad/backward/step, ``loss.item()`` every step, the model
   always wrapped in DDP (a 1-rank process group at world size 1).
-* ``ddpflow``: ``ddpflow.loop.Loop`` built as ``tasks.TrainTask`` builds it (the shipped
+* ``ddpflow``: ``ddpflow.training.loop.Loop`` built as ``tasks.TrainTask`` builds it (the shipped
   config, the dataset held as tensors on the device, its order from
   ``loop.step_micro_batches`` + ``rank_micro_batches``, the checkpointer's per-step hook),
   one ``train_epoch()`` per repeat.
@@ -51,10 +51,10 @@ import torch
 import torch.distributed as dist
 from ddpflow import config as ddpconfig
 from ddpflow import runtime
-from ddpflow.checkpoint import Checkpointer
-from ddpflow.distenv import DistEnv
-from ddpflow.loop import Loop
-from ddpflow.models import build_model, forward_flops, place
+from ddpflow.cluster.distenv import DistEnv
+from ddpflow.training.checkpoint import Checkpointer
+from ddpflow.training.loop import Loop
+from ddpflow.training.models import build_model, forward_flops, place
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -575,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     peak = peak_flops(args)
     base = "Lightning Trainer" if args.lightning else "raw PyTorch DDP tutorial loop"
     report = {
-        "benchmark": f"training throughput: ddpflow.loop.Loop vs {base}",
+        "benchmark": f"training throughput: ddpflow.training.loop.Loop vs {base}",
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "provenance": runtime.provenance(),

@@ -2,7 +2,7 @@
 
 Each rank is a spawned process that gets submitit's local-executor variables
 (SUBMITIT_EXECUTOR=local, SUBMITIT_LOCAL_*), then goes through the production path:
-ddpflow.distenv.discover() and distenv.init_process_group() with a rendezvous directory
+ddpflow.cluster.distenv.discover() and distenv.init_process_group() with a rendezvous directory
 (rank 0 binds a free port and publishes it in a file). `target(env, *args)` runs on every
 rank and its return value comes back to the test, ordered by rank.
 
@@ -29,7 +29,13 @@ MAX_RANKS = 4
 PG_TIMEOUT_S = 30  # a deadlocked collective fails after this instead of hanging the suite
 LAUNCH_TIMEOUT_S = 120
 _JOB_IDS = itertools.count(1)
-_PRELOAD = ["torch", "torch.distributed", "ddpflow.distenv", "ddpflow.evaluate", "ddpflow.loop"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "ddpflow.cluster.distenv",
+    "ddpflow.training.evaluate",
+    "ddpflow.training.loop",
+]
 # launcher variables of an outer job that must not leak into the ranks (a nested job would
 # inherit the outer one's rank and shape)
 _FOREIGN_PREFIXES = ("SLURM_", "SUBMITIT_", "TORCHELASTIC_")
@@ -51,7 +57,7 @@ def submitit_local_env(rank: int, world_size: int, job_id: str) -> dict[str, str
 
 def _rank_main(rank, world_size, job_id, rendezvous_dir, target, args, results, backend):
     import torch.distributed as dist
-    from ddpflow import distenv
+    from ddpflow.cluster import distenv
 
     for name in list(os.environ):
         if name.startswith(_FOREIGN_PREFIXES) or name in _FOREIGN_NAMES:
@@ -135,7 +141,7 @@ def port_files(rendezvous_dir: Path) -> list[str]:
 
 
 def make_data(n_train: int, n_val: int, num_classes: int = 4, seed: int = 0) -> dict:
-    """The dict ddpflow.tasks.load_data returns, from synthetic 8x8 images: class c lights
+    """The dict ddpflow.training.tasks.load_data returns, from synthetic 8x8 images: class c lights
     up quadrant c, plus noise (learnable in a few epochs by a small MLP)."""
     gen = torch.Generator().manual_seed(seed)
 

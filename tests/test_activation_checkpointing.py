@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 from ddpflow import config as ddpconfig
-from ddpflow import sharding
-from ddpflow.distenv import DistEnv
-from ddpflow.loop import Loop, fit
-from ddpflow.models import build_model
+from ddpflow.cluster.distenv import DistEnv
+from ddpflow.training import sharding
+from ddpflow.training.loop import Loop, fit
+from ddpflow.training.models import build_model
 from distributed_helpers import make_data, run_group
 from workflow_helpers import make_run
 

@@ -10,8 +10,8 @@ import types
 
 import pytest
 import torch
-from ddpflow import checkpoint
 from ddpflow import config as ddpconfig
+from ddpflow.training import checkpoint
 
 
 def _state(step: int, config_hash: str = "h1") -> dict:
@@ -104,7 +104,7 @@ def test_full_disk_during_write_keeps_previous_checkpoint(tmp_path):
     checkpoint.save(_state(4), tmp_path, 4, keep=3)
     script = textwrap.dedent(f"""
         import resource, signal, torch
-        from ddpflow import checkpoint
+        from ddpflow.training import checkpoint
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # get EFBIG instead of being killed
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
         state = {{"model": {{"w": torch.zeros(1_000_000)}}, "epoch": 2, "epoch_step": 0,
@@ -135,7 +135,7 @@ def _restore_where_only_rank_0_sees_another_config(env, work_dirs, policy):
     sees when rank 0 set the folder aside before that peer read it. Both ranks must agree
     and keep their collectives paired (an all_reduce right after proves it)."""
     import torch.distributed as dist
-    from ddpflow.checkpoint import Checkpointer, CheckpointMismatch
+    from ddpflow.training.checkpoint import Checkpointer, CheckpointMismatch
     from workflow_helpers import make_run
 
     run = make_run(

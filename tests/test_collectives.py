@@ -1,4 +1,4 @@
-"""ddpflow.collectives against torch.distributed's own collectives on real gloo groups.
+"""ddpflow.tutorial.collectives against torch.distributed's own collectives on real gloo groups.
 
 Starting a process group costs seconds (spawn + import torch + rendezvous), so each
 world size is launched once, every case runs inside the workers, and the workers
@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ddpflow import collectives as C
+from ddpflow.tutorial import collectives as C
 
 WORLD_SIZES = (2, 3, 4)
 NUMELS = (0, 1, 5, 1001)  # 5 and 1001 divide by none of 2, 3, 4; 0 and 1 are < n

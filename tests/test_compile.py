@@ -14,8 +14,8 @@ import shutil
 
 import pytest
 import torch
-from ddpflow.loop import Loop, fit
-from ddpflow.models import build_model
+from ddpflow.training.loop import Loop, fit
+from ddpflow.training.models import build_model
 from distributed_helpers import make_data, run_group
 from workflow_helpers import make_run
 

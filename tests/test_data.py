@@ -1,4 +1,4 @@
-"""Unit tests of dataset staging and loading (ddpflow.data, ddpflow.sources).
+"""Unit tests of dataset staging and loading (ddpflow.data.staged, ddpflow.data.sources).
 
 Real digits from scikit-learn; MNIST-like and CIFAR from tiny files in torchvision's own
 on-disk formats (tests/datafixtures.py) read by the real torchvision loaders; synthetic.
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 from datafixtures import class_images, trust_cifar_fixture, write_cifar, write_mnist_like
-from ddpflow import data as ddata
-from ddpflow.data import DataError, load_split, stage_dataset, verify_staged
+from ddpflow.data import staged as ddata
+from ddpflow.data.staged import DataError, load_split, stage_dataset, verify_staged
 
 N_TRAIN, N_TEST = 200, 50
 
@@ -332,7 +332,7 @@ def test_format_1_staged_data_is_still_read(tmp_path):
 def test_digits_read_without_scikit_learn_equal_its_load_digits():
     """ddpflow reads scikit-learn's digits file itself (no sklearn import at staging): the
     same images, labels and class names as sklearn.datasets.load_digits."""
-    from ddpflow.sources import _sklearn_digits_csv, load_digits
+    from ddpflow.data.sources import _sklearn_digits_csv, load_digits
     from sklearn.datasets import load_digits as sk_load_digits
 
     assert _sklearn_digits_csv() is not None  # the fast path is the one taken here

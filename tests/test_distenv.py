@@ -1,4 +1,4 @@
-"""ddpflow.distenv: rank discovery from each launcher's variables, host lists, ports, and a
+"""ddpflow.cluster.distenv: rank discovery from each launcher's variables, host lists, ports, and a
 real gloo process group set up through the rendezvous directory.
 
 The discovery tests fake the environment (discover() takes the mapping); the last test
@@ -12,8 +12,15 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from ddpflow import distenv
-from ddpflow.distenv import PORT_BASE, PORT_SPAN, DistEnv, derive_port, discover, expand_nodelist
+from ddpflow.cluster import distenv
+from ddpflow.cluster.distenv import (
+    PORT_BASE,
+    PORT_SPAN,
+    DistEnv,
+    derive_port,
+    discover,
+    expand_nodelist,
+)
 from distributed_helpers import port_files, run_group, submitit_local_env
 
 # --- realistic variable sets ---------------------------------------------------------

@@ -5,7 +5,7 @@ time_min 10). tests/slurm/test_workflow_slurm.py checks the same through a live 
 from __future__ import annotations
 
 import pytest
-from ddpflow.efficiency import cpu_seconds, mebibytes, parse
+from ddpflow.monitoring.efficiency import cpu_seconds, mebibytes, parse
 
 # sacct -j 1 --parsable2 --noheader --format=<efficiency.FIELDS>, Slurm 22.05, 2026-11-23
 CAPTURED = """\

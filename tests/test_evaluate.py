@@ -1,4 +1,4 @@
-"""ddpflow.evaluate: unpadded shards and an exact distributed accuracy.
+"""ddpflow.training.evaluate: unpadded shards and an exact distributed accuracy.
 
 The distributed result is compared with a single-process evaluation of the same model on
 real gloo groups of 2 and 3 ranks, on a test set of 1001 samples (divisible by neither).
@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from ddpflow import evaluate
-from ddpflow.evaluate import evaluate_split, shard_bounds, shard_counts, summarize
-from ddpflow.models import small_cnn
+from ddpflow.training import evaluate
+from ddpflow.training.evaluate import evaluate_split, shard_bounds, shard_counts, summarize
+from ddpflow.training.models import small_cnn
 from distributed_helpers import run_group
 from torch.utils.data import DistributedSampler
 
@@ -112,7 +112,7 @@ def results(case, tmp_path_factory):
     out = {}
     for world in WORLD_SIZES:
         if world == 1:  # no process group: evaluate_split must not need one
-            from ddpflow.distenv import discover
+            from ddpflow.cluster.distenv import discover
 
             out[1] = [_evaluate_on_rank(discover({}), case)]
         else:

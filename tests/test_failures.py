@@ -1,4 +1,4 @@
-"""ddpflow.failures on files captured from real failed jobs (tests/golden/failures/): the
+"""ddpflow.cluster.failures on files captured from real failed jobs (tests/golden/failures/): the
 culprit rank, its host and its cause come first, the ranks that only lost their peers are
 listed after it as collateral.
 
@@ -16,7 +16,7 @@ import pickle
 from pathlib import Path
 
 import pytest
-from ddpflow import failures
+from ddpflow.cluster import failures
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "failures"
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 from ddpflow import config as ddpconfig
-from ddpflow import evaluate, sharding
-from ddpflow.checkpoint import Checkpointer
-from ddpflow.loop import Loop, fit
-from ddpflow.models import build_model
+from ddpflow.training import evaluate, sharding
+from ddpflow.training.checkpoint import Checkpointer
+from ddpflow.training.loop import Loop, fit
+from ddpflow.training.models import build_model
 from distributed_helpers import make_data, run_group
 from torch import nn
 from workflow_helpers import make_run

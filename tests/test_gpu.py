@@ -15,11 +15,12 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from ddpflow import evaluate, runtime
-from ddpflow.checkpoint import Checkpointer
-from ddpflow.loop import Loop, fit
-from ddpflow.models import build_model, place
-from ddpflow.preflight import _timed_all_reduce
+from ddpflow import runtime
+from ddpflow.cluster.preflight import _timed_all_reduce
+from ddpflow.training import evaluate
+from ddpflow.training.checkpoint import Checkpointer
+from ddpflow.training.loop import Loop, fit
+from ddpflow.training.models import build_model, place
 from distributed_helpers import make_data, run_group
 from workflow_helpers import make_run, snakemake, write_config
 

@@ -1,12 +1,12 @@
-"""ddpflow.loop: the DistributedSampler contract, learning-rate rules, optimizers, and the
+"""ddpflow.training.loop: the DistributedSampler contract, learning-rate rules, optimizers, and the
 DDP loop itself (a real 2-rank gloo group for gradient accumulation with no_sync)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from ddpflow.distenv import DistEnv
-from ddpflow.loop import (
+from ddpflow.cluster.distenv import DistEnv
+from ddpflow.training.loop import (
     Diverged,
     Loop,
     effective_lr,
@@ -17,7 +17,7 @@ from ddpflow.loop import (
     rank_micro_batches,
     step_micro_batches,
 )
-from ddpflow.models import mlp
+from ddpflow.training.models import mlp
 from distributed_helpers import make_data, run_group
 from workflow_helpers import make_run
 
@@ -208,7 +208,7 @@ def test_a_huge_lr_stops_training_with_run_epoch_and_step():
 def test_on_nonfinite_warn_trains_on_and_says_so_once(caplog):
     torch.manual_seed(0)
     loop = Loop(_huge_lr_run("warn"), make_data(200, 50), SINGLE, CPU, mlp(64, [32], 4))
-    with caplog.at_level("WARNING", logger="ddpflow.loop"):
+    with caplog.at_level("WARNING", logger="ddpflow.training.loop"):
         fit(loop, lambda record: None)
     assert len(loop.history) == 3
     warnings = [r.message for r in caplog.records if "NaN or infinite" in r.message]
@@ -322,7 +322,7 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(ddp_results):
 def _small_cnn(env, epochs: int, **train) -> tuple[dict, torch.nn.Module]:
     """A run of the built-in CNN (8 channels) on this group's ranks, and its model placed as
     TrainTask places it."""
-    from ddpflow.models import place, small_cnn
+    from ddpflow.training.models import place, small_cnn
 
     run = make_run(
         model={"name": "cnn", "cnn_channels": 8},
@@ -369,7 +369,7 @@ def test_channels_last_on_cpu_ranks_trains_the_same_model_in_nhwc(tmp_path):
     their gradients stay NHWC through DDP's buckets (no grad-stride warning: the buckets
     follow the parameters' layout), the ranks agree, and the model is the NCHW one up to
     fp32 rounding; the MLP keeps its plain layout."""
-    from ddpflow.models import place
+    from ddpflow.training.models import place
 
     data = make_data(96, 8)
     ranks = run_group(2, _both_layouts, (data,), tmp_path)
@@ -427,7 +427,7 @@ def test_rank_zeros_progress_counts_its_micro_batches(caplog, monkeypatch):
     import functools
     import logging
 
-    from ddpflow import tasks
+    from ddpflow.training import tasks
 
     monkeypatch.setattr(tasks, "LineProgress", functools.partial(tasks.LineProgress, interval=0))
     run = make_run(
@@ -436,7 +436,7 @@ def test_rank_zeros_progress_counts_its_micro_batches(caplog, monkeypatch):
         machine={"cpu_ranks_per_node": 1},
     )
     loop = Loop(run, make_data(200, 20), SINGLE, CPU, mlp(64, [16], 4))
-    with caplog.at_level(logging.INFO, logger="ddpflow.tasks"):
+    with caplog.at_level(logging.INFO, logger="ddpflow.training.tasks"):
         fit(loop, lambda record: None, tasks._progress_bar(run, SINGLE))
-    lines = [r.getMessage() for r in caplog.records if r.name == "ddpflow.tasks"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "ddpflow.training.tasks"]
     assert lines and lines[-1].startswith("epoch 1: step 23/24 "), lines

@@ -12,7 +12,7 @@ import pytest
 import torch
 from ddpflow import config as ddpconfig
 from ddpflow.config import ConfigError, check_runs, plugin_source_hash, training_fingerprint
-from ddpflow.models import ModelError, build_model, check_model
+from ddpflow.training.models import ModelError, build_model, check_model
 from torch import nn
 from workflow_helpers import REPO, make_run, snakemake, write_config
 

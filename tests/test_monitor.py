@@ -15,8 +15,8 @@ import time
 
 import pytest
 import torch
-from ddpflow.monitor import SystemSampler
-from ddpflow.rankstats import combine_epochs, stragglers
+from ddpflow.monitoring.rankstats import combine_epochs, stragglers
+from ddpflow.monitoring.sampler import SystemSampler
 from workflow_helpers import BIN, jobs_planned, snakemake, write_config
 
 

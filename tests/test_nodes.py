@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 from ddpflow import config as ddpconfig
-from ddpflow import launch, nodes, pipeline, placement, render
+from ddpflow import pipeline
+from ddpflow.cluster import launch, nodes, placement
+from ddpflow.cluster.slurm_parse import Node, parse_job_instances, parse_node_events, parse_nodes
 from ddpflow.config import ConfigError
-from ddpflow.slurm_parse import Node, parse_job_instances, parse_node_events, parse_nodes
+from ddpflow.report import render
 from workflow_helpers import make_run
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "slurm"

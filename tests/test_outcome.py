@@ -1,13 +1,13 @@
-"""A failed run's record, and the report of the runs that finished (ddpflow.outcome)."""
+"""A failed run's record, and the report of the runs that finished (ddpflow.report.outcome)."""
 
 from __future__ import annotations
 
 import json
 import os
 
-from ddpflow import outcome
 from ddpflow.errors import UserError
 from ddpflow.paths import RunPaths, work_dir
+from ddpflow.report import outcome
 from test_report import _write_run
 from workflow_helpers import make_run
 

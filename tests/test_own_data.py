@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from datafixtures import image_of, make_folder, make_mixed_folder
 from ddpflow import config as ddpconfig
-from ddpflow.data import load_split, stage_dataset
-from ddpflow.sources import DataError
+from ddpflow.data.raw import DataError
+from ddpflow.data.staged import load_split, stage_dataset
 from PIL import Image
 from workflow_helpers import REPO, jobs_planned, make_run, snakemake, write_config
 

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 from ddpflow import pipeline
+from ddpflow.cluster.launch import LaunchError
 from ddpflow.config import ConfigError
-from ddpflow.data import DataError
+from ddpflow.data.staged import DataError
 from ddpflow.errors import ReportInputError
-from ddpflow.launch import LaunchError
 
 
 @pytest.mark.parametrize("error", [ConfigError, DataError, LaunchError, ReportInputError])
@@ -44,9 +44,9 @@ def test_a_failed_job_forgets_its_record_so_a_retry_submits_anew(tmp_path):
     """Snakemake retries a failed rule (profiles/slurm: retries: 1): the retry must submit a
     new job, not reattach to the failed one and read its failure again. Real local job: the
     ranks fail because the staged data do not exist."""
-    from ddpflow import launch
+    from ddpflow.cluster import launch
     from ddpflow.paths import RunPaths
-    from ddpflow.tasks import TrainTask
+    from ddpflow.training.tasks import TrainTask
     from workflow_helpers import make_run
 
     run = make_run(train={"progress": False}, results_dir=str(tmp_path / "results"))
@@ -92,10 +92,10 @@ def test_epoch_progress_logs_each_new_epoch_once(tmp_path, caplog):
 def test_progress_in_a_log_file_is_whole_lines(caplog):
     """Rank 0's progress where stderr is a file: log lines, never a bar's carriage returns;
     a resumed epoch's rate counts only the steps run since."""
-    from ddpflow.tasks import LineProgress
+    from ddpflow.training.tasks import LineProgress
 
     progress = LineProgress(total=10, desc="epoch 2", interval=0.0)
-    with caplog.at_level(logging.INFO, logger="ddpflow.tasks"):
+    with caplog.at_level(logging.INFO, logger="ddpflow.training.tasks"):
         progress.update(4)  # resumed at step 4
         progress.update(1)
         progress.update(5)  # the last step: the epoch's own line follows, not this one

@@ -4,7 +4,7 @@ naming the slow rank and its host above what the link can do."""
 from __future__ import annotations
 
 import torch
-from ddpflow.preflight import SlowInterconnect, run_preflight
+from ddpflow.cluster.preflight import SlowInterconnect, run_preflight
 from distributed_helpers import run_group
 
 

@@ -10,7 +10,7 @@ import re
 
 import matplotlib.image
 import pytest
-from ddpflow.report import build_report, load_train_metrics
+from ddpflow.report.build import build_report, load_train_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CLASSES = ["cat", "dog", "<bird>"]
@@ -228,7 +228,7 @@ def test_scaling_compares_only_runs_that_differ_in_machine_shape(tmp_path):
 
 
 def test_hosts_are_listed_once_with_their_rank_count():
-    from ddpflow.render import _hosts
+    from ddpflow.report.render import _hosts
 
     assert _hosts(["vm"] * 4) == "vm ×4"
     assert _hosts(["n1", "n1", "n2", "n2"]) == "n1 ×2, n2 ×2"
@@ -268,7 +268,7 @@ def test_failed_rebuild_keeps_previous_report(tmp_path):
 
 
 def test_short_times_read_as_measured():
-    from ddpflow.render import _seconds
+    from ddpflow.report.render import _seconds
 
     assert _seconds(0.042) == "42 ms" and _seconds(1.5) == "1.5 s" and _seconds(600) == "10.0 min"
 
@@ -294,7 +294,7 @@ def test_epoch_plots_include_validation_loss_lr_and_throughput(report):
 
 
 def test_loss_spanning_decades_gets_a_log_axis():
-    from ddpflow.plots import per_epoch_figure
+    from ddpflow.report.plots import per_epoch_figure
 
     wide = {"a": [(1, 2.3), (2, 0.4), (3, 0.02)]}
     narrow = {"a": [(1, 2.3), (2, 1.4), (3, 0.9)]}
@@ -307,7 +307,7 @@ def test_loss_spanning_decades_gets_a_log_axis():
 
 
 def test_throughput_of_one_run_is_one_labelled_bar():
-    from ddpflow.plots import plot_throughput
+    from ddpflow.report.plots import plot_throughput
 
     one = matplotlib.image.imread(io.BytesIO(plot_throughput(["cnn"], [5017.0])))
     many = plot_throughput([f"r{i}" for i in range(8)], [1000.0 * (i + 1) for i in range(8)])
@@ -341,7 +341,7 @@ def test_a_run_continued_at_another_world_size_lists_its_segments(tmp_path):
 def test_the_provenance_says_what_staging_upscaled_or_skipped():
     """An image folder's line names corrupt, ignored and small images; a plug-in's has only
     the small ones; a manifest staged before data.on_small existed has none of its keys."""
-    from ddpflow.render import _dataset_line
+    from ddpflow.report.render import _dataset_line
 
     folder = {"skipped_corrupt": 1, "skipped_files": ["x.png"], "ignored_files": 2}
     small = {"on_small": "upscale", "image_size": [32, 48], "upscaled_small": 12,

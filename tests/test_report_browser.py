@@ -19,9 +19,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from ddpflow import outcome
 from ddpflow.paths import work_dir
-from ddpflow.report import build_report
+from ddpflow.report import outcome
+from ddpflow.report.build import build_report
 from test_report import _three_runs
 
 CHROMIUM = next(

@@ -17,8 +17,8 @@ import io
 
 import pytest
 import torch
-from ddpflow.loop import Loop, fit
-from ddpflow.models import build_model, place
+from ddpflow.training.loop import Loop, fit
+from ddpflow.training.models import build_model, place
 from distributed_helpers import make_data, run_group
 from workflow_helpers import make_run
 

@@ -16,8 +16,8 @@ import submitit
 import torch
 from ddpflow import config as ddpconfig
 from ddpflow import runtime
-from ddpflow.distenv import discover
-from ddpflow.launch import clean_slurm_environment, make_executor, slurm_parameters
+from ddpflow.cluster.distenv import discover
+from ddpflow.cluster.launch import clean_slurm_environment, make_executor, slurm_parameters
 from submitit.slurm.slurm import _make_sbatch_string
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "sbatch_4x8gpu.sh"

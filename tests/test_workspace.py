@@ -1,5 +1,6 @@
 """Which keys retrain a run, and what the train rule does with a run's work folder before
-and after training (ddpflow.config fingerprints, ddpflow.workspace). Real files, no mocks."""
+and after training (ddpflow.config fingerprints, ddpflow.training.workspace). Real files,
+no mocks."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 
 import pytest
 from ddpflow import config as ddpconfig
-from ddpflow import workspace
+from ddpflow.training import workspace
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ddpflow.checkpoint import Checkpointer
-from ddpflow.loop import Loop, fit
-from ddpflow.models import build_model, mlp, place
+from ddpflow.training.checkpoint import Checkpointer
+from ddpflow.training.loop import Loop, fit
+from ddpflow.training.models import build_model, mlp, place
 from distributed_helpers import make_data, run_group
 from torch import nn
 from workflow_helpers import make_run

@@ -5,16 +5,17 @@ What it takes from ddpflow (so that the job is identical, not a copy that could 
 
 * the settings: the first run of the shipped config/config.yaml, schema defaults filled in
   (the harness, bench/end_to_end.py, passes it as JSON; without it the script loads the config);
-* the data: scikit-learn's digits split by ddpflow.data.make_splits (stratified, seeded:
+* the data: scikit-learn's digits split by ddpflow.data.staged.make_splits (stratified, seeded:
   the same train/val/test samples as the stage rule) and standardised with the train split's
-  per-channel mean/std (ddpflow.data.channel_stats, ddpflow.evaluate.normalize);
-* the model: ddpflow.models.build_model (the CNN), initialised after torch.manual_seed(seed);
+  per-channel mean/std (ddpflow.data.staged.channel_stats, ddpflow.training.evaluate.normalize);
+* the model: ddpflow.training.models.build_model (the CNN), initialised after
+  torch.manual_seed(seed);
 * the batch: train.micro_batch_size per rank at the job's world size, one micro-batch per
   rank and step, so the global batch is train.global_batch_size (check_job refuses a job
   that would need gradient accumulation); the loaders drop each rank's short last batch, so
   an epoch is ddpflow's floor(train samples / global batch) full steps;
-* the lr: ddpflow.loop.effective_lr (linear scaling with the global batch) and
-  ddpflow.loop.lr_schedule (linear warmup, then cosine, per optimizer step).
+* the lr: ddpflow.training.loop.effective_lr (linear scaling with the global batch) and
+  ddpflow.training.loop.lr_schedule (linear warmup, then cosine, per optimizer step).
 
 What the scripts write themselves, as their users would: the loop, the optimizer (plain
 torch.optim.SGD, not ddpflow's fused kernel), samplers, validation and the test accuracy.
@@ -77,9 +78,9 @@ def world_size(job: dict) -> int:
 
 def load_splits(job: dict) -> dict:
     """{split: (float images standardised, int64 labels)} for train, val and test."""
-    from ddpflow.data import channel_stats, make_splits
-    from ddpflow.evaluate import normalize
-    from ddpflow.sources import load_digits
+    from ddpflow.data.sources import load_digits
+    from ddpflow.data.staged import channel_stats, make_splits
+    from ddpflow.training.evaluate import normalize
 
     splits = make_splits(load_digits(), job["data"], job["data"]["seed"])
     mean, std = channel_stats(splits["train"][0])
@@ -92,7 +93,7 @@ def load_splits(job: dict) -> dict:
 
 
 def build(job: dict, images: torch.Tensor) -> torch.nn.Module:
-    from ddpflow.models import build_model
+    from ddpflow.training.models import build_model
 
     torch.manual_seed(job["train"]["seed"])  # same initial weights on every rank
     return build_model(job["model"], list(images.shape[1:]), NUM_CLASSES)
@@ -100,7 +101,7 @@ def build(job: dict, images: torch.Tensor) -> torch.nn.Module:
 
 def optimizer_and_schedule(job: dict, params, steps_per_epoch: int):
     """SGD at ddpflow's effective lr and the LambdaLR to step after every optimizer step."""
-    from ddpflow.loop import effective_lr
+    from ddpflow.training.loop import effective_lr
 
     lr = effective_lr(job["train"])
     return sgd_schedule(job["train"], params, lr, steps_per_epoch)
@@ -109,7 +110,7 @@ def optimizer_and_schedule(job: dict, params, steps_per_epoch: int):
 def sgd_schedule(train: dict, params, lr: float, steps_per_epoch: int):
     """Plain torch.optim.SGD (as a script writes it; ddpflow uses the fused kernel) and
     ddpflow's warmup + cosine multiplier per optimizer step (also bench/lightning_loop.py)."""
-    from ddpflow.loop import lr_schedule
+    from ddpflow.training.loop import lr_schedule
 
     opt = train["optimizer"]
     optimizer = torch.optim.SGD(

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 def accuracy(model, images, labels, batch: int, rank: int, world: int) -> tuple[float, int]:
     """Exact: each rank scores its own contiguous, unpadded shard; one all_reduce of counts."""
-    from ddpflow.evaluate import shard_bounds
+    from ddpflow.training.evaluate import shard_bounds
 
     start, stop = shard_bounds(len(labels), world, rank)
     model.eval()

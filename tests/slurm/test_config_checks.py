@@ -1,4 +1,4 @@
-"""ddpflow.slurm_checks: a machine section the cluster cannot run fails before anything is queued.
+"""ddpflow.config.slurm: a machine section the cluster cannot run fails before anything is queued.
 
 Two kinds of tests live here:
 - unit tests of the parsers and checks on captured `scontrol` / `sacctmgr` text
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 from ddpflow import config as ddpconfig
-from ddpflow import slurm_checks as sc
-from ddpflow import slurm_parse as sp
+from ddpflow.cluster import slurm_parse as sp
 from ddpflow.config import ConfigError
+from ddpflow.config import slurm as sc
 
 CAPTURED = Path(__file__).resolve().parents[1] / "golden" / "slurm"
 
@@ -249,7 +249,7 @@ def test_check_runs_through_the_commands(tmp_path, monkeypatch):
 def test_missing_accounting_only_warns(tmp_path, monkeypatch, caplog):
     fake_slurm_tools(tmp_path / "bin", "testbed", sacctmgr=False)
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
-    with caplog.at_level(logging.WARNING, logger="ddpflow.slurm_checks"):
+    with caplog.at_level(logging.WARNING, logger="ddpflow.config.slurm"):
         sc.check_runs_against_cluster(runs_for({"account": "anything"}))
     assert "accounting not available" in caplog.text
 

@@ -8,7 +8,7 @@
 RUN is a run name of the config (default: its first run); --config picks the file
 (default config/config.yaml). Write the run as a positional argument under torchrun: torchrun
 reads `--run` as an abbreviation of its own --run-path and stops. Every rank runs this module;
-the rank comes from the launcher's environment (ddpflow.distenv.discover).
+the rank comes from the launcher's environment (ddpflow.cluster.distenv.discover).
 scripts/sbatch_train.sh is a ready batch script.
 """
 
@@ -18,11 +18,11 @@ import argparse
 import json
 import sys
 
-from . import config as ddpconfig
-from . import pipeline
-from .data import DataError, verify_staged
-from .paths import REPORT_FILES, RunPaths, report_dir
-from .tasks import EvalTask, TrainTask
+from ddpflow import config as ddpconfig
+from ddpflow import pipeline
+from ddpflow.data.staged import DataError, verify_staged
+from ddpflow.paths import REPORT_FILES, RunPaths, report_dir
+from ddpflow.training.tasks import EvalTask, TrainTask
 
 COMMANDS = {
     "stage": "stage the run's dataset into results/staged (one process; verified, atomic)",

@@ -1,48 +1,11 @@
-"""What submitit pickles and each rank runs: a light reference to a ddpflow.tasks task.
+"""Shim for one release: jobs submitted before the package moved by concern.
 
-The rule that submits a job runs on the login node (or this machine) and only waits for it;
-pickling ddpflow.tasks' classes there would import torch in that process too (about 2 s per
-rule, for nothing). These callables name the task instead and import it on the rank.
-
-    executor.submit(TrainJob(run, paths))   # the rank runs ddpflow.tasks.TrainTask(run, paths)
+submitit pickles the submitted callable by reference, as ``ddpflow.jobs.TrainJob`` (or
+``EvalJob``) in the layout before ``ddpflow.cluster.jobs``. A job queued or requeued before the
+upgrade unpickles on its nodes after it, so the old name must still resolve: it does, to the
+same classes. Remove in the release after next (tests/test_package_layout.py checks it).
 """
 
-from __future__ import annotations
+from ddpflow.cluster.jobs import EvalJob, TrainJob
 
-from .paths import RunPaths
-
-
-class _RankJob:
-    task_name = ""
-
-    def __init__(self, run: dict, paths: RunPaths):
-        self.run, self.paths = run, paths
-
-    def __call__(self) -> dict:
-        from . import tasks
-
-        return getattr(tasks, self.task_name)(self.run, self.paths)()
-
-
-class TrainJob(_RankJob):
-    """ddpflow.tasks.TrainTask on each rank; requeued by submitit on a time limit or
-    preemption (checkpoint(): the same job again, which resumes from its checkpoint)."""
-
-    task_name = "TrainTask"
-
-    def checkpoint(self, *args, **kwargs):
-        from submitit.helpers import DelayedSubmission
-
-        return DelayedSubmission(self, *args, **kwargs)
-
-
-class EvalJob(_RankJob):
-    """ddpflow.tasks.EvalTask on each rank."""
-
-    task_name = "EvalTask"
-
-
-def published(record: dict) -> dict:
-    """What the evaluate rule logs of an eval_metrics.json record."""
-    keys = ("run", "split", "accuracy", "correct", "samples_evaluated", "test_size")
-    return {k: record[k] for k in keys}
+__all__ = ["EvalJob", "TrainJob"]

@@ -1,7 +1,7 @@
 """Where a run's files live: the one place that names them.
 
 The rules (workflow/rules/*.smk) declare these paths as outputs, the ranks write them
-(ddpflow.tasks), the report reads them; all take the names from here. Importing this module
+(ddpflow.training.tasks), the report reads them; all take the names from here. Importing this module
 imports no torch: the Snakefile reads it at parse time.
 """
 
@@ -32,9 +32,9 @@ SET_ASIDE_PREFIX = "checkpoints.old-"
 FINGERPRINT = "fingerprint.json"  # the config the checkpoints belong to
 FINISHED = "finished.json"  # written once a training's outputs are published
 EVAL_FROM_TRAIN = "eval_from_train.json"  # the training job's evaluation, until published
-FAILED = "failed.json"  # why the run's last train/evaluate rule failed (ddpflow.outcome)
+FAILED = "failed.json"  # why the run's last train/evaluate rule failed (ddpflow.report.outcome)
 LIVE_METRICS = "metrics.jsonl"  # rank 0's epoch lines while it trains (progress, resume)
-# results/work/ itself: nodes that failed under the workflow's Slurm jobs (ddpflow.nodes);
+# results/work/ itself: nodes that failed under the workflow's Slurm jobs (ddpflow.cluster.nodes);
 # a run name cannot collide with it in practice, and clean_work only looks at folders
 BAD_NODES = "bad_nodes.json"
 

@@ -1,7 +1,8 @@
 """What each workflow rule does on the machine Snakemake runs on (the login node): one
 function per rule, called by its thin adapter scripts/<rule>.py. train_run and evaluate_run
-submit the run's job (one submitit task per rank: ddpflow.tasks) and wait for it; the ranks
-themselves run ddpflow.tasks -> ddpflow.loop (training) or ddpflow.evaluate (scoring)."""
+submit the run's job (one submitit task per rank: ddpflow.training.tasks) and wait for it;
+the ranks themselves run ddpflow.training.tasks -> ddpflow.training.loop (training) or
+ddpflow.training.evaluate (scoring)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import math
 import time
 from pathlib import Path
 
-from . import data, launch, nodes, outcome, placement, runtime, workspace
-from .config import (
+from ddpflow import runtime
+from ddpflow.cluster import launch, nodes, placement
+from ddpflow.cluster.jobs import EvalJob, TrainJob
+from ddpflow.config import (
     BUILT_IN_MODELS,
     check_batch_fits,
     config_hash,
@@ -20,10 +23,13 @@ from .config import (
     training_fingerprint,
     uses_channels_last,
 )
-from .errors import UserError
-from .jobs import EvalJob, TrainJob, published
-from .paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
-from .rankstats import stragglers
+from ddpflow.data import staged as data
+from ddpflow.errors import UserError
+from ddpflow.monitoring.rankstats import stragglers
+from ddpflow.paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
+from ddpflow.report import outcome
+from ddpflow.training import workspace
+from ddpflow.training.records import published
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +123,7 @@ class EpochProgress:
 
 
 def _placed(run: dict, paths: RunPaths, stage_name: str) -> tuple[dict, tuple[str, ...]]:
-    """The run as its Slurm job runs it (machine.nodes may be fewer: ddpflow.placement) and
+    """The run as its Slurm job runs it (machine.nodes may be fewer: ddpflow.cluster.placement) and
     the nodes the job avoids; a job an earlier attempt left running keeps its placement."""
     if run["launcher"] != "slurm":
         return run, ()
@@ -170,7 +176,7 @@ def _check_user_model(run: dict, manifest: dict) -> None:
     is queued (built-in models need no check, and this process no torch import for them)."""
     if run["model"]["name"] in BUILT_IN_MODELS:  # not models.BUILT_IN: that imports torch
         return
-    from .models import check_model
+    from ddpflow.training.models import check_model
 
     parameters = check_model(run["model"], manifest["shape"], manifest["num_classes"],
                              uses_channels_last(run))  # fmt: skip
@@ -303,7 +309,7 @@ def build_report(
         {"name": name, "train_metrics": train, "eval_metrics": evaluation}
         for name, train, evaluation in zip(run_names, train_metrics, eval_metrics, strict=True)
     ]
-    from .report import build_report  # matplotlib: only the report rule needs it
+    from ddpflow.report.build import build_report  # matplotlib: only the report rule needs it
 
     bad_nodes = nodes.read_ledger(ledger) if ledger else []
     if bad_nodes:
@@ -312,7 +318,7 @@ def build_report(
 
 
 def clean_work(work_root: str) -> list[str]:
-    """Every run folder under results/work/: see ddpflow.workspace.clean. The bad-node
+    """Every run folder under results/work/: see ddpflow.training.workspace.clean. The bad-node
     ledger beside them stays (snakemake clean_bad_nodes clears it)."""
     removed: list[str] = []
     for work in sorted(p for p in Path(work_root).glob("*") if p.is_dir()):
@@ -322,7 +328,7 @@ def clean_work(work_root: str) -> list[str]:
 
 
 def clean_bad_nodes(ledger: str) -> list[dict]:
-    """Empty the bad-node ledger (ddpflow.nodes): its nodes were repaired."""
+    """Empty the bad-node ledger (ddpflow.cluster.nodes): its nodes were repaired."""
     removed = nodes.clear_ledger(ledger)
     log.info("clean_bad_nodes: %s%s", f"forgot {len(removed)} node(s) of {ledger}" if removed
              else f"no bad nodes recorded ({ledger})",
@@ -334,7 +340,7 @@ def run_rule(function, log_file: str | None, *args, failures: tuple[str, str] | 
     """Run one rule's function with logging to the rule's log file and stderr; a failure is
     logged there too (Snakemake shows the log of a failed rule) and exits non-zero.
     failures=(work folder, stage): a failure is also recorded there for the report of the
-    other runs (ddpflow.outcome); a start clears the last one."""
+    other runs (ddpflow.report.outcome); a start clears the last one."""
     runtime.setup_logging()
     if log_file:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ import importlib
 import os
 import sys
 
-from .errors import UserError
+from ddpflow.errors import UserError
 
 
 def is_plugin(name: str) -> bool:

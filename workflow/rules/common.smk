@@ -24,7 +24,7 @@ RUNS = {run["name"]: run for run in resolved}
 # Against the real cluster too (partition, account, nodes, GPUs, time limit), before anything
 # is queued. Only in the main process: jobs re-read this file where sacctmgr may be missing.
 if config["launcher"] == "slurm" and workflow.is_main_process:
-    from ddpflow.slurm_checks import check_runs_against_cluster
+    from ddpflow.config.slurm import check_runs_against_cluster
 
     try:
         check_runs_against_cluster(list(RUNS.values()))

@@ -1,0 +1,127 @@
+"""The package's shape: a job pickled by the previous layout still runs, every module imports,
+no import circles, and the folders name the layers (issue: the package by concern).
+
+The golden pickles in tests/golden/jobs/ were written by the layout before the move (commit
+5361b0f, `ddpflow.jobs.TrainJob` / `EvalJob`) with submitit's own pickler, as
+`executor.submit` writes `<job id>_submitted.pkl`; the paths inside are relative
+(results/...), so the test runs them in a temporary folder.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import pkgutil
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import ddpflow
+import pytest
+from ddpflow import pipeline
+from ddpflow.cluster import jobs
+from submitit.core.utils import DelayedSubmission, pickle_load
+
+GOLDEN = Path(__file__).parent / "golden" / "jobs"
+PACKAGE = Path(ddpflow.__file__).parent
+LAYERS = {"cluster", "config", "data", "monitoring", "report", "training", "tutorial"}
+
+
+def _node_side(folder: Path, job_id: str, cwd: Path) -> subprocess.CompletedProcess:
+    """What a node runs for a submitit job: `python -m submitit.core._submit <folder>`, one
+    task, with the local executor's environment (no SLURM_* variables)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+    env.update(
+        SUBMITIT_EXECUTOR="local", SUBMITIT_LOCAL_JOB_ID=job_id, SUBMITIT_LOCAL_NTASKS="1",
+        SUBMITIT_LOCAL_GLOBALID="0", SUBMITIT_LOCAL_LOCALID="0", SUBMITIT_LOCAL_NODEID="0",
+        SUBMITIT_LOCAL_JOB_NUM_NODES="1", SUBMITIT_STDERR_TO_STDOUT="",
+    )  # fmt: skip
+    command = [sys.executable, "-u", "-m", "submitit.core._submit", str(folder)]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_old_pickles_resolve_to_the_moved_classes():
+    for name, cls in (("train", jobs.TrainJob), ("eval", jobs.EvalJob)):
+        delayed = DelayedSubmission.load(GOLDEN / f"{name}_submitted.pkl")
+        assert type(delayed.function) is cls, type(delayed.function)
+    # a requeue (checkpoint()) pickles the moved class again: the same job, resubmitted
+    train = DelayedSubmission.load(GOLDEN / "train_submitted.pkl").function
+    again = train.checkpoint()
+    assert isinstance(again, DelayedSubmission) and again.function is train
+
+
+@pytest.mark.e2e
+def test_a_job_submitted_before_the_move_runs_and_its_result_is_read(tmp_path):
+    delayed = DelayedSubmission.load(GOLDEN / "train_submitted.pkl")
+    run, paths = delayed.function.run, delayed.function.paths
+    os.chdir(tmp_path)  # the pickled paths are relative: results/...
+    try:
+        pipeline.stage_data(run["data"], paths.staged)
+    finally:
+        os.chdir(Path(__file__).parent.parent)
+    folder = tmp_path / "logs" / "submitit"
+    folder.mkdir(parents=True)
+    shutil.copy(GOLDEN / "train_submitted.pkl", folder / "4242_submitted.pkl")
+
+    done = _node_side(folder, "4242", tmp_path)
+
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    status, summary = pickle_load(folder / "4242_0_result.pkl")
+    assert status == "success", summary
+    assert summary["run"] == run["name"] == "default"
+    assert summary["epochs"] == 1 and summary["world_size"] == 1
+    assert (tmp_path / paths.model).is_file()
+
+
+def _modules():
+    return [m.name for m in pkgutil.walk_packages([str(PACKAGE)], "ddpflow.")]
+
+
+def test_every_module_imports():
+    for name in _modules():
+        importlib.import_module(name)
+
+
+def _imports_of(path: Path) -> set[str]:
+    """ddpflow modules a file imports at module level or in functions (absolute imports)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ddpflow"):
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("ddpflow"))
+    return found
+
+
+def test_no_import_circles():
+    modules = set(_modules())
+    graph = {}
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        graph[name] = {m for m in _imports_of(Path(spec.origin)) if m in modules and m != name}
+        graph[name] -= {p for p in graph[name] if name.startswith(p + ".")}  # own packages
+    circles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                circles.append(stack[stack.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def test_the_folders_name_the_layers():
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert folders == LAYERS
+    for layer in LAYERS:
+        assert ast.get_docstring(ast.parse((PACKAGE / layer / "__init__.py").read_text()))

@@ -1,0 +1,232 @@
+"""Rank discovery and process-group set-up: one function for every launcher.
+
+The same training code runs under:
+  srun python -m ddpflow train ...            SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / ...
+  torchrun --nproc-per-node 2 -m ddpflow ...   RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / ...
+  submitit (Slurm executor)                    srun underneath, so the SLURM_* variables
+  submitit (local executor)                    SUBMITIT_LOCAL_* variables
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddpflow.runtime import atomic_write_bytes
+
+log = logging.getLogger(__name__)
+
+PORT_BASE, PORT_SPAN = 20000, 20000
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    master_addr: str
+    master_port: int
+    job_id: str
+    launcher: str  # slurm | torchrun | submitit-local | single
+    restart_count: int = 0
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+
+def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Turn the launcher's environment variables into a DistEnv (no side effects)."""
+    env = os.environ if environ is None else environ
+    if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "LOCAL_RANK" in env):
+        return _from_torchrun(env)
+    if env.get("SUBMITIT_EXECUTOR") == "local" and "SUBMITIT_LOCAL_GLOBALID" in env:
+        return _from_submitit_local(env)
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return _from_slurm(env)
+    return DistEnv(0, 1, 0, 1, 0, 1, "127.0.0.1", int(env.get("MASTER_PORT", 29500)), "0", "single")
+
+
+def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
+    world = int(env["WORLD_SIZE"])
+    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    return DistEnv(
+        rank=int(env["RANK"]),
+        world_size=world,
+        local_rank=int(env["LOCAL_RANK"]),
+        local_world_size=local_world,
+        node_rank=int(env.get("GROUP_RANK", int(env["RANK"]) // local_world)),
+        num_nodes=max(1, world // local_world),
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=int(env.get("MASTER_PORT", 29500)),
+        job_id=env.get("TORCHELASTIC_RUN_ID", "torchrun"),
+        launcher="torchrun",
+        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+    )
+
+
+def _from_submitit_local(env: Mapping[str, str]) -> DistEnv:
+    world = int(env["SUBMITIT_LOCAL_NTASKS"])
+    job_id = env.get("SUBMITIT_LOCAL_JOB_ID", "0")
+    return DistEnv(
+        rank=int(env["SUBMITIT_LOCAL_GLOBALID"]),
+        world_size=world,
+        local_rank=int(env["SUBMITIT_LOCAL_LOCALID"]),
+        local_world_size=world,
+        node_rank=0,
+        num_nodes=1,
+        master_addr="127.0.0.1",
+        master_port=int(env.get("MASTER_PORT", derive_port(job_id))),
+        job_id=job_id,
+        launcher="submitit-local",
+    )
+
+
+def _from_slurm(env: Mapping[str, str]) -> DistEnv:
+    world = int(env["SLURM_NTASKS"])
+    nodes = expand_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
+    num_nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or len(nodes) or 1)
+    job_id = env.get("SLURM_JOB_ID", "0")
+    return DistEnv(
+        rank=int(env["SLURM_PROCID"]),
+        world_size=world,
+        local_rank=int(env.get("SLURM_LOCALID", 0)),
+        local_world_size=_tasks_on_this_node(env, world, num_nodes),
+        node_rank=int(env.get("SLURM_NODEID", 0)),
+        num_nodes=num_nodes,
+        master_addr=env.get("MASTER_ADDR") or (nodes[0] if nodes else "127.0.0.1"),
+        master_port=int(env.get("MASTER_PORT") or derive_port(job_id)),
+        job_id=job_id,
+        launcher="slurm",
+        restart_count=int(env.get("SLURM_RESTART_COUNT", 0)),
+    )
+
+
+def _tasks_on_this_node(env: Mapping[str, str], world: int, num_nodes: int) -> int:
+    # SLURM_TASKS_PER_NODE looks like "2(x3),1"; the node's own count is SLURM_NTASKS_PER_NODE
+    # when given, else the even share (what ddpflow always requests).
+    if env.get("SLURM_NTASKS_PER_NODE"):
+        return int(env["SLURM_NTASKS_PER_NODE"])
+    return max(1, world // max(1, num_nodes))
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand Slurm's compressed host list: 'gpu[01-03,07],x1' -> gpu01 gpu02 gpu03 gpu07 x1."""
+    hosts: list[str] = []
+    for item in _split_top_level(nodelist.strip()):
+        hosts.extend(_expand_one(item))
+    return hosts
+
+
+def _split_top_level(text: str) -> list[str]:
+    items, depth, current = [], 0, ""
+    for char in text:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += char
+    return [item for item in [*items, current] if item]
+
+
+def _expand_one(item: str) -> list[str]:
+    match = re.search(r"\[([^\]]*)\]", item)
+    if not match:
+        return [item]
+    head, tail = item[: match.start()], item[match.end() :]
+    out = []
+    for part in match.group(1).split(","):
+        lo, _, hi = part.partition("-")
+        width = len(lo)  # keep zero padding: gpu[01-03] -> gpu01
+        for number in range(int(lo), int(hi or lo) + 1):
+            out.extend(_expand_one(f"{head}{number:0{width}d}{tail}"))
+    return out
+
+
+def derive_port(job_id: str) -> int:
+    """A port from the job id: two jobs sharing a node get different ports unless their ids
+    differ by a multiple of PORT_SPAN. `init_process_group` avoids even that when a shared
+    rendezvous directory is given (rank 0 binds a free port and publishes it)."""
+    digits = re.sub(r"\D", "", str(job_id)) or "0"
+    return PORT_BASE + int(digits) % PORT_SPAN
+
+
+def init_process_group(
+    env: DistEnv, backend: str, timeout_s: float, rendezvous_dir: str | Path | None = None
+) -> None:
+    """Initialise torch.distributed for `env` (no-op for world size 1)."""
+    import torch.distributed as dist
+
+    if env.world_size == 1 or dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = _make_store(env, timeout, rendezvous_dir)
+    dist.init_process_group(
+        backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
+    )
+    log.info(
+        "process group up: backend=%s world=%d master=%s", backend, env.world_size, env.master_addr
+    )
+
+
+def _make_store(env: DistEnv, timeout: datetime.timedelta, rendezvous_dir):
+    import torch.distributed as dist
+
+    if rendezvous_dir is None:
+        return dist.TCPStore(
+            env.master_addr, env.master_port, env.world_size, env.is_master, timeout=timeout
+        )
+    # Rank 0 lets the OS pick a free port and publishes it in the shared job folder: two jobs
+    # on one node can never collide, and a requeued attempt gets its own file.
+    port_file = Path(rendezvous_dir) / f"rendezvous-{env.job_id}-{env.restart_count}.port"
+    if env.is_master:
+        store = dist.TCPStore(
+            "0.0.0.0", 0, env.world_size, True, timeout=timeout, wait_for_workers=False
+        )
+        atomic_write_bytes(port_file, f"{socket.gethostname()} {store.port}\n".encode())
+        return store
+    port = _wait_for_port(port_file, timeout.total_seconds())
+    return dist.TCPStore(env.master_addr, port, env.world_size, False, timeout=timeout)
+
+
+def _wait_for_port(port_file: Path, timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if port_file.exists():
+            return int(port_file.read_text().split()[1])
+        time.sleep(0.05)
+    raise TimeoutError(f"rank 0 did not publish its port in {port_file} within {timeout_s:.0f}s")
+
+
+def barrier(env: DistEnv) -> None:
+    """Wait for every rank (nothing to wait for in a single-process run)."""
+    if env.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def any_rank(world_size: int, flag: bool) -> bool:
+    """True on every rank if `flag` is true on any (a MAX all-reduce; world 1: the flag).
+    Every rank must call it at the same point: it is a collective."""
+    if world_size == 1:
+        return flag
+    import torch
+    import torch.distributed as dist
+
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())

@@ -1,0 +1,78 @@
+"""Stopping Snakemake stops ddpflow's jobs: its signals are forwarded to the running rules.
+
+Snakemake runs every ddpflow rule as a local `script:` process and, when it is stopped, does
+not signal them: SIGINT (to Snakemake alone, e.g. `kill -INT`) and SIGTERM both make it wait
+for the running jobs, so a training or evaluation runs on to its end (hours, on a cluster).
+Ctrl-C in a terminal reaches the rule processes only because they share its process group.
+`forward_stop_signals()`, called from the workflow's `onstart` hook (after Snakemake set its
+own handlers), adds one step in front of Snakemake's handlers: send SIGTERM to the running
+rule scripts, which cancel their local or Slurm job (ddpflow.cluster.launch) and exit; then
+Snakemake handles the signal as always. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from pathlib import Path
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+SCRIPT_MARK = "/.snakemake/scripts/"
+
+
+def _children_map() -> dict[int, list[int]]:
+    """parent PID -> child PIDs, from /proc/<pid>/stat (Linux)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # the command name (field 2) may hold spaces and parentheses: split after it
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    return children
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace")
+
+
+def rule_scripts(root: int | None = None) -> list[int]:
+    """PIDs of the rule scripts Snakemake runs (`python .snakemake/scripts/tmpXXXX.train.py`),
+    found among the descendants of `root` (this process); their own children are not
+    searched (the ranks are the launcher's to stop)."""
+    children = _children_map()
+    found, stack = [], list(children.get(root or os.getpid(), []))
+    while stack:
+        pid = stack.pop()
+        if SCRIPT_MARK in _cmdline(pid):
+            found.append(pid)
+        else:
+            stack += children.get(pid, [])  # the shell Snakemake starts the script through
+    return found
+
+
+def forward_stop_signals() -> None:
+    """In front of the current handlers of SIGINT, SIGTERM and SIGHUP: SIGTERM to the running
+    rule scripts, then the previous handler. Main thread only (as every signal handler)."""
+    for signum in STOP_SIGNALS:
+        previous = signal.getsignal(signum)
+
+        def handler(num, frame, previous=previous):
+            for pid in rule_scripts():
+                with contextlib.suppress(OSError):  # ended meanwhile
+                    os.kill(pid, signal.SIGTERM)
+            if callable(previous):
+                previous(num, frame)
+            elif previous == signal.SIG_DFL:
+                if num == signal.SIGINT:
+                    raise KeyboardInterrupt
+                signal.signal(num, signal.SIG_DFL)
+                os.kill(os.getpid(), num)
+
+        signal.signal(signum, handler)

@@ -1,0 +1,43 @@
+"""What submitit pickles and each rank runs: a light reference to a ddpflow.training.tasks task.
+
+The rule that submits a job runs on the login node (or this machine) and only waits for it;
+pickling ddpflow.training.tasks' classes there would import torch in that process too (about 2 s per
+rule, for nothing). These callables name the task instead and import it on the rank.
+
+    # the rank runs ddpflow.training.tasks.TrainTask(run, paths):
+    executor.submit(TrainJob(run, paths))
+"""
+
+from __future__ import annotations
+
+from ddpflow.paths import RunPaths
+
+
+class _RankJob:
+    task_name = ""
+
+    def __init__(self, run: dict, paths: RunPaths):
+        self.run, self.paths = run, paths
+
+    def __call__(self) -> dict:
+        from ddpflow.training import tasks
+
+        return getattr(tasks, self.task_name)(self.run, self.paths)()
+
+
+class TrainJob(_RankJob):
+    """ddpflow.training.tasks.TrainTask on each rank; requeued by submitit on a time limit or
+    preemption (checkpoint(): the same job again, which resumes from its checkpoint)."""
+
+    task_name = "TrainTask"
+
+    def checkpoint(self, *args, **kwargs):
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(self, *args, **kwargs)
+
+
+class EvalJob(_RankJob):
+    """ddpflow.training.tasks.EvalTask on each rank."""
+
+    task_name = "EvalTask"

@@ -1,0 +1,380 @@
+"""Submit a distributed task through submitit (local processes or Slurm) and wait for it.
+
+The train and evaluate rules are Snakemake local rules that call `launch()`: one submitit job
+with one task per rank. A failure becomes a LaunchError carrying the failing ranks' last log
+lines; Ctrl-C / SIGTERM cancels the job so nothing is orphaned on the cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import submitit
+
+from ddpflow.cluster import failures, nodes
+from ddpflow.config import memory_mb, ranks_per_node, world_size
+from ddpflow.errors import UserError
+from ddpflow.runtime import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+
+class LaunchError(UserError, RuntimeError):
+    """A distributed job failed; the message names the ranks and shows their log tails."""
+
+
+class NodeLost(LaunchError):
+    """Slurm requeued the job after a node failure; the job was cancelled."""
+
+
+def slurm_parameters(machine: dict, job_name: str, exclude=()) -> dict:
+    """submitit SlurmExecutor parameters for a run's `machine` section; exclude: nodes the
+    job must not run on (the bad-node ledger's, ddpflow.cluster.placement), added to any
+    `exclude` of machine.sbatch_extra."""
+    cpus = machine["cpus_per_task"]
+    extra = dict(machine["sbatch_extra"])
+    if exclude:
+        extra["exclude"] = ",".join(filter(None, [extra.get("exclude"), *exclude]))
+    params = {
+        "job_name": job_name,
+        "nodes": machine["nodes"],
+        "ntasks_per_node": ranks_per_node(machine),
+        "cpus_per_task": cpus,
+        "mem": f"{memory_mb(machine)}M",
+        "time": machine["time_min"],
+        "partition": machine["partition"],
+        "signal_delay_s": 120,
+        # Slurm >= 22.05: srun no longer inherits --cpus-per-task from the allocation, and
+        # one dead rank must end the step instead of leaving the others blocked.
+        "srun_args": [f"--cpus-per-task={cpus}", "--kill-on-bad-exit=1"],
+        "setup": list(machine["setup"]),
+        "additional_parameters": extra,
+        "stderr_to_stdout": False,
+    }
+    if machine["gpus_per_node"]:
+        params["gpus_per_node"] = machine["gpus_per_node"]
+    for key in ("account", "qos", "constraint"):
+        if machine[key]:
+            params[key] = machine[key]
+    return params
+
+
+def make_executor(
+    launcher: str,
+    machine: dict,
+    folder: str | Path,
+    job_name: str,
+    max_requeues: int = 3,
+    exclude=(),
+):
+    if launcher == "local":
+        executor = submitit.LocalExecutor(folder=str(folder))
+        executor.update_parameters(
+            nodes=1,
+            tasks_per_node=ranks_per_node(machine),
+            gpus_per_node=machine["gpus_per_node"],
+            timeout_min=machine["time_min"],
+        )
+        return executor
+    # max_num_timeout: requeues after hitting the time limit (preemptions are not counted)
+    executor = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=max_requeues)
+    executor.update_parameters(**slurm_parameters(machine, job_name, exclude))
+    return executor
+
+
+@contextlib.contextmanager
+def clean_slurm_environment():
+    """Hide an outer allocation's variables while submitting: sbatch and srun read SLURM_*
+    (SLURM_MEM_PER_CPU, SLURM_NTASKS, ...) and a nested job would inherit the wrong shape;
+    MASTER_*/RANK/WORLD_SIZE and SUBMITIT_* would mislead the new job's rank discovery.
+    submitit.helpers.clean_env hides all of those (SLURM_, SLURMD_, SRUN_, SBATCH_, SUBMITIT_,
+    the torch.distributed names); salloc's SALLOC_* it misses are passed by name."""
+    salloc = [key for key in os.environ if key.startswith("SALLOC_")]
+    with submitit.helpers.clean_env(extra_names=salloc):
+        yield
+
+
+@contextlib.contextmanager
+def ignore_stop_signals():
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    """Snakemake stops a running rule with SIGTERM: treat it like Ctrl-C so we cancel the job."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def launch(
+    task,
+    launcher: str,
+    machine: dict,
+    folder: str | Path,
+    job_name: str,
+    record: str | Path | None = None,
+    fingerprint: str = "",
+    max_requeues: int = 3,
+    on_poll=None,
+    exclude=(),
+    ledger: str | Path | None = None,
+) -> list:
+    """Submit `task` with one process per rank (or reattach to the same job if a previous
+    Snakemake was stopped while it ran), wait, and return every rank's result. `on_poll()`
+    runs at every status poll while the job runs (live progress) and once at its end.
+    exclude: nodes the Slurm job must avoid. ledger: the bad-node ledger (ddpflow.cluster.nodes): a
+    Slurm job that fails, or is requeued, because of a node records the node there."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    cancel = launcher == "local" or machine["cancel_on_interrupt"]
+    job = None
+    try:
+        # SIGTERM (Snakemake, ddpflow.cluster.interrupts) or Ctrl-C from here on cancels the job
+        with terminate_as_interrupt():
+            job = reattach(record, launcher, folder, fingerprint, world_size(machine))
+            if job is None:
+                job = submit(
+                    task, launcher, machine, folder, job_name, record, fingerprint, max_requeues,
+                    exclude,
+                )  # fmt: skip
+            watch = None
+            if launcher == "slurm" and ledger is not None:
+                watch = nodes.NodeFailureWatch(job.job_id)
+            try:
+                # a poll stats result files (sacct is rate-limited by submitit itself)
+                poll_s = 0.2 if launcher == "local" else 2.0
+                results = wait(job, job_name, poll_s, on_poll=on_poll, watch=watch)
+            except LaunchError as err:
+                # the job ended and failed: a retry or rerun must submit a new one, not
+                # reattach to this one and read its failure again
+                if record:
+                    Path(record).unlink(missing_ok=True)
+                if watch is None:
+                    raise
+                _blame_nodes(err, job, ledger, getattr(task, "run", {}).get("name", job_name))
+    except KeyboardInterrupt:
+        if job is not None:
+            with ignore_stop_signals():  # a second Ctrl-C must not abandon the cancel
+                _interrupted(job, cancel)
+        raise
+    if record:
+        Path(record).unlink(missing_ok=True)
+    return results
+
+
+def _blame_nodes(err: LaunchError, job, ledger, run_name: str):
+    """Re-raise a Slurm job's failure, first naming the nodes it failed on (if any), which
+    are recorded in the bad-node ledger."""
+    lost_node = isinstance(err, NodeLost) or "DUE TO NODE FAILURE" in str(err)
+    try:
+        first = nodes.after_failure(job.job_id, ledger, run_name, lost_node, str(err))
+    except OSError as exc:  # the ledger could not be written: the job's failure still shows
+        log.error("could not record the failed node in %s: %s", ledger, exc)
+        first = ""
+    if first or lost_node:
+        nodes.cancel_requeued(job)
+    if not first:
+        raise err
+    raise LaunchError(f"{first}\n{err}") from err
+
+
+def submit(
+    task, launcher, machine, folder, job_name, record, fingerprint, max_requeues, exclude=()
+):
+    """Submit one job with one task per rank and record its id and placement (for a later
+    reattach)."""
+    executor = make_executor(launcher, machine, folder, job_name, max_requeues, exclude)
+    with clean_slurm_environment():
+        job = executor.submit(task)
+    log.info(
+        "submitted %s as %s job %s (%d ranks); logs in %s",
+        job_name,
+        launcher,
+        job.job_id,
+        job.num_tasks,
+        folder,
+    )
+    if record:
+        atomic_write_json(
+            record,
+            {
+                "job_id": job.job_id,
+                "launcher": launcher,
+                "folder": str(folder),
+                "fingerprint": fingerprint,
+                "num_tasks": job.num_tasks,
+                "nodes": machine["nodes"],
+                "exclude": list(exclude),
+                "submitted": time.time(),
+            },
+        )
+    return job
+
+
+def cancel_outdated(record, fingerprint: str, num_tasks: int | None = None) -> None:
+    """Cancel the Slurm job an earlier, stopped attempt left running (cancel_on_interrupt:
+    false) if it was submitted for another config (or rank count): its result is not wanted
+    any more, and it would keep writing into the run's work folder."""
+    previous = read_record(record)
+    if not previous or previous.get("launcher") != "slurm":
+        return
+    same = previous.get("fingerprint") == fingerprint and (
+        num_tasks is None or previous.get("num_tasks") == num_tasks
+    )
+    if same or not slurm_job_alive(previous["job_id"]):
+        return
+    log.warning(
+        "cancelling Slurm job %s: it was submitted for a config that has been edited since; "
+        "submitting a new one",
+        previous["job_id"],
+    )
+    folder = previous.get("folder")
+    cancel_and_wait(submitit.SlurmJob(folder=folder, job_id=previous["job_id"]))
+
+
+def reattach(record, launcher: str, folder, fingerprint: str, num_tasks: int):
+    """The job recorded by an earlier, interrupted attempt, if it is still alive (or finished
+    with results) and was submitted for the same config; never a second job for one run."""
+    previous = read_record(record) if record else None
+    if not previous or launcher != "slurm" or previous.get("launcher") != "slurm":
+        return None
+    if previous.get("fingerprint") != fingerprint or previous.get("num_tasks") != num_tasks:
+        # the config was edited while the job ran on (cancel_on_interrupt: false)
+        cancel_outdated(record, fingerprint, num_tasks)
+        return None
+    job = submitit.SlurmJob(folder=folder, job_id=previous["job_id"], tasks=range(num_tasks))
+    finished = all(job.task(i).paths.result_pickle.exists() for i in range(num_tasks))
+    if not (finished or slurm_job_alive(previous["job_id"])):
+        return None
+    log.info("reattaching to Slurm job %s submitted by an earlier attempt", job.job_id)
+    return job
+
+
+def slurm_job_alive(job_id: str) -> bool:
+    try:
+        out = subprocess.run(
+            ["squeue", "-h", "-j", str(job_id), "-o", "%T"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and bool(out.stdout.strip())
+
+
+def wait(
+    job, job_name: str, poll_s: float, grace_s: float = 10.0, on_poll=None, watch=None
+) -> list:
+    """Wait for every rank. Fail fast: once one rank has failed, the others get `grace_s` to
+    write their own errors, then the job is cancelled (a hung or blocked rank would otherwise
+    keep it alive until its time limit). watch(): True once Slurm requeued the job after a
+    node failure (nodes.NodeFailureWatch): the job is cancelled, NodeLost raised."""
+    start = time.monotonic()
+    failed_at, cancelled = None, False
+    while not job.done():
+        if watch is not None and watch():
+            log.error("Slurm requeued job %s after a node failure: cancelling it", job.job_id)
+            cancel_and_wait(job)
+            raise NodeLost(
+                f"{job_name} (job {job.job_id}): Slurm requeued the job after a node failure; "
+                "ddpflow cancelled it (it would wait for the lost node)"
+            )
+        if failed_at is None and (rank := first_failed_rank(job)) is not None:
+            failed_at = time.monotonic()
+            log.error(
+                "rank %d of job %s failed after %.1fs; stopping the other ranks",
+                rank,
+                job.job_id,
+                failed_at - start,
+            )
+        if failed_at is not None and time.monotonic() - failed_at > grace_s:
+            job.cancel(check=False)
+            cancelled = True
+            break
+        if on_poll is not None:
+            on_poll()
+        time.sleep(poll_s)
+    if on_poll is not None:
+        on_poll()
+    log.info("%s job %s ended after %.1fs", job_name, job.job_id, time.monotonic() - start)
+    try:
+        return job.results()
+    except Exception as exc:  # noqa: BLE001 - every submitit failure becomes one clear error
+        raise LaunchError(failure_message(job, job_name, cancelled)) from exc
+
+
+def _interrupted(job, cancel: bool) -> None:
+    if cancel:
+        log.warning("interrupted: cancelling job %s", job.job_id)
+        cancel_and_wait(job)
+    else:
+        log.warning(
+            "interrupted: job %s keeps running (machine.cancel_on_interrupt is false); "
+            "rerun the same command to reattach to it",
+            job.job_id,
+        )
+
+
+def cancel_and_wait(job, timeout_s: float = 30.0) -> None:
+    """Cancel only asks (submitit's local runner: SIGINT, then SIGKILL after ~1 s; Slurm:
+    scancel): return once the ranks are really gone, so that nothing is left running."""
+    job.cancel(check=False)
+    deadline = time.monotonic() + timeout_s
+    while _still_running(job) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _still_running(job):
+        log.error("job %s still runs %.0fs after the cancel", job.job_id, timeout_s)
+    else:
+        log.warning("job %s cancelled; nothing of it is running", job.job_id)
+
+
+def _still_running(job) -> bool:
+    if isinstance(job, submitit.SlurmJob):
+        return slurm_job_alive(job.job_id)
+    return not job.done()
+
+
+def first_failed_rank(job) -> int | None:
+    """A rank that has written an error result (submitit's result pickle), if any; a pickle
+    being written right now reads as unreadable and is looked at again next poll."""
+    for index in range(job.num_tasks):
+        outcome = failures.read_result(job.task(index).paths.result_pickle)
+        if outcome is not None and outcome[0] == "error":
+            return index
+    return None
+
+
+def failure_message(job, job_name: str, cancelled: bool = False) -> str:
+    """The LaunchError text: culprit ranks with host and cause, then the collateral ones
+    (ddpflow.cluster.failures reads each rank's result pickle, log and srun's report)."""
+    ranks = []
+    for index in range(job.num_tasks):
+        paths = job.task(index).paths
+        ranks.append(failures.read_rank(index, paths.stderr, paths.stdout, paths.result_pickle))
+    return failures.explain(job_name, job.job_id, job.paths.folder, ranks, cancelled)
+
+
+def read_record(record: str | Path) -> dict | None:
+    try:
+        return json.loads(Path(record).read_text())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,293 @@
+"""Check every run's `machine` section against the real Slurm cluster before anything is queued.
+
+Why: with Slurm's default EnforcePartLimits=NO, sbatch ACCEPTS a job that asks for more than
+its partition can ever give (nodes, GPUs, CPUs, memory, time) and lets it pend forever (reason
+PartitionTimeLimit, Resources, ...); with AccountingStorageEnforce=none a misspelled account is
+accepted too and the hours are billed nowhere. Each such mistake becomes a ConfigError when
+Snakemake starts, naming the run, the key, the value, what the cluster has, and the fix.
+
+Queries (read-only, each with a timeout): `scontrol --all --oneliner show partition|node` and,
+when a run names an account or qos, `sacctmgr -nP show assoc|account`. The commands' text is
+parsed by the pure functions of slurm_parse.py, unit-tested on captured output (tests/slurm/).
+
+    from ddpflow.config.slurm import check_runs_against_cluster
+    check_runs_against_cluster(resolved_runs)   # raises ConfigError, returns None when all fit
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pwd
+import subprocess
+from dataclasses import dataclass
+
+from ddpflow.cluster.slurm_parse import (
+    Association,
+    Node,
+    Partition,
+    parse_associations,
+    parse_nodes,
+    parse_partitions,
+    parse_slurm_time,
+)
+from ddpflow.config import ConfigError, memory_mb, ranks_per_node
+
+log = logging.getLogger(__name__)
+
+QUERY_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Cluster:
+    partitions: dict[str, Partition]
+    nodes: tuple[Node, ...]
+    user: str
+    associations: tuple[Association, ...] | None  # None: accounting not available
+    accounts: tuple[str, ...] | None
+
+    def nodes_of(self, partition: Partition) -> list[Node]:
+        named = set(partition.node_names)
+        return [n for n in self.nodes if partition.name in n.partitions or n.name in named]
+
+
+# ---------------------------------------------------------------- queries (read-only)
+
+
+def _command(cmd: list[str], timeout_s: float) -> str:
+    """stdout of a Slurm client command; every way it can fail becomes a ConfigError."""
+    shown = " ".join(cmd)
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except FileNotFoundError as exc:
+        raise ConfigError(
+            f"launcher is slurm but `{cmd[0]}` is not installed here: the slurm launcher needs "
+            "the Slurm client tools (scontrol, sbatch, sacct); run snakemake on a login node of "
+            "the cluster, or set launcher: local"
+        ) from exc
+    except subprocess.TimeoutExpired as exc:
+        raise ConfigError(
+            f"`{shown}` did not answer within {timeout_s:g} s; is slurmctld reachable from "
+            "here (`scontrol ping`)?"
+        ) from exc
+    if res.returncode != 0:
+        raise ConfigError(f"`{shown}` failed (exit {res.returncode}): {res.stderr.strip()}")
+    return res.stdout
+
+
+def _accounting(user: str, timeout_s: float) -> tuple[tuple | None, tuple | None]:
+    """The user's associations and all account names; (None, None) without accounting, where
+    Slurm cannot check accounts either, so we only warn."""
+    fmt = "format=account,partition,qos"
+    try:
+        assoc = _command(["sacctmgr", "-nP", "show", "assoc", f"user={user}", fmt], timeout_s)
+        accounts = _command(["sacctmgr", "-nP", "show", "account", "format=account"], timeout_s)
+    except ConfigError as err:
+        log.warning("accounting not available, machine.account/qos not checked: %s", err)
+        return None, None
+    names = tuple(line.strip() for line in accounts.splitlines() if line.strip())
+    return parse_associations(assoc), names
+
+
+def current_user() -> str:
+    # Slurm associates by uid, so ask the password database rather than trust $USER.
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return os.environ.get("USER", str(os.getuid()))
+
+
+def query_cluster(need_accounting: bool, timeout_s: float = QUERY_TIMEOUT_S) -> Cluster:
+    # --all: hidden partitions exist and are usable by those allowed in them
+    part_text = _command(["scontrol", "--all", "--oneliner", "show", "partition"], timeout_s)
+    node_text = _command(["scontrol", "--all", "--oneliner", "show", "node"], timeout_s)
+    user = current_user()
+    assoc, accounts = _accounting(user, timeout_s) if need_accounting else (None, None)
+    return Cluster(parse_partitions(part_text), parse_nodes(node_text), user, assoc, accounts)
+
+
+# ---------------------------------------------------------------- checks (pure)
+
+
+def check_runs_against_cluster(runs: list[dict], timeout_s: float = QUERY_TIMEOUT_S) -> None:
+    """Raise ConfigError for the first run whose machine section this cluster cannot run."""
+    if not runs:
+        return
+    need_accounting = any(run["machine"]["account"] or run["machine"]["qos"] for run in runs)
+    cluster = query_cluster(need_accounting, timeout_s)
+    for run in runs:
+        check_run(run, cluster)
+
+
+def check_run(run: dict, cluster: Cluster) -> None:
+    where = f"runs ({run['name']!r})"
+    partition = resolve_partition(where, run["machine"]["partition"], cluster)
+    check_account(where, run["machine"], partition, cluster)
+    check_nodes(where, run["machine"], partition, cluster.nodes_of(partition))
+    check_time(where, run["machine"]["time_min"], partition, cluster)
+
+
+def _partition_list(cluster: Cluster) -> str:
+    return ", ".join(
+        f"{p.name}{' (default)' if p.default else ''}" for p in cluster.partitions.values()
+    )
+
+
+def resolve_partition(where: str, name: str | None, cluster: Cluster) -> Partition:
+    """The named partition, or the cluster's default (Default=YES) for null."""
+    if name is None:
+        default = [p for p in cluster.partitions.values() if p.default]
+        if not default:
+            raise ConfigError(
+                f"{where}: machine.partition is null but this cluster has no default partition; "
+                f"set machine.partition to one of: {_partition_list(cluster)}"
+            )
+        return default[0]
+    if name not in cluster.partitions:
+        raise ConfigError(
+            f"{where}: machine.partition is {name!r} but the cluster has no such partition; "
+            f"existing partitions: {_partition_list(cluster)} (`sinfo -s`); set "
+            "machine.partition to one of them"
+        )
+    return cluster.partitions[name]
+
+
+def check_account(where: str, machine: dict, partition: Partition, cluster: Cluster) -> None:
+    account, qos = machine["account"], machine["qos"]
+    if cluster.associations is None or not (account or qos):
+        return
+    # an association with an empty partition field covers every partition
+    usable = [a for a in cluster.associations if a.partition in ("", partition.name)]
+    mine = sorted({a.account for a in usable})
+    see = f"`sacctmgr show assoc user={cluster.user}`"
+    if account and account not in (cluster.accounts or ()):
+        raise ConfigError(
+            f"{where}: machine.account is {account!r} but the cluster has no such account; "
+            f"user {cluster.user} can use {mine} ({see}); set machine.account to one of them, "
+            "or null for your default account"
+        )
+    if account and account not in mine:
+        raise ConfigError(
+            f"{where}: machine.account is {account!r} but user {cluster.user} is not associated "
+            f"with it on partition {partition.name!r}; the user's accounts there: {mine} ({see}); "
+            "set machine.account to one of them, or ask the cluster admins for access"
+        )
+    allowed = sorted({q for a in usable if not account or a.account == account for q in a.qos})
+    if qos and allowed and qos not in allowed:
+        raise ConfigError(
+            f"{where}: machine.qos is {qos!r} but user {cluster.user} may only use {allowed} "
+            f"here ({see}); set machine.qos to one of them, or null for the default"
+        )
+
+
+def check_nodes(where: str, machine: dict, partition: Partition, nodes: list[Node]) -> None:
+    """Per-node resources first (the clearer message), then the node count, then whether
+    enough nodes have everything at once (partitions may mix node kinds)."""
+    if not nodes:
+        raise ConfigError(
+            f"{where}: machine.partition {partition.name!r} has no nodes; pick another partition"
+        )
+    _check_gpus(where, machine, partition, nodes)
+    _check_cpus(where, machine, partition, nodes)
+    _check_memory(where, machine, partition, nodes)
+    wanted = machine["nodes"]
+    limit = min(len(nodes), partition.max_nodes or len(nodes))
+    if wanted > limit:
+        why = f"MaxNodes={partition.max_nodes}" if limit < len(nodes) else f"{len(nodes)} nodes"
+        raise ConfigError(
+            f"{where}: machine.nodes is {wanted} but partition {partition.name!r} allows at most "
+            f"{limit} ({why}: {','.join(n.name for n in nodes)}); set machine.nodes <= {limit} "
+            "(more ranks per node keep the world size)"
+        )
+    ranks = ranks_per_node(machine)
+    need = (machine["gpus_per_node"], ranks * machine["cpus_per_task"], memory_mb(machine))
+    fitting = [n.name for n in nodes if _fits(n, need)]
+    if wanted > len(fitting):
+        raise ConfigError(
+            f"{where}: machine.nodes is {wanted} but only {len(fitting)} node(s) of partition "
+            f"{partition.name!r} have {need[0]} GPUs, {need[1]} CPUs and {need[2]} MB together "
+            f"({','.join(fitting) or 'none'}); set machine.nodes <= {len(fitting)} or ask for less "
+            "per node"
+        )
+
+
+def _fits(node: Node, need: tuple[int, int, int]) -> bool:
+    return node.gpus >= need[0] and node.cpus >= need[1] and node.memory_mb >= need[2]
+
+
+def _check_gpus(where: str, machine: dict, partition: Partition, nodes: list[Node]) -> None:
+    most = max(n.gpus for n in nodes)
+    if machine["gpus_per_node"] > most:
+        gres = ", ".join(sorted({n.gres for n in nodes}))
+        raise ConfigError(
+            f"{where}: machine.gpus_per_node is {machine['gpus_per_node']} but the nodes of "
+            f"partition {partition.name!r} have at most {most} GPUs (Gres={gres}); set "
+            f"machine.gpus_per_node <= {most} (more machine.nodes give more GPUs), or pick a "
+            "partition with bigger GPU nodes"
+        )
+
+
+def _check_cpus(where: str, machine: dict, partition: Partition, nodes: list[Node]) -> None:
+    ranks, per_task = ranks_per_node(machine), machine["cpus_per_task"]
+    most = max(n.cpus for n in nodes)
+    if ranks * per_task <= most:
+        return
+    rank_key = "machine.gpus_per_node" if machine["gpus_per_node"] else "machine.cpu_ranks_per_node"
+    fix = (
+        f"set machine.cpus_per_task <= {most // ranks}"
+        if most >= ranks
+        else f"set {rank_key} <= {most} and machine.cpus_per_task: 1"
+    )
+    raise ConfigError(
+        f"{where}: machine.cpus_per_task is {per_task} with {ranks} ranks per node ({rank_key}): "
+        f"{ranks * per_task} CPUs per node, but the nodes of partition {partition.name!r} have "
+        f"at most {most} CPUs; {fix}"
+    )
+
+
+def _check_memory(where: str, machine: dict, partition: Partition, nodes: list[Node]) -> None:
+    most = max(n.memory_mb for n in nodes)
+    cap = partition.max_mem_per_node_mb
+    limit, source = (cap, "MaxMemPerNode") if cap and cap < most else (most, "RealMemory")
+    if memory_mb(machine) <= limit:
+        return
+    raise ConfigError(
+        f"{where}: machine.mem_gb is {machine['mem_gb']} ({memory_mb(machine)} MB per node) but "
+        f"partition {partition.name!r} gives a node at most {limit} MB ({source}); set "
+        f"machine.mem_gb <= {int(limit / 1024 * 10) / 10}"
+    )
+
+
+def _within_max_time(limit_s: int | None, time_min: int) -> bool:
+    """A time limit of time_min minutes within MaxTime (None: unlimited)."""
+    return limit_s is None or time_min * 60 <= limit_s
+
+
+def _allows(partition: Partition, time_min: int) -> bool:
+    try:
+        return _within_max_time(parse_slurm_time(partition.max_time), time_min)
+    except ValueError:
+        return False
+
+
+def check_time(where: str, time_min: int, partition: Partition, cluster: Cluster) -> None:
+    try:
+        limit_s = parse_slurm_time(partition.max_time)
+    except ValueError:
+        # an unexpected format must not block a run that may well be fine: warn only
+        log.warning(
+            "partition %s: MaxTime=%r unreadable; time_min not checked",
+            partition.name,
+            partition.max_time,
+        )
+        return
+    if _within_max_time(limit_s, time_min):
+        return
+    longer = [p.name for p in cluster.partitions.values() if _allows(p, time_min)]
+    other = f", or use a partition that allows it: {', '.join(longer)}" if longer else ""
+    raise ConfigError(
+        f"{where}: machine.time_min is {time_min} but partition {partition.name!r} allows at "
+        f"most {limit_s // 60} min (MaxTime={partition.max_time}); Slurm would accept the job "
+        f"and leave it pending forever (PartitionTimeLimit); set machine.time_min <= "
+        f"{limit_s // 60}{other}"
+    )

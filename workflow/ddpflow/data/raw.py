@@ -1,0 +1,26 @@
+"""What every data source returns (RawSource) and the error every data problem raises
+(DataError): the vocabulary the built-in sources, the user's own data and staging share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ddpflow.errors import UserError
+
+
+class DataError(UserError):
+    """A dataset problem the user can fix; the message names the file or key and the fix."""
+
+
+@dataclass(frozen=True)
+class RawSource:
+    """Arrays straight from a source. test_* are None when it has no official test split."""
+
+    train_x: np.ndarray  # uint8 [N, C, H, W]
+    train_y: np.ndarray  # int64 [N]
+    test_x: np.ndarray | None
+    test_y: np.ndarray | None
+    class_names: list[str]
+    notes: dict | None = None  # what a reader skipped or ignored, for the manifest

@@ -1,0 +1,2 @@
+"""Watching the ranks: per-rank system sampling, rank statistics and stragglers, Slurm job
+efficiency."""

@@ -1,0 +1,1 @@
+"""The report: building it from a run's files, rendering, plots, insight, a run's outcome."""

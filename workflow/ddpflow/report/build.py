@@ -1,0 +1,298 @@
+"""Report stage: every run's metrics -> tables, plots, report.md/.html and summary.json/.csv.
+
+    from ddpflow.report.build import build_report
+    paths = build_report(
+        [{"name": "2x4", "train_metrics": "results/2x4/train.jsonl",
+          "eval_metrics": "results/2x4/eval.json"}],
+        "results/report",
+    )
+
+All inputs are loaded and validated, and every file is rendered in memory, before the first
+write; each file is then replaced atomically and report.md/.html come last, so a bad input or
+a crash never leaves a half-written report (a stale but whole one at most).
+The Markdown and HTML are rendered by render.py, from the same blocks.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+from datetime import UTC, datetime
+from pathlib import Path
+
+from ddpflow.config import VOLATILE_TRAIN_KEYS
+from ddpflow.errors import ReportInputError
+from ddpflow.paths import REPORT_FILES
+from ddpflow.report import insight, plots
+from ddpflow.report.render import PHASES, document, to_html, to_markdown
+from ddpflow.runtime import atomic_write_bytes
+
+__all__ = ["build_report", "load_eval_metrics", "load_train_metrics"]
+
+log = logging.getLogger(__name__)
+
+_NUM = (int, float)
+_TRAIN_SPEC = {
+    "run": str, "attempt": int, "epoch": int, "step": int, "train_loss": _NUM,
+    "val_accuracy": _NUM, "val_loss": _NUM, "lr": _NUM, "samples_per_s": _NUM,
+    "seconds": {key: _NUM for key in (*PHASES, "epoch")},
+}  # fmt: skip
+_EVAL_SPEC = {
+    "run": str, "accuracy": _NUM, "per_class_accuracy": list, "confusion_matrix": list,
+    "class_names": list, "samples_evaluated": int, "test_size": int, "world_size": int,
+    "hosts": list, "eval_seconds": _NUM,
+    "train": {
+        "world_size": int, "nodes": int, "samples_per_s": _NUM, "wall_seconds": _NUM,
+        "epochs": int, "attempts": int, "hosts": list, "phase_seconds": dict,
+    },
+    "provenance": {
+        "config": dict, "git_commit": (str, type(None)), "versions": dict, "hostnames": list,
+        "created": str,
+    },
+}  # fmt: skip
+
+
+def _check(obj: dict, spec: dict, where: str, prefix: str = "") -> None:
+    for key, kind in spec.items():
+        if key not in obj:
+            raise ReportInputError(f"{where}: missing key {prefix + key!r}")
+        value, expected = obj[key], dict if isinstance(kind, dict) else kind
+        # bool is an int subclass; a JSON true where a count belongs is a producer bug
+        if isinstance(value, bool) or not isinstance(value, expected):
+            raise ReportInputError(f"{where}: key {prefix + key!r} has type {type(value).__name__}")
+        if isinstance(kind, dict):
+            _check(value, kind, where, f"{prefix}{key}.")
+
+
+def _read_text(path, where: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ReportInputError(f"{where}: cannot read file ({err})") from err
+
+
+def load_train_metrics(name: str, path) -> list[dict]:
+    """Per-epoch records sorted by epoch; a resumed attempt re-does epochs, the last one wins."""
+    where = f"run {name!r}: train_metrics {path}"
+    by_epoch: dict[int, dict] = {}
+    for number, line in enumerate(_read_text(path, where).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ReportInputError(f"{where}: line {number} is not JSON ({err.msg})") from err
+        if not isinstance(record, dict):
+            raise ReportInputError(f"{where}: line {number} is not a JSON object")
+        _check(record, _TRAIN_SPEC, f"{where} line {number}")
+        by_epoch[record["epoch"]] = record
+    if not by_epoch:
+        raise ReportInputError(f"{where}: no epochs recorded")
+    return [by_epoch[epoch] for epoch in sorted(by_epoch)]
+
+
+def load_eval_metrics(name: str, path) -> dict:
+    """The evaluation JSON, checked for every key the report reads and for class consistency."""
+    where = f"run {name!r}: eval_metrics {path}"
+    try:
+        data = json.loads(_read_text(path, where))
+    except json.JSONDecodeError as err:
+        raise ReportInputError(f"{where}: not JSON ({err.msg})") from err
+    if not isinstance(data, dict):
+        raise ReportInputError(f"{where}: not a JSON object")
+    _check(data, _EVAL_SPEC, where)
+    n, matrix = len(data["class_names"]), data["confusion_matrix"]
+    if len(data["per_class_accuracy"]) != n or len(matrix) != n:
+        raise ReportInputError(f"{where}: class_names, per_class_accuracy, confusion_matrix differ")
+    if any(not isinstance(row, list) or len(row) != n for row in matrix):
+        raise ReportInputError(f"{where}: confusion_matrix is not {n}x{n}")
+    # Padded samplers double-count (README: Exact evaluation): a count mismatch is loud, not fatal.
+    total = sum(sum(row) for row in matrix)
+    if not data["samples_evaluated"] == data["test_size"] == total:
+        log.warning("%s: %d samples evaluated, test size %d, confusion total %d", where,
+                    data["samples_evaluated"], data["test_size"], total)  # fmt: skip
+    return data
+
+
+def _load_runs(runs: list[dict], unfinished=()) -> list[tuple[str, list[dict], dict]]:
+    if not runs and not unfinished:
+        raise ReportInputError("build_report: no runs given")
+    loaded, names = [], set()
+    for run in runs:
+        missing = {"name", "train_metrics", "eval_metrics"} - set(run)
+        if missing:
+            raise ReportInputError(f"run {run.get('name')!r}: missing {sorted(missing)}")
+        name = str(run["name"])
+        if name in names:
+            raise ReportInputError(f"run {name!r}: listed twice")
+        names.add(name)
+        evals = load_eval_metrics(name, run["eval_metrics"])
+        loaded.append((name, load_train_metrics(name, run["train_metrics"]), evals))
+    return loaded
+
+
+def _summary_row(name: str, epochs: list[dict], ev: dict) -> dict:
+    train = ev["train"]
+    row = {
+        "run": name, "accuracy": ev["accuracy"], "samples_evaluated": ev["samples_evaluated"],
+        "test_size": ev["test_size"], "world_size": train["world_size"], "nodes": train["nodes"],
+        "hosts": train["hosts"], "train_samples_per_s": train["samples_per_s"],
+        "train_wall_seconds": train["wall_seconds"], "epochs": train["epochs"],
+        "attempts": train["attempts"], "eval_seconds": ev["eval_seconds"],
+        "eval_world_size": ev["world_size"], "final_train_loss": epochs[-1]["train_loss"],
+        "final_val_accuracy": epochs[-1]["val_accuracy"],
+        "git_commit": ev["provenance"]["git_commit"],
+        # device name and precision: written since the GPU path ran (older files: cpu/cuda)
+        "device": train.get("device_name", str(train.get("device", "cpu")).split(":")[0])
+        + (", data streamed" if train.get("data_in_memory") is False else ""),
+        "precision": train.get("precision", "fp32"),
+        # what was trained (older metrics files lack some: shown as "?")
+        "model": _model_name(ev["provenance"]["config"]), "parameters": train.get("parameters"),
+        "global_batch": train.get("global_batch"), "lr": train.get("lr"),
+        "science": _science(ev["provenance"]["config"]),
+        "split": ev.get("split", "test"),
+        # the training job (one allocation per run) or a job of its own; older files: own
+        "evaluated_by": ev.get("evaluated_by", "evaluate job"),
+    }  # fmt: skip
+    # Summed over the kept (deduplicated) epochs: the time of the final, complete history.
+    for phase in (*PHASES, "epoch"):
+        row[f"{phase}_seconds"] = sum(e["seconds"][phase] for e in epochs)
+    return row
+
+
+def _model_name(config: dict) -> str:
+    model = config.get("model")
+    return str(model.get("name", "?")) if isinstance(model, dict) else str(model or "?")
+
+
+def _science(config: dict) -> str:
+    """What a run trained, apart from the machine shape: data, model, training settings (less
+    those that cannot change a result) and CPU vs GPU. Runs that agree on it form a scaling
+    study; runs that differ in it are not compared by speedup."""
+    train = config.get("train")
+    if isinstance(train, dict):
+        train = {k: v for k, v in train.items() if k not in VOLATILE_TRAIN_KEYS}
+    machine = config.get("machine") if isinstance(config.get("machine"), dict) else {}
+    science = {
+        "data": config.get("data"),
+        "model": config.get("model"),
+        "train": train,
+        "gpu": bool(machine.get("gpus_per_node")),
+    }
+    return json.dumps(science, sort_keys=True, default=str)
+
+
+def _add_scaling(rows: list[dict]) -> tuple[int, float, list[str]] | None:
+    """Speedup and efficiency within each group of runs that differ only in machine shape,
+    against the group's fastest run at its smallest world size (the fastest keeps efficiency
+    from being flattered by a slow reference). Returns the largest group's baseline and run
+    names (the scaling plot's), or None when no group spans two world sizes."""
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        row["speedup"] = row["efficiency"] = row["scaling_group"] = None
+        groups.setdefault(row["science"], []).append(row)
+    studies = [g for g in groups.values() if len({row["world_size"] for row in g}) >= 2]
+    if any(r["train_samples_per_s"] <= 0 or r["world_size"] <= 0 for g in studies for r in g):
+        log.warning("report: a run has no positive throughput or world size; no scaling")
+        return None
+    plotted = None
+    for number, group in enumerate(studies, start=1):
+        base_ranks = min(row["world_size"] for row in group)
+        base_rate = max(r["train_samples_per_s"] for r in group if r["world_size"] == base_ranks)
+        for row in group:
+            row["speedup"] = row["train_samples_per_s"] / base_rate
+            row["efficiency"] = row["speedup"] / (row["world_size"] / base_ranks)
+            row["scaling_group"] = number
+        if plotted is None or len(group) > len(plotted[2]):
+            plotted = (base_ranks, base_rate, [row["run"] for row in group])
+    return plotted
+
+
+def _summary_csv(rows: list[dict]) -> str:
+    if not rows:
+        return "run\n"
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({**row, "hosts": " ".join(map(str, row["hosts"]))} for row in rows)
+    return buffer.getvalue()
+
+
+def _summary(loaded, rows, baseline, generated: str, unfinished) -> dict:
+    best = next((row["run"] for row in rows if row["best"]), None)
+    return {
+        "generated": generated, "best_run": best, "runs": rows,
+        "unfinished": list(unfinished),
+        "scaling_baseline": {"world_size": baseline[0], "samples_per_s": baseline[1],
+                             "runs": baseline[2]} if baseline else None,
+        "per_class_accuracy": {
+            name: dict(zip(map(str, ev["class_names"]), ev["per_class_accuracy"], strict=True))
+            for name, _, ev in loaded
+        },
+        "provenance": {name: ev["provenance"] for name, _, ev in loaded},
+    }  # fmt: skip
+
+
+def _write_all(out_dir: Path, figures: dict, texts: dict) -> dict[str, Path]:
+    plots_dir = out_dir / REPORT_FILES["plots"]
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for key, (_, png) in figures.items():
+        paths[f"plot_{key}"] = plots_dir / f"{key}.png"
+        atomic_write_bytes(paths[f"plot_{key}"], png)
+    if "scaling" not in figures:  # a scaling plot left by an earlier set of runs would mislead
+        (plots_dir / "scaling.png").unlink(missing_ok=True)
+    for key, (filename, text) in texts.items():  # the reports last: they reference the rest
+        paths[key] = out_dir / filename
+        atomic_write_bytes(paths[key], (text.rstrip("\n") + "\n").encode("utf-8"))
+    return paths
+
+
+def build_report(
+    runs: list[dict], out_dir, unfinished: list[dict] = (), bad_nodes: list[dict] = ()
+) -> dict[str, Path]:
+    """Write report.md/.html, summary.json/.csv and plots/*.png for runs into out_dir.
+
+    runs: [{"name", "train_metrics", "eval_metrics"}, ...]; unfinished: runs that did not
+    finish, [{"run", "stage", "cause", "detail", "log"}, ...] (ddpflow.report.outcome), named in a
+    section of their own; bad_nodes: the bad-node ledger's entries (ddpflow.cluster.nodes), a
+    section of their own where there are any. Returns {key: path}, with keys markdown,
+    html, summary_json, summary_csv and plot_<stem> for every plots/<stem>.png. Raises
+    ValueError naming the run and file for a missing, unreadable or incomplete input.
+    """
+    loaded = _load_runs(runs, unfinished)
+    rows = [_summary_row(name, epochs, ev) for name, epochs, ev in loaded]
+    baseline = _add_scaling(rows)
+    # Ties on accuracy go to the faster run; the first listed wins a full tie.
+    best = max(rows, key=lambda r: (r["accuracy"], r["train_samples_per_s"]), default=None)
+    for row in rows:
+        row["best"] = row is best
+    figures = plots.render_figures(loaded, rows, baseline) if rows else {}
+    generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    found = insight.collect(runs, loaded)
+    blocks = document(loaded, rows, figures, generated, unfinished, insight.blocks(found),
+                      bad_nodes)  # fmt: skip
+    summary = _summary(loaded, rows, baseline, generated, unfinished)
+    summary["bad_nodes"] = list(bad_nodes)
+    summary["insight"] = found
+    title = "ddpflow report"
+    texts = {
+        "summary_json": (
+            REPORT_FILES["summary"],
+            json.dumps(summary, indent=2, default=str) + "\n",
+        ),
+        "summary_csv": (REPORT_FILES["summary_csv"], _summary_csv(rows)),
+        "markdown": (REPORT_FILES["markdown"], to_markdown(title, blocks)),
+        "html": (REPORT_FILES["html"], to_html(title, blocks)),
+    }
+    paths = _write_all(Path(out_dir), figures, texts)
+    log.info(
+        "report: %d run(s)%s, best %r -> %s",
+        len(rows),
+        f", {len(unfinished)} unfinished" if unfinished else "",
+        best and best["run"],
+        out_dir,
+    )
+    return paths

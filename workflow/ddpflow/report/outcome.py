@@ -1,0 +1,152 @@
+"""Why a run did not finish, and the report of the runs that did.
+
+A failed train or evaluate rule leaves a record in the run's work folder
+(results/work/<run>/failed.json: stage, cause, log), which Snakemake's clean-up of the failed
+job cannot delete (it is no declared output); the next attempt of that rule removes it first.
+With keep-going (both profiles), the other runs of the config train and evaluate on; the
+report rule, which needs every run, cannot run, so Snakemake's `onerror` hook
+(workflow/rules/hooks.smk) calls `report_unfinished`: the report of the runs that finished,
+with a section naming each run that did not and why.
+
+    record_failure(work, "train", exc, "logs/train/wild.log")   # in the rule's process
+    report_unfinished(runs, "results")                            # in Snakemake's, on error
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from ddpflow.cluster.nodes import read_ledger
+from ddpflow.config import evaluation_fingerprint, training_fingerprint
+from ddpflow.errors import UserError
+from ddpflow.paths import FAILED, REPORT_FILES, RunPaths, bad_nodes_file, report_dir, work_dir
+from ddpflow.runtime import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+# shown in the report for a run with neither a result nor a failure record of its own
+NOT_RUN = (
+    "not run: a step it needs failed or was stopped (staging, say); see Snakemake's output above"
+)
+
+
+def clear_failure(work: str | Path) -> None:
+    """A rule starts again for this run: the last failure no longer describes it."""
+    (Path(work) / FAILED).unlink(missing_ok=True)
+
+
+def record_failure(work: str | Path, stage: str, exc: BaseException, log_file: str | None):
+    """Keep why `stage` of this run failed: the message's first line is the cause shown in
+    the report's table, the first lines of the rest its detail."""
+    message = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, KeyboardInterrupt):
+        message = "stopped (Ctrl-C or a signal to Snakemake)"
+    elif not isinstance(exc, SystemExit | UserError):  # a user error's message says it all
+        message = f"{type(exc).__name__}: {message}"
+    lines = message.splitlines()
+    # a failed job's message: "<job> failed (...)", then one line per culprit rank
+    # ("  rank 0 on node3: <exception>"): the first culprit is the cause
+    culprit = next((line.strip() for line in lines[1:] if line.startswith("  rank ")), None)
+    record = {
+        "stage": stage,
+        "cause": culprit or lines[0],
+        "detail": "\n".join(lines[:40]),
+        "log": log_file,
+        "host": socket.gethostname(),
+        "time": time.time(),
+    }
+    try:
+        Path(work).mkdir(parents=True, exist_ok=True)
+        atomic_write_json(Path(work) / FAILED, record)
+    except OSError as err:  # the failure itself must still surface, whatever happens here
+        log.warning("could not record the failure in %s: %s", work, err)
+
+
+def read_failure(work: str | Path) -> dict | None:
+    try:
+        record = json.loads((Path(work) / FAILED).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "cause" in record else None
+
+
+def _current(run: dict, paths: RunPaths) -> bool:
+    """The run's published result exists and belongs to its current config (a run whose
+    staging failed keeps an older config's result: that is no result of this config)."""
+    if not (Path(paths.train_metrics).is_file() and Path(paths.eval_metrics).is_file()):
+        return False
+    try:
+        recorded = json.loads(Path(paths.eval_metrics).read_text())["provenance"]["config"]
+        return training_fingerprint(recorded) == training_fingerprint(run) and (
+            evaluation_fingerprint(recorded) == evaluation_fingerprint(run)
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def report_unfinished(runs: dict[str, dict], results_dir: str | Path) -> Path | None:
+    """After a failed workflow: the report of the runs that finished, naming every run that
+    did not and why. Written only where a run failed (a failure record exists); returns the
+    HTML report's path, or None where nothing was written. Never raises: it runs in
+    Snakemake's error hook, after the failure was reported."""
+    try:
+        return _report_unfinished(runs, results_dir)
+    except Exception as exc:  # noqa: BLE001 - the hook must not hide the original failure
+        log.warning("ddpflow: no report of the finished runs: %s: %s", type(exc).__name__, exc)
+        return None
+
+
+def bad_nodes_line(bad_nodes: list[dict]) -> str:
+    """The ledger in one line for the terminal."""
+    names = ", ".join(f"{e['node']} ({e.get('reason', '?')})" for e in bad_nodes)
+    return (f"bad nodes, excluded from later Slurm jobs: {names}; once repaired: "
+            "snakemake clean_bad_nodes")  # fmt: skip
+
+
+def _report_unfinished(runs: dict[str, dict], results_dir: str | Path) -> Path | None:
+    finished, unfinished = [], []
+    for name, run in runs.items():
+        paths = RunPaths.for_run(results_dir, run)
+        failure = read_failure(work_dir(results_dir, name))
+        if failure is None and _current(run, paths):
+            finished.append(
+                {
+                    "name": name,
+                    "train_metrics": paths.train_metrics,
+                    "eval_metrics": paths.eval_metrics,
+                }
+            )
+        else:
+            unfinished.append({"run": name, **(failure or {"stage": "-", "cause": NOT_RUN})})
+    if not any("log" in entry for entry in unfinished):
+        return None  # no run failed (staging did, or Snakemake was stopped): nothing to say
+    from ddpflow.report.build import build_report  # matplotlib: only once a report is written
+
+    out = report_dir(results_dir)
+    bad_nodes = read_ledger(bad_nodes_file(results_dir))
+    written = build_report(finished, out, unfinished=unfinished, bad_nodes=bad_nodes)
+    # Older than any input: Snakemake's report rule must redo this report on the next run
+    # even when no input changes (the failed run removed from config.yaml, say).
+    for key in ("markdown", "html", "summary_json", "summary_csv"):
+        os.utime(written[key], (0, 0))
+    (out / REPORT_FILES["plots"] / ".snakemake_timestamp").unlink(missing_ok=True)
+    for entry in unfinished:
+        print(
+            f"ddpflow: run {entry['run']!r} did not finish"
+            + (f" ({entry['stage']} failed: {entry['cause']})" if "log" in entry else ""),
+            file=sys.stderr,
+        )
+    if bad_nodes:
+        print(f"ddpflow: {bad_nodes_line(bad_nodes)}", file=sys.stderr)
+    print(
+        f"ddpflow: report of the {len(finished)} finished run(s) of {len(runs)}, "
+        f"naming the others: {written['html']}",
+        file=sys.stderr,
+    )
+    return written["html"]

@@ -1,0 +1,306 @@
+"""Report rendering: run rows, figures and provenance -> report.md and report.html text.
+
+report.py loads and validates the runs and computes the rows; here they become a list of
+format-neutral blocks, ("h2", text), ("p", text), ("table", headers, body, best_index),
+("img", caption, path, png), ("details", summary, code), so that both formats show the same
+content and a new section is written once. Pure: nothing here touches the file system.
+
+    blocks = document(loaded, rows, figures, "2025-01-01 00:00 UTC")
+    markdown, page = to_markdown("ddpflow report", blocks), to_html("ddpflow report", blocks)
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import re
+
+import yaml
+
+from ddpflow.runtime import PHASES
+
+__all__ = ["PHASES", "document", "to_html", "to_markdown"]
+
+
+def _seconds(value: float) -> str:
+    if value < 1:  # a small split evaluates in milliseconds: "0.0 s" read as unmeasured
+        return f"{value * 1000:.0f} ms"
+    if value < 120:
+        return f"{value:.1f} s"
+    return f"{value / 60:.1f} min" if value < 7200 else f"{value / 3600:.2f} h"
+
+
+def _hosts(hosts: list) -> str:
+    """One entry per host with its rank count ('node1 ×4, node2 ×4'); a 32-node run would
+    drown the table, so at most 4 hosts (summary.json keeps the full list)."""
+    counts: dict[str, int] = {}
+    for host in map(str, hosts):
+        counts[host] = counts.get(host, 0) + 1
+    shown = ", ".join(f"{h} ×{n}" if n > 1 else h for h, n in list(counts.items())[:4])
+    return shown + (f", … (+{len(counts) - 4} hosts)" if len(counts) > 4 else "")
+
+
+def _number(value, fmt: str) -> str:
+    return "?" if value is None else format(value, fmt)
+
+
+def split_label(rows: list[dict]) -> str:
+    """What the accuracy was measured on: eval.split: val is validation, not test."""
+    splits = {row.get("split", "test") for row in rows}
+    if len(splits) > 1:
+        return "evaluation"
+    return {"val": "validation", "train": "training"}.get(splits.pop(), "test")
+
+
+def _runs_table(rows: list[dict], scaling: bool) -> tuple:
+    """What each run trained and how well: one row per run."""
+    label = split_label(rows)
+    headers = ["Run", f"{label.capitalize()} accuracy", f"Evaluated / {label} size", "Model",
+               "Parameters",
+               "Epochs", "Global batch", "LR (effective)", "Precision"]  # fmt: skip
+    body, best = [], None
+    for index, row in enumerate(rows):
+        cells = [row["run"] + (" ★ best" if row["best"] else ""), f"{row['accuracy']:.2%}",
+                 f"{row['samples_evaluated']} / {row['test_size']}", row["model"],
+                 _number(row["parameters"], ","), str(row["epochs"]),
+                 _number(row["global_batch"], "d"), _number(row["lr"], ".4g"),
+                 row["precision"]]  # fmt: skip
+        body.append(cells)
+        best = index if row["best"] else best
+    return ("table", headers, body, best)
+
+
+def _machine_table(rows: list[dict], scaling: bool) -> tuple:
+    """Where and how fast each run trained; speedup only within a scaling group."""
+    headers = ["Run", "World size", "Nodes", "Hosts", "Device", "Train samples/s",
+               "Train wall time", "Attempts", "Eval time", "Evaluated by"]  # fmt: skip
+    if scaling:
+        headers[6:6] = ["Scaling group", "Speedup", "Efficiency"]
+    body = []
+    for row in rows:
+        cells = [row["run"], str(row["world_size"]), str(row["nodes"]), _hosts(row["hosts"]),
+                 row["device"], f"{row['train_samples_per_s']:.1f}",
+                 _seconds(row["train_wall_seconds"]), str(row["attempts"]),
+                 _seconds(row["eval_seconds"]), row["evaluated_by"]]  # fmt: skip
+        if scaling:
+            grouped = row["speedup"] is not None
+            cells[6:6] = [str(row["scaling_group"]) if grouped else "–",
+                          f"{row['speedup']:.2f}×" if grouped else "–",
+                          f"{row['efficiency']:.1%}" if grouped else "–"]  # fmt: skip
+        body.append(cells)
+    return ("table", headers, body, None)
+
+
+def _segments_table(loaded) -> tuple | None:
+    """The stretches of each run that trained on different allocations (world size, hosts,
+    optimizer steps), where any run has more than one; None otherwise."""
+    body = []
+    for name, _, ev in loaded:
+        segments = ev["train"].get("segments") or []
+        if len(segments) < 2:
+            continue
+        for number, seg in enumerate(segments, start=1):
+            steps = seg["end_step"] - seg["start_step"]
+            body.append([name, str(number), str(seg["world_size"]), _hosts(seg["hosts"]),
+                         f"{seg['start_step']}–{seg['end_step']}", str(steps),
+                         str(seg["attempt"])])  # fmt: skip
+    if not body:
+        return None
+    headers = ["Run", "Segment", "World size", "Hosts", "Optimizer steps", "Steps", "Attempt"]
+    return ("table", headers, body, None)
+
+
+def _phase_table(rows: list[dict]) -> tuple:
+    body = []
+    for row in rows:
+        total = row["epoch_seconds"] or 1.0  # a zero total would divide by zero; shares are 0
+        shares = [f"{_seconds(row[f'{p}_seconds'])} ({row[f'{p}_seconds'] / total:.0%})"
+                  for p in PHASES]  # fmt: skip
+        body.append([row["run"], *shares, _seconds(row["epoch_seconds"])])
+    return ("table", ["Run", *PHASES, "epochs total"], body, None)
+
+
+def _class_tables(loaded) -> list[tuple]:
+    """One table per distinct class list (runs on the same dataset share a table)."""
+    groups: dict[tuple, list] = {}
+    for name, _, ev in loaded:
+        groups.setdefault(tuple(map(str, ev["class_names"])), []).append((name, ev))
+    tables = []
+    for classes, members in groups.items():
+        body = [[cls, *(f"{ev['per_class_accuracy'][i]:.2%}" for _, ev in members)]
+                for i, cls in enumerate(classes)]  # fmt: skip
+        tables.append(("table", ["Class", *(name for name, _ in members)], body, None))
+    return tables
+
+
+def _provenance_blocks(loaded) -> list[tuple]:
+    blocks = []
+    for name, _, ev in loaded:
+        prov = ev["provenance"]
+        hosts = _hosts(prov["hostnames"]) or "unknown"
+        dirty = {True: " with uncommitted changes", False: ""}.get(prov.get("git_dirty"), "")
+        blocks += [
+            ("h3", name),
+            ("p", f"git commit: {prov['git_commit'] or 'unknown (not a git checkout)'}{dirty}; "
+                  f"created: {prov['created']}; hosts: {hosts}"),
+            *_dataset_line(prov.get("dataset") or {}),
+            ("table", ["Package", "Version"],
+             [[str(k), str(v)] for k, v in sorted(prov["versions"].items())], None),
+            ("details", "Resolved config (YAML)",
+             yaml.safe_dump(prov["config"], sort_keys=False, allow_unicode=True).rstrip()),
+        ]  # fmt: skip
+    return blocks
+
+
+def _dataset_line(dataset: dict) -> list[tuple]:
+    """The data a run was trained on, with what staging skipped (your own data)."""
+    if not dataset:
+        return []
+    found = dataset.get("sizes", {})
+    sizes = ", ".join(f"{k} {found[k]}" for k in ("train", "val", "test") if k in found)
+    text = f"data: {dataset.get('source')} ({sizes})"
+    notes = dataset.get("source_notes") or {}
+    if "skipped_corrupt" in notes:  # an image folder
+        text += (f"; {notes['skipped_corrupt']} corrupt image(s) skipped, "
+                 f"{notes['ignored_files']} file(s) that are not images ignored")  # fmt: skip
+    for done in ("upscaled", "skipped"):  # data.on_small (a manifest staged before: none)
+        if count := notes.get(f"{done}_small"):
+            text += (f"; {count} image(s) smaller than data.image_size {notes['image_size']} "
+                     f"{done} (data.on_small: {notes['on_small']})")  # fmt: skip
+    return [("p", text)]
+
+
+def _unfinished_blocks(unfinished, finished: int) -> list[tuple]:
+    """The runs that did not finish, each with the stage that failed and why."""
+    total = finished + len(unfinished)
+    blocks = [
+        ("h2", "Runs that did not finish"),
+        ("p", f"Partial report: {finished} of {total} run(s) finished. Fix the cause, then "
+              "run the same snakemake command again: it redoes the unfinished runs and this "
+              "report, nothing else."),
+        ("table", ["Run", "Failed in", "Cause", "Log"],
+         [[u["run"], u.get("stage", "-"), u.get("cause", "?"), u.get("log") or "-"]
+          for u in unfinished], None),
+    ]  # fmt: skip
+    blocks += [("details", f"{u['run']}: {u['cause']}", u["detail"])
+               for u in unfinished if u.get("detail")]  # fmt: skip
+    return blocks
+
+
+def _bad_node_blocks(bad_nodes) -> list[tuple]:
+    """The nodes of the bad-node ledger (ddpflow.cluster.nodes), which later Slurm jobs avoid."""
+    return [
+        ("h2", "Bad nodes"),
+        ("p", f"{len(bad_nodes)} node(s) failed under this workflow's Slurm jobs; later jobs "
+              "exclude them (and run on fewer nodes with machine.min_nodes). Once they are "
+              "repaired: snakemake clean_bad_nodes."),
+        ("table", ["Node", "Reason", "Job", "Run", "Time"],
+         [[e["node"], e.get("reason", "?"), e.get("job_id", "-"), e.get("run", "-"),
+           e.get("time", "-")] for e in bad_nodes], None),
+    ]  # fmt: skip
+
+
+def document(
+    loaded, rows, figures, generated: str, unfinished=(), inside=(), bad_nodes=()
+) -> list[tuple]:
+    blocks = [("p", f"Generated {generated}.")]
+    if unfinished:
+        blocks += _unfinished_blocks(unfinished, len(rows))
+    if bad_nodes:
+        blocks += _bad_node_blocks(bad_nodes)
+    if not rows:
+        return blocks
+    best = next(row["run"] for row in rows if row["best"])
+    scaling = any(row["speedup"] is not None for row in rows)
+    label = split_label(rows)
+    blocks[0] = ("p", f"Generated {generated}. {len(rows)} run(s); best {label} accuracy: {best}.")
+    blocks += [("h2", "Runs"), _runs_table(rows, scaling)]
+    blocks += [("h2", "Machine and speed"), _machine_table(rows, scaling)]
+    if scaling:
+        blocks.append(("p", "Speedup and efficiency compare only runs that differ in machine "
+                            "shape alone (same data, model and training settings, the global "
+                            "batch included: one scaling group, so this is strong scaling of "
+                            "the same training), each against its group's fastest run at the "
+                            "group's smallest world size (ideal: linear in ranks). Runs without "
+                            "a group have nothing to compare with."))  # fmt: skip
+    if (segments := _segments_table(loaded)) is not None:
+        blocks += [("h3", "Segments: runs continued on another allocation"), segments,
+                   ("p", "Each segment trained the optimizer steps shown, from the checkpoint "
+                         "the previous one left, at its own world size; the steps are the "
+                         "same training at any size (the global batch and the data order are "
+                         "the recipe's).")]  # fmt: skip
+    blocks += [("h2", "Time per phase (sum over epochs, share of epoch time)"), _phase_table(rows)]
+    blocks += list(
+        inside
+    )  # ddpflow.report.insight: ranks, stragglers, profiles, cluster efficiency
+    blocks += [("h2", f"Per-class {label} accuracy"), *_class_tables(loaded)]
+    blocks.append(("h2", "Plots"))
+    blocks += [("img", caption, f"plots/{key}.png", png) for key, (caption, png) in figures.items()]
+    return blocks + [("h2", "Provenance"), *_provenance_blocks(loaded)]
+
+
+def _md(text) -> str:
+    text = html.escape(str(text), quote=False).replace("\n", " ")
+    return re.sub(r"([\\`*_\[\]|#])", r"\\\1", text)
+
+
+def to_markdown(title: str, blocks: list[tuple]) -> str:
+    out = [f"# {_md(title)}"]
+    for block in blocks:
+        match block:
+            case ("h2" | "h3" as tag, text):
+                out.append(f"{'#' * int(tag[1])} {_md(text)}")
+            case ("p", text):
+                out.append(_md(text))
+            case ("table", headers, body, best):
+                lines = ["| " + " | ".join(map(_md, headers)) + " |", "|---" * len(headers) + "|"]
+                for index, cells in enumerate(body):
+                    cells = [f"**{_md(c)}**" if index == best else _md(c) for c in cells]
+                    lines.append("| " + " | ".join(cells) + " |")
+                out.append("\n".join(lines))
+            case ("img", caption, path, _):
+                out.append(f"![{_md(caption)}]({path})")
+            case ("details", summary, code):
+                # A fence longer than any backtick run inside keeps the block closed.
+                fence = "`" * max(3, 1 + max(map(len, re.findall(r"`+", code)), default=0))
+                out.append(f"<details><summary>{html.escape(summary)}</summary>\n\n"
+                           f"{fence}yaml\n{code}\n{fence}\n\n</details>")  # fmt: skip
+    return "\n\n".join(out) + "\n"
+
+
+_CSS = """
+body { font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; color: #222; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left; }
+th { background: #f0f0f0; }
+tr.best td { background: #e3f4e1; font-weight: 600; }
+figure { margin: 1em 0; } img { max-width: 100%; }
+pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; }
+"""
+
+
+def _html_block(block: tuple) -> str:
+    esc = html.escape
+    match block:
+        case ("h2" | "h3" | "p" as tag, text):
+            return f"<{tag}>{esc(str(text))}</{tag}>"
+        case ("table", headers, body, best):
+            head = "".join(f"<th>{esc(h)}</th>" for h in headers)
+            trs = [("<tr class='best'>" if index == best else "<tr>")
+                   + "".join(f"<td>{esc(c)}</td>" for c in cells) + "</tr>"
+                   for index, cells in enumerate(body)]  # fmt: skip
+            return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(trs)}</tbody></table>"
+        case ("img", caption, _, png):
+            data = base64.b64encode(png).decode("ascii")
+            return (f"<figure><img alt='{esc(caption)}' src='data:image/png;base64,{data}'>"
+                    f"<figcaption>{esc(caption)}</figcaption></figure>")  # fmt: skip
+        case ("details", summary, code):
+            return f"<details><summary>{esc(summary)}</summary><pre>{esc(code)}</pre></details>"
+    raise ValueError(f"unknown report block {block[0]!r}")
+
+
+def to_html(title: str, blocks: list[tuple]) -> str:
+    body = "\n".join(_html_block(block) for block in blocks)
+    return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+            f"<title>{html.escape(title)}</title><style>{_CSS}</style></head>\n"
+            f"<body><h1>{html.escape(title)}</h1>\n{body}\n</body></html>\n")  # fmt: skip

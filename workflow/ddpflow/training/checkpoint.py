@@ -1,0 +1,284 @@
+"""Training checkpoints: atomic, checksummed, the last K kept, outside Snakemake's outputs.
+
+A checkpoint holds everything an exact resume needs: model, optimizer, LR schedule and grad
+scaler state, the global position in the data order (epoch and optimizer step: the order
+and every random draw are functions of seed, epoch, step and micro-batch), the epoch's step
+losses so far summed over the ranks, the per-epoch metrics so far, the world size and hosts
+of each segment of the training, and a hash of the config it was written under (the
+science: the world size is not in it). Nothing in it is per rank, so any world size that
+divides the global batch continues it: bitwise at the same size, up to floating-point
+summation order at another. It is loaded with `weights_only=True` (no pickled code runs on
+load).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from ddpflow.cluster.distenv import any_rank, barrier
+from ddpflow.config import config_hash, training_fingerprint
+from ddpflow.runtime import atomic_torch_save, atomic_write_bytes, atomic_write_json
+from ddpflow.training import sharding
+from ddpflow.training.workspace import (
+    NEWEST,
+    candidates,
+    checkpoint_dir,
+    remove_checkpoint,
+    set_aside,
+    sidecar,
+)
+
+log = logging.getLogger(__name__)
+FORMAT = 2  # 2: global position (epoch_step), step losses, segments; 1: per-rank position
+
+
+class CheckpointMismatch(RuntimeError):
+    """The newest checkpoint was written under another config."""
+
+
+def training_hash(run: dict) -> str:
+    """What a checkpoint must agree with: every key that determines the trained model (the
+    same keys as the train rule's params, ddpflow.config.training_fingerprint)."""
+    return config_hash(training_fingerprint(run))
+
+
+def save(state: dict, directory: Path, step: int, keep: int) -> Path:
+    """Write ckpt-<step>.pt atomically, then its sha256 sidecar; prune to the newest `keep`.
+    A crash or a full disk at any point leaves the previous checkpoints intact."""
+    path = checkpoint_path(directory, step)
+    digest = atomic_torch_save({**state, "format": FORMAT, "saved_at": time.time()}, path)
+    atomic_write_bytes(sidecar(path), f"{digest}\n".encode())
+    for old in candidates(directory)[keep:]:
+        remove_checkpoint(old)
+    # a sharded state whose .pt was never written (a crash between the two) is no checkpoint
+    for orphan in directory.glob("ckpt-*.dcp"):
+        if not orphan.with_suffix(".pt").exists():
+            shutil.rmtree(orphan, ignore_errors=True)
+    return path
+
+
+def checkpoint_path(directory: Path, step: int) -> Path:
+    return directory / f"ckpt-{step:09d}.pt"
+
+
+def load_latest(directory: Path, expected_hash: str, map_location="cpu") -> dict | None:
+    """The newest checkpoint that verifies; a corrupt or truncated one is skipped with a
+    warning. CheckpointMismatch if the newest valid one belongs to another config."""
+    for path in candidates(directory):
+        state = _load_verified(path, map_location)
+        if state is None:
+            continue
+        if state["config_hash"] != expected_hash:
+            raise CheckpointMismatch(
+                f"{path} was written under a different config (hash {state['config_hash'][:12]}"
+                f", now {expected_hash[:12]}): the data, model or training settings changed. "
+                "Restore the old config to resume, or set "
+                "train.checkpoint.on_config_change: start_over (the default; old checkpoints "
+                "are set aside)"
+            )
+        log.info("resuming from %s (written by attempt %d)", path.name, state["attempt"])
+        return state
+    return None
+
+
+def _load_verified(path: Path, map_location) -> dict | None:
+    try:
+        data = path.read_bytes()
+        expected = sidecar(path).read_text().strip()
+    except OSError as exc:
+        log.warning("skipping checkpoint %s: %s", path.name, exc)
+        return None
+    if hashlib.sha256(data).hexdigest() != expected:
+        log.warning(
+            "skipping checkpoint %s: checksum mismatch (corrupt or truncated); "
+            "falling back to the one before",
+            path.name,
+        )
+        return None
+    import io
+
+    state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    if state.get("format") != FORMAT:
+        log.warning("skipping checkpoint %s: format %s", path.name, state.get("format"))
+        return None
+    if "sharded" in state and (problem := sharding.verify(path, state["sharded"])):
+        log.warning("skipping checkpoint %s: %s; falling back to the one before",
+                    path.name, problem)  # fmt: skip
+        return None
+    state["path"] = str(path)
+    return state
+
+
+class Preempted(Exception):
+    """All ranks agreed to stop after the time-limit / preemption signal; state is saved."""
+
+
+class Checkpointer:
+    """When to save and how to resume one run's training (every rank holds one)."""
+
+    def __init__(self, run: dict, work: str | Path, env, stop_check_steps: int = 10):
+        cfg = run["train"]["checkpoint"]
+        self.every_steps, self.every_epochs, self.keep = (
+            cfg["every_steps"],
+            cfg["every_epochs"],
+            cfg["keep"],
+        )
+        self.on_config_change = cfg["on_config_change"]
+        self.epochs = run["train"]["epochs"]
+        self.directory = checkpoint_dir(work)
+        self.hash = training_hash(run)
+        self.env, self.stop_check_steps = env, stop_check_steps
+        self.stop_requested = False  # set from a signal handler
+        self.watch_signal = env.launcher == "slurm"
+        self.attempt = 1
+
+    def restore(self, loop) -> dict | None:
+        """Load the newest valid checkpoint into loop (and this rank's RNG state).
+
+        Collective, with the same collectives on every rank whatever it found: all ranks
+        read, agree whether any saw another config's checkpoints, and only then does rank 0
+        set them aside. (Rank 0 renaming the folder while a peer had yet to read it made the
+        peer start fresh and skip the barrier rank 0 waited in: the ranks' collectives
+        paired up wrongly and every rank timed out.)"""
+        try:
+            state = load_latest(self.directory, self.hash, map_location=loop.device)
+            mismatch = None
+        except CheckpointMismatch as exc:
+            state, mismatch = None, exc
+        if any_rank(self.env.world_size, mismatch is not None):
+            if self.on_config_change != "start_over":
+                raise mismatch or CheckpointMismatch(
+                    f"another rank found checkpoints of another config in {self.directory}"
+                )
+            if self.env.is_master:
+                set_aside(self.directory, "the checkpoints belong to another config")
+            barrier(self.env)
+            state = None
+        if state is None:
+            return None
+        loop.load_state_dict(state, Path(state["path"]))
+        rng = state["rng"]
+        if len(rng) == self.env.world_size:
+            # RNG states are CPU byte tensors, also on a GPU rank, where map_location moved
+            # every tensor of the checkpoint to the device (set_rng_state refuses those)
+            torch.set_rng_state(rng[self.env.rank]["cpu"].cpu())
+            if "cuda" in rng[self.env.rank] and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng[self.env.rank]["cuda"].cpu())
+        return state
+
+    def save(self, loop, reason: str) -> None:
+        """Collective: gathers every rank's RNG state (and sharded state); rank 0 writes."""
+        rng = _gather_rng(self.env)
+        loop.gather_state()
+        step = loop.scheduler.last_epoch
+        sharded = None
+        if loop.checkpoints_sharded:  # every rank writes its shards; rank 0's .pt commits them
+            self.directory.mkdir(parents=True, exist_ok=True)
+            sharded = sharding.save(
+                loop.model, loop.optimizer, checkpoint_path(self.directory, step),
+                self.env.is_master, self.env.world_size,
+            )  # fmt: skip
+        if loop.segments:  # the steps this world size has trained, as far as they are saved
+            loop.segments[-1]["end_step"] = step
+        if self.env.is_master:
+            state = {
+                **loop.state_dict(),
+                "rng": rng,
+                "config_hash": self.hash,
+                "attempt": self.attempt,
+                "reason": reason,
+            }
+            if sharded is not None:
+                state["sharded"] = sharded
+            path = save(state, self.directory, step, self.keep)
+            atomic_write_json(path.parent / NEWEST, position(state, path))
+            log.info("checkpoint %s (%s)", path.name, reason)
+
+    def on_step(self, loop) -> None:
+        step = loop.scheduler.last_epoch
+        if self.every_steps and step % self.every_steps == 0:
+            self.save(loop, f"every {self.every_steps} steps")
+        # only Slurm sends the stop signal: elsewhere skip the agreement (a collective and a
+        # host sync every stop_check_steps)
+        if self.watch_signal and step % self.stop_check_steps == 0 and self.stop_agreed():
+            self.save(loop, "stop signal")
+            raise Preempted(f"stopped at step {step} after a signal; checkpoint saved")
+
+    def on_epoch(self, loop) -> None:
+        if loop.epoch == self.epochs or (self.every_epochs and loop.epoch % self.every_epochs == 0):
+            self.save(loop, f"end of epoch {loop.epoch}")
+
+    def stop_agreed(self) -> bool:
+        """True on every rank once any rank got the signal (ranks must stop at one step)."""
+        return any_rank(self.env.world_size, self.stop_requested)
+
+
+def position(state: dict, path: Path) -> dict:
+    """The newest checkpoint's place in the training, small enough for the login node to
+    read before it submits (the .pt may be gigabytes)."""
+    return {"checkpoint": path.name, "epoch": state["epoch"], "epoch_step": state["epoch_step"],
+            "step": state["step"], "world_size": state["world_size"]}  # fmt: skip
+
+
+def resumed_line(state: dict, world_size: int) -> str:
+    """'resumed at epoch 3 step 41 on 2 ranks; the checkpoint was written on 4'."""
+    where = f"epoch {state['epoch'] + 1} step {state['step']}"
+    written = state["world_size"]
+    ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
+    if written == world_size:
+        return f"resumed at {where} on {ranks}, the world size it was written on"
+    return f"resumed at {where} on {ranks}; the checkpoint was written on {written}"
+
+
+def _gather_rng(env) -> list[dict]:
+    local = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        local["cuda"] = torch.cuda.get_rng_state()
+    if env.world_size == 1:
+        return [local]
+    import torch.distributed as dist
+
+    gathered: list = [None] * env.world_size
+    dist.all_gather_object(gathered, local)
+    return gathered
+
+
+@contextlib.contextmanager
+def stop_on_signal(ckpt: Checkpointer):
+    """Slurm sends USR2 before the time limit (and submitit's preemption path uses it too):
+    only set a flag here; the ranks agree on a step, save, then hand over to submitit."""
+    import signal
+
+    previous = signal.getsignal(signal.SIGUSR2)
+
+    def handler(signum, frame):
+        log.warning(
+            "received %s: saving a checkpoint at the next agreed step", signal.Signals(signum).name
+        )
+        ckpt.stop_requested = True
+
+    signal.signal(signal.SIGUSR2, handler)
+    ckpt.submitit_handler = previous
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def hand_over_to_requeue(env, handler) -> None:
+    """After the checkpoint: rank 0 lets submitit requeue the job (scontrol requeue, then it
+    exits); the other ranks wait to be stopped by that requeue instead of failing the step.
+    Without submitit (plain srun) the Preempted error ends the step; a rerun resumes."""
+    import signal
+
+    if env.is_master and callable(handler) and getattr(handler, "__self__", None) is not None:
+        handler(signal.SIGUSR2, None)  # submitit: checkpoint() -> requeue -> sys.exit
+    elif not env.is_master:
+        time.sleep(120)

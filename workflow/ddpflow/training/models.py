@@ -1,0 +1,212 @@
+"""Models: the tutorials' MLP, a small CNN and ResNets adapted to small images (built in),
+any torchvision classification model by name, or the user's own through a plug-in
+("package.module:function", importable from the working directory or the environment).
+
+    model = build_model({"name": "mobilenet_v3_small", "kwargs": {}}, [3, 32, 32], 10)
+    check_model(model_cfg, shape, num_classes)   # before submission: a clear UserError
+"""
+
+from __future__ import annotations
+
+import difflib
+
+import torch
+from torch import nn
+
+from ddpflow.config import BUILT_IN_MODELS
+from ddpflow.errors import UserError
+from ddpflow.plugins import import_factory
+
+BUILT_IN = tuple(BUILT_IN_MODELS)
+
+
+class ModelError(UserError):
+    """model.name does not give a usable model (names the cause and the fix)."""
+
+
+def build_model(model_cfg: dict, shape: list[int], num_classes: int) -> nn.Module:
+    """shape is the staged [C, H, W]; the model adapts its input layer to it."""
+    name = model_cfg["name"]
+    channels, height, width = shape
+    if name == "mlp":
+        return mlp(channels * height * width, model_cfg["mlp_hidden"], num_classes)
+    if name == "cnn":
+        return small_cnn(channels, model_cfg["cnn_channels"], num_classes)
+    if name in ("resnet18", "resnet34"):
+        return small_resnet(name, channels, num_classes)
+    kwargs = dict(model_cfg.get("kwargs") or {})
+    if ":" in name:
+        return _plugin(name, shape, num_classes, kwargs)
+    return zoo_model(name, channels, num_classes, kwargs, model_cfg.get("small_input_stem", True))
+
+
+def _plugin(spec: str, shape: list[int], num_classes: int, kwargs: dict) -> nn.Module:
+    factory = import_factory(spec, "model.name", ModelError)
+    try:
+        model = factory(list(shape), num_classes, **kwargs)
+    except Exception as err:
+        raise ModelError(f"model.name {spec!r}: the factory raised {type(err).__name__}: {err} "
+                         f"(called with input shape {list(shape)}, {num_classes} classes, "
+                         f"model.kwargs {kwargs})") from err  # fmt: skip
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"model.name {spec!r}: the factory returned a "
+                         f"{type(model).__name__}, not a torch.nn.Module")  # fmt: skip
+    return model
+
+
+def zoo_model(name, channels: int, num_classes: int, kwargs: dict, small_stem: bool):
+    """A torchvision classification model, randomly initialised (weights=None: nothing is
+    downloaded), its first convolution taking the data's channel count."""
+    import torchvision
+
+    names = torchvision.models.list_models(module=torchvision.models)
+    if name not in names:
+        known = list(dict.fromkeys([*BUILT_IN, *names]))  # resnet18 is in both
+        close = difflib.get_close_matches(name, known, n=4, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ModelError(f"model.name {name!r}: not a built-in model ({', '.join(BUILT_IN)}), "
+                         f"a torchvision classification model or a 'module:function' "
+                         f"plug-in{hint}")  # fmt: skip
+    try:
+        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
+    except (TypeError, ValueError) as err:
+        raise ModelError(f"model.name {name!r} with model.kwargs {kwargs}: {err}") from err
+    resnet_like = isinstance(getattr(model, "conv1", None), nn.Conv2d) and isinstance(
+        getattr(model, "maxpool", None), nn.MaxPool2d
+    )
+    if small_stem and resnet_like:  # the ResNet family
+        model.conv1 = nn.Conv2d(channels, model.conv1.out_channels, 3, 1, 1, bias=False)
+        model.maxpool = nn.Identity()
+    _adapt_input_channels(model, channels)
+    return model
+
+
+def _adapt_input_channels(model: nn.Module, channels: int) -> None:
+    """Replace the first convolution by one with `channels` inputs (same shape otherwise)."""
+    for parent in model.modules():
+        for child_name, child in parent.named_children():
+            if isinstance(child, nn.Conv2d):
+                if child.in_channels != channels:
+                    setattr(parent, child_name, nn.Conv2d(
+                        channels, child.out_channels, child.kernel_size, child.stride,
+                        child.padding, child.dilation, child.groups, child.bias is not None,
+                    ))  # fmt: skip
+                return
+
+
+def check_model(
+    model_cfg: dict, shape: list[int], num_classes: int, channels_last: bool = False
+) -> int:
+    """Build the model on the CPU and run one forward of two dummy samples: a factory that
+    fails, a model that cannot take the data's shape, or logits of the wrong width are
+    refused here, before any job is queued. channels_last (the run's layout): a model with
+    convolutions runs once more in that layout, where a .view() of a convolution's output
+    fails. Returns the parameter count."""
+    model = build_model(model_cfg, shape, num_classes)
+    name = model_cfg["name"]
+    for mode in ("training", "evaluation"):  # some models answer differently in each
+        model.train(mode == "training")
+        try:
+            with torch.no_grad():
+                out = model(torch.zeros(2, *shape))
+        except Exception as err:
+            raise ModelError(f"model.name {name!r}: a forward pass of the data's shape "
+                             f"[N, {', '.join(map(str, shape))}] failed in {mode} mode: "
+                             f"{type(err).__name__}: {err}") from err  # fmt: skip
+        if not isinstance(out, torch.Tensor):
+            raise ModelError(f"model.name {name!r}: in {mode} mode the model returns a "
+                             f"{type(out).__name__}, not a tensor of logits (a model with "
+                             f"auxiliary outputs: switch them off in model.kwargs, e.g. "
+                             f"aux_logits: false)")  # fmt: skip
+        if tuple(out.shape) != (2, num_classes):
+            raise ModelError(f"model.name {name!r}: in {mode} mode the model returns "
+                             f"{tuple(out.shape)} for 2 samples; expected logits of shape "
+                             f"(2, {num_classes}), one per class")  # fmt: skip
+    if channels_last:
+        place(model, torch.device("cpu"), True, move=False)  # a no-op without convolutions
+        try:
+            with torch.no_grad():
+                model(torch.zeros(2, *shape))
+        except Exception as err:
+            raise ModelError(f"model.name {name!r}: its forward fails in the channels_last "
+                             f"layout that train.channels_last: true gives models with "
+                             f"convolutions ({type(err).__name__}: {err}); in the model use "
+                             f".reshape() or torch.flatten() where it calls .view() on a "
+                             f"convolution's output, or set train.channels_last: false"
+                             ) from err  # fmt: skip
+    return count_parameters(model)
+
+
+def mlp(in_features: int, hidden: list[int], num_classes: int) -> nn.Module:
+    """The DDP tutorial's MLP (784-200-200-10 on 28x28), sized to the input."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    for width in hidden:
+        layers += [nn.Linear(in_features, width), nn.ReLU(inplace=True)]
+        in_features = width
+    layers.append(nn.Linear(in_features, num_classes))
+    return nn.Sequential(*layers)
+
+
+def small_cnn(in_channels: int, width: int, num_classes: int) -> nn.Module:
+    """Two conv blocks + global average pooling: input-size agnostic, fast on CPU."""
+
+    def block(cin: int, cout: int) -> list[nn.Module]:
+        return [
+            nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+            nn.BatchNorm2d(cout),
+            nn.ReLU(inplace=True),
+        ]
+
+    return nn.Sequential(
+        *block(in_channels, width),
+        *block(width, width),
+        nn.MaxPool2d(2),
+        *block(width, 2 * width),
+        *block(2 * width, 2 * width),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(2 * width, num_classes),
+    )
+
+
+def small_resnet(name: str, in_channels: int, num_classes: int) -> nn.Module:
+    """torchvision's ResNet with the CIFAR stem: a 3x3 stride-1 first conv and no max-pool,
+    since the ImageNet stem would shrink a 32x32 image to 8x8 before the first block."""
+    import torchvision
+
+    model = getattr(torchvision.models, name)(weights=None, num_classes=num_classes)
+    model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
+
+
+def place(model: nn.Module, device: torch.device, channels_last: bool, move=True) -> nn.Module:
+    """Move the model to its device; convolutional models in channels_last: cuDNN and oneDNN
+    then pick their NHWC kernels (the inputs follow the weights' layout; on a CPU mostly
+    faster, not for ResNets on tiny images: bench/layout.py). move=False (strategy
+    fsdp): the model stays in host memory, and fully_shard moves it block by block, already
+    sharded, so that the whole model never has to fit on one device."""
+    if move:
+        model = model.to(device)
+    has_conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
+    if channels_last and has_conv:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def forward_flops(model: nn.Module, shape: list[int]) -> int:
+    """Forward FLOPs of one sample (2 x multiply-adds), counted by torch's FLOP counter."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    was_training = model.training
+    model.eval()
+    with counter:
+        model(torch.zeros(1, *shape))
+    model.train(was_training)
+    return int(counter.get_total_flops())

@@ -1,0 +1,468 @@
+"""What every rank runs: the submitted callables for training and evaluation.
+
+submitit pickles these objects by reference, which is why they live in the installed package.
+A task discovers its rank once, sets up logging, device and the process group, does its work
+and always tears the process group down (even on failure).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import submitit
+import torch
+import torch.distributed as dist
+
+from ddpflow import runtime
+from ddpflow.cluster import distenv
+from ddpflow.cluster.preflight import run_preflight
+from ddpflow.config import (
+    config_hash,
+    evaluation_fingerprint,
+    trains_sharded,
+    uses_channels_last,
+)
+from ddpflow.data import feed
+from ddpflow.data.staged import DataError, choose_in_memory, open_split
+from ddpflow.monitoring import sampler as monitor
+from ddpflow.paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
+from ddpflow.training import evaluate
+from ddpflow.training.checkpoint import (
+    Checkpointer,
+    Preempted,
+    hand_over_to_requeue,
+    resumed_line,
+    stop_on_signal,
+)
+from ddpflow.training.loop import Loop, cpu_has_native_bf16, fit, sync_buffers
+from ddpflow.training.models import build_model, count_parameters, place
+from ddpflow.training.records import evaluation_record, published
+
+log = logging.getLogger(__name__)
+
+
+def rank_context(run: dict, rendezvous_dir: str | None):
+    """Discover the rank, then set up logging, threads, device and the process group."""
+    env = distenv.discover()
+    runtime.setup_logging(env.rank)
+    machine = run["machine"]
+    # one rank per core budget: without this every rank spawns threads for all cores
+    torch.set_num_threads(machine["cpus_per_task"])
+    if machine["gpus_per_node"]:
+        runtime.configure_cuda(run["train"]["deterministic"])
+    device = runtime.select_device(machine["gpus_per_node"], env.local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    log.info(
+        "rank %d/%d local %d node %d via %s on %s (%s)",
+        env.rank,
+        env.world_size,
+        env.local_rank,
+        env.node_rank,
+        env.launcher,
+        device,
+        backend,
+    )
+    distenv.init_process_group(env, backend, machine["pg_timeout_s"], rendezvous_dir)
+    return env, device
+
+
+def gather_hosts(env) -> list[str]:
+    hosts = [socket.gethostname()]
+    if env.world_size > 1:
+        hosts = [None] * env.world_size
+        dist.all_gather_object(hosts, socket.gethostname())
+    return hosts
+
+
+def load_data(run: dict, staged: str, env, device, splits=("train", "val")) -> dict:
+    """The splits this job uses, in memory or streamed (data.loading; feed.py), each checked
+    against the manifest first (sha256 of every file: bad data fails before the work).
+    data.loading.node_local_dir: read from a per-node copy (one rank per node copies it)."""
+    loading = run["data"]["loading"]
+    verify = env.local_rank == 0  # one rank per node hashes the files, the others check sizes
+    if loading["node_local_dir"]:  # the copy was verified as it was made or reused
+        staged, verify = feed.node_local_copy(staged, loading["node_local_dir"], env), False
+    opened, failed = {}, None
+    try:
+        for split in dict.fromkeys(splits):  # each once (eval.split may be val)
+            opened[split] = open_split(staged, split, verify)
+    except DataError as exc:
+        log.error("rank %d on %s: %s", env.rank, socket.gethostname(), exc)
+        failed = exc
+    if distenv.any_rank(env.world_size, failed is not None):  # no rank trains on bad data
+        raise failed or DataError(
+            f"the staged data {staged} failed its check on another rank (its log names the "
+            "file); delete it and restage"
+        )
+    manifest = next(iter(opened.values()))[2]
+    nbytes = sum(images.nbytes for images, _, _ in opened.values())
+    in_memory, why = choose_in_memory(run, nbytes)
+    data: dict = {"in_memory": in_memory}
+    for split, (images, labels, _) in opened.items():
+        if in_memory:
+            data[f"{split}_x"] = torch.from_numpy(images.load()).to(device)
+            images.close()
+        else:
+            data[f"{split}_x"] = feed.StreamedImages(images, device)
+        data[f"{split}_y"] = torch.from_numpy(labels).to(device)
+    if in_memory:
+        data["feed"] = feed.MemoryFeed(data["train_x"]) if "train" in opened else None
+    else:
+        data["feed"] = feed.StreamFeed(
+            opened["train"][0], device, loading["workers"], loading["prefetch"]
+        ) if "train" in opened else None  # fmt: skip
+    if env.is_master:
+        how = "in memory" if in_memory else (
+            f"streamed from {staged} ({loading['workers']} DataLoader workers per rank, "
+            f"{loading['prefetch']} batches ahead each)"
+        )  # fmt: skip
+        log.info("data %s: %s (%s)", "+".join(opened), how, why)
+    shape = [1, len(manifest["mean"]), 1, 1]
+    data["norm"] = (
+        torch.tensor(manifest["mean"], device=device).view(shape),
+        torch.tensor(manifest["std"], device=device).view(shape),
+    )
+    data["num_classes"], data["shape"] = manifest["num_classes"], manifest["shape"]
+    data["manifest"] = manifest
+    data["device"] = device
+    return data
+
+
+class DistributedTask:
+    """Base of the submitted callables: rank set-up, guaranteed teardown, rank-0 gating."""
+
+    def __init__(self, run: dict, paths: RunPaths, file_rendezvous: bool = True):
+        # file_rendezvous: rank 0 publishes a self-bound port in the shared work folder
+        # (submitit jobs); False uses MASTER_PORT or the job-id port (srun, torchrun).
+        self.run, self.paths, self.file_rendezvous = run, paths, file_rendezvous
+
+    def __call__(self) -> dict:
+        Path(self.paths.work).mkdir(parents=True, exist_ok=True)
+        rendezvous = self.paths.work if self.file_rendezvous else None
+        env, device = rank_context(self.run, rendezvous)
+        try:
+            result = self.work(env, device, gather_hosts(env))
+            if env.world_size > 1:
+                # every rank leaves together: a rank tearing gloo down while rank 0 still
+                # wrote its outputs was aborted at exit ("terminate called without an
+                # active exception") in evaluate jobs on the Slurm test cluster
+                dist.barrier()
+            return result
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def work(self, env, device, hosts) -> dict:
+        raise NotImplementedError
+
+
+class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
+    """Train one run. Resumes from the newest valid checkpoint; on Slurm's time-limit or
+    preemption signal all ranks stop at one step, rank 0 saves, and submitit requeues the job
+    (checkpoint() returns this same task, which resumes)."""
+
+    def work(self, env, device, hosts) -> dict:
+        run, paths = self.run, self.paths
+        start = time.perf_counter()
+        if run["machine"]["preflight"]["enabled"]:
+            run_preflight(run["machine"]["preflight"], env, device, hosts)
+        split = run["eval"]["split"]
+        in_train = run["eval"]["in_train"]
+        # the evaluation split too when this job evaluates at the end: loaded (and verified)
+        # now, so that bad data fails before the training, not after it
+        data = load_data(
+            run, paths.staged, env, device,
+            ("train", "val", split) if in_train else ("train", "val"),
+        )  # fmt: skip
+        augment = run["train"]["augment"]
+        if (
+            env.is_master
+            and augment["enabled"]
+            and augment["crop_padding"] * 4 > min(data["shape"][1:])
+        ):
+            log.warning(
+                "train.augment.crop_padding %d on %s images: a random crop can cut away up to "
+                "half of an image; lower it (the CIFAR recipe pads 32x32 images by 4)",
+                augment["crop_padding"], "x".join(map(str, data["shape"][1:])),
+            )  # fmt: skip
+        if (
+            env.local_rank == 0
+            and device.type == "cpu"
+            and run["train"]["precision"] == "bf16"
+            and not cpu_has_native_bf16()
+        ):
+            log.warning(
+                "train.precision bf16 on %s, whose CPU has no bf16 instructions (AMX or "
+                "AVX512-BF16): oneDNN emulates bf16 here, likely slower than fp32; set "
+                "train.precision: fp32 for this machine", socket.gethostname(),
+            )  # fmt: skip
+        torch.manual_seed(run["train"]["seed"])  # same init everywhere (DDP also broadcasts)
+        model = build_model(run["model"], data["shape"], data["num_classes"])
+        sharded = trains_sharded(run)
+        model = place(model, device, uses_channels_last(run), move=not sharded)
+        loop = Loop(run, data, env, device, model)
+        ckpt = Checkpointer(run, paths.work, env)
+        live_metrics = Path(paths.work) / LIVE_METRICS
+        resumed = ckpt.restore(loop)
+        ckpt.attempt = _next_attempt(Path(paths.work), resumed is not None, env)
+        loop.segments.append({
+            "world_size": env.world_size, "hosts": list(hosts), "attempt": ckpt.attempt,
+            "start_step": loop.scheduler.last_epoch, "end_step": loop.scheduler.last_epoch,
+        })  # fmt: skip
+        if env.is_master:
+            _start_log(run, model, loop, resumed, ckpt.attempt, live_metrics)
+        watch = monitor.RunMonitor(
+            run, Path(paths.model).parent, env, device, hosts, resumed["step"] if resumed else None
+        )
+        loop.on_step = watch.wrap_step(ckpt.on_step)
+
+        def on_epoch(record: dict) -> None:
+            watch.on_epoch(record)  # every rank (a collective), before the checkpoint
+            record.update(run=run["name"], attempt=ckpt.attempt)
+            ckpt.on_epoch(loop)  # before the record is logged: a resume never repeats it
+            if env.is_master:
+                runtime.append_jsonl(live_metrics, record)
+                log.info(
+                    "epoch %d/%d loss %.4f val_acc %.4f %.0f samples/s",
+                    record["epoch"],
+                    run["train"]["epochs"],
+                    record["train_loss"],
+                    record["val_accuracy"],
+                    record["samples_per_s"],
+                )
+
+        with stop_on_signal(ckpt):
+            try:
+                fit(loop, on_epoch, _progress_bar(run, env))
+            except Preempted:
+                hand_over_to_requeue(env, ckpt.submitit_handler)
+                raise
+            finally:
+                watch.close()
+                data["feed"].close()  # streamed: the DataLoader workers end here
+        summary = None
+        weights = loop.full_model_state()  # collective under FSDP; the whole model on rank 0
+        if env.is_master:
+            summary = self._write_outputs(
+                model, weights, data, env, hosts, loop, ckpt.attempt, start, live_metrics
+            )
+        if in_train:
+            self._evaluate(model, data, env, hosts, summary)
+        return summary or {"rank": env.rank, "host": socket.gethostname()}
+
+    def _evaluate(self, model, data, env, hosts, summary) -> None:
+        """Score the final model before the ranks are released (one allocation per run):
+        the same exact evaluation as the evaluate job's, on the bare module (no autocast),
+        so the counts are those a job of its own would get. Rank 0 keeps the result in the
+        work folder, tied to model.pt's checksum and the eval config; the evaluate rule
+        publishes it. A failure here is logged and leaves the evaluation to that rule."""
+        run, split = self.run, self.run["eval"]["split"]
+        sync_buffers(model, env.world_size)  # score the model rank 0 saved
+        result = evaluate.evaluate_split(
+            model,
+            data[f"{split}_x"],
+            data[f"{split}_y"],
+            data["num_classes"],
+            run["eval"]["batch_size"],
+            data["norm"],
+            env.rank,
+            env.world_size,
+            guard=True,
+        )
+        if result is None:
+            log.warning("the evaluation after training failed; the evaluate rule will score "
+                        "the model in a job of its own")  # fmt: skip
+            return
+        if env.is_master:
+            record = evaluation_record(
+                run, result, data["manifest"], env.world_size, hosts, summary, "train job"
+            )
+            record["model_sha256"] = summary.pop("model_sha256")
+            record["eval_key"] = config_hash(evaluation_fingerprint(run))
+            runtime.atomic_write_json(Path(self.paths.work) / EVAL_FROM_TRAIN, record)
+            log.info("evaluated on the %s split: %d of %d correct, accuracy %.4f in %.2fs",
+                     split, result["correct"], result["samples_evaluated"], result["accuracy"],
+                     result["eval_seconds"])  # fmt: skip
+            _tensorboard_final(run, self.paths, result, summary["steps"])
+
+    def _write_outputs(self, model, weights, data, env, hosts, loop, attempt, start, live_metrics):
+        run, paths = self.run, self.paths
+        sha256 = runtime.atomic_torch_save(
+            {
+                "state_dict": weights,
+                "model": run["model"],
+                "shape": data["shape"],
+                "num_classes": data["num_classes"],
+            },
+            paths.model,
+        )
+        records = loop.history
+        loop.segments[-1]["end_step"] = loop.scheduler.last_epoch
+        train_seconds = sum(r["seconds"]["train"] for r in records)
+        samples = sum(r["samples"] for r in records)  # global: every rank's
+        phases = {p: sum(r["seconds"][p] for r in records) for p in records[0]["seconds"]}
+        summary = {
+            "run": run["name"],
+            "world_size": env.world_size,
+            "nodes": env.num_nodes,
+            "hosts": hosts,
+            "launcher": env.launcher,
+            "slurm_job_id": _slurm_job_id(env),
+            "epochs": run["train"]["epochs"],
+            "steps": loop.scheduler.last_epoch,
+            "attempts": attempt,
+            "train_seconds": train_seconds,
+            "wall_seconds": time.perf_counter() - start,
+            "samples_per_s": samples / train_seconds if train_seconds else 0.0,
+            "phase_seconds": phases,
+            "device": str(data["device"]),
+            "device_name": runtime.device_name(data["device"]),
+            "data_in_memory": data["in_memory"],
+            "parameters": count_parameters(model),
+            "lr": loop.lr,
+            "global_batch": run["train"]["global_batch_size"],
+            "micro_batch": run["train"]["micro_batch_size"],
+            "accumulation_steps": loop.accum,
+            # the world size and hosts of each stretch of the training, in order (one unless
+            # it was continued on another allocation)
+            "segments": loop.segments,
+            "precision": run["train"]["precision"] if loop.autocast else "fp32",
+        }
+        runtime.atomic_write_bytes(paths.train_metrics, live_metrics.read_bytes())
+        runtime.atomic_write_json(paths.train_summary, summary)
+        return {**summary, "model_sha256": sha256}
+
+
+def _slurm_job_id(env) -> str | None:
+    """This job's id when Slurm runs it (the report asks sacct about it)."""
+    return os.environ.get("SLURM_JOB_ID") if env.launcher == "slurm" else None
+
+
+def _next_attempt(work: Path, resumed: bool, env) -> int:
+    """Attempts of this run's training: counted across requeues and reruns, reset when no
+    checkpoint exists (a fresh start). Every rank computes it; rank 0 records it."""
+    counter = work / "attempts"
+    try:
+        previous = int(counter.read_text()) if resumed else 0
+    except (OSError, ValueError):
+        previous = 1 if resumed else 0
+    distenv.barrier(env)  # everyone has read before rank 0 writes
+    if env.is_master:
+        runtime.atomic_write_bytes(counter, f"{previous + 1}\n".encode())
+    return previous + 1
+
+
+def _start_log(run, model, loop, resumed, attempt, live_metrics: Path) -> None:
+    # the live metrics file always equals the checkpoint's history plus what follows
+    lines = "".join(json.dumps(r, sort_keys=True) + "\n" for r in loop.history)
+    runtime.atomic_write_bytes(live_metrics, lines.encode())
+    train = run["train"]
+    log.info(
+        "model %s: %d parameters; lr %.4g (global batch %d = micro-batch %d x %d ranks x %d "
+        "accumulation steps); strategy %s; attempt %d",
+        run["model"]["name"], count_parameters(model), loop.lr, train["global_batch_size"],
+        train["micro_batch_size"], loop.env.world_size, loop.accum, loop.strategy, attempt,
+    )  # fmt: skip
+    if resumed:
+        log.info("RESUMED from attempt %d: %s", resumed["attempt"],
+                 resumed_line(resumed, loop.env.world_size))  # fmt: skip
+
+
+def _progress_bar(run: dict, env):
+    """Rank 0's progress within an epoch: a tqdm bar on a terminal; in a log file (a
+    submitit or Slurm rank log is never a terminal) whole lines instead, since a bar's
+    carriage returns would glue the next log line onto it."""
+    if not (env.is_master and run["train"]["progress"]):
+        return None
+
+    def factory(loop):
+        total = loop.micro_batches_per_epoch
+        desc = f"epoch {loop.epoch + 1}"
+        if not sys.stderr.isatty():
+            return LineProgress(total, desc)
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit="step", mininterval=2.0, leave=False)
+
+    return factory
+
+
+class LineProgress:
+    """The tqdm calls the loop makes (update, close), as one log line at most every
+    `interval` seconds: "epoch 2: step 120/400 (30%), 41.2 step/s, ~7 s left"."""
+
+    def __init__(self, total: int, desc: str, interval: float = 10.0):
+        self.total, self.desc, self.interval = total, desc, interval
+        self.done = 0
+        self.start = self.last = time.monotonic()
+        self.first = None  # steps done when counting began (a resumed epoch starts mid-way)
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if self.first is None:  # the loop's first call passes the steps already done
+            self.first = n
+            return
+        now = time.monotonic()
+        if now - self.last >= self.interval and self.done < self.total:
+            self.last = now
+            rate = (self.done - self.first) / max(now - self.start, 1e-9)
+            left = (self.total - self.done) / rate if rate > 0 else float("nan")
+            log.info(
+                "%s: step %d/%d (%d%%), %.1f step/s, ~%.0f s left",
+                self.desc,
+                self.done,
+                self.total,
+                100 * self.done // max(self.total, 1),
+                rate,
+                left,
+            )
+
+    def close(self) -> None:
+        pass
+
+
+class EvalTask(DistributedTask):
+    def work(self, env, device, hosts) -> dict:
+        run, paths = self.run, self.paths
+        split = run["eval"]["split"]
+        data = load_data(run, paths.staged, env, device, splits=(split,))
+        images, labels = data[f"{split}_x"], data[f"{split}_y"]
+        checkpoint = torch.load(paths.model, map_location=device, weights_only=True)
+        model = build_model(checkpoint["model"], checkpoint["shape"], checkpoint["num_classes"])
+        model.load_state_dict(checkpoint["state_dict"])
+        model = place(model, device, uses_channels_last(run))
+        result = evaluate.evaluate_split(
+            model,
+            images,
+            labels,
+            data["num_classes"],
+            run["eval"]["batch_size"],
+            data["norm"],
+            env.rank,
+            env.world_size,
+        )
+        if not env.is_master:
+            return {"rank": env.rank, "host": socket.gethostname()}
+        return self._write(result, data, env, hosts)
+
+    def _write(self, result, data, env, hosts) -> dict:
+        train = json.loads(Path(self.paths.train_summary).read_text())
+        record = evaluation_record(
+            self.run, result, data["manifest"], env.world_size, hosts, train, "evaluate job"
+        )
+        record["slurm_job_id"] = _slurm_job_id(env)
+        runtime.atomic_write_json(self.paths.eval_metrics, record)
+        _tensorboard_final(self.run, self.paths, result, train.get("steps", 0))
+        return published(record)
+
+
+def _tensorboard_final(run: dict, paths: RunPaths, result: dict, step: int) -> None:
+    if run["train"]["monitor"]["tensorboard"]:
+        log_dir = Path(paths.model).parent / monitor.TENSORBOARD_DIR
+        monitor.log_final_metrics(log_dir, run["eval"]["split"], result, step)
