@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ddpflow-installed
 
-.PHONY: run test lint bench clean profile
+.PHONY: run test lint bench clean profile docs docs-build
 
 run: $(STAMP) profile
 	$(BIN)/snakemake
@@ -35,6 +35,19 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	bench/run
+
+# The documentation site (docs/, mkdocs.yml): `make docs` serves it at http://127.0.0.1:8000,
+# `make docs-build` builds it into site/ as CI does (--strict: a broken link fails).
+DOCS_STAMP := $(VENV)/.ddpflow-docs-installed
+$(DOCS_STAMP): envs/docs.txt $(STAMP)
+	$(BIN)/python -m pip install --quiet -r envs/docs.txt
+	touch $@
+
+docs: $(DOCS_STAMP)
+	$(BIN)/mkdocs serve
+
+docs-build: $(DOCS_STAMP)
+	$(BIN)/mkdocs build --strict
 
 # torch and torchvision are pinned together in envs/requirements.txt (a bare torch pulls
 # another multi-GB build); the package is installed editable so submitit's ranks import it.
