@@ -4,13 +4,14 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ddpflow-installed
+DOCS_STAMP := $(VENV)/.ddpflow-docs-installed
 
 .PHONY: run test lint bench clean profile docs docs-build
 
 run: $(STAMP) profile
 	$(BIN)/snakemake
 
-test: $(STAMP) profile
+test: $(STAMP) $(DOCS_STAMP) profile
 	$(BIN)/python -m pytest
 
 # `snakemake --profile slurm`, the name as users type it: Snakemake looks for named profiles
@@ -38,7 +39,6 @@ bench: $(STAMP)
 
 # The documentation site (docs/, mkdocs.yml): `make docs` serves it at http://127.0.0.1:8000,
 # `make docs-build` builds it into site/ as CI does (--strict: a broken link fails).
-DOCS_STAMP := $(VENV)/.ddpflow-docs-installed
 $(DOCS_STAMP): envs/docs.txt $(STAMP)
 	$(BIN)/python -m pip install --quiet -r envs/docs.txt
 	touch $@
