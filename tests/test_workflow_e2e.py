@@ -21,6 +21,19 @@ TWO_RUNS = {
 }
 
 
+@pytest.mark.smoke
+def test_smoke_the_default_job_trains_evaluates_reports_then_plans_nothing(workdir):
+    """The small end-to-end run of `make test-fast`: the shipped config, 2 epochs, 2 ranks."""
+    configfile = write_config(workdir / "config.yaml", {"train": {"epochs": 2, "progress": False}})
+    result = snakemake(workdir, configfile)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((workdir / "results/runs/default/eval_metrics.json").read_text())
+    assert metrics["samples_evaluated"] == metrics["test_size"] == 359
+    assert metrics["world_size"] == 2 and metrics["accuracy"] > 0.5
+    assert (workdir / "results/report/report.html").stat().st_size > 0
+    assert jobs_planned(workdir, configfile) == set()
+
+
 def test_whole_workflow_then_partial_rerun(workdir):
     configfile = write_config(workdir / "config.yaml", TWO_RUNS)
     result = snakemake(workdir, configfile)
