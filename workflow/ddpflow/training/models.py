@@ -196,17 +196,3 @@ def place(model: nn.Module, device: torch.device, channels_last: bool, move=True
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-@torch.no_grad()
-def forward_flops(model: nn.Module, shape: list[int]) -> int:
-    """Forward FLOPs of one sample (2 x multiply-adds), counted by torch's FLOP counter."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    was_training = model.training
-    model.eval()
-    with counter:
-        model(torch.zeros(1, *shape))
-    model.train(was_training)
-    return int(counter.get_total_flops())
