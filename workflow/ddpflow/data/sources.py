@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ddpflow.data.raw import DataError, RawSource
+from ddpflow.plugins import is_plugin
 from ddpflow.runtime import atomic_writer
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def load_source(data_cfg: dict, seed: int) -> RawSource:
         from ddpflow.data.npz import load_npz
 
         return load_npz(data_cfg)
-    if ":" in source:
+    if is_plugin(source):
         from ddpflow.data.plugin_data import load_plugin
 
         return load_plugin(data_cfg)

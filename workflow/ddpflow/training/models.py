@@ -15,7 +15,7 @@ from torch import nn
 
 from ddpflow.config import BUILT_IN_MODELS
 from ddpflow.errors import UserError
-from ddpflow.plugins import import_factory
+from ddpflow.plugins import import_factory, is_plugin
 
 BUILT_IN = tuple(BUILT_IN_MODELS)
 
@@ -35,7 +35,7 @@ def build_model(model_cfg: dict, shape: list[int], num_classes: int) -> nn.Modul
     if name in ("resnet18", "resnet34"):
         return small_resnet(name, channels, num_classes)
     kwargs = dict(model_cfg.get("kwargs") or {})
-    if ":" in name:
+    if is_plugin(name):
         return _plugin(name, shape, num_classes, kwargs)
     return zoo_model(name, channels, num_classes, kwargs, model_cfg.get("small_input_stem", True))
 
