@@ -112,5 +112,6 @@ def fit_image(image, height: int, width: int) -> np.ndarray:
 
 
 def some_names(items: list[str]) -> str:
+    """The first SHOWN items, comma-separated, then "and N more"."""
     more = f" and {len(items) - SHOWN} more" if len(items) > SHOWN else ""
     return ", ".join(items[:SHOWN]) + more
