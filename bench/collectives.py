@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from ddpflow import runtime
-from ddpflow.tutorial.collectives import bus_bandwidth, naive_all_reduce, ring_all_reduce
+from ddpflow.cluster.preflight import bus_bandwidth
+from ddpflow.tutorial.collectives import naive_all_reduce, ring_all_reduce
 from workers import machine_info, spawn_ranks
 
 IMPLS = ("torch", "ring", "naive")

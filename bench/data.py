@@ -11,7 +11,7 @@ On an image folder that Pillow writes into a temporary directory (--images PNG f
    path) and its labels taken:
 
    * ``streamed``: ddpflow's streamed path: the folder staged once (not timed) with
-     ``ddpflow.data.staged.stage_dataset``, then ``ddpflow.data.feed.StreamFeed`` over
+     ``ddpflow.data.staging.stage_dataset``, then ``ddpflow.data.feed.StreamFeed`` over
      ``open_split(...)[0]`` (the train split), batches as Loop takes them
      (``ddpflow.training.loop.step_micro_batches`` + ``rank_micro_batches``: one shuffle cut into
      steps of the global batch, this rank's micro-batch of each; the remainder of n sits
@@ -67,7 +67,8 @@ import torch
 from ddpflow import config as ddpconfig
 from ddpflow import runtime
 from ddpflow.data import feed
-from ddpflow.data import staged as ddata
+from ddpflow.data.staged import choose_in_memory, open_split, read_manifest
+from ddpflow.data.staging import stage_dataset
 from ddpflow.training.evaluate import normalize
 from ddpflow.training.loop import rank_micro_batches, step_micro_batches
 from workers import machine_info
@@ -168,7 +169,7 @@ def staging(root: Path, size: int, threads: list[int], work: Path) -> tuple[list
         staged = work / f"staged-{size}-t{t}"
         shutil.rmtree(staged, ignore_errors=True)
         began = time.perf_counter()
-        manifest = ddata.stage_dataset(cfg, staged, SEED, threads=t)
+        manifest = stage_dataset(cfg, staged, SEED, threads=t)
         seconds = time.perf_counter() - began
         images = sum(manifest["sizes"].values())
         digests.append({k: v["sha256"] for k, v in manifest["files"].items()})
@@ -190,7 +191,7 @@ class Streamed:
     """ddpflow's streamed path, as Loop.train_epoch drives it."""
 
     def __init__(self, staged: Path, workers: int, prefetch: int, batch: int):
-        self.images, labels, manifest = ddata.open_split(staged, "train")
+        self.images, labels, manifest = open_split(staged, "train")
         self.labels = torch.from_numpy(labels)
         self.norm = norm_of(manifest)
         self.feed = feed.StreamFeed(self.images, "cpu", workers, prefetch)
@@ -226,7 +227,7 @@ class InMemory(Streamed):
     """ddpflow's in-memory path: the split in one tensor, a batch one index_select."""
 
     def __init__(self, staged: Path, workers: int, prefetch: int, batch: int):
-        images, labels, manifest = ddata.open_split(staged, "train")
+        images, labels, manifest = open_split(staged, "train")
         began = time.perf_counter()
         self.images = torch.from_numpy(images.load())
         self.load_seconds = time.perf_counter() - began
@@ -283,7 +284,7 @@ def consume(x: torch.Tensor, y: torch.Tensor) -> int:
 
 def loader_case(root: Path, staged: Path, size: int, args: argparse.Namespace) -> dict:
     """One image size: every path's images/s over --repeats epochs, after one untimed."""
-    manifest = ddata.read_manifest(staged)
+    manifest = read_manifest(staged)
     paths = {
         "streamed": Streamed(staged, args.workers, args.prefetch, args.batch),
         "tutorial": Tutorial(root, size, args.workers, args.batch, norm_of(manifest)),
@@ -343,7 +344,7 @@ def stage_memory_worker(cfg: dict) -> int:
     resident size right after the imports."""
     constant = status_bytes(os.getpid(), "VmRSS")
     began = time.perf_counter()
-    manifest = ddata.stage_dataset(folder_cfg(Path(cfg["root"]), cfg["size"]), Path(cfg["out"]),
+    manifest = stage_dataset(folder_cfg(Path(cfg["root"]), cfg["size"]), Path(cfg["out"]),
                                    SEED, threads=1, shard_bytes=cfg["shard_bytes"])  # fmt: skip
     result = {
         "images": sum(manifest["sizes"].values()),
@@ -395,8 +396,8 @@ def memory_worker(cfg: dict) -> int:
     constant_data_pss = private_pss(os.getpid())
     staged = Path(cfg["staged"])
     run = {"data": {"loading": {"in_memory": "auto", "memory_budget_gb": cfg["budget_gb"]}}}
-    images, labels, manifest = ddata.open_split(staged, "train")
-    auto_in_memory, why = ddata.choose_in_memory(run, images.nbytes)
+    images, labels, manifest = open_split(staged, "train")
+    auto_in_memory, why = choose_in_memory(run, images.nbytes)
     nbytes = images.nbytes
     began = time.perf_counter()
     if cfg["path"] == "streamed":
@@ -507,7 +508,7 @@ def memory_case(work: Path, args: argparse.Namespace) -> dict:
              test_labels=np.arange(test) % 10)  # fmt: skip
     staged = work / "staged-memory"
     began = time.perf_counter()
-    manifest = ddata.stage_dataset(cfg, staged, SEED, threads=1)
+    manifest = stage_dataset(cfg, staged, SEED, threads=1)
     stage_seconds = time.perf_counter() - began
     (work / "memory.npz").unlink()
     rows = []

@@ -54,7 +54,7 @@ from ddpflow import runtime
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.training.checkpoint import Checkpointer
 from ddpflow.training.loop import Loop
-from ddpflow.training.models import build_model, forward_flops, place
+from ddpflow.training.models import build_model, place
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -417,6 +417,20 @@ def launch(cfg: dict, script: str = __file__) -> dict:
     with tempfile.TemporaryDirectory(prefix="ddpflow-bench-") as tmp:
         cfg = {**cfg, "port": free_port(), "result_file": f"{tmp}/result.json", "work": tmp}
         return spawn_ranks(script, cfg, WORKER_TIMEOUT_S, env)
+
+
+@torch.no_grad()
+def forward_flops(model: nn.Module, shape: list[int]) -> int:
+    """Forward FLOPs of one sample (2 x multiply-adds), counted by torch's FLOP counter."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    was_training = model.training
+    model.eval()
+    with counter:
+        model(torch.zeros(1, *shape))
+    model.train(was_training)
+    return int(counter.get_total_flops())
 
 
 def train_flops_per_sample(case: dict) -> int:

@@ -232,27 +232,3 @@ def test_unknown_op_rejected_before_any_communication(function):
     args = (torch.zeros(3), 0) if function is C.reduce else (torch.zeros(3),)
     with pytest.raises(ValueError, match="unsupported reduction op"):
         function(*args, op="xor")
-
-
-def test_bus_bandwidth_follows_nccl_tests():
-    algbw, busbw = C.bus_bandwidth(2e9, 1.0, 4, "all_reduce")
-    assert algbw == pytest.approx(2.0)
-    assert busbw == pytest.approx(2.0 * 2 * 3 / 4)
-    assert C.bus_bandwidth(1e9, 0.5, 8, "allreduce") == pytest.approx((2.0, 2.0 * 14 / 8))
-    for name in ("broadcast", "reduce"):
-        assert C.bus_bandwidth(3e9, 2.0, 8, name) == pytest.approx((1.5, 1.5))
-    assert C.bus_bandwidth(1e9, 1.0, 4, "all_gather") == pytest.approx((1.0, 0.75))
-    assert C.bus_bandwidth(1e9, 1.0, 1, "all_reduce") == pytest.approx((1.0, 0.0))
-
-
-@pytest.mark.parametrize(
-    ("args", "match"),
-    [
-        ((1e6, 0.0, 2, "all_reduce"), "seconds"),
-        ((1e6, 1.0, 0, "all_reduce"), "world_size"),
-        ((1e6, 1.0, 2, "gather"), "unknown collective"),
-    ],
-)
-def test_bus_bandwidth_rejects_bad_input(args, match):
-    with pytest.raises(ValueError, match=match):
-        C.bus_bandwidth(*args)

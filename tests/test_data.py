@@ -1,4 +1,4 @@
-"""Unit tests of dataset staging and loading (ddpflow.data.staged, ddpflow.data.sources).
+"""Unit tests of dataset staging and loading (ddpflow.data.staging, .staged, .sources).
 
 Real digits from scikit-learn; MNIST-like and CIFAR from tiny files in torchvision's own
 on-disk formats (tests/datafixtures.py) read by the real torchvision loaders; synthetic.
@@ -15,7 +15,9 @@ import pytest
 import torch
 from datafixtures import class_images, trust_cifar_fixture, write_cifar, write_mnist_like
 from ddpflow.data import staged as ddata
-from ddpflow.data.staged import DataError, load_split, stage_dataset, verify_staged
+from ddpflow.data import staging
+from ddpflow.data.staged import DataError, load_split, verify_staged
+from ddpflow.data.staging import stage_dataset
 
 N_TRAIN, N_TEST = 200, 50
 
@@ -247,7 +249,7 @@ def fail_on_manifest(monkeypatch) -> None:
     def boom(path, obj):
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(ddata, "_write_json", boom)
+    monkeypatch.setattr(staging, "_write_json", boom)
 
 
 def test_failed_stage_leaves_no_out_dir(tmp_path, monkeypatch):

@@ -12,7 +12,8 @@ import pytest
 from datafixtures import image_of, make_folder, make_mixed_folder
 from ddpflow import config as ddpconfig
 from ddpflow.data.raw import DataError
-from ddpflow.data.staged import load_split, stage_dataset
+from ddpflow.data.staged import load_split
+from ddpflow.data.staging import stage_dataset
 from PIL import Image
 from workflow_helpers import REPO, jobs_planned, make_run, snakemake, write_config
 

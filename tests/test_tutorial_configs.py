@@ -9,7 +9,7 @@ import shutil
 import pytest
 from datafixtures import trust_cifar_fixture, write_cifar, write_mnist_like
 from ddpflow import config as ddpconfig
-from ddpflow.data.staged import stage_dataset
+from ddpflow.data.staging import stage_dataset
 from workflow_helpers import REPO, snakemake, write_config
 
 pytestmark = pytest.mark.e2e

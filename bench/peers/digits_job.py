@@ -5,9 +5,10 @@ What it takes from ddpflow (so that the job is identical, not a copy that could 
 
 * the settings: the first run of the shipped config/config.yaml, schema defaults filled in
   (the harness, bench/end_to_end.py, passes it as JSON; without it the script loads the config);
-* the data: scikit-learn's digits split by ddpflow.data.staged.make_splits (stratified, seeded:
-  the same train/val/test samples as the stage rule) and standardised with the train split's
-  per-channel mean/std (ddpflow.data.staged.channel_stats, ddpflow.training.evaluate.normalize);
+* the data: scikit-learn's digits split by ddpflow.data.staging.split_indices (stratified,
+  seeded: the same train/val/test samples as the stage rule; make_splits below) and
+  standardised with the train split's per-channel mean/std (channel_stats below,
+  ddpflow.training.evaluate.normalize);
 * the model: ddpflow.training.models.build_model (the CNN), initialised after
   torch.manual_seed(seed);
 * the batch: train.micro_batch_size per rank at the job's world size, one micro-batch per
@@ -29,6 +30,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,7 +81,6 @@ def world_size(job: dict) -> int:
 def load_splits(job: dict) -> dict:
     """{split: (float images standardised, int64 labels)} for train, val and test."""
     from ddpflow.data.sources import load_digits
-    from ddpflow.data.staged import channel_stats, make_splits
     from ddpflow.training.evaluate import normalize
 
     splits = make_splits(load_digits(), job["data"], job["data"]["seed"])
@@ -90,6 +91,35 @@ def load_splits(job: dict) -> dict:
         name: (normalize(torch.from_numpy(x), *norm), torch.from_numpy(y))
         for name, (x, y) in splits.items()
     }
+
+
+def make_splits(raw, data_cfg: dict, seed: int) -> dict:
+    """{split: (images, labels)} in memory (sources held as arrays): see
+    ddpflow.data.staging.split_indices."""
+    from ddpflow.data.staging import split_indices
+
+    pools = {"train": (raw.train_x, raw.train_y), "test": (raw.test_x, raw.test_y)}
+    return {
+        split: (pools[pool][0][idx], pools[pool][1][idx])
+        for split, (pool, idx) in split_indices(raw, data_cfg, seed).items()
+    }
+
+
+def channel_stats(images: np.ndarray, chunk: int = 4096) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std (population) in 0..1 units, from exact integer sums.
+
+    Chunked so that CIFAR-sized uint8 arrays are never copied whole into float64.
+    """
+    total = np.zeros(images.shape[1], np.int64)
+    squares = np.zeros(images.shape[1], np.int64)
+    for start in range(0, len(images), chunk):
+        part = images[start : start + chunk].astype(np.int64)
+        total += part.sum(axis=(0, 2, 3))
+        squares += (part * part).sum(axis=(0, 2, 3))
+    count = len(images) * images.shape[2] * images.shape[3]
+    mean = total / count
+    std = np.sqrt(np.maximum(squares / count - mean * mean, 0.0))
+    return (mean / 255.0).tolist(), (std / 255.0).tolist()
 
 
 def build(job: dict, images: torch.Tensor) -> torch.nn.Module:

@@ -23,7 +23,8 @@ from ddpflow.config import (
     training_fingerprint,
     uses_channels_last,
 )
-from ddpflow.data import staged as data
+from ddpflow.data.staged import choose_in_memory, read_manifest, sha256_file
+from ddpflow.data.staging import stage_dataset
 from ddpflow.errors import UserError
 from ddpflow.monitoring.rankstats import stragglers
 from ddpflow.paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 def stage_data(data_cfg: dict, out_dir: str, threads: int = 1) -> dict:
     start = time.perf_counter()
-    manifest = data.stage_dataset(data_cfg, out_dir, seed=data_cfg["seed"], threads=threads)
+    manifest = stage_dataset(data_cfg, out_dir, seed=data_cfg["seed"], threads=threads)
     seconds = time.perf_counter() - start
     images = sum(manifest["sizes"].values())
     shards = sum(len(s) for s in manifest["shards"].values())
@@ -187,11 +188,11 @@ def _check_user_model(run: dict, manifest: dict) -> None:
 
 def _say_how_data_is_read(run: dict, manifest: dict) -> None:
     """In the terminal, before submission: in memory or streamed (the ranks decide the same
-    way from the same figures: feed.choose_in_memory)."""
+    way from the same figures: ddpflow.data.staged.choose_in_memory)."""
     splits = dict.fromkeys(("train", "val", run["eval"]["split"] if run["eval"]["in_train"]
                             else "train"))  # fmt: skip
     nbytes = sum(manifest["sizes"][split] for split in splits) * math.prod(manifest["shape"])
-    in_memory, why = data.choose_in_memory(run, nbytes)
+    in_memory, why = choose_in_memory(run, nbytes)
     loading = run["data"]["loading"]
     how = "in memory" if in_memory else (
         f"streamed from the staged shards by {loading['workers']} DataLoader workers per rank"
@@ -222,7 +223,7 @@ def _say_what_sits_out(run: dict, samples: int) -> None:
 def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     """Train one run: resume only an interrupted attempt of this very config (else from
     scratch, saying why), then keep the work folder lean."""
-    manifest = data.read_manifest(paths.staged)
+    manifest = read_manifest(paths.staged)
     check_batch_fits(run, manifest["sizes"]["train"])
     _say_what_sits_out(run, manifest["sizes"]["train"])
     _check_user_model(run, manifest)
@@ -286,7 +287,7 @@ def _publish_evaluation_from_training(run: dict, paths: RunPaths) -> dict | None
         pass
     elif key != config_hash(evaluation_fingerprint(run)):
         log.info("the eval section changed since the training job evaluated: evaluating anew")
-    elif sha != data.sha256_file(Path(paths.model)):
+    elif sha != sha256_file(Path(paths.model)):
         log.info("model.pt is not the model the training job evaluated: evaluating anew")
     else:
         runtime.atomic_write_json(paths.eval_metrics, record)

@@ -12,6 +12,7 @@ from ddpflow.errors import UserError
 
 
 def is_plugin(name: str) -> bool:
+    """Whether a config name (model.name, data.source) names your code, not a built-in."""
     return ":" in name
 
 

@@ -6,17 +6,20 @@ import json
 import logging
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-# the timed phases of a training step, in order: loop.Loop measures them with `timed`, every
-# epoch's "seconds" record and the report's columns and summary rows use these keys
+# the timed phases of a training step, in order: loop.Loop measures them with a PhaseClock
+# (below); every epoch's "seconds" record and the report's columns and summary rows use these
+# keys
 PHASES = ("data", "forward", "backward_sync", "optimizer")
 
 
@@ -135,6 +138,37 @@ def append_jsonl(path: str | Path, record: dict) -> None:
         fh.write(json.dumps(record, sort_keys=True) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename into it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_dir(new: Path, target: Path) -> None:
+    """Rename the complete `new` over `target`, keeping the old copy until the swap is done.
+
+    rename(2) cannot replace a non-empty directory, so the old one is first renamed aside. A
+    crash between the two renames leaves target absent but both copies on disk as siblings.
+    """
+    old = None
+    if target.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        os.replace(target, old / target.name)
+    try:
+        os.replace(new, target)
+    except BaseException:
+        if old is not None:
+            os.replace(old / target.name, target)
+            old.rmdir()
+        raise
+    fsync_dir(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 class PhaseClock:

@@ -155,21 +155,7 @@ def launch(
                     task, launcher, machine, folder, job_name, record, fingerprint, max_requeues,
                     exclude,
                 )  # fmt: skip
-            watch = None
-            if launcher == "slurm" and ledger is not None:
-                watch = nodes.NodeFailureWatch(job.job_id)
-            try:
-                # a poll stats result files (sacct is rate-limited by submitit itself)
-                poll_s = 0.2 if launcher == "local" else 2.0
-                results = wait(job, job_name, poll_s, on_poll=on_poll, watch=watch)
-            except LaunchError as err:
-                # the job ended and failed: a retry or rerun must submit a new one, not
-                # reattach to this one and read its failure again
-                if record:
-                    Path(record).unlink(missing_ok=True)
-                if watch is None:
-                    raise
-                _blame_nodes(err, job, ledger, getattr(task, "run", {}).get("name", job_name))
+            results = _results(job, task, launcher, job_name, record, on_poll, ledger)
     except KeyboardInterrupt:
         if job is not None:
             with ignore_stop_signals():  # a second Ctrl-C must not abandon the cancel
@@ -178,6 +164,27 @@ def launch(
     if record:
         Path(record).unlink(missing_ok=True)
     return results
+
+
+def _results(job, task, launcher: str, job_name: str, record, on_poll, ledger) -> list:
+    """Wait for the job and return every rank's result. A failed job's record is forgotten;
+    a Slurm job with a ledger is watched for node failures and blames the nodes it failed on."""
+    watch = None
+    if launcher == "slurm" and ledger is not None:
+        watch = nodes.NodeFailureWatch(job.job_id)
+    try:
+        # a poll stats result files (sacct is rate-limited by submitit itself)
+        poll_s = 0.2 if launcher == "local" else 2.0
+        return wait(job, job_name, poll_s, on_poll=on_poll, watch=watch)
+    except LaunchError as err:
+        # the job ended and failed: a retry or rerun must submit a new one, not
+        # reattach to this one and read its failure again
+        if record:
+            Path(record).unlink(missing_ok=True)
+        if watch is None:
+            raise
+        _blame_nodes(err, job, ledger, getattr(task, "run", {}).get("name", job_name))
+        raise  # not reached: _blame_nodes always raises
 
 
 def _blame_nodes(err: LaunchError, job, ledger, run_name: str):

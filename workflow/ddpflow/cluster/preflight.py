@@ -4,6 +4,7 @@ fail the run, naming slow ranks and hosts, when bus bandwidth is below a thresho
 Two measurements, both with the run's own backend and devices:
   all_reduce   the collective DDP depends on; busbw as nccl-tests defines it;
   ping-pong    rank 0 <-> every other rank in turn, to tell WHICH rank/link is slow.
+bus_bandwidth (nccl-tests' algbw/busbw) is also what bench/collectives.py reports.
 """
 
 from __future__ import annotations
@@ -14,13 +15,43 @@ import time
 import torch
 import torch.distributed as dist
 
-from ddpflow.tutorial.collectives import bus_bandwidth
-
 log = logging.getLogger(__name__)
 
 
 class SlowInterconnect(RuntimeError):
     """Bus bandwidth below machine.preflight.min_busbw_gbps."""
+
+
+def bus_bandwidth(
+    nbytes: float, seconds: float, world_size: int, collective: str
+) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s (1e9 bytes/s) following nccl-tests' conventions.
+
+    ``algbw = nbytes / seconds``, with ``nbytes`` the size of the (whole) tensor.
+    ``busbw`` rescales it to the traffic each link must carry with an optimal
+    algorithm, making it comparable across world sizes and with hardware peak:
+    all_reduce ``* 2 (n - 1) / n``; all_gather, reduce_scatter and all_to_all
+    ``* (n - 1) / n``; broadcast and reduce ``* 1``.
+    """
+    if seconds <= 0:
+        raise ValueError(f"seconds must be positive, got {seconds}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    n = world_size
+    # Keys are names with "_"/"-" removed so "all_reduce", "allreduce" and
+    # "all-reduce" (nccl-tests' binary names) all match.
+    factor = {
+        "allreduce": 2 * (n - 1) / n,
+        "allgather": (n - 1) / n,
+        "reducescatter": (n - 1) / n,
+        "alltoall": (n - 1) / n,
+        "broadcast": 1.0,
+        "reduce": 1.0,
+    }.get(collective.lower().replace("_", "").replace("-", ""))
+    if factor is None:
+        raise ValueError(f"unknown collective {collective!r}")
+    algbw = nbytes / seconds / 1e9
+    return algbw, algbw * factor
 
 
 def _timed_all_reduce(tensor: torch.Tensor, iters: int, sync) -> float:

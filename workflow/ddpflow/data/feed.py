@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ddpflow.data import staged as ddata
+from ddpflow.data.staged import MANIFEST, DataError, StagedImages, read_manifest, verify_staged
+from ddpflow.runtime import replace_dir
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class StreamedImages:
     like the in-memory uint8 tensor for evaluation: shape, device, slicing (a lazy view) and
     rows(start, stop) (a tensor on the device)."""
 
-    def __init__(self, staged: ddata.StagedImages, device, start: int = 0, stop=None):
+    def __init__(self, staged: StagedImages, device, start: int = 0, stop=None):
         self.staged, self.device = staged, torch.device(device)
         self.start = start
         self.stop = len(staged) if stop is None else stop
@@ -80,7 +81,7 @@ class _Batches(torch.utils.data.Dataset):
     """Item i of the DataLoader's sampler is one whole batch: its index array in, its uint8
     images out (one positional read per image, in the sampler's order)."""
 
-    def __init__(self, staged: ddata.StagedImages):
+    def __init__(self, staged: StagedImages):
         self.staged = staged
 
     def __len__(self) -> int:
@@ -126,7 +127,7 @@ class StreamFeed:
 
     streamed = True
 
-    def __init__(self, staged: ddata.StagedImages, device, workers: int, prefetch: int):
+    def __init__(self, staged: StagedImages, device, workers: int, prefetch: int):
         self.device = torch.device(device)
         self.sampler = _EpochBatches()
         self.loader = torch.utils.data.DataLoader(
@@ -197,14 +198,14 @@ def node_local_copy(staged: str, target_root: str, env) -> str:
                 socket.gethostname(), "reused the verified copy" if reused else "copied to",
                 target, time.perf_counter() - began,
             )  # fmt: skip
-        except (OSError, ddata.DataError) as exc:
+        except (OSError, DataError) as exc:
             log.error(
                 "rank %d on %s: could not copy the staged data to data.loading.node_local_dir "
                 "%s: %s", env.rank, socket.gethostname(), root, exc,
             )  # fmt: skip
             failed = True
     if any_rank(env.world_size, failed):
-        raise ddata.DataError(
+        raise DataError(
             f"the staged data could not be copied to data.loading.node_local_dir {target_root} "
             "on at least one node (its rank's log names the host and cause); fix the path "
             "or set node_local_dir: null to read the staged data where it is"
@@ -219,22 +220,22 @@ def _copy_verified(source: Path, target: Path) -> bool:
     """True if target already is a copy of source (same manifest) and verifies, else copy,
     verify and rename it into place (a crashed copy leaves only a temporary sibling, never a
     partial target). Either way every file's sha256 was checked on this node."""
-    manifest = (source / ddata.MANIFEST).read_bytes()
+    manifest = (source / MANIFEST).read_bytes()
     marker = target / VERIFIED
     if marker.is_file() and marker.read_bytes() == manifest:
         try:  # a copy of this very staging: hashed again (node-local disks fail too)
-            ddata.verify_staged(target)
+            verify_staged(target)
             return True
-        except ddata.DataError as exc:
+        except DataError as exc:
             log.warning("the node-local copy %s is damaged (%s); copying it again", target, exc)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.copy-", dir=target.parent))
     try:
-        for name in [*ddata.read_manifest(source)["files"], ddata.MANIFEST]:
+        for name in [*read_manifest(source)["files"], MANIFEST]:
             shutil.copyfile(source / name, tmp / name)
-        ddata.verify_staged(tmp)
+        verify_staged(tmp)
         (tmp / VERIFIED).write_bytes(manifest)
-        ddata._replace_dir(tmp, target)
+        replace_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,5 +1,6 @@
-"""What every data source returns (RawSource) and the error every data problem raises
-(DataError): the vocabulary the built-in sources, the user's own data and staging share."""
+"""What every data source returns (RawSource), the error every data problem raises
+(DataError) and the labels check (check_labels): the vocabulary the built-in sources, the
+user's own data and staging share."""
 
 from __future__ import annotations
 
@@ -24,3 +25,13 @@ class RawSource:
     test_y: np.ndarray | None
     class_names: list[str]
     notes: dict | None = None  # what a reader skipped or ignored, for the manifest
+
+
+def check_labels(labels: np.ndarray, where: str) -> np.ndarray:
+    """Labels as int64, or a DataError naming `where` if they are not integers 0..K-1."""
+    if not np.issubdtype(labels.dtype, np.integer) or (len(labels) and labels.min() < 0):
+        raise DataError(
+            f"{where}: labels must be integers 0..K-1 (got {labels.dtype}, "
+            f"min {labels.min() if len(labels) else '-'})"
+        )
+    return labels.astype(np.int64)

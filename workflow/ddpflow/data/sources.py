@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ddpflow.data.raw import DataError, RawSource
+from ddpflow.plugins import is_plugin
 from ddpflow.runtime import atomic_writer
 
 log = logging.getLogger(__name__)
@@ -40,15 +41,15 @@ def load_source(data_cfg: dict, seed: int) -> RawSource:
     if source in TORCHVISION_SOURCES:
         return load_torchvision(source, Path(data_cfg["root"]), bool(data_cfg["download"]))
     if source == "image_folder":
-        from ddpflow.data.own import load_image_folder
+        from ddpflow.data.image_folder import load_image_folder
 
         return load_image_folder(data_cfg)
     if source == "npz":
-        from ddpflow.data.own import load_npz
+        from ddpflow.data.npz import load_npz
 
         return load_npz(data_cfg)
-    if ":" in source:
-        from ddpflow.data.own import load_plugin
+    if is_plugin(source):
+        from ddpflow.data.plugin_data import load_plugin
 
         return load_plugin(data_cfg)
     known = ", ".join(["digits", "synthetic", *TORCHVISION_SOURCES, "image_folder", "npz"])

@@ -1,4 +1,5 @@
-"""Dataset staging and loading: one sharded, checksummed format shared by train and evaluate.
+"""The staged format, and reading it: one sharded, checksummed format shared by train and
+evaluate (ddpflow.data.staging writes it).
 
 A staged directory holds, per split in (train, val, test), its images in fixed-size shards
 `{split}_images-NNNNN.npy` (uint8 NCHW, as many images as fit in 64 MiB) and its labels in
@@ -6,13 +7,9 @@ A staged directory holds, per split in (train, val, test), its images in fixed-s
 split sizes and class counts, the shards of each split, train mean/std in 0..1 units, seed,
 data config, and the sha256 and byte size of every file).
 
-    manifest = stage_dataset(cfg["data"], "results/staged/x", seed=0, threads=4)
     images, labels, manifest = load_split("results/staged/x", "train")     # in memory
     images, labels, manifest = open_split("results/staged/x", "train")     # read on demand
 
-Staging streams (a shard at a time: memory stays bounded whatever the dataset's size), is
-deterministic (same config and seed -> same bytes, whatever the thread count) and atomic:
-everything is written to a temporary sibling directory, fsynced, then renamed into place.
 Verification hashes one file at a time.
 """
 
@@ -20,270 +17,25 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import multiprocessing
 import os
-import shutil
-import tempfile
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ddpflow.data.own import manifest_notes
-from ddpflow.data.raw import DataError, RawSource
-from ddpflow.data.sources import load_source
+from ddpflow.data.raw import DataError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DataError", "FORMAT_VERSION", "SPLITS", "StagedImages", "load_split", "open_split",
-           "stage_dataset", "verify_staged"]  # fmt: skip
-
-log = logging.getLogger(__name__)
+__all__ = ["DataError", "FORMAT_VERSION", "SPLITS", "StagedImages", "choose_in_memory",
+           "load_split", "open_split", "read_manifest", "verify_staged"]  # fmt: skip
 
 # 2: images in fixed-size shards (format 1, one images file per split, is still read)
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
-SHARD_BYTES = 64 << 20  # images per shard: as many as fit in 64 MiB
-LEVELS = np.arange(256, dtype=np.int64)
 SPLITS = ("train", "val", "test")
 MANIFEST = "manifest.json"
-
-
-def stage_dataset(
-    data_cfg: dict, out_dir, seed: int, threads: int = 1, shard_bytes: int = SHARD_BYTES
-) -> dict:
-    """Stage data_cfg["source"] into out_dir (atomically) and return the manifest.
-
-    Streaming: images go to fixed-size shards as they are read (an image folder is decoded a
-    shard at a time, by `threads` threads), so memory stays bounded by a few shards whatever
-    the dataset's size."""
-    out_dir = Path(out_dir)
-    raw = load_source(data_cfg, seed)
-    plan = split_indices(raw, data_cfg, seed)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
-    try:
-        written = _write_splits(tmp, raw, plan, threads, shard_bytes)
-        finish = getattr(raw.train_x, "finish", None)
-        if finish is not None:  # an image folder: what it could only tell after reading
-            finish()
-        _refuse_emptied(plan, written)
-        manifest = _base_manifest(raw, written, data_cfg, seed)
-        _write_json(tmp / MANIFEST, manifest)
-        _fsync_dir(tmp)
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return manifest  # pipeline.stage_data logs it, with the time taken
-
-
-def _refuse_emptied(plan: dict, written: dict) -> None:
-    """A split whose every image was skipped (too small, or corrupt) would fail later, in a
-    training job, with a less helpful message."""
-    for split, (_, indices) in plan.items():
-        if len(indices) and not len(written["labels"][split]):
-            raise DataError(
-                f"data: all {len(indices)} images of the {split} split were skipped (data."
-                "on_small: skip or data.on_corrupt: skip; named in the lines above); lower "
-                "data.image_size or set data.on_small: upscale"
-            )
-
-
-def split_indices(raw: RawSource, data_cfg: dict, seed: int) -> dict:
-    """{split: (pool, indices)}: which samples of raw's train or test pool each split holds;
-    seeded, stratified; test is official or carved from all data.
-
-    Each step draws from its own seed stream, so e.g. changing max_train_samples does not
-    reshuffle val or test. Only labels are read: an image folder is not decoded here.
-    """
-    y = raw.train_y
-    base = np.arange(len(y))
-    if raw.test_x is None:
-        rest, test = stratified_split(y, round(data_cfg["test_fraction"] * len(y)), _rng(seed, 1))
-        test_plan = ("train", test)
-        base, y = rest, y[rest]
-    else:
-        test_plan = ("test", np.arange(len(raw.test_y)))
-    train, val = stratified_split(y, round(data_cfg["val_fraction"] * len(y)), _rng(seed, 2))
-    cap = data_cfg.get("max_train_samples")
-    if cap is not None and cap < len(train):
-        _, keep = stratified_split(y[train], cap, _rng(seed, 3))
-        train = train[keep]
-    if len(train) == 0:
-        raise DataError("data: the train split is empty; lower val_fraction/test_fraction")
-    return {"train": ("train", base[train]), "val": ("train", base[val]), "test": test_plan}
-
-
-def make_splits(raw: RawSource, data_cfg: dict, seed: int) -> dict:
-    """{split: (images, labels)} in memory (sources held as arrays): see split_indices."""
-    pools = {"train": (raw.train_x, raw.train_y), "test": (raw.test_x, raw.test_y)}
-    return {
-        split: (pools[pool][0][idx], pools[pool][1][idx])
-        for split, (pool, idx) in split_indices(raw, data_cfg, seed).items()
-    }
-
-
-def stratified_split(labels: np.ndarray, n_take: int, rng) -> tuple[np.ndarray, np.ndarray]:
-    """(keep, take) sorted index arrays; take has n_take items, in proportion to each class.
-
-    Every class gets floor or ceil of its share (largest remainders get the ceil), like
-    scikit-learn's StratifiedShuffleSplit, but without its >= 2-per-class requirement.
-    """
-    classes, counts = np.unique(labels, return_counts=True)
-    quota = counts * (n_take / max(len(labels), 1))
-    per_class = np.floor(quota).astype(np.int64)
-    leftover = n_take - int(per_class.sum())
-    per_class[np.argsort(-(quota - per_class), kind="stable")[:leftover]] += 1
-    pairs = zip(classes, per_class, strict=True)
-    take = [rng.permutation(np.flatnonzero(labels == c))[:k] for c, k in pairs]
-    take = np.sort(np.concatenate(take)) if take else np.zeros(0, np.int64)
-    keep = np.setdiff1d(np.arange(len(labels)), take)
-    return keep, take
-
-
-def _rng(seed: int, stream: int) -> np.random.Generator:
-    return np.random.default_rng([seed, stream])
-
-
-def _base_manifest(raw: RawSource, written: dict, data_cfg: dict, seed: int) -> dict:
-    num_classes = len(raw.class_names)
-    total, squares, count = written["train_sums"]
-    mean = total / max(count, 1)
-    std = np.sqrt(np.maximum(squares / max(count, 1) - mean * mean, 0.0))
-    labels = written["labels"]
-    return {
-        "format_version": FORMAT_VERSION,
-        "source": data_cfg["source"],
-        "num_classes": num_classes,
-        "class_names": raw.class_names,
-        "shape": list(written["shape"]),
-        "sizes": {name: len(y) for name, y in labels.items()},
-        "class_counts": {
-            name: np.bincount(y, minlength=num_classes).tolist() for name, y in labels.items()
-        },
-        "mean": (mean / 255.0).tolist(),
-        "std": (std / 255.0).tolist(),
-        "seed": seed,
-        "shards": written["shards"],
-        "files": written["files"],
-        **({"source_notes": manifest_notes(raw.notes)} if raw.notes else {}),
-        "data_cfg": data_cfg,
-    }
-
-
-def channel_stats(images: np.ndarray, chunk: int = 4096) -> tuple[list[float], list[float]]:
-    """Per-channel mean and std (population) in 0..1 units, from exact integer sums.
-
-    Chunked so that CIFAR-sized uint8 arrays are never copied whole into float64.
-    """
-    total = np.zeros(images.shape[1], np.int64)
-    squares = np.zeros(images.shape[1], np.int64)
-    for start in range(0, len(images), chunk):
-        part = images[start : start + chunk].astype(np.int64)
-        total += part.sum(axis=(0, 2, 3))
-        squares += (part * part).sum(axis=(0, 2, 3))
-    count = len(images) * images.shape[2] * images.shape[3]
-    mean = total / count
-    std = np.sqrt(np.maximum(squares / count - mean * mean, 0.0))
-    return (mean / 255.0).tolist(), (std / 255.0).tolist()
-
-
-def _write_splits(directory: Path, raw: RawSource, plan: dict, threads: int, shard_bytes: int):
-    """Write every split's images as fixed-size shards and its labels as one file, a shard at
-    a time; return what the manifest records (shards, files, labels, train pixel sums)."""
-    pools = {"train": (raw.train_x, raw.train_y), "test": (raw.test_x, raw.test_y)}
-    shape = tuple(int(d) for d in raw.train_x.shape[1:])
-    per_shard = max(1, shard_bytes // int(np.prod(shape)))
-    written = {"shape": shape, "shards": {}, "files": {}, "labels": {}}
-    sums = [np.zeros(shape[0], np.int64), np.zeros(shape[0], np.int64), 0]
-    # processes, not threads: most of decoding an image is Python holding the GIL (with 2
-    # threads staging was slower than with 1; bench/data.py)
-    pool = ProcessPoolExecutor(threads, mp_context=_fork()) if threads > 1 else None
-    try:
-        for split, (source, indices) in plan.items():
-            images, labels = pools[source]
-            shards, kept = [], []
-            for number, start in enumerate(range(0, max(len(indices), 1), per_shard)):
-                chunk = indices[start : start + per_shard]
-                if isinstance(images, np.ndarray):
-                    x, keep = images[chunk], None
-                else:  # read (decoded) now: an image folder
-                    x, keep = images.read(chunk, pool, split)
-                kept.append(labels[chunk] if keep is None else labels[chunk][keep])
-                if split == "train":  # exact integer sums from a histogram per channel
-                    for channel in range(shape[0]):
-                        counts = np.bincount(x[:, channel].ravel(), minlength=256)
-                        sums[0][channel] += int(counts @ LEVELS)
-                        sums[1][channel] += int(counts @ (LEVELS * LEVELS))
-                    sums[2] += x.shape[0] * shape[1] * shape[2]
-                name = f"{split}_images-{number:05d}.npy"
-                written["files"][name] = _save(directory / name, x)
-                shards.append({"file": name, "count": int(x.shape[0])})
-            written["shards"][split] = shards
-            y = np.concatenate(kept).astype(np.int64) if kept else np.zeros(0, np.int64)
-            written["labels"][split] = y
-            written["files"][f"{split}_labels.npy"] = _save(directory / f"{split}_labels.npy", y)
-    finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
-    written["train_sums"] = tuple(sums)
-    return written
-
-
-def _fork():
-    # fork: the workers inherit the source (file list, config) instead of importing it anew
-    return multiprocessing.get_context("fork")
-
-
-def _save(path: Path, array: np.ndarray) -> dict:
-    with open(path, "wb") as f:
-        np.save(f, np.ascontiguousarray(array), allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    return {"sha256": sha256_file(path), "bytes": path.stat().st_size}
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    # default=str: data_cfg may carry Path objects; sort_keys keeps the bytes deterministic.
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, default=str)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _replace_dir(new: Path, target: Path) -> None:
-    """Rename the complete `new` over `target`, keeping the old copy until the swap is done.
-
-    rename(2) cannot replace a non-empty directory, so the old one is first renamed aside. A
-    crash between the two renames leaves target absent but both copies on disk as siblings.
-    """
-    old = None
-    if target.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-        os.replace(target, old / target.name)
-    try:
-        os.replace(new, target)
-    except BaseException:
-        if old is not None:
-            os.replace(old / target.name, target)
-            old.rmdir()
-        raise
-    _fsync_dir(target.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

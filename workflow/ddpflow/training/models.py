@@ -15,7 +15,7 @@ from torch import nn
 
 from ddpflow.config import BUILT_IN_MODELS
 from ddpflow.errors import UserError
-from ddpflow.plugins import import_factory
+from ddpflow.plugins import import_factory, is_plugin
 
 BUILT_IN = tuple(BUILT_IN_MODELS)
 
@@ -35,7 +35,7 @@ def build_model(model_cfg: dict, shape: list[int], num_classes: int) -> nn.Modul
     if name in ("resnet18", "resnet34"):
         return small_resnet(name, channels, num_classes)
     kwargs = dict(model_cfg.get("kwargs") or {})
-    if ":" in name:
+    if is_plugin(name):
         return _plugin(name, shape, num_classes, kwargs)
     return zoo_model(name, channels, num_classes, kwargs, model_cfg.get("small_input_stem", True))
 
@@ -196,17 +196,3 @@ def place(model: nn.Module, device: torch.device, channels_last: bool, move=True
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-@torch.no_grad()
-def forward_flops(model: nn.Module, shape: list[int]) -> int:
-    """Forward FLOPs of one sample (2 x multiply-adds), counted by torch's FLOP counter."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    was_training = model.training
-    model.eval()
-    with counter:
-        model(torch.zeros(1, *shape))
-    model.train(was_training)
-    return int(counter.get_total_flops())

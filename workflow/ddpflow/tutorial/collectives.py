@@ -234,35 +234,3 @@ def ring_all_reduce(
         _exchange(outgoing, right, stale, left, group)
     _unstage(tensor, work)
     return tensor
-
-
-def bus_bandwidth(
-    nbytes: float, seconds: float, world_size: int, collective: str
-) -> tuple[float, float]:
-    """(algbw, busbw) in GB/s (1e9 bytes/s) following nccl-tests' conventions.
-
-    ``algbw = nbytes / seconds``, with ``nbytes`` the size of the (whole) tensor.
-    ``busbw`` rescales it to the traffic each link must carry with an optimal
-    algorithm, making it comparable across world sizes and with hardware peak:
-    all_reduce ``* 2 (n - 1) / n``; all_gather, reduce_scatter and all_to_all
-    ``* (n - 1) / n``; broadcast and reduce ``* 1``.
-    """
-    if seconds <= 0:
-        raise ValueError(f"seconds must be positive, got {seconds}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    n = world_size
-    # Keys are names with "_"/"-" removed so "all_reduce", "allreduce" and
-    # "all-reduce" (nccl-tests' binary names) all match.
-    factor = {
-        "allreduce": 2 * (n - 1) / n,
-        "allgather": (n - 1) / n,
-        "reducescatter": (n - 1) / n,
-        "alltoall": (n - 1) / n,
-        "broadcast": 1.0,
-        "reduce": 1.0,
-    }.get(collective.lower().replace("_", "").replace("-", ""))
-    if factor is None:
-        raise ValueError(f"unknown collective {collective!r}")
-    algbw = nbytes / seconds / 1e9
-    return algbw, algbw * factor

@@ -1,0 +1,223 @@
+"""Writing the staged format: a source split into train/val/test and written as checksummed
+shards plus a manifest (ddpflow.data.staged describes the format and reads it back).
+
+    manifest = stage_dataset(cfg["data"], "results/staged/x", seed=0, threads=4)
+
+Staging streams (a shard at a time: memory stays bounded whatever the dataset's size), is
+deterministic (same config and seed -> same bytes, whatever the thread count) and atomic:
+everything is written to a temporary sibling directory, fsynced, then renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from ddpflow.data.raw import DataError, RawSource
+from ddpflow.data.sources import load_source
+from ddpflow.data.staged import FORMAT_VERSION, MANIFEST, sha256_file
+from ddpflow.runtime import fsync_dir, replace_dir
+
+__all__ = ["SHARD_BYTES", "split_indices", "stage_dataset", "stratified_split"]
+
+SHARD_BYTES = 64 << 20  # images per shard: as many as fit in 64 MiB
+LEVELS = np.arange(256, dtype=np.int64)
+
+
+def stage_dataset(
+    data_cfg: dict, out_dir, seed: int, threads: int = 1, shard_bytes: int = SHARD_BYTES
+) -> dict:
+    """Stage data_cfg["source"] into out_dir (atomically) and return the manifest.
+
+    Streaming: images go to fixed-size shards as they are read (an image folder is decoded a
+    shard at a time, by `threads` threads), so memory stays bounded by a few shards whatever
+    the dataset's size."""
+    out_dir = Path(out_dir)
+    raw = load_source(data_cfg, seed)
+    plan = split_indices(raw, data_cfg, seed)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+    try:
+        written = _write_splits(tmp, raw, plan, threads, shard_bytes)
+        finish = getattr(raw.train_x, "finish", None)
+        if finish is not None:  # an image folder: what it could only tell after reading
+            finish()
+        _refuse_emptied(plan, written)
+        manifest = _base_manifest(raw, written, data_cfg, seed)
+        _write_json(tmp / MANIFEST, manifest)
+        fsync_dir(tmp)
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest  # pipeline.stage_data logs it, with the time taken
+
+
+def _refuse_emptied(plan: dict, written: dict) -> None:
+    """A split whose every image was skipped (too small, or corrupt) would fail later, in a
+    training job, with a less helpful message."""
+    for split, (_, indices) in plan.items():
+        if len(indices) and not len(written["labels"][split]):
+            raise DataError(
+                f"data: all {len(indices)} images of the {split} split were skipped (data."
+                "on_small: skip or data.on_corrupt: skip; named in the lines above); lower "
+                "data.image_size or set data.on_small: upscale"
+            )
+
+
+def split_indices(raw: RawSource, data_cfg: dict, seed: int) -> dict:
+    """{split: (pool, indices)}: which samples of raw's train or test pool each split holds;
+    seeded, stratified; test is official or carved from all data.
+
+    Each step draws from its own seed stream, so e.g. changing max_train_samples does not
+    reshuffle val or test. Only labels are read: an image folder is not decoded here.
+    """
+    y = raw.train_y
+    base = np.arange(len(y))
+    if raw.test_x is None:
+        rest, test = stratified_split(y, round(data_cfg["test_fraction"] * len(y)), _rng(seed, 1))
+        test_plan = ("train", test)
+        base, y = rest, y[rest]
+    else:
+        test_plan = ("test", np.arange(len(raw.test_y)))
+    train, val = stratified_split(y, round(data_cfg["val_fraction"] * len(y)), _rng(seed, 2))
+    cap = data_cfg.get("max_train_samples")
+    if cap is not None and cap < len(train):
+        _, keep = stratified_split(y[train], cap, _rng(seed, 3))
+        train = train[keep]
+    if len(train) == 0:
+        raise DataError("data: the train split is empty; lower val_fraction/test_fraction")
+    return {"train": ("train", base[train]), "val": ("train", base[val]), "test": test_plan}
+
+
+def stratified_split(labels: np.ndarray, n_take: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """(keep, take) sorted index arrays; take has n_take items, in proportion to each class.
+
+    Every class gets floor or ceil of its share (largest remainders get the ceil), like
+    scikit-learn's StratifiedShuffleSplit, but without its >= 2-per-class requirement.
+    """
+    classes, counts = np.unique(labels, return_counts=True)
+    quota = counts * (n_take / max(len(labels), 1))
+    per_class = np.floor(quota).astype(np.int64)
+    leftover = n_take - int(per_class.sum())
+    per_class[np.argsort(-(quota - per_class), kind="stable")[:leftover]] += 1
+    pairs = zip(classes, per_class, strict=True)
+    take = [rng.permutation(np.flatnonzero(labels == c))[:k] for c, k in pairs]
+    take = np.sort(np.concatenate(take)) if take else np.zeros(0, np.int64)
+    keep = np.setdiff1d(np.arange(len(labels)), take)
+    return keep, take
+
+
+def _rng(seed: int, stream: int) -> np.random.Generator:
+    return np.random.default_rng([seed, stream])
+
+
+def _base_manifest(raw: RawSource, written: dict, data_cfg: dict, seed: int) -> dict:
+    num_classes = len(raw.class_names)
+    total, squares, count = written["train_sums"]
+    mean = total / max(count, 1)
+    std = np.sqrt(np.maximum(squares / max(count, 1) - mean * mean, 0.0))
+    labels = written["labels"]
+    return {
+        "format_version": FORMAT_VERSION,
+        "source": data_cfg["source"],
+        "num_classes": num_classes,
+        "class_names": raw.class_names,
+        "shape": list(written["shape"]),
+        "sizes": {name: len(y) for name, y in labels.items()},
+        "class_counts": {
+            name: np.bincount(y, minlength=num_classes).tolist() for name, y in labels.items()
+        },
+        "mean": (mean / 255.0).tolist(),
+        "std": (std / 255.0).tolist(),
+        "seed": seed,
+        "shards": written["shards"],
+        "files": written["files"],
+        **({"source_notes": manifest_notes(raw.notes)} if raw.notes else {}),
+        "data_cfg": data_cfg,
+    }
+
+
+def manifest_notes(notes: dict) -> dict:
+    """What a reader of your own data skipped, ignored or upscaled, for the manifest."""
+    out = {}
+    if "skipped_corrupt" in notes:  # an image folder
+        out.update(
+            skipped_corrupt=len(notes["skipped_corrupt"]),
+            skipped_files=notes["skipped_corrupt"][:100],
+            ignored_files=notes["ignored_files"],
+        )
+    if notes.get("small") is not None:
+        out.update(notes["small"].manifest())
+    return out
+
+
+def _write_splits(directory: Path, raw: RawSource, plan: dict, threads: int, shard_bytes: int):
+    """Write every split's images as fixed-size shards and its labels as one file, a shard at
+    a time; return what the manifest records (shards, files, labels, train pixel sums)."""
+    pools = {"train": (raw.train_x, raw.train_y), "test": (raw.test_x, raw.test_y)}
+    shape = tuple(int(d) for d in raw.train_x.shape[1:])
+    per_shard = max(1, shard_bytes // int(np.prod(shape)))
+    written = {"shape": shape, "shards": {}, "files": {}, "labels": {}}
+    sums = [np.zeros(shape[0], np.int64), np.zeros(shape[0], np.int64), 0]
+    # processes, not threads: most of decoding an image is Python holding the GIL (with 2
+    # threads staging was slower than with 1; bench/data.py)
+    pool = ProcessPoolExecutor(threads, mp_context=_fork()) if threads > 1 else None
+    try:
+        for split, (source, indices) in plan.items():
+            images, labels = pools[source]
+            shards, kept = [], []
+            for number, start in enumerate(range(0, max(len(indices), 1), per_shard)):
+                chunk = indices[start : start + per_shard]
+                if isinstance(images, np.ndarray):
+                    x, keep = images[chunk], None
+                else:  # read (decoded) now: an image folder
+                    x, keep = images.read(chunk, pool, split)
+                kept.append(labels[chunk] if keep is None else labels[chunk][keep])
+                if split == "train":  # exact integer sums from a histogram per channel
+                    for channel in range(shape[0]):
+                        counts = np.bincount(x[:, channel].ravel(), minlength=256)
+                        sums[0][channel] += int(counts @ LEVELS)
+                        sums[1][channel] += int(counts @ (LEVELS * LEVELS))
+                    sums[2] += x.shape[0] * shape[1] * shape[2]
+                name = f"{split}_images-{number:05d}.npy"
+                written["files"][name] = _save(directory / name, x)
+                shards.append({"file": name, "count": int(x.shape[0])})
+            written["shards"][split] = shards
+            y = np.concatenate(kept).astype(np.int64) if kept else np.zeros(0, np.int64)
+            written["labels"][split] = y
+            written["files"][f"{split}_labels.npy"] = _save(directory / f"{split}_labels.npy", y)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    written["train_sums"] = tuple(sums)
+    return written
+
+
+def _fork():
+    # fork: the workers inherit the source (file list, config) instead of importing it anew
+    return multiprocessing.get_context("fork")
+
+
+def _save(path: Path, array: np.ndarray) -> dict:
+    with open(path, "wb") as f:
+        np.save(f, np.ascontiguousarray(array), allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    # default=str: data_cfg may carry Path objects; sort_keys keeps the bytes deterministic.
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True, default=str)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
