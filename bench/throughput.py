@@ -13,7 +13,7 @@ whole global batches, so both loops take the same steps of the same sizes:
   always wrapped in DDP (a 1-rank process group at world size 1).
 * ``ddpflow``: ``ddpflow.training.loop.Loop`` built as ``tasks.TrainTask`` builds it (the shipped
   config, the dataset held as tensors on the device, its order from
-  ``loop.step_micro_batches`` + ``rank_micro_batches``, the checkpointer's per-step hook),
+  ``schedule.step_micro_batches`` + ``rank_micro_batches``, the checkpointer's per-step hook),
   one ``train_epoch()`` per repeat.
 
 One repeat is one epoch; its time is the slowest rank's (barrier before, MAX all-reduce
