@@ -13,9 +13,9 @@ On an image folder that Pillow writes into a temporary directory (--images PNG f
    * ``streamed``: ddpflow's streamed path: the folder staged once (not timed) with
      ``ddpflow.data.staging.stage_dataset``, then ``ddpflow.data.feed.StreamFeed`` over
      ``open_split(...)[0]`` (the train split), batches as Loop takes them
-     (``ddpflow.training.loop.step_micro_batches`` + ``rank_micro_batches``: one shuffle cut into
-     steps of the global batch, this rank's micro-batch of each; the remainder of n sits
-     the epoch out), labels by index_select (ddpflow keeps them in memory);
+     (``ddpflow.training.schedule.step_micro_batches`` + ``rank_micro_batches``: one shuffle cut
+     into steps of the global batch, this rank's micro-batch of each; the remainder of n
+     sits the epoch out), labels by index_select (ddpflow keeps them in memory);
    * ``tutorial``: ``torchvision.datasets.ImageFolder(root/train, transform=Compose([Resize,
      CenterCrop, PILToTensor]))`` + ``DistributedSampler(num_replicas=2, rank=0,
      shuffle=True, seed=0)`` + ``DataLoader(batch_size, num_workers, pin_memory=False)``,
@@ -70,7 +70,7 @@ from ddpflow.data import feed
 from ddpflow.data.staged import choose_in_memory, open_split, read_manifest
 from ddpflow.data.staging import stage_dataset
 from ddpflow.training.evaluate import normalize
-from ddpflow.training.loop import rank_micro_batches, step_micro_batches
+from ddpflow.training.schedule import rank_micro_batches, step_micro_batches
 from workers import machine_info
 
 WORLD, RANK, SEED = 2, 0, 0  # one rank of a 2-rank job, the sampler's seed

@@ -4,10 +4,10 @@
 For each model (torchvision ResNet-50; ViT-B/16 at image size 32, i.e. 4 patches), optimizer
 (AdamW: 2 state tensors per parameter; SGD with momentum: 1), strategy and world size, fresh
 rank processes with a real gloo process group on 127.0.0.1 build the model (random init, 10
-classes), wrap it in DDP when world > 1 (``ddpflow.training.loop.wrap_ddp`` with the config's DDP
+classes), wrap it in DDP when world > 1 (``ddpflow.training.build.wrap_ddp`` with the config's DDP
 defaults) or, for fsdp, shard it with ``ddpflow.training.sharding.shard`` (fully_shard per block and
 on the root, as the training does), build the optimizer with
-``ddpflow.training.loop.make_optimizer``
+``ddpflow.training.build.make_optimizer``
 (``sharded=True`` for zero: a ZeroRedundancyOptimizer), train --steps steps on random
 batches of --batch 3x32x32 images, and then measure on every rank:
 
@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torchvision
 from ddpflow import runtime
 from ddpflow.training import sharding
-from ddpflow.training.loop import make_optimizer, wrap_ddp
+from ddpflow.training.build import make_optimizer, wrap_ddp
 from ddpflow.training.models import build_model as ddpflow_model
 from throughput import free_port
 from workers import machine_info, spawn_ranks
@@ -427,13 +427,13 @@ def main(argv: list[str] | None = None) -> int:
             "tcp rendezvous on 127.0.0.1), so peak RSS is that configuration's alone",
             "models": {name: MODELS[name] for name in args.models},
             "optimizers": {name: OPTIMIZERS[name] for name in args.optimizers},
-            "optimizer_factory": "ddpflow.training.loop.make_optimizer (fused kernels; "
+            "optimizer_factory": "ddpflow.training.build.make_optimizer (fused kernels; "
             "sharded=True for "
             "zero: torch.distributed.optim.ZeroRedundancyOptimizer)",
             "state_tensors_per_param": {name: STATE_TENSORS[name] for name in args.optimizers},
             "strategies": args.strategies,
             "world_sizes": args.world_sizes,
-            "ddp": "ddpflow.training.loop.wrap_ddp when world > 1, settings: "
+            "ddp": "ddpflow.training.build.wrap_ddp when world > 1, settings: "
             + json.dumps(DDP_DEFAULTS),
             "world_1": "no DDP wrapper (as Loop); zero at world 1 is a ZeroRedundancyOptimizer "
             "on a 1-rank group (Loop itself trains plain at 1 rank)",

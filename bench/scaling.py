@@ -43,12 +43,8 @@ from pathlib import Path
 import torch
 from ddpflow import config as ddpconfig
 from ddpflow import runtime
-from ddpflow.training.loop import (
-    _seed_random_draws,
-    micro_batch_seed,
-    rank_micro_batches,
-    step_micro_batches,
-)
+from ddpflow.training.loop import _seed_random_draws
+from ddpflow.training.schedule import micro_batch_seed, rank_micro_batches, step_micro_batches
 from throughput import (
     CASES,
     ddpflow_epoch,

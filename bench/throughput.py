@@ -13,7 +13,7 @@ whole global batches, so both loops take the same steps of the same sizes:
   always wrapped in DDP (a 1-rank process group at world size 1).
 * ``ddpflow``: ``ddpflow.training.loop.Loop`` built as ``tasks.TrainTask`` builds it (the shipped
   config, the dataset held as tensors on the device, its order from
-  ``loop.step_micro_batches`` + ``rank_micro_batches``, the checkpointer's per-step hook),
+  ``schedule.step_micro_batches`` + ``rank_micro_batches``, the checkpointer's per-step hook),
   one ``train_epoch()`` per repeat.
 
 One repeat is one epoch; its time is the slowest rank's (barrier before, MAX all-reduce
@@ -55,6 +55,7 @@ from ddpflow.cluster.distenv import DistEnv
 from ddpflow.training.checkpoint import Checkpointer
 from ddpflow.training.loop import Loop
 from ddpflow.training.models import build_model, place
+from ddpflow.training.rankdata import RankData, Split
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -153,23 +154,24 @@ def ddpflow_run(cfg: dict) -> dict:
 
 def ddpflow_epoch(cfg: dict, run: dict, images, labels, norm, env: DistEnv, device):
     """ddpflow's Loop as TrainTask builds it; returns (epoch function, loop)."""
-    data = {
-        "train_x": images.to(device),
-        "train_y": labels.to(device),
-        "val_x": images[:64].to(device),
-        "val_y": labels[:64].to(device),
-        "norm": tuple(t.to(device) for t in norm),
-        "num_classes": NUM_CLASSES,
-        "shape": cfg["case"]["shape"],
-    }
+    data = RankData(
+        splits={
+            "train": Split(images.to(device), labels.to(device)),
+            "val": Split(images[:64].to(device), labels[:64].to(device)),
+        },
+        norm=tuple(t.to(device) for t in norm),
+        num_classes=NUM_CLASSES,
+        shape=cfg["case"]["shape"],
+        device=device,
+    )
     torch.manual_seed(run["train"]["seed"])
-    model = place(build_model(run["model"], data["shape"], NUM_CLASSES), device, True)
+    model = place(build_model(run["model"], data.shape, NUM_CLASSES), device, True)
     loop = Loop(run, data, env, device, model)
     # what TrainTask runs after every optimizer step (checkpoint and stop-signal checks);
     # the shipped config checkpoints per epoch, outside train_epoch(), so nothing is written
     loop.on_step = Checkpointer(run, cfg["work"], env).on_step
     if cfg.get("compile"):
-        loop.ddp = torch.compile(loop.ddp)
+        loop.wrapped = torch.compile(loop.wrapped)
     return (lambda: loop.train_epoch()), loop
 
 

@@ -140,9 +140,12 @@ def port_files(rendezvous_dir: Path) -> list[str]:
     return sorted(p.name for p in Path(rendezvous_dir).glob("rendezvous-*.port"))
 
 
-def make_data(n_train: int, n_val: int, num_classes: int = 4, seed: int = 0) -> dict:
-    """The dict ddpflow.training.tasks.load_data returns, from synthetic 8x8 images: class c lights
-    up quadrant c, plus noise (learnable in a few epochs by a small MLP)."""
+def make_data(n_train: int, n_val: int, num_classes: int = 4, seed: int = 0, device=None):
+    """A RankData as ddpflow.training.rankdata.load_data returns it, from synthetic 8x8 images:
+    class c lights up quadrant c, plus noise (learnable in a few epochs by a small MLP); on
+    device (default: the CPU)."""
+    from ddpflow.training.rankdata import RankData, Split
+
     gen = torch.Generator().manual_seed(seed)
 
     def split(n):
@@ -157,12 +160,14 @@ def make_data(n_train: int, n_val: int, num_classes: int = 4, seed: int = 0) -> 
     val_x, val_y = split(n_val)
     scaled = train_x.float() / 255.0
     shape = [1, 1, 1, 1]
-    return {
-        "train_x": train_x,
-        "train_y": train_y,
-        "val_x": val_x,
-        "val_y": val_y,
-        "norm": (scaled.mean().view(shape), scaled.std().view(shape)),
-        "num_classes": num_classes,
-        "shape": [1, 8, 8],
-    }
+    device = torch.device("cpu") if device is None else device
+    return RankData(
+        splits={
+            "train": Split(train_x.to(device), train_y.to(device)),
+            "val": Split(val_x.to(device), val_y.to(device)),
+        },
+        norm=(scaled.mean().view(shape).to(device), scaled.std().view(shape).to(device)),
+        num_classes=num_classes,
+        shape=[1, 8, 8],
+        device=device,
+    )

@@ -33,7 +33,7 @@ def _trained(env, model_cfg: dict, strategy: str, checkpointing: bool) -> dict:
     )  # fmt: skip
     data = make_data(48, 8)
     torch.manual_seed(0)
-    loop = Loop(run, data, env, CPU, build_model(run["model"], data["shape"], 4))
+    loop = Loop(run, data, env, CPU, build_model(run["model"], data.shape, 4))
     fit(loop, lambda record: None)
     return {k: v.clone() for k, v in loop.full_model_state().items()}
 

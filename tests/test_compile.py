@@ -36,7 +36,7 @@ def _loop(env, compiled: bool) -> Loop:
     )  # fmt: skip
     data = make_data(128, 32)
     torch.manual_seed(0)
-    return Loop(run, data, env, CPU, build_model(run["model"], data["shape"], data["num_classes"]))
+    return Loop(run, data, env, CPU, build_model(run["model"], data.shape, data.num_classes))
 
 
 def _weights(loop: Loop) -> dict:

@@ -45,7 +45,7 @@ def _run() -> dict:
 def _loop(env) -> Loop:
     run, data = _run(), make_data(120, 31)
     torch.manual_seed(0)
-    return Loop(run, data, env, CPU, build_model(run["model"], data["shape"], 4))
+    return Loop(run, data, env, CPU, build_model(run["model"], data.shape, 4))
 
 
 def _trained(env, work: str) -> dict:
@@ -62,7 +62,7 @@ def _trained(env, work: str) -> dict:
     # the sharded model scores an uneven split (31 samples, 3 ranks, batch 4: 3 forwards on
     # two ranks, 3 on the third whose shard has 10) exactly as one process scores it whole
     result = evaluate.evaluate_split(
-        loop.model, loop.data["val_x"], loop.data["val_y"], 4, 4, loop.data["norm"],
+        loop.model, loop.data.val.images, loop.data.val.labels, 4, 4, loop.data.norm,
         env.rank, env.world_size,
     )  # fmt: skip
     return {
@@ -138,10 +138,10 @@ def test_the_sharded_model_scores_an_uneven_split_exactly(groups):
     _, clean, _, _ = groups
     data = make_data(120, 31)
     run = _run()
-    model = build_model(run["model"], data["shape"], 4)
+    model = build_model(run["model"], data.shape, 4)
     model.load_state_dict(clean[0]["weights"])
     whole = evaluate.evaluate_split(
-        model, data["val_x"], data["val_y"], 4, 4, data["norm"], rank=0, world=1
+        model, data.val.images, data.val.labels, 4, 4, data.norm, rank=0, world=1
     )
     for rank in clean:
         assert rank["eval"]["confusion_matrix"] == whole["confusion_matrix"]

@@ -48,11 +48,9 @@ def _loop(env, run, n_train=256, n_val=64) -> Loop:
     """A Loop on this rank's GPU, built as TrainTask.work builds it."""
     runtime.configure_cuda(run["train"]["deterministic"])
     device = runtime.select_device(1, env.local_rank)
-    data = make_data(n_train, n_val)
-    data = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in data.items()}
-    data["norm"] = tuple(t.to(device) for t in data["norm"])
+    data = make_data(n_train, n_val, device=device)
     torch.manual_seed(run["train"]["seed"])
-    model = place(build_model(run["model"], data["shape"], data["num_classes"]), device, True)
+    model = place(build_model(run["model"], data.shape, data.num_classes), device, True)
     return Loop(run, data, env, device, model)
 
 
@@ -103,7 +101,7 @@ def _precisions(env):
     out = {}
     for precision in ("fp32", "bf16", "fp16"):
         loop = _loop(env, _run(precision, deterministic=False))
-        x = evaluate.normalize(loop.data["train_x"][:8], *loop.data["norm"])
+        x = evaluate.normalize(loop.data.train.images[:8], *loop.data.norm)
         with loop.autocast() if loop.autocast else torch.autocast("cuda", enabled=False):
             logits_dtype = loop.model(x).dtype
         fit(loop, lambda record: None)
@@ -212,16 +210,16 @@ def _evaluation(env):
     loop = _loop(env, _run(epochs=2))
     fit(loop, lambda record: None)
     model, data = loop.model, loop.data
-    x, y, n = data["val_x"], data["val_y"], data["num_classes"]
-    whole = evaluate.evaluate_split(model, x, y, n, 64, data["norm"], 0, 1)
+    x, y, n = data.val.images, data.val.labels, data.num_classes
+    whole = evaluate.evaluate_split(model, x, y, n, 64, data.norm, 0, 1)
     # what 3 ranks evaluate, shard by shard (batches of 7: other shapes than the whole run)
     shards = [evaluate.shard_bounds(x.shape[0], 3, r) for r in range(3)]
     confusion = sum(
-        evaluate.shard_counts(model, x[a:b], y[a:b], n, 7, data["norm"])[0] for a, b in shards
+        evaluate.shard_counts(model, x[a:b], y[a:b], n, 7, data.norm)[0] for a, b in shards
     )
     dist.all_reduce(confusion)  # int64 over NCCL, as evaluate_split sums shards
     cpu = evaluate.evaluate_split(
-        model.cpu().float(), x.cpu(), y.cpu(), n, 64, tuple(t.cpu() for t in data["norm"]), 0, 1
+        model.cpu().float(), x.cpu(), y.cpu(), n, 64, tuple(t.cpu() for t in data.norm), 0, 1
     )
     return {
         "whole": whole["confusion_matrix"],

@@ -6,18 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 from ddpflow.cluster.distenv import DistEnv
-from ddpflow.training.loop import (
-    Diverged,
-    Loop,
+from ddpflow.training.build import make_optimizer
+from ddpflow.training.divergence import Diverged
+from ddpflow.training.loop import Loop, fit
+from ddpflow.training.models import mlp
+from ddpflow.training.schedule import (
     effective_lr,
-    fit,
     lr_schedule,
-    make_optimizer,
     micro_batch_seed,
     rank_micro_batches,
     step_micro_batches,
 )
-from ddpflow.training.models import mlp
 from distributed_helpers import make_data, run_group
 from workflow_helpers import make_run
 
@@ -158,7 +157,7 @@ def test_single_rank_loop_learns():
     )
     data = make_data(n_train=200, n_val=100)
     loop = Loop(run, data, SINGLE, CPU, mlp(64, [32], 4))
-    assert loop.ddp is loop.model  # one rank: no DDP wrapper
+    assert loop.wrapped is loop.model  # one rank: no DDP wrapper
     records = []
     fit(loop, records.append)
     losses = [r["train_loss"] for r in records]
@@ -220,7 +219,7 @@ def _poisoned_rank(env):
     step; rank 0's loss stays finite, yet both must stop at the same step."""
     data = make_data(64, 16)
     if env.rank == 1:
-        data["norm"] = (data["norm"][0], torch.zeros_like(data["norm"][1]))
+        data.norm = (data.norm[0], torch.zeros_like(data.norm[1]))
     torch.manual_seed(0)
     run = _huge_lr_run("fail", world=2)
     run["train"]["optimizer"]["lr"] = 0.01
@@ -264,9 +263,9 @@ def _one_epoch(env, data, global_batch, micro) -> tuple[torch.Tensor, int]:
     torch.manual_seed(0)  # the same initial weights on every rank and in every case
     loop = Loop(run, data, env, CPU, mlp(64, [16], 4))
     entered = []
-    no_sync = loop.ddp.no_sync if env.world_size > 1 else None
+    no_sync = loop.wrapped.no_sync if env.world_size > 1 else None
     if no_sync is not None:
-        loop.ddp.no_sync = lambda: (entered.append(1), no_sync())[1]
+        loop.wrapped.no_sync = lambda: (entered.append(1), no_sync())[1]
     loop.train_epoch()
     flat = torch.cat([p.detach().flatten() for p in loop.model.parameters()])
     return flat, loop.scheduler.last_epoch, len(entered)

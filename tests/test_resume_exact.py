@@ -85,7 +85,7 @@ def _run(case: str) -> dict:
 def _loop(env, case: str) -> Loop:
     run, data = _run(case), make_data(120, 30)
     torch.manual_seed(run["train"]["seed"])  # as TrainTask.work
-    model = build_model(run["model"], data["shape"], data["num_classes"])
+    model = build_model(run["model"], data.shape, data.num_classes)
     return Loop(run, data, env, CPU, place(model, CPU, run["train"]["channels_last"]))
 
 

@@ -19,7 +19,7 @@ AUGMENT = {"enabled": True, "crop_padding": 2, "horizontal_flip": True}
 
 
 def test_augmentation_is_a_padded_crop_then_a_flip_drawn_from_seed_epoch_step_micro_batch():
-    from ddpflow.training.loop import micro_batch_seed
+    from ddpflow.training.schedule import micro_batch_seed
 
     x = torch.randint(0, 256, (64, 3, 8, 10), dtype=torch.uint8)
     out = feed.augment(x, AUGMENT, micro_batch_seed(0, 1, 2, 3))

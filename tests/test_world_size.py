@@ -50,9 +50,9 @@ def _run(env, model: dict, train: dict) -> dict:
 def _model(run: dict, data: dict) -> nn.Module:
     torch.manual_seed(run["train"]["seed"])  # as TrainTask.work
     if run["model"]["name"] == "mlp":  # the built-in MLP with a dropout layer
-        net = mlp(64, run["model"]["mlp_hidden"], data["num_classes"])
+        net = mlp(64, run["model"]["mlp_hidden"], data.num_classes)
         return nn.Sequential(*list(net)[:3], nn.Dropout(0.3), *list(net)[3:])
-    model = build_model(run["model"], data["shape"], data["num_classes"])
+    model = build_model(run["model"], data.shape, data.num_classes)
     return place(model, CPU, run["train"]["channels_last"] and run["train"]["strategy"] != "fsdp")
 
 

@@ -15,8 +15,8 @@ What it takes from ddpflow (so that the job is identical, not a copy that could 
   rank and step, so the global batch is train.global_batch_size (check_job refuses a job
   that would need gradient accumulation); the loaders drop each rank's short last batch, so
   an epoch is ddpflow's floor(train samples / global batch) full steps;
-* the lr: ddpflow.training.loop.effective_lr (linear scaling with the global batch) and
-  ddpflow.training.loop.lr_schedule (linear warmup, then cosine, per optimizer step).
+* the lr: ddpflow.training.schedule.effective_lr (linear scaling with the global batch) and
+  ddpflow.training.schedule.lr_schedule (linear warmup, then cosine, per optimizer step).
 
 What the scripts write themselves, as their users would: the loop, the optimizer (plain
 torch.optim.SGD, not ddpflow's fused kernel), samplers, validation and the test accuracy.
@@ -131,7 +131,7 @@ def build(job: dict, images: torch.Tensor) -> torch.nn.Module:
 
 def optimizer_and_schedule(job: dict, params, steps_per_epoch: int):
     """SGD at ddpflow's effective lr and the LambdaLR to step after every optimizer step."""
-    from ddpflow.training.loop import effective_lr
+    from ddpflow.training.schedule import effective_lr
 
     lr = effective_lr(job["train"])
     return sgd_schedule(job["train"], params, lr, steps_per_epoch)
@@ -140,7 +140,7 @@ def optimizer_and_schedule(job: dict, params, steps_per_epoch: int):
 def sgd_schedule(train: dict, params, lr: float, steps_per_epoch: int):
     """Plain torch.optim.SGD (as a script writes it; ddpflow uses the fused kernel) and
     ddpflow's warmup + cosine multiplier per optimizer step (also bench/lightning_loop.py)."""
-    from ddpflow.training.loop import lr_schedule
+    from ddpflow.training.schedule import lr_schedule
 
     opt = train["optimizer"]
     optimizer = torch.optim.SGD(

@@ -1,4 +1,5 @@
-"""What an evaluation writes and what its rule logs: eval_metrics.json's record (rank 0 of
+"""What the jobs write: train_summary.json's content (rank 0 of the training job), what an
+evaluation writes and what its rule logs: eval_metrics.json's record (rank 0 of
 the training job or of the evaluate job) and the published subset. No torch: the login
 node's rules read these too."""
 
@@ -48,3 +49,38 @@ def published(record: dict) -> dict:
     """What the evaluate rule logs of an eval_metrics.json record."""
     keys = ("run", "split", "accuracy", "correct", "samples_evaluated", "test_size")
     return {k: record[k] for k in keys}
+
+
+def train_summary(run, loop, env, hosts, attempt, wall_seconds, parameters, slurm_job_id) -> dict:
+    """train_summary.json's content, from the finished Loop's epoch records (rank 0)."""
+    records, data = loop.history, loop.data
+    train_seconds = sum(r["seconds"]["train"] for r in records)
+    samples = sum(r["samples"] for r in records)  # global: every rank's
+    phases = {p: sum(r["seconds"][p] for r in records) for p in records[0]["seconds"]}
+    return {
+        "run": run["name"],
+        "world_size": env.world_size,
+        "nodes": env.num_nodes,
+        "hosts": hosts,
+        "launcher": env.launcher,
+        "slurm_job_id": slurm_job_id,
+        "epochs": run["train"]["epochs"],
+        "steps": loop.scheduler.last_epoch,
+        "attempts": attempt,
+        "train_seconds": train_seconds,
+        "wall_seconds": wall_seconds,
+        "samples_per_s": samples / train_seconds if train_seconds else 0.0,
+        "phase_seconds": phases,
+        "device": str(data.device),
+        "device_name": runtime.device_name(data.device),
+        "data_in_memory": data.in_memory,
+        "parameters": parameters,
+        "lr": loop.lr,
+        "global_batch": run["train"]["global_batch_size"],
+        "micro_batch": run["train"]["micro_batch_size"],
+        "accumulation_steps": loop.accum,
+        # the world size and hosts of each stretch of the training, in order (one unless
+        # it was continued on another allocation)
+        "segments": loop.segments,
+        "precision": run["train"]["precision"] if loop.autocast else "fp32",
+    }

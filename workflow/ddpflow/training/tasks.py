@@ -22,17 +22,11 @@ import torch.distributed as dist
 from ddpflow import runtime
 from ddpflow.cluster import distenv
 from ddpflow.cluster.preflight import run_preflight
-from ddpflow.config import (
-    config_hash,
-    evaluation_fingerprint,
-    trains_sharded,
-    uses_channels_last,
-)
-from ddpflow.data import feed
-from ddpflow.data.staged import DataError, choose_in_memory, open_split
+from ddpflow.config import config_hash, evaluation_fingerprint, uses_channels_last
 from ddpflow.monitoring import sampler as monitor
 from ddpflow.paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
 from ddpflow.training import evaluate
+from ddpflow.training.build import cpu_has_native_bf16, placed_model
 from ddpflow.training.checkpoint import (
     Checkpointer,
     Preempted,
@@ -40,9 +34,10 @@ from ddpflow.training.checkpoint import (
     resumed_line,
     stop_on_signal,
 )
-from ddpflow.training.loop import Loop, cpu_has_native_bf16, fit, sync_buffers
+from ddpflow.training.loop import Loop, fit, sync_buffers
 from ddpflow.training.models import build_model, count_parameters, place
-from ddpflow.training.records import evaluation_record, published
+from ddpflow.training.rankdata import RankData, load_data
+from ddpflow.training.records import evaluation_record, published, train_summary
 
 log = logging.getLogger(__name__)
 
@@ -78,60 +73,6 @@ def gather_hosts(env) -> list[str]:
         hosts = [None] * env.world_size
         dist.all_gather_object(hosts, socket.gethostname())
     return hosts
-
-
-def load_data(run: dict, staged: str, env, device, splits=("train", "val")) -> dict:
-    """The splits this job uses, in memory or streamed (data.loading; feed.py), each checked
-    against the manifest first (sha256 of every file: bad data fails before the work).
-    data.loading.node_local_dir: read from a per-node copy (one rank per node copies it)."""
-    loading = run["data"]["loading"]
-    verify = env.local_rank == 0  # one rank per node hashes the files, the others check sizes
-    if loading["node_local_dir"]:  # the copy was verified as it was made or reused
-        staged, verify = feed.node_local_copy(staged, loading["node_local_dir"], env), False
-    opened, failed = {}, None
-    try:
-        for split in dict.fromkeys(splits):  # each once (eval.split may be val)
-            opened[split] = open_split(staged, split, verify)
-    except DataError as exc:
-        log.error("rank %d on %s: %s", env.rank, socket.gethostname(), exc)
-        failed = exc
-    if distenv.any_rank(env.world_size, failed is not None):  # no rank trains on bad data
-        raise failed or DataError(
-            f"the staged data {staged} failed its check on another rank (its log names the "
-            "file); delete it and restage"
-        )
-    manifest = next(iter(opened.values()))[2]
-    nbytes = sum(images.nbytes for images, _, _ in opened.values())
-    in_memory, why = choose_in_memory(run, nbytes)
-    data: dict = {"in_memory": in_memory}
-    for split, (images, labels, _) in opened.items():
-        if in_memory:
-            data[f"{split}_x"] = torch.from_numpy(images.load()).to(device)
-            images.close()
-        else:
-            data[f"{split}_x"] = feed.StreamedImages(images, device)
-        data[f"{split}_y"] = torch.from_numpy(labels).to(device)
-    if in_memory:
-        data["feed"] = feed.MemoryFeed(data["train_x"]) if "train" in opened else None
-    else:
-        data["feed"] = feed.StreamFeed(
-            opened["train"][0], device, loading["workers"], loading["prefetch"]
-        ) if "train" in opened else None  # fmt: skip
-    if env.is_master:
-        how = "in memory" if in_memory else (
-            f"streamed from {staged} ({loading['workers']} DataLoader workers per rank, "
-            f"{loading['prefetch']} batches ahead each)"
-        )  # fmt: skip
-        log.info("data %s: %s (%s)", "+".join(opened), how, why)
-    shape = [1, len(manifest["mean"]), 1, 1]
-    data["norm"] = (
-        torch.tensor(manifest["mean"], device=device).view(shape),
-        torch.tensor(manifest["std"], device=device).view(shape),
-    )
-    data["num_classes"], data["shape"] = manifest["num_classes"], manifest["shape"]
-    data["manifest"] = manifest
-    data["device"] = device
-    return data
 
 
 class DistributedTask:
@@ -172,55 +113,58 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         start = time.perf_counter()
         if run["machine"]["preflight"]["enabled"]:
             run_preflight(run["machine"]["preflight"], env, device, hosts)
-        split = run["eval"]["split"]
         in_train = run["eval"]["in_train"]
         # the evaluation split too when this job evaluates at the end: loaded (and verified)
         # now, so that bad data fails before the training, not after it
-        data = load_data(
-            run, paths.staged, env, device,
-            ("train", "val", split) if in_train else ("train", "val"),
-        )  # fmt: skip
-        augment = run["train"]["augment"]
-        if (
-            env.is_master
-            and augment["enabled"]
-            and augment["crop_padding"] * 4 > min(data["shape"][1:])
-        ):
-            log.warning(
-                "train.augment.crop_padding %d on %s images: a random crop can cut away up to "
-                "half of an image; lower it (the CIFAR recipe pads 32x32 images by 4)",
-                augment["crop_padding"], "x".join(map(str, data["shape"][1:])),
-            )  # fmt: skip
-        if (
-            env.local_rank == 0
-            and device.type == "cpu"
-            and run["train"]["precision"] == "bf16"
-            and not cpu_has_native_bf16()
-        ):
-            log.warning(
-                "train.precision bf16 on %s, whose CPU has no bf16 instructions (AMX or "
-                "AVX512-BF16): oneDNN emulates bf16 here, likely slower than fp32; set "
-                "train.precision: fp32 for this machine", socket.gethostname(),
-            )  # fmt: skip
-        torch.manual_seed(run["train"]["seed"])  # same init everywhere (DDP also broadcasts)
-        model = build_model(run["model"], data["shape"], data["num_classes"])
-        sharded = trains_sharded(run)
-        model = place(model, device, uses_channels_last(run), move=not sharded)
+        splits = ("train", "val", run["eval"]["split"]) if in_train else ("train", "val")
+        data = load_data(run, paths.staged, env, device, splits)
+        _warn_about_settings(run, data, env, device)
+        model = placed_model(run, data.shape, data.num_classes, device)
         loop = Loop(run, data, env, device, model)
         ckpt = Checkpointer(run, paths.work, env)
-        live_metrics = Path(paths.work) / LIVE_METRICS
-        resumed = ckpt.restore(loop)
-        ckpt.attempt = _next_attempt(Path(paths.work), resumed is not None, env)
+        self._train(loop, ckpt, env, hosts)
+        summary = None
+        weights = loop.full_model_state()  # collective under FSDP; the whole model on rank 0
+        if env.is_master:
+            summary = self._write_outputs(model, weights, env, hosts, loop, ckpt.attempt, start)
+        if in_train:
+            self._evaluate(model, data, env, hosts, summary)
+        return summary or {"rank": env.rank, "host": socket.gethostname()}
+
+    @property
+    def live_metrics(self) -> Path:
+        """The epoch records so far (rank 0 appends one per epoch)."""
+        return Path(self.paths.work) / LIVE_METRICS
+
+    def _train(self, loop: Loop, ckpt: Checkpointer, env, hosts) -> None:
+        """Resume from the newest valid checkpoint, then train the remaining epochs under the
+        run monitor; a stop signal saves and hands the job over to submitit's requeue."""
+        run, resumed = self.run, ckpt.restore(loop)
+        ckpt.attempt = _next_attempt(Path(self.paths.work), resumed is not None, env)
         loop.segments.append({
             "world_size": env.world_size, "hosts": list(hosts), "attempt": ckpt.attempt,
             "start_step": loop.scheduler.last_epoch, "end_step": loop.scheduler.last_epoch,
         })  # fmt: skip
         if env.is_master:
-            _start_log(run, model, loop, resumed, ckpt.attempt, live_metrics)
+            _start_log(run, loop.model, loop, resumed, ckpt.attempt, self.live_metrics)
         watch = monitor.RunMonitor(
-            run, Path(paths.model).parent, env, device, hosts, resumed["step"] if resumed else None
-        )
+            run, Path(self.paths.model).parent, env, loop.device, hosts,
+            resumed["step"] if resumed else None,
+        )  # fmt: skip
         loop.on_step = watch.wrap_step(ckpt.on_step)
+        with stop_on_signal(ckpt):
+            try:
+                fit(loop, self._on_epoch(loop, ckpt, watch, env), _progress_bar(run, env))
+            except Preempted:
+                hand_over_to_requeue(env, ckpt.submitit_handler)
+                raise
+            finally:
+                watch.close()
+                loop.data.feed.close()  # streamed: the DataLoader workers end here
+
+    def _on_epoch(self, loop: Loop, ckpt: Checkpointer, watch, env):
+        """What every rank does after an epoch: the monitor, the checkpoint, rank 0's log."""
+        run, live_metrics = self.run, self.live_metrics
 
         def on_epoch(record: dict) -> None:
             watch.on_epoch(record)  # every rank (a collective), before the checkpoint
@@ -237,24 +181,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
                     record["samples_per_s"],
                 )
 
-        with stop_on_signal(ckpt):
-            try:
-                fit(loop, on_epoch, _progress_bar(run, env))
-            except Preempted:
-                hand_over_to_requeue(env, ckpt.submitit_handler)
-                raise
-            finally:
-                watch.close()
-                data["feed"].close()  # streamed: the DataLoader workers end here
-        summary = None
-        weights = loop.full_model_state()  # collective under FSDP; the whole model on rank 0
-        if env.is_master:
-            summary = self._write_outputs(
-                model, weights, data, env, hosts, loop, ckpt.attempt, start, live_metrics
-            )
-        if in_train:
-            self._evaluate(model, data, env, hosts, summary)
-        return summary or {"rank": env.rank, "host": socket.gethostname()}
+        return on_epoch
 
     def _evaluate(self, model, data, env, hosts, summary) -> None:
         """Score the final model before the ranks are released (one allocation per run):
@@ -264,13 +191,14 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         publishes it. A failure here is logged and leaves the evaluation to that rule."""
         run, split = self.run, self.run["eval"]["split"]
         sync_buffers(model, env.world_size)  # score the model rank 0 saved
+        scored = data.split(split)
         result = evaluate.evaluate_split(
             model,
-            data[f"{split}_x"],
-            data[f"{split}_y"],
-            data["num_classes"],
+            scored.images,
+            scored.labels,
+            data.num_classes,
             run["eval"]["batch_size"],
-            data["norm"],
+            data.norm,
             env.rank,
             env.world_size,
             guard=True,
@@ -281,7 +209,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             return
         if env.is_master:
             record = evaluation_record(
-                run, result, data["manifest"], env.world_size, hosts, summary, "train job"
+                run, result, data.manifest, env.world_size, hosts, summary, "train job"
             )
             record["model_sha256"] = summary.pop("model_sha256")
             record["eval_key"] = config_hash(evaluation_fingerprint(run))
@@ -291,52 +219,47 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
                      result["eval_seconds"])  # fmt: skip
             _tensorboard_final(run, self.paths, result, summary["steps"])
 
-    def _write_outputs(self, model, weights, data, env, hosts, loop, attempt, start, live_metrics):
-        run, paths = self.run, self.paths
+    def _write_outputs(self, model, weights, env, hosts, loop, attempt, start):
+        run, paths, data = self.run, self.paths, loop.data
         sha256 = runtime.atomic_torch_save(
             {
                 "state_dict": weights,
                 "model": run["model"],
-                "shape": data["shape"],
-                "num_classes": data["num_classes"],
+                "shape": data.shape,
+                "num_classes": data.num_classes,
             },
             paths.model,
         )
-        records = loop.history
         loop.segments[-1]["end_step"] = loop.scheduler.last_epoch
-        train_seconds = sum(r["seconds"]["train"] for r in records)
-        samples = sum(r["samples"] for r in records)  # global: every rank's
-        phases = {p: sum(r["seconds"][p] for r in records) for p in records[0]["seconds"]}
-        summary = {
-            "run": run["name"],
-            "world_size": env.world_size,
-            "nodes": env.num_nodes,
-            "hosts": hosts,
-            "launcher": env.launcher,
-            "slurm_job_id": _slurm_job_id(env),
-            "epochs": run["train"]["epochs"],
-            "steps": loop.scheduler.last_epoch,
-            "attempts": attempt,
-            "train_seconds": train_seconds,
-            "wall_seconds": time.perf_counter() - start,
-            "samples_per_s": samples / train_seconds if train_seconds else 0.0,
-            "phase_seconds": phases,
-            "device": str(data["device"]),
-            "device_name": runtime.device_name(data["device"]),
-            "data_in_memory": data["in_memory"],
-            "parameters": count_parameters(model),
-            "lr": loop.lr,
-            "global_batch": run["train"]["global_batch_size"],
-            "micro_batch": run["train"]["micro_batch_size"],
-            "accumulation_steps": loop.accum,
-            # the world size and hosts of each stretch of the training, in order (one unless
-            # it was continued on another allocation)
-            "segments": loop.segments,
-            "precision": run["train"]["precision"] if loop.autocast else "fp32",
-        }
-        runtime.atomic_write_bytes(paths.train_metrics, live_metrics.read_bytes())
+        summary = train_summary(
+            run, loop, env, hosts, attempt, time.perf_counter() - start,
+            count_parameters(model), _slurm_job_id(env),
+        )  # fmt: skip
+        runtime.atomic_write_bytes(paths.train_metrics, self.live_metrics.read_bytes())
         runtime.atomic_write_json(paths.train_summary, summary)
         return {**summary, "model_sha256": sha256}
+
+
+def _warn_about_settings(run: dict, data: RankData, env, device) -> None:
+    """Settings that train, but likely not as meant on this data or machine."""
+    augment = run["train"]["augment"]
+    if env.is_master and augment["enabled"] and augment["crop_padding"] * 4 > min(data.shape[1:]):
+        log.warning(
+            "train.augment.crop_padding %d on %s images: a random crop can cut away up to "
+            "half of an image; lower it (the CIFAR recipe pads 32x32 images by 4)",
+            augment["crop_padding"], "x".join(map(str, data.shape[1:])),
+        )  # fmt: skip
+    if (
+        env.local_rank == 0
+        and device.type == "cpu"
+        and run["train"]["precision"] == "bf16"
+        and not cpu_has_native_bf16()
+    ):
+        log.warning(
+            "train.precision bf16 on %s, whose CPU has no bf16 instructions (AMX or "
+            "AVX512-BF16): oneDNN emulates bf16 here, likely slower than fp32; set "
+            "train.precision: fp32 for this machine", socket.gethostname(),
+        )  # fmt: skip
 
 
 def _slurm_job_id(env) -> str | None:
@@ -432,18 +355,18 @@ class EvalTask(DistributedTask):
         run, paths = self.run, self.paths
         split = run["eval"]["split"]
         data = load_data(run, paths.staged, env, device, splits=(split,))
-        images, labels = data[f"{split}_x"], data[f"{split}_y"]
+        scored = data.split(split)
         checkpoint = torch.load(paths.model, map_location=device, weights_only=True)
         model = build_model(checkpoint["model"], checkpoint["shape"], checkpoint["num_classes"])
         model.load_state_dict(checkpoint["state_dict"])
         model = place(model, device, uses_channels_last(run))
         result = evaluate.evaluate_split(
             model,
-            images,
-            labels,
-            data["num_classes"],
+            scored.images,
+            scored.labels,
+            data.num_classes,
             run["eval"]["batch_size"],
-            data["norm"],
+            data.norm,
             env.rank,
             env.world_size,
         )
@@ -454,7 +377,7 @@ class EvalTask(DistributedTask):
     def _write(self, result, data, env, hosts) -> dict:
         train = json.loads(Path(self.paths.train_summary).read_text())
         record = evaluation_record(
-            self.run, result, data["manifest"], env.world_size, hosts, train, "evaluate job"
+            self.run, result, data.manifest, env.world_size, hosts, train, "evaluate job"
         )
         record["slurm_job_id"] = _slurm_job_id(env)
         runtime.atomic_write_json(self.paths.eval_metrics, record)

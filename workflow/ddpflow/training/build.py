@@ -1,0 +1,153 @@
+"""The objects a rank trains with, built in one place from the run's config: the placed
+model, the strategy's wrapper (DDP, ZeRO's sharded optimizer, FSDP's sharded module; plain
+on one rank), torch.compile, the optimizer, the lr schedule, mixed precision and its grad
+scaler, and the loss."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddpflow.config import trains_sharded, uses_channels_last
+from ddpflow.training import sharding
+from ddpflow.training.models import build_model, place
+from ddpflow.training.schedule import effective_lr, lr_schedule
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainingParts:
+    """What build_training makes for a Loop."""
+
+    strategy: str  # the one this world size trains with (one rank: "ddp", plain training)
+    model: nn.Module  # the module whose state a checkpoint holds (FSDP: sharded in place)
+    # what the forward runs: DDP(model), FSDP's sharded model or, on one rank, the model
+    # itself; compiled under train.compile
+    wrapped: nn.Module
+    lr: float  # the effective lr (effective_lr)
+    optimizer: torch.optim.Optimizer  # ZeroRedundancyOptimizer under strategy zero
+    scheduler: torch.optim.lr_scheduler.LambdaLR  # per optimizer step
+    scaler: torch.amp.GradScaler  # enabled for fp16 on CUDA only
+    autocast: Callable | None  # a context-manager factory; None: fp32
+    loss_fn: nn.Module
+
+
+def placed_model(run: dict, shape, num_classes: int, device: torch.device) -> nn.Module:
+    """The run's model with the same initial weights on every rank (DDP also broadcasts),
+    on its device and memory layout; FSDP moves the shards itself (sharding.shard)."""
+    torch.manual_seed(run["train"]["seed"])
+    model = build_model(run["model"], shape, num_classes)
+    return place(model, device, uses_channels_last(run), move=not trains_sharded(run))
+
+
+def build_training(run: dict, env, device: torch.device, model, steps_per_epoch: int):
+    """The strategy's wrapper around model, and the optimizer, schedule, precision and loss
+    of run's train section (a TrainingParts)."""
+    tcfg = run["train"]
+    # one rank: nothing to shard, every strategy is plain training
+    strategy = tcfg["strategy"] if env.world_size > 1 else "ddp"
+    model, wrapped = _wrap(model, strategy, env, device, tcfg)
+    lr = effective_lr(tcfg)
+    optimizer = make_optimizer(
+        model.parameters(), tcfg["optimizer"], lr, device, strategy == "zero",
+        dtensors=strategy == "fsdp",
+    )  # fmt: skip
+    total = steps_per_epoch * tcfg["epochs"]
+    warmup = round(tcfg["warmup_epochs"] * steps_per_epoch)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_schedule(tcfg["schedule"], warmup, total)
+    )
+    autocast = autocast_factory(tcfg["precision"], device)
+    scaler = torch.amp.GradScaler(
+        "cuda", enabled=tcfg["precision"] == "fp16" and device.type == "cuda"
+    )
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=tcfg["label_smoothing"])
+    return TrainingParts(
+        strategy, model, wrapped, lr, optimizer, scheduler, scaler, autocast, loss_fn
+    )
+
+
+def _wrap(model: nn.Module, strategy: str, env, device, tcfg: dict):
+    """(the model, what the forward runs): activation checkpointing, then FSDP's sharding
+    or DDP's wrapper (several ranks), then torch.compile."""
+    if tcfg["activation_checkpointing"]:  # before sharding: FSDP's hooks wrap it
+        blocks = sharding.checkpoint_activations(model)
+        if env.is_master:
+            log.info("activation checkpointing: %d blocks recompute their forward in "
+                     "the backward", blocks)  # fmt: skip
+    if strategy == "fsdp":  # sharded in place: the model's parameters become DTensor shards
+        model = wrapped = sharding.shard(model, device, tcfg)
+    else:
+        wrapped = wrap_ddp(model, device, tcfg["ddp"]) if env.world_size > 1 else model
+    if tcfg["compile"]:
+        # the DDP module is compiled (not the model inside): dynamo then splits the graph
+        # at DDP's bucket boundaries, so the all-reduce still overlaps the backward
+        wrapped = torch.compile(wrapped)
+    return model, wrapped
+
+
+def make_optimizer(
+    params, opt_cfg: dict, lr: float, device: torch.device, sharded=False, dtensors=False
+):
+    """The configured optimizer; sharded: ZeRO stage 1 (each rank holds and updates the state
+    of 1/N of the parameters, then broadcasts them: the same arithmetic per element);
+    dtensors: FSDP's sharded parameters, which the fused kernels do not take (foreach)."""
+    # fused kernels (one kernel for all parameters) exist for CUDA and CPU tensors; on CPU
+    # the default per-tensor loop was 3-5x slower per step (bench/throughput.py, MLP/CNN)
+    fast = {"foreach": True} if dtensors else {"fused": True}
+    kwargs = {"lr": lr, "weight_decay": opt_cfg["weight_decay"], **fast}
+    if opt_cfg["name"] == "sgd":
+        cls = torch.optim.SGD
+        kwargs.update(momentum=opt_cfg["momentum"],
+                      nesterov=opt_cfg["nesterov"] and opt_cfg["momentum"] > 0)  # fmt: skip
+    else:
+        cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[opt_cfg["name"]]
+        kwargs.update(betas=tuple(opt_cfg["betas"]))
+    if sharded:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
+    return cls(params, **kwargs)
+
+
+def autocast_factory(precision: str, device: torch.device):
+    """A context-manager factory for mixed precision; None means fp32. bf16 on CUDA and on
+    CPU ranks (oneDNN's bf16 kernels: AMX / AVX512-BF16; bench/layout.py); fp16 on CUDA
+    only (CPU ranks train it in fp32: fp16 needs loss scaling and few CPUs compute it
+    natively)."""
+    if precision == "fp32" or (precision == "fp16" and device.type != "cuda"):
+        return None
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether oneDNN computes bf16 in hardware here (AVX512-BF16 or AMX); without it
+    bf16 autocast on a CPU is emulated and slower than fp32."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def wrap_ddp(model: nn.Module, device: torch.device, ddp_cfg: dict) -> DDP:
+    """DDP with the configured bucket size, bucket views, static graph and compression hook."""
+    ddp = DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=ddp_cfg["bucket_cap_mb"],
+        gradient_as_bucket_view=ddp_cfg["gradient_as_bucket_view"],
+        static_graph=ddp_cfg["static_graph"],
+    )
+    if ddp_cfg["comm_hook"] != "none":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = {
+            "bf16_compress": default_hooks.bf16_compress_hook,
+            "fp16_compress": default_hooks.fp16_compress_hook,
+        }[ddp_cfg["comm_hook"]]
+        ddp.register_comm_hook(None, hook)
+    return ddp

@@ -1,0 +1,121 @@
+"""A rank's data: the splits its job uses (in memory or streamed from the staged shards), the
+feed that serves the training batches, and what the staged manifest says about them.
+load_data builds it, checked against the manifest first."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass, field
+
+import torch
+
+from ddpflow.cluster import distenv
+from ddpflow.data import feed
+from ddpflow.data.staged import DataError, choose_in_memory, open_split
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Split:
+    """One split's samples: images uint8 [n, C, H, W] (a tensor on the device, or
+    feed.StreamedImages reading the staged shards), labels int64 [n] on the device."""
+
+    images: torch.Tensor | feed.StreamedImages
+    labels: torch.Tensor
+
+
+@dataclass
+class RankData:
+    """What a rank trains and scores on (load_data; tests build one from tensors)."""
+
+    splits: dict[str, Split]  # by split name: train, val, and the eval split where loaded
+    norm: tuple[torch.Tensor, torch.Tensor]  # the train split's mean, std: [1, C, 1, 1]
+    num_classes: int
+    shape: list[int]  # one image's [C, H, W]
+    # the training batches (feed.MemoryFeed or feed.StreamFeed); None until Loop makes a
+    # MemoryFeed over train's images (tensors given directly) or where no train split is
+    feed: feed.MemoryFeed | feed.StreamFeed | None = None
+    manifest: dict = field(default_factory=dict)  # the staged data's manifest.json
+    in_memory: bool = True  # the splits loaded whole (else streamed)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def train(self) -> Split:
+        return self.splits["train"]
+
+    @property
+    def val(self) -> Split:
+        return self.splits["val"]
+
+    def split(self, name: str) -> Split:
+        return self.splits[name]
+
+
+def load_data(run: dict, staged: str, env, device, splits=("train", "val")) -> RankData:
+    """The splits this job uses, in memory or streamed (data.loading; feed.py), each checked
+    against the manifest first (sha256 of every file: bad data fails before the work).
+    data.loading.node_local_dir: read from a per-node copy (one rank per node copies it)."""
+    loading = run["data"]["loading"]
+    verify = env.local_rank == 0  # one rank per node hashes the files, the others check sizes
+    if loading["node_local_dir"]:  # the copy was verified as it was made or reused
+        staged, verify = feed.node_local_copy(staged, loading["node_local_dir"], env), False
+    opened = _open_verified(staged, splits, verify, env)
+    manifest = next(iter(opened.values()))[2]
+    nbytes = sum(images.nbytes for images, _, _ in opened.values())
+    in_memory, why = choose_in_memory(run, nbytes)
+    data = RankData(
+        splits={s: _split(images, labels, in_memory, device)
+                for s, (images, labels, _) in opened.items()},
+        norm=_norm(manifest, device), num_classes=manifest["num_classes"],
+        shape=manifest["shape"], manifest=manifest, in_memory=in_memory, device=device,
+    )  # fmt: skip
+    if "train" in opened:
+        data.feed = (
+            feed.MemoryFeed(data.train.images) if in_memory else feed.StreamFeed(
+                opened["train"][0], device, loading["workers"], loading["prefetch"]
+            )
+        )  # fmt: skip
+    if env.is_master:
+        how = "in memory" if in_memory else (
+            f"streamed from {staged} ({loading['workers']} DataLoader workers per rank, "
+            f"{loading['prefetch']} batches ahead each)"
+        )  # fmt: skip
+        log.info("data %s: %s (%s)", "+".join(opened), how, why)
+    return data
+
+
+def _open_verified(staged: str, splits, verify: bool, env) -> dict:
+    """Each split once (eval.split may be val), opened and checked; a check that failed on
+    any rank fails every rank (no rank trains on bad data)."""
+    opened, failed = {}, None
+    try:
+        for split in dict.fromkeys(splits):
+            opened[split] = open_split(staged, split, verify)
+    except DataError as exc:
+        log.error("rank %d on %s: %s", env.rank, socket.gethostname(), exc)
+        failed = exc
+    if distenv.any_rank(env.world_size, failed is not None):
+        raise failed or DataError(
+            f"the staged data {staged} failed its check on another rank (its log names the "
+            "file); delete it and restage"
+        )
+    return opened
+
+
+def _split(images, labels, in_memory: bool, device) -> Split:
+    if in_memory:
+        x = torch.from_numpy(images.load()).to(device)
+        images.close()
+    else:
+        x = feed.StreamedImages(images, device)
+    return Split(x, torch.from_numpy(labels).to(device))
+
+
+def _norm(manifest: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = [1, len(manifest["mean"]), 1, 1]
+    return (
+        torch.tensor(manifest["mean"], device=device).view(shape),
+        torch.tensor(manifest["std"], device=device).view(shape),
+    )

@@ -1,0 +1,65 @@
+"""The order and the pace of training, as pure functions of the config: which samples each
+optimizer step and each rank's micro-batch take, the seed of a micro-batch's random draws,
+and the learning rate per step.
+
+The data order is the science's, not the machine's (step_micro_batches): each epoch is one
+seeded shuffle cut into optimizer steps of train.global_batch_size samples, each step into
+micro-batches of train.micro_batch_size; micro-batch j of step s is fixed by (seed, epoch, s,
+j), and rank r computes the contiguous block j in [r*a, (r+1)*a) (a accumulation steps), so
+every world size that divides the step computes the same micro-batches with the same random
+draws, and the gradient is their mean.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+
+def step_micro_batches(n: int, global_batch: int, micro: int, seed: int, epoch: int):
+    """The epoch's sample indices as [steps, micro-batches per step, micro]: one seeded
+    shuffle of the n training samples (a function of seed and epoch alone), cut into
+    n // global_batch optimizer steps; the n % global_batch samples left over sit out this
+    epoch (the next shuffle draws others). The same at every world size."""
+    generator = torch.Generator().manual_seed(seed + epoch)
+    order = torch.randperm(n, generator=generator)
+    steps = n // global_batch
+    return order[: steps * global_batch].view(steps, global_batch // micro, micro)
+
+
+def rank_micro_batches(batches: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """This rank's micro-batches in the order it computes them, [steps * a, micro]: of each
+    step the contiguous block j in [rank * a, (rank + 1) * a), a = micro-batches / world."""
+    accum = batches.shape[1] // world
+    return batches[:, rank * accum : (rank + 1) * accum].reshape(-1, batches.shape[2])
+
+
+def micro_batch_seed(seed: int, epoch: int, step: int, micro: int) -> int:
+    """The seed of the random draws of micro-batch `micro` of step `step` (augmentation,
+    dropout): the same whichever rank computes it."""
+    key = np.random.SeedSequence([seed, epoch, step, micro]).generate_state(2, np.uint64)
+    return int(key[0] >> np.uint64(1))
+
+
+def effective_lr(train_cfg: dict) -> float:
+    """The configured lr, scaled with the global batch (Goyal et al.: linear; or sqrt). The
+    world size plays no part: the global batch is the recipe's."""
+    ratio = train_cfg["global_batch_size"] / train_cfg["base_batch_size"]
+    factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[train_cfg["lr_scaling"]]
+    return train_cfg["optimizer"]["lr"] * factor
+
+
+def lr_schedule(schedule: str, warmup_steps: int, total_steps: int):
+    """Multiplier per optimizer step: linear warmup, then constant or cosine to zero."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
