@@ -353,7 +353,7 @@ def test_suspicious_settings_are_warned_about(monkeypatch):
     assert "train.precision fp16 on CPU ranks" in fp16 and "train.precision: bf16" in fp16
     bf16 = {"train": {"precision": "bf16"}}  # acts on CPU ranks
     assert _warnings(bf16) == [] or not ddpconfig.cpu_computes_bf16()
-    monkeypatch.setattr(ddpconfig, "cpu_computes_bf16", lambda: False)
+    monkeypatch.setattr(ddpconfig.checks, "cpu_computes_bf16", lambda: False)  # where looked up
     (emulated,) = _warnings(bf16)
     assert "no bf16 instructions" in emulated and "train.precision: fp32" in emulated
     assert _warnings({**bf16, "launcher": "slurm"}) == []  # the nodes' CPUs are not this one
