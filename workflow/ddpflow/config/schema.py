@@ -112,6 +112,43 @@ def _type_hint(error: jsonschema.ValidationError) -> str:
     return ""
 
 
+def schema_keys(schema: dict, node: dict | None = None, prefix: tuple = ()) -> list[tuple]:
+    """Every key path the schema declares, parents before children, following $ref:
+    ("data",), ("data", "loading"), ("data", "loading", "in_memory"), ... (not inside runs)."""
+    node = schema if node is None else node
+    if "$ref" in node:
+        node = schema["$defs"][node["$ref"].rsplit("/", 1)[1]]
+    out = []
+    for key, sub in node.get("properties", {}).items():
+        out.append((*prefix, key))
+        out += schema_keys(schema, sub, (*prefix, key))
+    return out
+
+
+def _elsewhere(key: str, where: list) -> list[str]:
+    """The dotted paths where a key of this name exists, for a key unknown at `where`:
+    in_memory under data -> ["data.loading.in_memory"]. In a runs[] entry, the sections'
+    keys (dotted from the run)."""
+    in_run = where[:1] == ["runs"]
+    return [
+        ".".join(path)
+        for path in schema_keys(load_schema())
+        if path[-1] == key and path[:-1] != tuple(where) and not (in_run and len(path) == 1)
+    ]
+
+
+def _unknown_key_hint(key: str, allowed: list[str], where: list) -> str:
+    """'; did you mean ...?' for an unknown key: the places where a key of exactly this name
+    exists (data.in_memory -> data.loading.in_memory), then a close spelling allowed here."""
+    close = difflib.get_close_matches(key, allowed, n=1)
+    elsewhere = " or ".join(_elsewhere(key, where))
+    if close and elsewhere:
+        return f"; did you mean {elsewhere}, or {close[0]!r} for {key!r}?"
+    if close:
+        return f"; did you mean {close[0]!r} for {key!r}?"
+    return f"; did you mean {elsewhere}?" if elsewhere else ""
+
+
 def _describe(error: jsonschema.ValidationError) -> str:
     path = _key_path(error)
     if error.validator == "pattern" and path.endswith(".name"):
@@ -122,9 +159,7 @@ def _describe(error: jsonschema.ValidationError) -> str:
     if error.validator == "additionalProperties":
         allowed = sorted(error.schema.get("properties", {}))
         extra = sorted(set(error.instance) - set(allowed))
-        close = {key: difflib.get_close_matches(key, allowed, n=1) for key in extra}
-        hints = "".join(f"; did you mean {match[0]!r} for {key!r}?" for key, match in close.items()
-                        if match)  # fmt: skip
+        hints = "".join(_unknown_key_hint(key, allowed, list(error.absolute_path)) for key in extra)
         return f"{path}: unknown key(s) {extra}{hints} (allowed keys here: {allowed})"
     if error.validator == "enum":
         return f"{path}: {error.instance!r} is not one of {error.validator_value}"
