@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ddpflow-installed
 
-.PHONY: run test lint bench clean profile
+.PHONY: run test lint bench clean profile docs-reference
 
 run: $(STAMP) profile
 	$(BIN)/snakemake
@@ -35,6 +35,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	bench/run
+
+# the configuration reference, generated from the schema (tests/test_config_reference.py
+# fails when the committed file is stale)
+docs-reference: $(STAMP)
+	$(BIN)/python -m ddpflow.config.reference > docs/reference/config.md
 
 # torch and torchvision are pinned together in envs/requirements.txt (a bare torch pulls
 # another multi-GB build); the package is installed editable so submitit's ranks import it.
