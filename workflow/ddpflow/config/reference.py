@@ -26,7 +26,7 @@ from ddpflow.config.machine import world_size
 from ddpflow.config.runs import SECTIONS, resolve_runs
 from ddpflow.config.schema import load_schema, schema_keys, validate
 
-REGENERATE = "make docs-reference  (python -m ddpflow.config.reference > docs/reference/config.md)"
+REGENERATE = "make docs-reference (python -m ddpflow.config.reference > docs/reference/config.md)"
 # an edit is tried in the default run and in runs where keys act that the default run ignores
 # (the column then says "retrain with model.name: mlp"). Own data names files that do not
 # exist, so that rendering reads no file (a listing of "missing" is compared with itself).
@@ -217,8 +217,9 @@ HEADER = f"""# Configuration reference
 <!-- Generated from workflow/ddpflow/config/schema.yaml: do not edit. Regenerate with
 {REGENERATE}. -->
 
-Every key of `config/config.yaml`, as the schema declares it. A key left out takes its
-default; an unknown key is an error (with "did you mean ..." when it belongs elsewhere).
+Every key a ddpflow configuration accepts, as the schema declares it (`config/config.yaml`
+shows the ones usually edited). A key left out takes its default; an unknown key is an error
+(with "did you mean ..." when it belongs elsewhere).
 A named run (`runs:`) may override any key of the sections `{", ".join(SECTIONS)}`.
 
 **Editing it redoes** says what the next `snakemake` run does after the key is edited, as
