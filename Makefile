@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.ddpflow-installed
 DOCS_STAMP := $(VENV)/.ddpflow-docs-installed
 
-.PHONY: run test lint bench clean profile docs docs-build
+.PHONY: run test test-fast lint bench clean profile docs docs-build docs-reference
 
 run: $(STAMP) profile
 	$(BIN)/snakemake
@@ -48,6 +48,11 @@ docs: $(DOCS_STAMP)
 
 docs-build: $(DOCS_STAMP)
 	$(BIN)/mkdocs build --strict
+
+# the configuration reference, generated from the schema (tests/test_config_reference.py
+# fails when the committed file is stale)
+docs-reference: $(STAMP)
+	$(BIN)/python -m ddpflow.config.reference > docs/reference/config.md
 
 # torch and torchvision are pinned together in envs/requirements.txt (a bare torch pulls
 # another multi-GB build); the package is installed editable so submitit's ranks import it.

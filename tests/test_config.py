@@ -290,6 +290,38 @@ def test_integer_keys_reject_floats(tmp_path, text):
         load_yaml(tmp_path, text)
 
 
+# a key written under the wrong section: the message names where it belongs
+MISPLACED_KEYS = [
+    ("data-in-memory", "data: {in_memory: true}", "data", "did you mean data.loading.in_memory?"),
+    ("train-nodes", "train: {nodes: 2}", "train", "did you mean machine.nodes?"),
+    ("machine-optimizer", "machine: {optimizer: {lr: 0.1}}", "machine", "train.optimizer?"),
+    ("eval-seed-two-places", "eval: {seed: 1}", "eval", "did you mean data.seed or train.seed?"),
+    ("run-train-nodes", "runs: [{name: a, train: {nodes: 2}}]", "runs[0] ('a'): train",
+     "did you mean machine.nodes?"),
+    ("run-entry-epochs", "runs: [{name: a, epochs: 2}]", "runs[0]", "did you mean train.epochs?"),
+    ("top-level-nodes", "nodes: 2", "<top level>", "did you mean machine.nodes"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "hint"), [c[1:] for c in MISPLACED_KEYS], ids=[c[0] for c in MISPLACED_KEYS]
+)
+def test_a_key_under_the_wrong_section_names_the_right_one(tmp_path, text, where, hint):
+    with pytest.raises(ConfigError) as info:
+        load_yaml(tmp_path, text)
+    message = str(info.value)
+    assert f"{where}: unknown key(s)" in message and hint in message, message
+
+
+def test_validate_names_the_right_section_too():
+    with pytest.raises(ConfigError, match=r"did you mean data\.loading\.in_memory\?"):
+        ddpconfig.validate({"data": {"in_memory": False}})
+    # a close spelling here still comes first when no key of that name exists elsewhere
+    with pytest.raises(ConfigError) as info:
+        ddpconfig.validate({"data": {"loading": {"inmemory": False}}})
+    assert "did you mean 'in_memory' for 'inmemory'?" in str(info.value)
+
+
 # --- what the user plainly meant is accepted -------------------------------------------------
 
 
@@ -353,7 +385,7 @@ def test_suspicious_settings_are_warned_about(monkeypatch):
     assert "train.precision fp16 on CPU ranks" in fp16 and "train.precision: bf16" in fp16
     bf16 = {"train": {"precision": "bf16"}}  # acts on CPU ranks
     assert _warnings(bf16) == [] or not ddpconfig.cpu_computes_bf16()
-    monkeypatch.setattr(ddpconfig, "cpu_computes_bf16", lambda: False)
+    monkeypatch.setattr(ddpconfig.checks, "cpu_computes_bf16", lambda: False)  # where looked up
     (emulated,) = _warnings(bf16)
     assert "no bf16 instructions" in emulated and "train.precision: fp32" in emulated
     assert _warnings({**bf16, "launcher": "slurm"}) == []  # the nodes' CPUs are not this one

@@ -168,7 +168,7 @@ def test_units_are_the_models_blocks():
     ],
 )
 def test_combinations_fsdp_cannot_run_are_refused(train, machine, message, monkeypatch):
-    monkeypatch.setattr(ddpconfig, "local_gpu_count", lambda: 8)
+    monkeypatch.setattr(ddpconfig.checks, "local_gpu_count", lambda: 8)  # where looked up
     with pytest.raises(ddpconfig.ConfigError, match=message):
         ddpconfig.load(None, {"train": {"strategy": "fsdp", **train}, "machine": machine})
 

@@ -236,7 +236,7 @@ def test_on_small_is_in_the_dataset_id_only_where_it_can_act(tmp_path):
     """upscale (the default) leaves the dataset id, the stage rule's params and the training
     fingerprint as they were before data.on_small existed: a folder without small images
     restages and retrains nothing after the upgrade. skip and error get ids of their own
-    (the reasons: ddpflow/config.py, above data_keys)."""
+    (the reasons: ddpflow/config/fingerprint.py, above data_keys)."""
     root = make_folder(tmp_path / "images", per_class=(4, 2))
     old = _data(root=str(root))
     del old["on_small"]  # as a ddpflow without on_small resolved it

@@ -31,7 +31,8 @@ from ddpflow.cluster.slurm_parse import (
     parse_partitions,
     parse_slurm_time,
 )
-from ddpflow.config import ConfigError, memory_mb, ranks_per_node
+from ddpflow.config.machine import memory_mb, ranks_per_node
+from ddpflow.config.schema import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,238 @@
+"""Checks a schema cannot express, made before anything is submitted: combinations of keys
+that cannot work (a ConfigError naming the keys and the fix), legal but suspicious settings
+(run_warnings), a world size that cannot split the global batch, and a global batch larger
+than the staged training split. Checks against a Slurm cluster are in slurm.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ddpflow.config.fingerprint import BUILT_IN_MODELS
+from ddpflow.config.machine import (
+    accumulation_steps,
+    cpu_computes_bf16,
+    local_gpu_count,
+    ranks_per_node,
+    trains_sharded,
+    working_world_sizes,
+)
+from ddpflow.config.schema import ConfigError, validate
+from ddpflow.runtime import usable_cores
+
+
+def _check_run(run: dict, launcher: str) -> None:
+    """Refuse, naming the keys and the fix, a resolved run whose settings cannot work
+    together (checked in this order: the first problem is the one reported)."""
+    where = f"runs ({run['name']!r})"
+    _check_machine(where, run["machine"], launcher)
+    _check_features(where, run)
+    _check_data_and_model(where, run)
+    _check_batches(where, run)
+
+
+def _check_machine(where: str, machine: dict, launcher: str) -> None:
+    if launcher == "local" and machine["nodes"] > 1:
+        raise ConfigError(
+            f"{where}: machine.nodes is {machine['nodes']} but the local launcher runs on one "
+            "machine; set machine.nodes: 1 or run with --profile profiles/slurm"
+        )
+    if launcher == "local" and machine["gpus_per_node"]:
+        _check_local_gpus(where, machine["gpus_per_node"])
+    _check_min_nodes(where, machine)
+
+
+def _check_features(where: str, run: dict) -> None:
+    """Training features that do not combine (strategy fsdp's own: _check_fsdp)."""
+    train = run["train"]
+    if train["strategy"] == "fsdp":
+        _check_fsdp(where, run)
+    if train["activation_checkpointing"] and train["compile"]:
+        raise ConfigError(
+            f"{where}: train.activation_checkpointing with train.compile: true is not "
+            "supported yet; set one of them to false"
+        )
+
+
+def _check_data_and_model(where: str, run: dict) -> None:
+    """Keys a data source or model requires, or refuses."""
+    data = run["data"]
+    if data["source"] == "image_folder" and data["image_size"] is None:
+        raise ConfigError(
+            f"{where}: data.image_size is required for data.source image_folder: the "
+            "[height, width] every image is resized to, e.g. data.image_size: [32, 32]"
+        )
+    if data["source"] == "npz" and not data["path"]:
+        raise ConfigError(
+            f"{where}: data.path is required for data.source npz: the .npz file to read"
+        )
+    model = run["model"]
+    if model["name"] in BUILT_IN_MODELS and model["kwargs"]:
+        raise ConfigError(
+            f"{where}: model.kwargs {model['kwargs']} is set for the built-in model "
+            f"{model['name']!r}, which takes none (they are for torchvision models and "
+            f"plug-ins); remove model.kwargs, or use the built-in model's own keys "
+            f"(model.cnn_channels, model.mlp_hidden)"
+        )
+
+
+def _check_batches(where: str, run: dict) -> None:
+    """The global batch against the world size, the training samples and DDP's static graph."""
+    machine, train, world = run["machine"], run["train"], run["world_size"]
+    machine_text = f" (machine.nodes {machine['nodes']} x {ranks_per_node(machine)} ranks)"
+    check_world_size(where, train, world, machine_text)
+    samples = run["data"]["max_train_samples"]
+    if samples is not None and samples < train["global_batch_size"]:
+        raise ConfigError(
+            f"{where}: data.max_train_samples is {samples}, less than one global batch "
+            f"(train.global_batch_size {train['global_batch_size']}): an epoch would have no "
+            f"step; raise max_train_samples or lower global_batch_size"
+        )
+    # torch 2.14 fails an internal assert at the first no_sync micro-step with a static graph
+    # (pytorch/pytorch#143580): refuse it here, not minutes later on every rank
+    accum = accumulation_steps(train, world)
+    if train["ddp"]["static_graph"] and accum > 1 and world > 1:
+        raise ConfigError(
+            f"{where}: train.ddp.static_graph is true with {accum} accumulation steps per "
+            f"rank (global_batch_size {train['global_batch_size']} / (micro_batch_size "
+            f"{train['micro_batch_size']} x world size {world})): DDP's static graph does not "
+            "support skipping the all-reduce on accumulation steps; set "
+            "train.ddp.static_graph: false, or micro_batch_size x world size = global_batch_size"
+        )
+
+
+def _check_fsdp(where: str, run: dict) -> None:
+    """Combinations strategy fsdp does not support, refused before anything is submitted."""
+    train, gpu = run["train"], bool(run["machine"]["gpus_per_node"])
+    if gpu and train["precision"] == "fp16":
+        raise ConfigError(
+            f"{where}: train.strategy fsdp with train.precision fp16: fp16's gradient scaler "
+            "is not built for sharded gradients here; use train.precision: bf16 (FSDP's "
+            "mixed precision: bf16 parameters and compute, fp32 gradient reduction)"
+        )
+    if train["compile"]:
+        raise ConfigError(
+            f"{where}: train.strategy fsdp with train.compile: true is not supported yet; "
+            "set train.compile: false, or train.strategy: ddp or zero"
+        )
+    if train["fsdp"]["cpu_offload"] and not gpu:
+        raise ConfigError(
+            f"{where}: train.fsdp.cpu_offload is true but the run has no GPU "
+            "(machine.gpus_per_node is 0): everything is in host memory already; set "
+            "train.fsdp.cpu_offload: false"
+        )
+
+
+def _check_min_nodes(where: str, machine: dict) -> None:
+    fewest = machine["min_nodes"]
+    if fewest is not None and fewest > machine["nodes"]:
+        raise ConfigError(
+            f"{where}: machine.min_nodes is {fewest} but machine.nodes is {machine['nodes']}: "
+            "min_nodes is the fewest nodes a submission may shrink to after node failures; "
+            f"set machine.min_nodes to at most {machine['nodes']} (or null to always run on "
+            "machine.nodes)"
+        )
+
+
+def _check_local_gpus(where: str, wanted: int) -> None:
+    """The local launcher runs on this machine: it must have the GPUs asked for (counted
+    without importing torch: CUDA_VISIBLE_DEVICES, else the NVIDIA driver's device list)."""
+    if os.environ.get("DDPFLOW_ALLOW_CPU_FALLBACK") == "1":
+        return
+    found = local_gpu_count()
+    if found >= wanted:
+        return
+    have = "no NVIDIA GPU" if found == 0 else f"{found} GPU(s)"
+    raise ConfigError(
+        f"{where}: machine.gpus_per_node is {wanted} but this machine has {have} (counted from "
+        "CUDA_VISIBLE_DEVICES, else /dev/nvidia*) and the local launcher runs here; set "
+        "machine.gpus_per_node: 0 for CPU ranks, or run on a GPU machine or cluster "
+        "(--profile slurm)"
+    )
+
+
+def check_world_size(where: str, train: dict, world: int, machine_text: str = "") -> None:
+    """Refuse, before anything is submitted, a world size that cannot compute the recipe's
+    global batch in whole micro-batches, naming the sizes that can."""
+    global_, micro = train["global_batch_size"], train["micro_batch_size"]
+    if global_ % micro:
+        raise ConfigError(
+            f"{where}: train.global_batch_size {global_} is not a multiple of "
+            f"train.micro_batch_size {micro}: a step is a whole number of micro-batches; "
+            f"set global_batch_size to a multiple of {micro} (e.g. "
+            f"{max(micro, global_ // micro * micro)} or {(global_ // micro + 1) * micro}) or "
+            "another micro_batch_size"
+        )
+    count = global_ // micro
+    if count % world:
+        works = ", ".join(map(str, working_world_sizes(train)))
+        raise ConfigError(
+            f"{where}: {global_} = {micro} x world size x accumulation steps "
+            f"(train.global_batch_size = train.micro_batch_size x ...), but world size "
+            f"{world}{machine_text} does not divide {count} micro-batches: world sizes "
+            f"{works} work; {world} does not. Change the machine, or the two batch sizes"
+        )
+
+
+def run_warnings(run: dict, launcher: str) -> list[str]:
+    """Legal but suspicious settings: the run starts, and these lines say what looks wrong."""
+    where = f"run {run['name']!r}"
+    machine, train, out = run["machine"], run["train"], []
+    if train["warmup_epochs"] > train["epochs"]:
+        reached = train["epochs"] / train["warmup_epochs"]
+        out.append(
+            f"{where}: train.warmup_epochs {train['warmup_epochs']} is more than train.epochs "
+            f"{train['epochs']}: the learning rate only reaches {reached:.0%} of its value; "
+            "lower warmup_epochs"
+        )
+    if train["precision"] == "fp16" and not machine["gpus_per_node"]:
+        out.append(
+            f"{where}: train.precision fp16 on CPU ranks (machine.gpus_per_node 0) trains in "
+            "fp32: fp16 is for GPUs; for mixed precision on a CPU set train.precision: bf16"
+        )
+    if trains_sharded(run):
+        defaults = validate({})["train"]["ddp"]
+        changed = sorted(k for k, v in train["ddp"].items() if v != defaults[k])
+        if changed:
+            out.append(
+                f"{where}: train.ddp.{', train.ddp.'.join(changed)} set, but strategy fsdp "
+                "does not use DistributedDataParallel: these settings are ignored"
+            )
+    if launcher == "local" and not machine["gpus_per_node"]:
+        cores = usable_cores()
+        wanted = machine["cpu_ranks_per_node"] * machine["cpus_per_task"]
+        if cores and wanted > cores:
+            out.append(
+                f"{where}: machine.cpu_ranks_per_node {machine['cpu_ranks_per_node']} x "
+                f"cpus_per_task {machine['cpus_per_task']} = {wanted} threads on this "
+                f"machine's {cores} cores: the ranks will contend and train slower than "
+                f"fewer would; set cpu_ranks_per_node to at most "
+                f"{max(1, cores // machine['cpus_per_task'])}"
+            )
+        if train["precision"] == "bf16" and not cpu_computes_bf16():
+            out.append(
+                f"{where}: train.precision bf16, but this machine's CPU has no bf16 "
+                "instructions (AMX or AVX512-BF16 in /proc/cpuinfo): oneDNN would emulate "
+                "bf16, likely slower than fp32; set train.precision: fp32"
+            )
+    return out
+
+
+def check_batch_fits(run: dict, train_samples: int) -> None:
+    """Before the training job is submitted: an epoch takes floor(samples / global batch)
+    steps, so a global batch larger than the staged training split would train nothing."""
+    global_, micro = run["train"]["global_batch_size"], run["train"]["micro_batch_size"]
+    if global_ > train_samples:
+        unit = micro * run["world_size"]  # a global batch this world size can split
+        fits = train_samples // unit * unit
+        advice = (
+            f"set train.global_batch_size to at most {fits} (a multiple of micro_batch_size "
+            f"{micro} x world size {run['world_size']})"
+            if fits
+            else f"lower train.micro_batch_size (now {micro}) and the global batch"
+        )
+        raise ConfigError(
+            f"run {run['name']!r}: train.global_batch_size is {global_} but the staged "
+            f"training split has only {train_samples} samples, so an epoch would have no "
+            f"optimizer step; {advice}"
+        )

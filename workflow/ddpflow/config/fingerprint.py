@@ -1,0 +1,239 @@
+"""What decides a rerun: the keys that identify a staged dataset (dataset_id, stage_params),
+a trained model (training_fingerprint) and an evaluation (evaluation_fingerprint), as
+Snakemake rule params, and the one-line account of what changed between two of them.
+Keys outside them (VOLATILE_TRAIN_KEYS, DATA_RUNTIME_KEYS, the machine) redo nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+# train keys that cannot change a run's result: changing them retrains nothing. strategy:
+# zero trains bitwise the same weights as ddp and its checkpoints hold the whole optimizer
+# state, so a run switched from one to the other resumes (tests/test_resume_exact.py); fsdp
+# sums gradients another way and checkpoints shards: it is part of the fingerprint (with
+# its settings), ddp and zero are not. activation_checkpointing recomputes the same values
+VOLATILE_TRAIN_KEYS = ("progress", "checkpoint", "max_requeues", "on_nonfinite", "monitor",
+                       "strategy", "fsdp", "activation_checkpointing")  # fmt: skip
+# train keys that act on GPUs only: on CPU ranks they change nothing, so nothing retrains.
+# precision acts on CPU ranks when it is bf16 (fp16 and fp32 train in fp32 there).
+# channels_last acts on every device (oneDNN's NHWC convolutions are faster on CPU too), but
+# only on models with convolutions: the built-in MLP has none
+GPU_ONLY_TRAIN_KEYS = ("precision", "deterministic")
+NO_CONV_MODELS = ("mlp",)
+
+
+# data keys only your own data reads (image_folder, npz): left out of the other sources'
+# fingerprints, so their staged datasets and trained models keep their identity
+OWN_DATA_KEYS = ("path", "image_size", "channels", "on_corrupt", "kwargs")
+
+
+def is_own_data(source: str) -> bool:
+    return source in ("image_folder", "npz") or ":" in source
+
+
+# data keys that say how data is staged or read, not what it is: no staged byte and no
+# trained weight depends on them (tests/test_streaming.py), so editing them redoes nothing
+DATA_RUNTIME_KEYS = ("stage_threads", "loading")
+
+
+# data.on_small: what staging does with an image smaller than data.image_size. The dataset
+# id is computed at parse time from the config and the folder's listing, without opening an
+# image, so it cannot know whether a folder has small images. The rule that follows:
+# - upscale is left out of the id, the training fingerprint and the stage rule's params: on
+#   a folder with no small image it stages the bytes staged before on_small existed, so the
+#   id is unchanged and nothing restages or retrains after the upgrade; a folder with small
+#   images was refused before, so no staged data carries its id;
+# - skip and error are in them: on a folder with small images, skip stages other images
+#   than upscale, and error must really look at the images (under upscale's id, a folder
+#   staged with upscaled images would never be checked, or, rerun for its changed params,
+#   a refusal would make Snakemake delete a directory that upscale runs share). On a folder
+#   without small images they stage the same images into a directory of their own: one
+#   restaging and retraining after that edit, the price of not decoding every image at parse;
+# - sources that never resize an image (built-in, npz) leave it out whatever its value.
+ON_SMALL_IMPLIED = "upscale"  # what a data config without on_small (an id, params) stands for
+
+
+def on_small(data: dict) -> str:
+    return data.get("on_small", ON_SMALL_IMPLIED)
+
+
+def _on_small_acts(data: dict) -> bool:
+    resizes = data["source"] == "image_folder" or ":" in data["source"]  # a plug-in's PIL images
+    return resizes and on_small(data) != ON_SMALL_IMPLIED
+
+
+def data_keys(data: dict) -> dict:
+    """The data keys that define the staged data: those that apply to the source (the
+    built-in sources ignore OWN_DATA_KEYS; on_small: see above), without DATA_RUNTIME_KEYS."""
+    skip = DATA_RUNTIME_KEYS if is_own_data(data["source"]) else DATA_RUNTIME_KEYS + OWN_DATA_KEYS
+    if not _on_small_acts(data):
+        skip += ("on_small",)
+    return {k: v for k, v in data.items() if k not in skip}
+
+
+def stage_params(data: dict) -> dict:
+    """The stage rule's params (Snakemake restages when they change): the data keys without
+    DATA_RUNTIME_KEYS and on_small where it does not act, so that editing those restages
+    nothing. (The keys a built-in source ignores stay, as they always were: removing them
+    would change every staged dataset's params, and restage it, once.)"""
+    skip = DATA_RUNTIME_KEYS if _on_small_acts(data) else DATA_RUNTIME_KEYS + ("on_small",)
+    return {k: v for k, v in data.items() if k not in skip}
+
+
+def data_settings(data: dict) -> dict:
+    """data_keys, plus, for your own data, the content of its files (name, size, modification
+    time of each: adding, removing or replacing an image restages it, without reading every
+    image at each parse) or the plug-in's code."""
+    settings = data_keys(data)
+    if not is_own_data(data["source"]):
+        return settings
+    if ":" in data["source"]:  # a plug-in: its code is what it reads
+        settings["plugin_sha256"] = plugin_source_hash(data["source"])
+    else:
+        settings["files"] = own_data_listing(data)
+    return settings
+
+
+def own_data_listing(data: dict) -> str:
+    """sha256 of (relative path, size, mtime) of every file of an image folder or npz file;
+    "missing" where it does not exist (staging then says what is wrong)."""
+    root = Path(data["root"] if data["source"] == "image_folder" else data["path"] or "")
+    digest = hashlib.sha256()
+    if root.is_file():
+        stat = root.stat()
+        digest.update(f"{root.name}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    elif root.is_dir():
+        for folder, dirs, files in os.walk(root):
+            dirs.sort()
+            for name in sorted(files):
+                path = Path(folder, name)
+                stat = path.stat()
+                rel = path.relative_to(root).as_posix()
+                digest.update(f"{rel}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    else:
+        return "missing"
+    return digest.hexdigest()
+
+
+def dataset_id(data: dict) -> str:
+    """Directory name of a staged dataset: runs with the same data share one staging."""
+    prefix = re.sub(r"\W", "_", data["source"])  # a plug-in's "pkg.module:fn" too
+    return f"{prefix}-{config_hash(data_settings(data))[:10]}"
+
+
+def config_hash(section: Any) -> str:
+    return hashlib.sha256(json.dumps(section, sort_keys=True).encode()).hexdigest()
+
+
+def flatten(section: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay whole (they are one value to the user)."""
+    if not isinstance(section, dict):
+        return {prefix: section}
+    out: dict[str, Any] = {}
+    for key, value in section.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else key))
+    return out
+
+
+def training_fingerprint(run: dict) -> dict[str, Any]:
+    """Every key that determines a trained model, flat: the data, model and training settings
+    and the device kind. Not in it: the world size (every step computes the same
+    micro-batches, with the same draws, at any size: loop.step_micro_batches), where and how
+    the ranks run (launcher, nodes, ranks per node, partition, account, time limit, memory,
+    logging, progress, checkpoint cadence): changing those retrains nothing. The eval section
+    is the evaluate rule's (training's validation metrics are exact counts, except the float
+    validation loss, whose last bits may depend on eval.batch_size)."""
+    gpu = bool(run["machine"]["gpus_per_node"])
+    ignored = VOLATILE_TRAIN_KEYS if gpu else VOLATILE_TRAIN_KEYS + GPU_ONLY_TRAIN_KEYS
+    if not gpu and run["train"]["precision"] == "bf16":  # bf16 autocast on CPU ranks too
+        ignored = tuple(key for key in ignored if key != "precision")
+    train = {k: v for k, v in run["train"].items() if k not in ignored}
+    if not train["augment"]["enabled"]:  # its settings act only when it is on
+        del train["augment"]
+    fsdp = run["train"]["strategy"] == "fsdp"
+    if not gpu and (run["model"]["name"] in NO_CONV_MODELS or fsdp):
+        del train["channels_last"]  # no convolution to lay out, or fsdp's plain layout
+    flat = flatten({"data": data_keys(run["data"]), "model": model_settings(run["model"]),
+                    "train": train})  # fmt: skip
+    if is_own_data(run["data"]["source"]):  # the files' or the plug-in's content too
+        flat["dataset_id"] = run["dataset_id"]
+    if fsdp:  # at any world size: its checkpoints and layout are fsdp's, even on 1 rank
+        flat.update(flatten({"train": {"strategy": "fsdp", "fsdp": run["train"]["fsdp"]}}))
+    flat["device"] = "cuda" if gpu else "cpu"
+    return flat
+
+
+BUILT_IN_MODELS = {"mlp": ("mlp_hidden",), "cnn": ("cnn_channels",), "resnet18": (),
+                   "resnet34": ()}  # fmt: skip
+
+
+def model_settings(model: dict) -> dict[str, Any]:
+    """The model keys that shape this model, and only those: editing the MLP's widths does
+    not retrain a CNN run. A plug-in's code counts too (its file's sha256)."""
+    name = model["name"]
+    if name in BUILT_IN_MODELS:
+        return {"name": name, **{key: model[key] for key in BUILT_IN_MODELS[name]}}
+    settings = {"name": name, "kwargs": model["kwargs"]}
+    if ":" in name:
+        settings["plugin_sha256"] = plugin_source_hash(name)
+    else:  # a torchvision model
+        settings["small_input_stem"] = model["small_input_stem"]
+    return settings
+
+
+def plugin_source(spec: str) -> Path | None:
+    """The file of a plug-in's module ('package.module:function'), found without running it:
+    the working directory first, as the ranks import it, then the environment."""
+    module = spec.partition(":")[0]
+    origin = Path(*module.split(".")).with_suffix(".py")
+    if origin.is_file():
+        return origin.resolve()
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if found is None or not found.origin or not Path(found.origin).is_file():
+        return None
+    return Path(found.origin)
+
+
+def plugin_source_hash(spec: str) -> str:
+    """sha256 of a plug-in module's file: editing the model's code retrains like editing the
+    config ("unresolved" where it cannot be found; the train rule then names the cause)."""
+    origin = plugin_source(spec)
+    return hashlib.sha256(origin.read_bytes()).hexdigest() if origin else "unresolved"
+
+
+def evaluation_fingerprint(run: dict) -> dict[str, Any]:
+    """What determines an evaluation besides the model file: the eval section, less where
+    it runs (eval.in_train: the training job or a job of its own score alike)."""
+    return flatten({"eval": {k: v for k, v in run["eval"].items() if k != "in_train"}})
+
+
+def as_params(fingerprint: dict[str, Any]) -> list[str]:
+    """One `key=value` string per key: Snakemake compares a rule's params as a set and names
+    the differing members, so its rerun reason lists exactly the keys that changed."""
+    return [f"{key}={json.dumps(value)}" for key, value in sorted(fingerprint.items())]
+
+
+def describe_changes(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """'train.optimizer.lr 0.05 -> 0.02, world_size 2 -> 4' (empty when nothing changed). A
+    key on one side only did not act on the other (augmentation off, a key a model or device
+    ignores, or one that an older ddpflow did not apply): '(not in effect)'."""
+    missing = object()
+
+    def shown(value) -> str:
+        return "(not in effect)" if value is missing else json.dumps(value)
+
+    return ", ".join(
+        f"{key} {shown(old.get(key, missing))} -> {shown(new.get(key, missing))}"
+        for key in sorted(set(old) | set(new))
+        if old.get(key, missing) != new.get(key, missing)
+    )

@@ -1,0 +1,75 @@
+"""What a run's settings mean on its machine (ranks, world size, memory, gradient
+accumulation, sharding, memory layout), and what this machine has (GPUs, bf16 instructions),
+probed without importing torch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def ranks_per_node(machine: dict) -> int:
+    """One rank per GPU; without GPUs, cpu_ranks_per_node CPU ranks (Slurm: tasks per node)."""
+    return machine["gpus_per_node"] or machine["cpu_ranks_per_node"]
+
+
+def world_size(machine: dict) -> int:
+    return machine["nodes"] * ranks_per_node(machine)
+
+
+def accumulation_steps(train: dict, world: int) -> int:
+    """Micro-batches each rank computes per optimizer step: global / (micro x world),
+    derived (check_world_size has made sure it divides)."""
+    return train["global_batch_size"] // (train["micro_batch_size"] * world)
+
+
+def micro_batches_per_step(train: dict) -> int:
+    return train["global_batch_size"] // train["micro_batch_size"]
+
+
+def working_world_sizes(train: dict) -> list[int]:
+    """The world sizes that split a step's micro-batches evenly: divisors of global/micro."""
+    count = micro_batches_per_step(train)
+    return [w for w in range(1, count + 1) if count % w == 0]
+
+
+def memory_mb(machine: dict) -> int:
+    """Memory per node in MB: what the Slurm job asks for and what the checks compare."""
+    return int(machine["mem_gb"] * 1024)
+
+
+def trains_sharded(run: dict) -> bool:
+    """Whether the run trains under fsdp (a 1-rank run trains as ddp)."""
+    return run["train"]["strategy"] == "fsdp" and run["world_size"] > 1
+
+
+def uses_channels_last(run: dict) -> bool:
+    """train.channels_last, except under fsdp (at any world size, so that the layout does
+    not change with it): FSDP2 shards contiguous parameters only. Training and both
+    evaluations lay the model out alike, so that they score alike."""
+    return run["train"]["channels_last"] and run["train"]["strategy"] != "fsdp"
+
+
+def local_gpu_count() -> int:
+    """GPUs a process here may use: CUDA_VISIBLE_DEVICES when set, else the NVIDIA device
+    files (/dev/nvidia0, ...: what a container is given), else the driver's list."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    devices = [p for p in Path("/dev").glob("nvidia*") if p.name[len("nvidia") :].isdigit()]
+    if devices:
+        return len(devices)
+    driver = Path("/proc/driver/nvidia/gpus")
+    return len(list(driver.iterdir())) if driver.is_dir() else 0
+
+
+def cpu_computes_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this machine's CPU has bf16 instructions (read without importing torch;
+    the ranks ask oneDNN itself, loop.cpu_has_native_bf16). True where unknown."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return True
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), None)
+    return flags is None or bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))

@@ -1,0 +1,249 @@
+"""The schema and validation: read schema.yaml, check a config against it filling defaults,
+coerce what the user plainly meant (numbers written as text, Slurm times), and say what is
+wrong in one line that names the key and the fix (including "did you mean" for a key that
+belongs elsewhere); refuse the per-rank batch keys that the global batch replaced.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import math
+from importlib import resources
+
+import jsonschema
+import yaml
+
+from ddpflow.cluster.slurm_parse import parse_slurm_time
+from ddpflow.config.machine import world_size
+from ddpflow.errors import UserError
+
+# package data beside this module: found by importlib.resources in any install
+SCHEMA = "schema.yaml"
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration problem, with the key path and how to fix it."""
+
+
+def load_schema() -> dict:
+    return yaml.safe_load(resources.files("ddpflow.config").joinpath(SCHEMA).read_text())
+
+
+def _defaulting_validator(schema: dict) -> jsonschema.protocols.Validator:
+    """A validator that fills `default` values as it validates (as snakemake.utils.validate)."""
+    base = jsonschema.Draft202012Validator
+
+    def fill_properties(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for key, sub in properties.items():
+                if "default" in sub and key not in instance:
+                    instance[key] = copy.deepcopy(sub["default"])
+        yield from base.VALIDATORS["properties"](validator, properties, instance, schema)
+
+    # JSON Schema counts 32.0 as an integer; torch does not (randperm(...).split(32.0) fails
+    # after the job is queued), so integer keys must be real ints.
+    type_checker = base.TYPE_CHECKER.redefine(
+        "integer", lambda _, value: isinstance(value, int) and not isinstance(value, bool)
+    )
+    cls = jsonschema.validators.extend(
+        base, {"properties": fill_properties}, type_checker=type_checker
+    )
+    return cls(schema)
+
+
+def _key_path(error: jsonschema.ValidationError) -> str:
+    parts = [f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path]
+    return "".join(parts).lstrip(".") or "<top level>"
+
+
+def slurm_minutes(text: str) -> int | None:
+    """Minutes of a Slurm time string ('1:30:00' -> 90, '2-00' -> 2880, '90' -> 90; seconds
+    round up), None if it is not a finite one."""
+    try:
+        seconds = parse_slurm_time(text)
+    except ValueError:
+        return None
+    return None if seconds is None else math.ceil(seconds / 60)
+
+
+def _as_number(text: str) -> float | None:
+    """'1e-3' -> 0.001: PyYAML follows YAML 1.1, where a float needs a dot ('1.0e-3'), so
+    '1e-3' arrives as a string although the user plainly wrote a number."""
+    try:
+        value = float(text.strip())
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _coerced(error: jsonschema.ValidationError):
+    """The value the user unambiguously meant for a string of the wrong type, or None."""
+    if error.validator != "type" or not isinstance(error.instance, str):
+        return None
+    expected = error.validator_value
+    expected = [expected] if isinstance(expected, str) else list(expected)
+    path = list(error.absolute_path)
+    if path and path[-1] == "time_min":
+        return slurm_minutes(error.instance)
+    number = _as_number(error.instance)
+    if number is None:
+        return None
+    if "number" in expected:
+        return number
+    if "integer" in expected and number == int(number):
+        return int(number)
+    return None
+
+
+def _set_path(config: dict, path: list, value) -> None:
+    target = config
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+
+
+def _type_hint(error: jsonschema.ValidationError) -> str:
+    path = list(error.absolute_path)
+    if path and path[-1] == "time_min":
+        return " (minutes, e.g. 90, or a Slurm time such as 1:30:00 or 1-12:00:00)"
+    if isinstance(error.instance, str):
+        return " (in YAML, a value in quotes is a string: write numbers and true/false bare)"
+    return ""
+
+
+def schema_keys(schema: dict, node: dict | None = None, prefix: tuple = ()) -> list[tuple]:
+    """Every key path the schema declares, parents before children, following $ref:
+    ("data",), ("data", "loading"), ("data", "loading", "in_memory"), ... (not inside runs)."""
+    node = schema if node is None else node
+    if "$ref" in node:
+        node = schema["$defs"][node["$ref"].rsplit("/", 1)[1]]
+    out = []
+    for key, sub in node.get("properties", {}).items():
+        out.append((*prefix, key))
+        out += schema_keys(schema, sub, (*prefix, key))
+    return out
+
+
+def _elsewhere(key: str, where: list) -> list[str]:
+    """The dotted paths where a key of this name exists, for a key unknown at `where`:
+    in_memory under data -> ["data.loading.in_memory"]. In a runs[] entry, the sections'
+    keys (dotted from the run)."""
+    in_run = where[:1] == ["runs"]
+    return [
+        ".".join(path)
+        for path in schema_keys(load_schema())
+        if path[-1] == key and path[:-1] != tuple(where) and not (in_run and len(path) == 1)
+    ]
+
+
+def _unknown_key_hint(key: str, allowed: list[str], where: list) -> str:
+    """'; did you mean ...?' for an unknown key: the places where a key of exactly this name
+    exists (data.in_memory -> data.loading.in_memory), then a close spelling allowed here."""
+    close = difflib.get_close_matches(key, allowed, n=1)
+    elsewhere = " or ".join(_elsewhere(key, where))
+    if close and elsewhere:
+        return f"; did you mean {elsewhere}, or {close[0]!r} for {key!r}?"
+    if close:
+        return f"; did you mean {close[0]!r} for {key!r}?"
+    return f"; did you mean {elsewhere}?" if elsewhere else ""
+
+
+def _describe(error: jsonschema.ValidationError) -> str:
+    path = _key_path(error)
+    if error.validator == "pattern" and path.endswith(".name"):
+        return (
+            f"{path}: {error.instance!r} is not a valid run name: use letters, digits, '_', "
+            "'.' and '-', starting with a letter or digit (it names folders)"
+        )
+    if error.validator == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        extra = sorted(set(error.instance) - set(allowed))
+        hints = "".join(_unknown_key_hint(key, allowed, list(error.absolute_path)) for key in extra)
+        return f"{path}: unknown key(s) {extra}{hints} (allowed keys here: {allowed})"
+    if error.validator == "enum":
+        return f"{path}: {error.instance!r} is not one of {error.validator_value}"
+    if error.validator == "anyOf" and path.endswith("data.source"):
+        known = error.validator_value[0]["enum"]
+        close = difflib.get_close_matches(str(error.instance), known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return (
+            f"{path}: {error.instance!r} is neither a built-in source ({', '.join(known)}) nor "
+            f"a plug-in written 'package.module:function'{hint}"
+        )
+    if error.validator == "type":
+        return (
+            f"{path}: {error.instance!r} has the wrong type; expected {error.validator_value}"
+            + _type_hint(error)
+        )
+    return f"{path}: {error.message}"
+
+
+def validate(config: dict, where: str = "config") -> dict:
+    """Validate in place, filling defaults; ConfigError names the first problem."""
+    _refuse_per_rank_batch(config, where)
+    validator = _defaulting_validator(load_schema())
+    errors = list(validator.iter_errors(config))
+    # accept numbers written as strings and Slurm time strings; validate again only then
+    while fixes := [(e.absolute_path, v) for e in errors if (v := _coerced(e)) is not None]:
+        for path, value in fixes:
+            _set_path(config, list(path), value)
+        errors = list(validator.iter_errors(config))
+    errors.sort(key=lambda e: list(e.absolute_path))
+    if errors:
+        raise ConfigError(f"{where}: {_describe(errors[0])}")
+    return config
+
+
+# train keys of the per-rank batch that train.global_batch_size / micro_batch_size replaced
+PER_RANK_BATCH_KEYS = ("batch_size", "grad_accum_steps")
+
+
+def _refuse_per_rank_batch(config: dict, where: str) -> None:
+    """A config written for the per-rank batch fails in one line that says what to write
+    instead: the two new keys with the values that reproduce it at its own world size.
+    (Not kept as an alias: a per-rank batch makes the science move with the world size,
+    which is exactly what the new keys end.)"""
+    sections = [(where, config)]
+    runs = config.get("runs")
+    if isinstance(runs, list):
+        for index, entry in enumerate(runs):
+            if isinstance(entry, dict):
+                name = entry.get("name", index)
+                sections.append((f"{where}: runs[{index}] ({name!r})", entry))
+    for place, section in sections:
+        train = section.get("train")
+        if not isinstance(train, dict) or not set(PER_RANK_BATCH_KEYS) & set(train):
+            continue
+        top = config.get("train") if isinstance(config.get("train"), dict) else {}
+        per_rank = train.get("batch_size", top.get("batch_size", 32))
+        accum = train.get("grad_accum_steps", top.get("grad_accum_steps", 1))
+        machine = deep_merge(config.get("machine") or {}, section.get("machine") or {})
+        try:
+            world = world_size(validate({"machine": machine})["machine"])
+        except ConfigError:
+            world = None
+        named = [f"train.{k}" for k in PER_RANK_BATCH_KEYS if k in train]
+        keys = " and ".join(named) + (" (per rank) are" if len(named) > 1 else " (per rank) is")
+        if isinstance(per_rank, int) and isinstance(accum, int) and world:
+            advice = (f"to reproduce batch_size {per_rank} x grad_accum_steps {accum} at world "
+                      f"size {world}, set train.global_batch_size: {per_rank * accum * world} "
+                      f"and train.micro_batch_size: {per_rank}")  # fmt: skip
+        else:
+            advice = "set both (docs/configuration: batches)"
+        raise ConfigError(
+            f"{place}: {keys} replaced by train.global_batch_size (samples per "
+            f"optimizer step, at any world size) and train.micro_batch_size (per rank per "
+            f"forward/backward); {advice}"
+        )
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """A new dict: override's mappings merged key by key into base's (lists are replaced)."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
