@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ddpflow.plugins import is_plugin
+
 # train keys that cannot change a run's result: changing them retrains nothing. strategy:
 # zero trains bitwise the same weights as ddp and its checkpoints hold the whole optimizer
 # state, so a run switched from one to the other resumes (tests/test_resume_exact.py); fsdp
@@ -35,7 +37,7 @@ OWN_DATA_KEYS = ("path", "image_size", "channels", "on_corrupt", "kwargs")
 
 
 def is_own_data(source: str) -> bool:
-    return source in ("image_folder", "npz") or ":" in source
+    return source in ("image_folder", "npz") or is_plugin(source)
 
 
 # data keys that say how data is staged or read, not what it is: no staged byte and no
@@ -65,7 +67,8 @@ def on_small(data: dict) -> str:
 
 
 def _on_small_acts(data: dict) -> bool:
-    resizes = data["source"] == "image_folder" or ":" in data["source"]  # a plug-in's PIL images
+    # image folders and plug-ins hand over PIL images of any size
+    resizes = data["source"] == "image_folder" or is_plugin(data["source"])
     return resizes and on_small(data) != ON_SMALL_IMPLIED
 
 
@@ -94,7 +97,7 @@ def data_settings(data: dict) -> dict:
     settings = data_keys(data)
     if not is_own_data(data["source"]):
         return settings
-    if ":" in data["source"]:  # a plug-in: its code is what it reads
+    if is_plugin(data["source"]):  # its code is what it reads
         settings["plugin_sha256"] = plugin_source_hash(data["source"])
     else:
         settings["files"] = own_data_listing(data)
@@ -145,7 +148,7 @@ def flatten(section: Any, prefix: str = "") -> dict[str, Any]:
 def training_fingerprint(run: dict) -> dict[str, Any]:
     """Every key that determines a trained model, flat: the data, model and training settings
     and the device kind. Not in it: the world size (every step computes the same
-    micro-batches, with the same draws, at any size: loop.step_micro_batches), where and how
+    micro-batches, with the same draws, at any size: schedule.step_micro_batches), where and how
     the ranks run (launcher, nodes, ranks per node, partition, account, time limit, memory,
     logging, progress, checkpoint cadence): changing those retrains nothing. The eval section
     is the evaluate rule's (training's validation metrics are exact counts, except the float
@@ -181,7 +184,7 @@ def model_settings(model: dict) -> dict[str, Any]:
     if name in BUILT_IN_MODELS:
         return {"name": name, **{key: model[key] for key in BUILT_IN_MODELS[name]}}
     settings = {"name": name, "kwargs": model["kwargs"]}
-    if ":" in name:
+    if is_plugin(name):
         settings["plugin_sha256"] = plugin_source_hash(name)
     else:  # a torchvision model
         settings["small_input_stem"] = model["small_input_stem"]

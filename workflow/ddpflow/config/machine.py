@@ -66,7 +66,7 @@ def local_gpu_count() -> int:
 
 def cpu_computes_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this machine's CPU has bf16 instructions (read without importing torch;
-    the ranks ask oneDNN itself, loop.cpu_has_native_bf16). True where unknown."""
+    the ranks ask oneDNN itself, build.cpu_has_native_bf16). True where unknown."""
     try:
         text = Path(cpuinfo).read_text()
     except OSError:

@@ -2,7 +2,7 @@
 
 `data.loading.in_memory` picks the path (auto: in memory if the splits the rank uses fit
 `memory_budget_gb`). Both give every rank exactly the same samples in the same order (its
-micro-batches of loop.step_micro_batches), as the same uint8 values, so a run trains to
+micro-batches of schedule.step_micro_batches), as the same uint8 values, so a run trains to
 bitwise the same weights on either path, and resumes mid-epoch exactly on either.
 
 * in memory: each split a uint8 tensor on the device; a batch is one index_select.
@@ -153,7 +153,7 @@ class StreamFeed:
 def augment(x: torch.Tensor, cfg: dict, draws: int):
     """Random crop (zero padding cfg["crop_padding"] each side, then a crop back to size) and
     horizontal flip of a uint8 [B, C, H, W] batch, in one gather on its device. The draws
-    come from the micro-batch's seed `draws` alone (loop.micro_batch_seed: seed, epoch,
+    come from the micro-batch's seed `draws` alone (schedule.micro_batch_seed: seed, epoch,
     step, micro-batch): a resumed run, or one at another world size, draws what the
     uninterrupted one drew, on any path and device."""
     if not cfg["enabled"] or x.shape[0] == 0:

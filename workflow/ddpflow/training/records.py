@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ddpflow import runtime
 from ddpflow.config import plugin_source, plugin_source_hash
+from ddpflow.plugins import is_plugin
 
 
 def evaluation_record(run, result, manifest, world_size, hosts, train, evaluated_by) -> dict:
@@ -35,7 +36,7 @@ def evaluation_record(run, result, manifest, world_size, hosts, train, evaluated
         "hostnames": hosts,
         "dataset": {k: manifest[k] for k in ("source", "sizes", "source_notes") if k in manifest},
     }
-    if ":" in run["model"]["name"]:  # the plug-in's code, which the config does not hold
+    if is_plugin(run["model"]["name"]):  # its code, which the config does not hold
         source = plugin_source(run["model"]["name"])
         record["provenance"]["model_plugin"] = {
             "spec": run["model"]["name"],
