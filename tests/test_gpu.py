@@ -151,12 +151,13 @@ def _scaler_skips_inf(env):
     scale_before = loop.scaler.get_scale()
     before = _parameters(loop)
     batches = torch.arange(16, device=loop.device)
-    loop._micro_step(batches, last_micro=True, n_batches=2, index=0)
+    images = loop.data.feed.epoch([batches, batches], 0)  # the epoch's two steps of 1 micro-batch
+    loop._micro_step(batches, images, last_micro=True, step=0, micro=0)
     skipped = {
         "unchanged": all(torch.equal(before[k], v) for k, v in _parameters(loop).items()),
         "scale": (scale_before, loop.scaler.get_scale()),
     }
-    loop._micro_step(batches, last_micro=True, n_batches=2, index=1)
+    loop._micro_step(batches, images, last_micro=True, step=1, micro=0)
     handle.remove()
     after = _parameters(loop)
     skipped["then_steps"] = any(not torch.equal(before[k], after[k]) for k in before)
