@@ -28,6 +28,11 @@ profile:
 	  echo "ddpflow: snakemake --profile slurm uses $(CURDIR)/profiles/slurm"; \
 	fi
 
+# The edit-test loop (about 2 minutes on 2 cores): the unit tests without those marked slow,
+# and one small end-to-end workflow run (marked smoke). `make test` stays the whole suite.
+test-fast: $(STAMP) $(DOCS_STAMP) profile
+	$(BIN)/python -m pytest -q -m "(not slow and not e2e and not slurm and not gpu) or smoke"
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -17,6 +17,9 @@ from ddpflow.training.models import build_model
 from distributed_helpers import make_data, run_group
 from workflow_helpers import make_run
 
+# slow: real process groups or subprocesses for seconds each; make test-fast leaves it out
+pytestmark = pytest.mark.slow
+
 CPU = torch.device("cpu")
 SINGLE = DistEnv(0, 1, 0, 1, 0, 1, "127.0.0.1", 29500, "0", "single")
 # torchvision's ResNet-18 (8 BasicBlocks) with the small-image stem: BatchNorm in every block

@@ -14,6 +14,9 @@ import sys
 import pytest
 from workflow_helpers import REPO
 
+# slow: real process groups or subprocesses for seconds each; make test-fast leaves it out
+pytestmark = pytest.mark.slow
+
 
 def test_throughput_tiny_run_writes_complete_json(tmp_path):
     out = tmp_path / "throughput.json"

@@ -20,6 +20,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from ddpflow.tutorial import collectives as C
 
+# slow: real process groups or subprocesses for seconds each; make test-fast leaves it out
+pytestmark = pytest.mark.slow
+
 WORLD_SIZES = (2, 3, 4)
 NUMELS = (0, 1, 5, 1001)  # 5 and 1001 divide by none of 2, 3, 4; 0 and 1 are < n
 DTYPES = (torch.float32, torch.float64, torch.int64)

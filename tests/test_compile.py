@@ -19,9 +19,12 @@ from ddpflow.training.models import build_model
 from distributed_helpers import make_data, run_group
 from workflow_helpers import make_run
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("c++") is None, reason="TorchInductor on CPU needs a C++ compiler"
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        shutil.which("c++") is None, reason="TorchInductor on CPU needs a C++ compiler"
+    ),
+]
 
 CPU = torch.device("cpu")
 AT_STEP = 5  # mid-epoch: 4 steps per epoch of 2 micro-batches of 8 per rank

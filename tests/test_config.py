@@ -534,6 +534,7 @@ def workflow_runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "expected"), [(c[0], c[2]) for c in WORKFLOW_CASES])
 def test_workflow_refuses_bad_config_before_submitting(workflow_runs, name, expected):
     """One clear message naming the key, the value and the fix; nothing submitted, and an

@@ -24,6 +24,9 @@ from distributed_helpers import make_data, run_group
 from torch import nn
 from workflow_helpers import make_run
 
+# slow: real process groups or subprocesses for seconds each; make test-fast leaves it out
+pytestmark = pytest.mark.slow
+
 CPU = torch.device("cpu")
 WORLD = 3
 # 2 steps per epoch (120 samples, a global batch of 48: 2 micro-batches of 8 per rank and

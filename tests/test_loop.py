@@ -231,6 +231,7 @@ def _poisoned_rank(env):
     return {"step": None, "message": "trained on"}
 
 
+@pytest.mark.slow
 def test_a_rank_whose_loss_is_not_finite_stops_every_rank_at_that_step(tmp_path):
     ranks = run_group(2, _poisoned_rank, (), tmp_path)
     assert [r["step"] for r in ranks] == [1, 1], ranks
@@ -286,6 +287,7 @@ def ddp_results(tmp_path_factory):
     return ranks, datasets
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps", ["one_step", "two_steps"])
 def test_accumulation_with_no_sync_equals_the_large_batch(ddp_results, steps):
     ranks, _ = ddp_results
@@ -363,6 +365,7 @@ def _both_layouts(env, data):
     return {layout: _cnn_epoch(env, data, layout) for layout in (True, False)}
 
 
+@pytest.mark.slow
 def test_channels_last_on_cpu_ranks_trains_the_same_model_in_nhwc(tmp_path):
     """oneDNN's NHWC convolutions on CPU ranks (faster, bench/README.md): the weights and
     their gradients stay NHWC through DDP's buckets (no grad-stride warning: the buckets
@@ -405,6 +408,7 @@ def _precisions(env, data):
     return {p: _bf16_epochs(env, data, p) for p in ("bf16", "fp16", "fp32")}
 
 
+@pytest.mark.slow
 def test_bf16_autocast_on_cpu_ranks_fp16_stays_fp32(tmp_path):
     """train.precision bf16 on CPU ranks: the convolutions compute in bf16 (autocast), the
     weights stay fp32, the ranks agree and the model learns as in fp32; fp16 is GPU only

@@ -22,6 +22,9 @@ from ddpflow.training.models import build_model, place
 from distributed_helpers import make_data, run_group
 from workflow_helpers import make_run
 
+# slow: real process groups or subprocesses for seconds each; make test-fast leaves it out
+pytestmark = pytest.mark.slow
+
 CPU = torch.device("cpu")
 WORLD = 3
 # name -> (model, train overrides, step of the checkpoint); 5 steps per epoch (120 samples, a

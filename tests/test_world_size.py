@@ -21,6 +21,9 @@ from distributed_helpers import make_data, run_group
 from torch import nn
 from workflow_helpers import make_run
 
+# slow: real process groups or subprocesses for seconds each; make test-fast leaves it out
+pytestmark = pytest.mark.slow
+
 CPU = torch.device("cpu")
 # 128 samples, a global batch of 32 in micro-batches of 8: 4 steps per epoch, 4 micro-batches
 # per step (world 1: 4 accumulation steps per rank, 2: 2, 4: 1), 3 epochs
