@@ -125,3 +125,16 @@ def test_the_folders_name_the_layers():
     assert folders == LAYERS
     for layer in LAYERS:
         assert ast.get_docstring(ast.parse((PACKAGE / layer / "__init__.py").read_text()))
+
+
+def test_the_login_node_modules_import_no_torch():
+    """Every rule imports these on the login node (and Snakemake's parse imports config):
+    torch would add seconds to each rule and is needed only on the ranks."""
+    code = (
+        "import sys, ddpflow.pipeline, ddpflow.config, ddpflow.config.slurm, "
+        "ddpflow.report.build, ddpflow.report.outcome, ddpflow.cluster.interrupts; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
