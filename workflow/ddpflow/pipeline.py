@@ -27,7 +27,7 @@ from ddpflow.data.staged import choose_in_memory, read_manifest, sha256_file
 from ddpflow.data.staging import stage_dataset
 from ddpflow.errors import UserError
 from ddpflow.monitoring.rankstats import stragglers
-from ddpflow.paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
+from ddpflow.paths import EVAL_FROM_TRAIN, LIVE_METRICS, TRACKING_FILE, RunPaths
 from ddpflow.report import outcome
 from ddpflow.training import workspace
 from ddpflow.training.records import published
@@ -307,9 +307,10 @@ def build_report(
     """The report over every run, from the files the rule declares as its inputs (in the
     order of run_names), and the bad-node ledger's nodes if there are any."""
     runs = [
-        {"name": name, "train_metrics": train, "eval_metrics": evaluation}
+        {"name": name, "train_metrics": train, "eval_metrics": evaluation,
+         "tracking": str(Path(evaluation).parent / TRACKING_FILE)}
         for name, train, evaluation in zip(run_names, train_metrics, eval_metrics, strict=True)
-    ]
+    ]  # fmt: skip
     from ddpflow.report.build import build_report  # matplotlib: only the report rule needs it
 
     bad_nodes = nodes.read_ledger(ledger) if ledger else []
