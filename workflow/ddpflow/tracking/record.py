@@ -58,6 +58,13 @@ def param_value(value) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
+def params(config: dict) -> dict[str, str]:
+    """The run's config as flat params, less `tracking:` itself (where it is logged is no
+    property of the run, and the provenance's copy is that of the evaluation's time)."""
+    shown = {key: value for key, value in config.items() if key != "tracking"}
+    return {key: param_value(value) for key, value in flatten(shown).items()}
+
+
 def epoch_metrics(lines: list[dict]) -> list[tuple[str, float, int]]:
     """One point per epoch per figure (an epoch trained twice, by a resumed attempt: the
     last line counts)."""
@@ -159,7 +166,7 @@ def collect(run: dict, paths, out_dir: str | Path) -> RunRecord:
     return RunRecord(
         name=run["name"],
         identity=identity(paths),
-        params={key: param_value(value) for key, value in flatten(config).items()},
+        params=params(config),
         metrics=epoch_metrics(lines),
         final=final,
         tags=tags,
