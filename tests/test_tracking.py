@@ -180,6 +180,13 @@ def test_a_real_mlflow_server_receives_the_two_epoch_run(mlflow_server, served_r
     assert tags["git_commit"] == str(evaluation["provenance"]["git_commit"])
     assert tags["dataset_id"] == config["dataset_id"] and tags["world_size"] == "2"
     assert tags["strategy"] == "ddp" and tags["precision"] == "fp32" and tags["hosts"]
+    # streamed live by the train rule as the epochs landed, then completed by the track rule
+    assert tags["ddpflow.live"] == "true" and entry["streamed_epochs"] == [1, 2]
+    train_log = (served_run / "logs/train/default.log").read_text()
+    assert f"streaming its epochs to MLflow {mlflow_server}, run {run.info.run_id}" in train_log
+    first = client.get_metric_history(run.info.run_id, "train_loss")[0]
+    published = (served_run / "results/runs/default/train_summary.json").stat().st_mtime
+    assert first.timestamp < published * 1000  # logged before the training was over
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {
         "eval_metrics.json",

@@ -37,6 +37,7 @@ FINGERPRINT = "fingerprint.json"  # the config the checkpoints belong to
 FINISHED = "finished.json"  # written once a training's outputs are published
 EVAL_FROM_TRAIN = "eval_from_train.json"  # the training job's evaluation, until published
 TRACKING_FAILED = "tracking_failed.json"  # why the run's last track rule failed
+LIVE_TRACKING = "tracking_live.json"  # the MLflow run the train rule streams epochs to
 FAILED = "failed.json"  # why the run's last train/evaluate rule failed (ddpflow.report.outcome)
 LIVE_METRICS = "metrics.jsonl"  # rank 0's epoch lines while it trains (progress, resume)
 # results/work/ itself: nodes that failed under the workflow's Slurm jobs (ddpflow.cluster.nodes);

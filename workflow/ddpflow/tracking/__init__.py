@@ -12,6 +12,8 @@ does what:
   runs are tagged.
 - wandb_backend.py: log a RunRecord to W&B, offline (a run folder to `wandb sync` later) or
   online.
+- live.py: while the ranks train, the train rule's poll streams each new epoch to an MLflow
+  run that the track rule later completes.
 - track.py: the rule's function: the previous results/runs/<run>/tracking.json (its copy in
   the work folder), what to log again, failures named with the URI and cause.
 

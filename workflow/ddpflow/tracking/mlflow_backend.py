@@ -27,13 +27,15 @@ log = logging.getLogger(__name__)
 IDENTITY_TAG = "ddpflow.identity"
 RUN_TAG = "ddpflow.run"
 SUPERSEDED_TAG = "ddpflow.superseded"
+LIVE_TAG = "ddpflow.live"  # a run the train rule streamed epochs to (ddpflow.tracking.live)
+TRAINING_TAG = "ddpflow.training"  # the training it streamed (live.training_key)
 
 
 class TrackerUnreachable(UserError):
     """The tracker could not be reached or refused the run: the message names URI and cause."""
 
 
-def _probe(uri: str, timeout: float = 10.0) -> None:
+def probe(uri: str, timeout: float = 10.0) -> None:
     """A server that does not answer fails in seconds, naming the URI (MLflow's own client
     retries for minutes first)."""
     parsed = urlparse(uri)
@@ -55,7 +57,7 @@ def run_url(uri: str, experiment_id: str, run_id: str) -> str | None:
     return None
 
 
-def _experiment(client, uri: str, name: str) -> str:
+def experiment_id_of(client, uri: str, name: str) -> str:
     found = client.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
@@ -66,11 +68,14 @@ def _experiment(client, uri: str, name: str) -> str:
     return client.create_experiment(name, artifact_location=artifacts)
 
 
-def _log(client, run_id: str, record) -> None:
+def _log(client, run_id: str, record, streamed=()) -> None:
+    """Params, metrics (less the epochs streamed already), artifacts."""
     from mlflow.entities import Metric, Param
 
     now = int(time.time() * 1000)
-    metrics = [Metric(key, value, now, step) for key, value, step in record.metrics]
+    metrics = [
+        Metric(key, value, now, step) for key, value, step in record.metrics if step not in streamed
+    ]
     metrics += [Metric(key, value, now, 0) for key, value in record.final.items()]
     params = [Param(key, value) for key, value in sorted(record.params.items())]
     # log_batch: at most 1000 metrics, 100 params, 100 tags per call
@@ -82,13 +87,26 @@ def _log(client, run_id: str, record) -> None:
         client.log_artifact(run_id, str(path), "plots" if path.parent.name == "plots" else None)
 
 
-def log_run(record, uri: str, experiment: str) -> dict:
-    """Log the run (or find it logged already); returns its tracking.json entry."""
+def _live_run(client, live: dict | None, uri: str, experiment: str) -> str | None:
+    """The streamed run to complete: this destination's, still running."""
+    if not live or live.get("uri") != uri or live.get("experiment") != experiment:
+        return None
+    try:
+        found = client.get_run(live["run_id"])
+    except Exception:  # noqa: BLE001 - deleted, or another database: open a new run
+        return None
+    return live["run_id"] if found.info.status == "RUNNING" else None
+
+
+def log_run(record, uri: str, experiment: str, live: dict | None = None) -> dict:
+    """Log the run (or find it logged already); returns its tracking.json entry. live: the
+    state of the run the train rule streamed this training's epochs to (ddpflow.tracking.live),
+    which is completed rather than a new one opened."""
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
-    _probe(uri)
+    probe(uri)
     try:
-        return _log_run(record, uri, experiment)
+        return _log_run(record, uri, experiment, live)
     except TrackerUnreachable:
         raise
     except Exception as exc:  # noqa: BLE001 - any client failure: name the URI and cause
@@ -98,11 +116,11 @@ def log_run(record, uri: str, experiment: str) -> dict:
         ) from exc
 
 
-def _log_run(record, uri: str, experiment: str) -> dict:
+def _log_run(record, uri: str, experiment: str, live: dict | None) -> dict:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
-    experiment_id = _experiment(client, uri, experiment)
+    experiment_id = experiment_id_of(client, uri, experiment)
     identity = json.dumps(record.identity, sort_keys=True)
     mine = client.search_runs(
         [experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{record.name}'", max_results=1000
@@ -120,10 +138,15 @@ def _log_run(record, uri: str, experiment: str) -> dict:
             IDENTITY_TAG: identity,
             "mlflow.runName": record.name,
         }
-        run = client.create_run(experiment_id, tags=tags, run_name=record.name)
-        run_id = run.info.run_id
+        adopted = _live_run(client, live, uri, experiment)
+        if adopted:  # the run its epochs were streamed to while it trained
+            run_id, streamed = adopted, set(live["epochs"])
+            for key, value in tags.items():
+                client.set_tag(run_id, key, value)
+        else:
+            run_id, streamed = client.create_run(experiment_id, tags=tags).info.run_id, set()
         try:
-            _log(client, run_id, record)
+            _log(client, run_id, record, streamed)
         except BaseException:
             client.set_terminated(run_id, "FAILED")
             raise

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ddpflow.errors import UserError
-from ddpflow.paths import TRACKING_FAILED, TRACKING_FILE
+from ddpflow.paths import LIVE_TRACKING, TRACKING_FAILED, TRACKING_FILE
 from ddpflow.runtime import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def track_run(run: dict, paths, tracking: dict, out: str, results_dir: str, log_
                 trackers[name] = {**old, "logged_now": False}
                 continue
             try:
-                trackers[name] = _log(name, record, tracking, results_dir, old)
+                trackers[name] = _log(name, record, tracking, results_dir, old, run, work)
             except UserError as exc:
                 log.error("%s", exc)
                 failures.append((name, str(exc)))
@@ -110,12 +110,22 @@ def track_run(run: dict, paths, tracking: dict, out: str, results_dir: str, log_
     return result
 
 
-def _log(name: str, record, tracking: dict, results_dir: str, old: dict | None) -> dict:
+def _log(name, record, tracking: dict, results_dir: str, old: dict | None, run: dict, work) -> dict:
     where = destination(name, tracking)
     if name == "mlflow":
-        from ddpflow.tracking import mlflow_backend
+        from ddpflow.tracking import live, mlflow_backend
 
-        return mlflow_backend.log_run(record, where["uri"], where["experiment"])
+        # the run the train rule streamed this training's epochs to, if any: completed
+        streamed = live.live_state(work)
+        if streamed.get("training") != live.training_key(run):
+            streamed = None
+        entry = mlflow_backend.log_run(record, where["uri"], where["experiment"], streamed)
+        if streamed and entry["run_id"] == streamed["run_id"]:
+            entry["streamed_epochs"] = streamed["epochs"]
+            (Path(work) / LIVE_TRACKING).unlink(
+                missing_ok=True
+            )  # ended: the next training opens its own
+        return entry
     from ddpflow.tracking import wandb_backend
 
     same_place = old and all(old.get(k) == v for k, v in where.items())
