@@ -276,6 +276,20 @@ def _write_all(out_dir: Path, figures: dict, texts: dict) -> dict[str, Path]:
     return paths
 
 
+def _texts(summary: dict, rows: list[dict], blocks: list) -> dict[str, tuple[str, str]]:
+    """{key: (file name, text)} of the report's text files."""
+    title = "ddpflow report"
+    return {
+        "summary_json": (
+            REPORT_FILES["summary"],
+            json.dumps(summary, indent=2, default=str) + "\n",
+        ),
+        "summary_csv": (REPORT_FILES["summary_csv"], _summary_csv(rows)),
+        "markdown": (REPORT_FILES["markdown"], to_markdown(title, blocks)),
+        "html": (REPORT_FILES["html"], to_html(title, blocks)),
+    }
+
+
 def build_report(
     runs: list[dict],
     out_dir,
@@ -312,17 +326,7 @@ def build_report(
     summary["insight"] = found
     summary["trackers"] = [dict(zip(("run", "tracker", "run_id", "where"), row, strict=True))
                            for row in trackers]  # fmt: skip
-    title = "ddpflow report"
-    texts = {
-        "summary_json": (
-            REPORT_FILES["summary"],
-            json.dumps(summary, indent=2, default=str) + "\n",
-        ),
-        "summary_csv": (REPORT_FILES["summary_csv"], _summary_csv(rows)),
-        "markdown": (REPORT_FILES["markdown"], to_markdown(title, blocks)),
-        "html": (REPORT_FILES["html"], to_html(title, blocks)),
-    }
-    paths = _write_all(Path(out_dir), figures, texts)
+    paths = _write_all(Path(out_dir), figures, _texts(summary, rows, blocks))
     log.info(
         "report: %d run(s)%s, best %r -> %s",
         len(rows),

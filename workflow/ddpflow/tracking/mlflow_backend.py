@@ -116,6 +116,43 @@ def log_run(record, uri: str, experiment: str, live: dict | None = None) -> dict
         ) from exc
 
 
+def _log_new(client, experiment_id, record, identity: str, live, uri: str, experiment: str) -> str:
+    """A new MLflow run for this result (or the live run its epochs were streamed to while
+    it trained), with every figure, param, tag and artifact; FAILED if logging breaks."""
+    tags = {**record.tags, RUN_TAG: record.name, IDENTITY_TAG: identity,
+            "mlflow.runName": record.name}  # fmt: skip
+    adopted = _live_run(client, live, uri, experiment)
+    if adopted:  # the run its epochs were streamed to while it trained
+        run_id, streamed = adopted, set(live["epochs"])
+        for key, value in tags.items():
+            client.set_tag(run_id, key, value)
+    else:
+        run_id, streamed = client.create_run(experiment_id, tags=tags).info.run_id, set()
+    try:
+        _log(client, run_id, record, streamed)
+    except BaseException:
+        client.set_terminated(run_id, "FAILED")
+        raise
+    client.set_terminated(run_id, "FINISHED")
+    log.info("MLflow %s: run %r logged as %s (%d metric points, %d params, %d artifacts)",
+             uri, record.name, run_id, len(record.metrics) + len(record.final),
+             len(record.params), len(record.artifacts))  # fmt: skip
+    return run_id
+
+
+def _supersede(client, mine, run_id: str, uri: str) -> list[str]:
+    """Tag the run's earlier MLflow runs (older results) as superseded by run_id."""
+    superseded = []
+    for old in mine:
+        if old.info.run_id != run_id and old.data.tags.get(SUPERSEDED_TAG) != "true":
+            client.set_tag(old.info.run_id, SUPERSEDED_TAG, "true")
+            client.set_tag(old.info.run_id, "ddpflow.superseded_by", run_id)
+            superseded.append(old.info.run_id)
+    if superseded:
+        log.info("MLflow %s: tagged %s=true on %s", uri, SUPERSEDED_TAG, ", ".join(superseded))
+    return superseded
+
+
 def _log_run(record, uri: str, experiment: str, live: dict | None) -> dict:
     from mlflow.tracking import MlflowClient
 
@@ -132,42 +169,8 @@ def _log_run(record, uri: str, experiment: str, live: dict | None) -> dict:
         run_id = same[0].info.run_id
         log.info("MLflow %s: run %r already logged as %s: nothing logged", uri, record.name, run_id)
     else:
-        tags = {
-            **record.tags,
-            RUN_TAG: record.name,
-            IDENTITY_TAG: identity,
-            "mlflow.runName": record.name,
-        }
-        adopted = _live_run(client, live, uri, experiment)
-        if adopted:  # the run its epochs were streamed to while it trained
-            run_id, streamed = adopted, set(live["epochs"])
-            for key, value in tags.items():
-                client.set_tag(run_id, key, value)
-        else:
-            run_id, streamed = client.create_run(experiment_id, tags=tags).info.run_id, set()
-        try:
-            _log(client, run_id, record, streamed)
-        except BaseException:
-            client.set_terminated(run_id, "FAILED")
-            raise
-        client.set_terminated(run_id, "FINISHED")
-        log.info(
-            "MLflow %s: run %r logged as %s (%d metric points, %d params, %d artifacts)",
-            uri,
-            record.name,
-            run_id,
-            len(record.metrics) + len(record.final),
-            len(record.params),
-            len(record.artifacts),
-        )
-    superseded = []
-    for old in mine:
-        if old.info.run_id != run_id and old.data.tags.get(SUPERSEDED_TAG) != "true":
-            client.set_tag(old.info.run_id, SUPERSEDED_TAG, "true")
-            client.set_tag(old.info.run_id, "ddpflow.superseded_by", run_id)
-            superseded.append(old.info.run_id)
-    if superseded:
-        log.info("MLflow %s: tagged %s=true on %s", uri, SUPERSEDED_TAG, ", ".join(superseded))
+        run_id = _log_new(client, experiment_id, record, identity, live, uri, experiment)
+    superseded = _supersede(client, mine, run_id, uri)
     return {
         "uri": uri,
         "experiment": experiment,

@@ -120,6 +120,20 @@ def _plots(name: str, lines: list[dict], evaluation: dict, out_dir: Path) -> lis
     return written
 
 
+def _tags(run: dict, config: dict, evaluation: dict, summary: dict) -> dict[str, str]:
+    """What a tracker filters runs by: commit, dataset, machine shape, strategy, precision."""
+    hosts = sorted(set(summary.get("hosts") or evaluation["provenance"].get("hostnames") or []))
+    return {
+        "ddpflow.run": run["name"],
+        "git_commit": str(evaluation["provenance"].get("git_commit")),
+        "dataset_id": str(config.get("dataset_id", run["dataset_id"])),
+        "world_size": str(summary.get("world_size", config.get("world_size"))),
+        "hosts": ",".join(hosts),
+        "strategy": str(config["train"]["strategy"]),
+        "precision": str(summary.get("precision", config["train"]["precision"])),
+    }
+
+
 def collect(run: dict, paths, out_dir: str | Path) -> RunRecord:
     """The run's record, its plots and confusion matrix written into out_dir (artifacts)."""
     out_dir = Path(out_dir)
@@ -135,16 +149,7 @@ def collect(run: dict, paths, out_dir: str | Path) -> RunRecord:
     final = {f"{split}_accuracy": float(evaluation["accuracy"])}
     if isinstance(evaluation.get("loss"), int | float):
         final[f"{split}_loss"] = float(evaluation["loss"])
-    hosts = sorted(set(summary.get("hosts") or evaluation["provenance"].get("hostnames") or []))
-    tags = {
-        "ddpflow.run": run["name"],
-        "git_commit": str(evaluation["provenance"].get("git_commit")),
-        "dataset_id": str(config.get("dataset_id", run["dataset_id"])),
-        "world_size": str(summary.get("world_size", config.get("world_size"))),
-        "hosts": ",".join(hosts),
-        "strategy": str(config["train"]["strategy"]),
-        "precision": str(summary.get("precision", config["train"]["precision"])),
-    }
+    tags = _tags(run, config, evaluation, summary)
     matrix = out_dir / "confusion_matrix.json"
     out_dir.mkdir(parents=True, exist_ok=True)
     matrix.write_text(

@@ -18,20 +18,31 @@ from ddpflow.tracking.mlflow_backend import TrackerUnreachable
 log = logging.getLogger(__name__)
 
 
-def log_run(record, mode: str, project: str, entity: str | None, root, previous=None) -> dict:
-    root = Path(root).resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("WANDB_SILENT", "true")
-    os.environ["WANDB_DIR"] = str(root)
-    if mode == "offline":
-        os.environ["WANDB_MODE"] = "offline"
-    import wandb
+def _log(wandb, run, record) -> None:
+    """Every epoch's figures as one step each, the final figures in the summary, the run's
+    files as one artifact."""
+    steps: dict[int, dict] = {}
+    for key, value, step in record.metrics:
+        steps.setdefault(step, {})[key] = value
+    for step in sorted(steps):
+        run.log({**steps[step], "epoch": step}, step=step)
+    for key, value in record.final.items():
+        run.summary[key] = value
+    artifact = wandb.Artifact(f"{record.name}-files", type="ddpflow-run")
+    for path in record.artifacts:
+        name = f"plots/{path.name}" if path.parent.name == "plots" else path.name
+        artifact.add_file(str(path), name=name)
+    run.log_artifact(artifact)
 
+
+def _init(wandb, record, mode: str, project: str, entity, root: Path, previous):
+    """A new W&B run holding the run's config (and the run it supersedes); a failure names
+    the destination and the cause."""
     config = {**record.config, "ddpflow": {"identity": record.identity, **record.tags}}
     if previous and previous.get("run_id"):
         config["ddpflow"]["supersedes"] = previous["run_id"]
     try:
-        run = wandb.init(
+        return wandb.init(
             project=project,
             entity=entity,
             name=record.name,
@@ -46,20 +57,20 @@ def log_run(record, mode: str, project: str, entity: str | None, root, previous=
         raise TrackerUnreachable(
             f"W&B ({mode}, project {project!r}) failed: {type(exc).__name__}: {first}"
         ) from exc
+
+
+def log_run(record, mode: str, project: str, entity: str | None, root, previous=None) -> dict:
+    root = Path(root).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ["WANDB_DIR"] = str(root)
+    if mode == "offline":
+        os.environ["WANDB_MODE"] = "offline"
+    import wandb
+
+    run = _init(wandb, record, mode, project, entity, root, previous)
     try:
-        steps: dict[int, dict] = {}
-        for key, value, step in record.metrics:
-            steps.setdefault(step, {})[key] = value
-        for step in sorted(steps):
-            run.log({**steps[step], "epoch": step}, step=step)
-        for key, value in record.final.items():
-            run.summary[key] = value
-        artifact = wandb.Artifact(f"{record.name}-files", type="ddpflow-run")
-        for path in record.artifacts:
-            artifact.add_file(
-                str(path), name=f"plots/{path.name}" if path.parent.name == "plots" else path.name
-            )
-        run.log_artifact(artifact)
+        _log(wandb, run, record)
         run_id, url = run.id, run.url
         run_dir = Path(run.dir).parent  # <root>/wandb/offline-run-<time>-<id>
     finally:
