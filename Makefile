@@ -5,13 +5,17 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ddpflow-installed
 DOCS_STAMP := $(VENV)/.ddpflow-docs-installed
+# the experiment trackers' clients (envs/tracking.txt, `make tracking`); the tests add a
+# real MLflow server for them to log to (envs/tracking-server.txt)
+TRACKING_STAMP := $(VENV)/.ddpflow-tracking-installed
+TRACKING_TEST_STAMP := $(VENV)/.ddpflow-tracking-server-installed
 
-.PHONY: run test test-fast lint bench clean profile docs docs-build docs-reference
+.PHONY: run test test-fast lint bench clean profile docs docs-build docs-reference tracking
 
 run: $(STAMP) profile
 	$(BIN)/snakemake
 
-test: $(STAMP) $(DOCS_STAMP) profile
+test: $(STAMP) $(DOCS_STAMP) $(TRACKING_STAMP) $(TRACKING_TEST_STAMP) profile
 	$(BIN)/python -m pytest
 
 # `snakemake --profile slurm`, the name as users type it: Snakemake looks for named profiles
@@ -53,6 +57,17 @@ docs: $(DOCS_STAMP)
 
 docs-build: $(DOCS_STAMP)
 	$(BIN)/mkdocs build --strict
+
+# MLflow and W&B clients for `tracking:` in config.yaml (docs/tracking.md), into the same .venv
+tracking: $(TRACKING_STAMP)
+
+$(TRACKING_STAMP): envs/tracking.txt $(STAMP)
+	$(BIN)/python -m pip install --quiet -r envs/tracking.txt
+	touch $@
+
+$(TRACKING_TEST_STAMP): envs/tracking-server.txt envs/tracking.txt $(STAMP)
+	$(BIN)/python -m pip install --quiet -r envs/tracking-server.txt
+	touch $@
 
 # the configuration reference, generated from the schema (tests/test_config_reference.py
 # fails when the committed file is stale)

@@ -10,6 +10,7 @@ include: "workflow/rules/hooks.smk"
 include: "workflow/rules/stage.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/track.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/clean.smk"
 

@@ -73,6 +73,9 @@ def _redoes(rendered: str, key: str) -> str:
         ("data.loading.in_memory", "nothing"),
         ("data.on_small", "nothing; restage with data.source: image_folder"),
         ("launcher", "nothing"),
+        # in no fingerprint: only the track rule logs again (tests/test_tracking.py)
+        ("tracking.mlflow.uri", "nothing; the track rule logs again (and the report is redone)"),
+        ("tracking.wandb.mode", "nothing; the track rule logs again (and the report is redone)"),
     ],
 )
 def test_the_redo_column_follows_the_rerun_rules(rendered, key, redoes):

@@ -26,7 +26,7 @@ from submitit.core.utils import DelayedSubmission, pickle_load
 
 GOLDEN = Path(__file__).parent / "golden" / "jobs"
 PACKAGE = Path(ddpflow.__file__).parent
-LAYERS = {"cluster", "config", "data", "monitoring", "report", "training", "tutorial"}
+LAYERS = {"cluster", "config", "data", "monitoring", "report", "tracking", "training", "tutorial"}
 
 
 def _node_side(folder: Path, job_id: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -132,7 +132,8 @@ def test_the_login_node_modules_import_no_torch():
     torch would add seconds to each rule and is needed only on the ranks."""
     code = (
         "import sys, ddpflow.pipeline, ddpflow.config, ddpflow.config.slurm, "
-        "ddpflow.report.build, ddpflow.report.outcome, ddpflow.cluster.interrupts; "
+        "ddpflow.report.build, ddpflow.report.outcome, ddpflow.cluster.interrupts, "
+        "ddpflow.tracking.track, ddpflow.tracking.record; "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

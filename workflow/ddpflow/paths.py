@@ -17,6 +17,10 @@ RUN_FILES = {
     "train_summary": "train_summary.json",
     "eval_metrics": "eval_metrics.json",
 }
+# a run's record of the trackers it was logged to (the track rule's output, only where
+# `tracking:` enables one): tracker run ids and URLs (ddpflow.tracking); its copy in the
+# work folder tells a rerun what was logged already
+TRACKING_FILE = "tracking.json"
 # the report's declared outputs, in results/report/
 REPORT_FILES = {
     "markdown": "report.md",
@@ -32,6 +36,8 @@ SET_ASIDE_PREFIX = "checkpoints.old-"
 FINGERPRINT = "fingerprint.json"  # the config the checkpoints belong to
 FINISHED = "finished.json"  # written once a training's outputs are published
 EVAL_FROM_TRAIN = "eval_from_train.json"  # the training job's evaluation, until published
+TRACKING_FAILED = "tracking_failed.json"  # why the run's last track rule failed
+LIVE_TRACKING = "tracking_live.json"  # the MLflow run the train rule streams epochs to
 FAILED = "failed.json"  # why the run's last train/evaluate rule failed (ddpflow.report.outcome)
 LIVE_METRICS = "metrics.jsonl"  # rank 0's epoch lines while it trains (progress, resume)
 # results/work/ itself: nodes that failed under the workflow's Slurm jobs (ddpflow.cluster.nodes);

@@ -27,8 +27,9 @@ from ddpflow.data.staged import choose_in_memory, read_manifest, sha256_file
 from ddpflow.data.staging import stage_dataset
 from ddpflow.errors import UserError
 from ddpflow.monitoring.rankstats import stragglers
-from ddpflow.paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
+from ddpflow.paths import EVAL_FROM_TRAIN, LIVE_METRICS, TRACKING_FILE, RunPaths
 from ddpflow.report import outcome
+from ddpflow.tracking.live import LiveStream
 from ddpflow.training import workspace
 from ddpflow.training.records import published
 
@@ -59,8 +60,9 @@ class EpochProgress:
     the run's metrics.jsonl in the work folder (a shared filesystem on a cluster), with an
     estimate of the time left, printed as the launcher polls the job."""
 
-    def __init__(self, run: dict, metrics: Path):
+    def __init__(self, run: dict, metrics: Path, stream=None):
         self.run, self.metrics = run, metrics
+        self.stream = stream  # ddpflow.tracking.live.LiveStream, or None
         # epochs already there are an earlier attempt's (a resumed attempt rewrites the file
         # with its history first): only later epochs are news
         self.last_epoch = max((r["epoch"] for r in self._records()), default=0)
@@ -86,6 +88,8 @@ class EpochProgress:
         for record in self._records():
             if record["epoch"] > self.last_epoch:
                 self.last_epoch = record["epoch"]
+                if self.stream is not None:
+                    self.stream(record)  # to MLflow as it lands; never raises
                 try:
                     self._log(record)
                 except (KeyError, TypeError, ValueError):
@@ -136,7 +140,7 @@ def _placed(run: dict, paths: RunPaths, stage_name: str) -> tuple[dict, tuple[st
 
 
 def _distributed(
-    task_cls, stage_name: str, run: dict, paths: RunPaths, logs_dir: str, exclude=()
+    task_cls, stage_name: str, run: dict, paths: RunPaths, logs_dir: str, exclude=(), stream=None
 ) -> list:
     """Submit the stage's job for `run` (as placed: _placed) and wait for its ranks."""
     folder = Path(logs_dir).resolve() / "submitit" / run["name"] / stage_name
@@ -156,7 +160,7 @@ def _distributed(
             else training_fingerprint(run)
         ),
         max_requeues=run["train"]["max_requeues"],
-        on_poll=EpochProgress(run, Path(paths.work) / LIVE_METRICS)
+        on_poll=EpochProgress(run, Path(paths.work) / LIVE_METRICS, stream)
         if stage_name == "train"
         else None,
         exclude=exclude,
@@ -220,9 +224,10 @@ def _say_what_sits_out(run: dict, samples: int) -> None:
     )  # fmt: skip
 
 
-def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
+def train_run(run: dict, paths: RunPaths, logs_dir: str, tracking: dict | None = None) -> dict:
     """Train one run: resume only an interrupted attempt of this very config (else from
-    scratch, saying why), then keep the work folder lean."""
+    scratch, saying why), then keep the work folder lean. tracking: the config's
+    `tracking:`; with an MLflow URI, epochs are streamed there as they land."""
     manifest = read_manifest(paths.staged)
     check_batch_fits(run, manifest["sizes"]["train"])
     _say_what_sits_out(run, manifest["sizes"]["train"])
@@ -235,7 +240,8 @@ def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     # work folder is decided on: it would write its old-config checkpoints into it
     launch.cancel_outdated(_job_record(paths, "train"), config_hash(training_fingerprint(run)))
     workspace.prepare(run, paths.work)
-    summary = _distributed(TrainJob, "train", run, paths, logs_dir, exclude)[0]
+    stream = LiveStream.for_run(run, tracking, paths.work)
+    summary = _distributed(TrainJob, "train", run, paths, logs_dir, exclude, stream)[0]
     workspace.finish(run, paths.work)
     log.info(
         "train %r: %.0f samples/s on %d ranks (%s)",
@@ -307,9 +313,10 @@ def build_report(
     """The report over every run, from the files the rule declares as its inputs (in the
     order of run_names), and the bad-node ledger's nodes if there are any."""
     runs = [
-        {"name": name, "train_metrics": train, "eval_metrics": evaluation}
+        {"name": name, "train_metrics": train, "eval_metrics": evaluation,
+         "tracking": str(Path(evaluation).parent / TRACKING_FILE)}
         for name, train, evaluation in zip(run_names, train_metrics, eval_metrics, strict=True)
-    ]
+    ]  # fmt: skip
     from ddpflow.report.build import build_report  # matplotlib: only the report rule needs it
 
     bad_nodes = nodes.read_ledger(ledger) if ledger else []

@@ -42,6 +42,18 @@ def run_file(key):
     return f"{RESULTS}/runs/{{run}}/{ddppaths.RUN_FILES[key]}"
 
 
+def tracking_file():
+    """results/runs/{run}/tracking.json: the track rule's record of the tracker runs."""
+    return f"{RESULTS}/runs/{{run}}/{ddppaths.TRACKING_FILE}"
+
+
+def tracked_files():
+    """Every run's tracking.json where `tracking:` enables a tracker, else none."""
+    if not ddpconfig.tracking_enabled(config["tracking"]):
+        return []
+    return expand(tracking_file(), run=RUNS)
+
+
 def report_file(key):
     return f"{ddppaths.report_dir(RESULTS)}/{ddppaths.REPORT_FILES[key]}"
 
@@ -91,10 +103,11 @@ def stage_threads(wildcards):
 
 
 def final_outputs():
-    """Every run's model and evaluation plus the report: all are targets, so deleting any
-    one of them makes a rerun redo exactly it and what depends on it."""
+    """Every run's model and evaluation (and tracking.json where a tracker is enabled) plus
+    the report: all are targets, so deleting any one of them makes a rerun redo exactly it
+    and what depends on it."""
     per_run = expand(
         [run_file("model"), run_file("eval_metrics")],
         run=RUNS,
     )
-    return [*per_run, report_file("markdown"), report_file("html")]
+    return [*per_run, *tracked_files(), report_file("markdown"), report_file("html")]

@@ -3,6 +3,9 @@ rule report:
     input:
         train=expand(run_file("train_metrics"), run=RUNS),
         evaluation=expand(run_file("eval_metrics"), run=RUNS),
+        # after the trackers, to show their run ids; a tracker that fails leaves the
+        # report to Snakemake's onerror hook (hooks.smk), which calls the run finished
+        tracking=tracked_files(),
     output:
         markdown=report_file("markdown"),
         html=report(

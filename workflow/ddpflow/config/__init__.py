@@ -11,7 +11,8 @@ the tests. Which module does what:
   evaluation fingerprints, plug-in source hashes, describe_changes.
 - machine.py: ranks, world size, memory, gradient accumulation, sharding and memory layout
   of a run; what this machine has (GPUs, bf16 instructions).
-- checks.py: combinations the schema cannot refuse, warnings, world size and batch checks.
+- checks.py: combinations the schema cannot refuse, warnings, world size and batch checks,
+  trackers whose client is missing (tracking:).
 - slurm.py: checks against the real Slurm cluster (imported only with launcher slurm).
 - reference.py: renders the configuration reference (python -m ddpflow.config.reference).
 
@@ -24,8 +25,10 @@ from ddpflow.config.checks import (
 )
 from ddpflow.config.checks import (
     check_batch_fits,
+    check_tracking,
     check_world_size,
     run_warnings,
+    tracking_enabled,
 )
 from ddpflow.config.fingerprint import (
     BUILT_IN_MODELS,
@@ -36,6 +39,7 @@ from ddpflow.config.fingerprint import (
     dataset_id,
     describe_changes,
     evaluation_fingerprint,
+    flatten,
     on_small,
     own_data_listing,
     plugin_source,
@@ -67,6 +71,7 @@ __all__ = [
     "as_params",
     "check",
     "check_batch_fits",
+    "check_tracking",
     "check_runs",
     "check_world_size",
     "config_hash",
@@ -74,6 +79,7 @@ __all__ = [
     "dataset_id",
     "describe_changes",
     "evaluation_fingerprint",
+    "flatten",
     "load",
     "load_schema",
     "local_gpu_count",
@@ -89,6 +95,7 @@ __all__ = [
     "run_warnings",
     "stage_params",
     "trains_sharded",
+    "tracking_enabled",
     "training_fingerprint",
     "uses_channels_last",
     "validate",

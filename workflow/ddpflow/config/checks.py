@@ -6,6 +6,7 @@ than the staged training split. Checks against a Slurm cluster are in slurm.py.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 from ddpflow.config.fingerprint import BUILT_IN_MODELS
@@ -236,3 +237,50 @@ def check_batch_fits(run: dict, train_samples: int) -> None:
             f"training split has only {train_samples} samples, so an epoch would have no "
             f"optimizer step; {advice}"
         )
+
+
+# the Python modules each tracker's client needs (envs/tracking.txt, `make tracking`)
+TRACKER_MODULES = {"mlflow": ("mlflow",), "sqlite": ("sqlalchemy", "alembic"), "wandb": ("wandb",)}
+
+
+def tracking_enabled(tracking: dict) -> bool:
+    """Whether `tracking:` enables any tracker (the track rule then runs for every run)."""
+    return bool(tracking["mlflow"]["uri"]) or tracking["wandb"]["mode"] != "off"
+
+
+def check_tracking(tracking: dict, find_spec=None) -> None:
+    """Refuse, before anything runs, a tracker that cannot be used: its client not installed
+    (found with importlib.util.find_spec, nothing imported) or MLflow's deprecated file
+    store. find_spec: for tests, a stand-in for importlib.util.find_spec."""
+
+    find_spec = find_spec or importlib.util.find_spec
+    uri = tracking["mlflow"]["uri"]
+    needed = []
+    if uri:
+        scheme = uri.partition("://")[0] if "://" in uri else ""
+        if scheme in ("", "file"):
+            raise ConfigError(
+                f"tracking.mlflow.uri is {uri!r}: MLflow's file store (a folder) is deprecated "
+                "and refused since MLflow 3.13; use sqlite:///results/mlflow.db (a file, no "
+                "server) or a tracking server, http://host:5000"
+            )
+        needed.append(("tracking.mlflow.uri", TRACKER_MODULES["mlflow"]))
+        if scheme == "sqlite":
+            needed.append(("tracking.mlflow.uri (sqlite)", TRACKER_MODULES["sqlite"]))
+    if tracking["wandb"]["mode"] != "off":
+        needed.append(("tracking.wandb.mode", TRACKER_MODULES["wandb"]))
+    for key, modules in needed:
+        missing = [m for m in modules if _find(find_spec, m) is None]
+        if missing:
+            raise ConfigError(
+                f"{key} enables a tracker but its client is not installed (no Python module "
+                f"{', '.join(missing)}): run `make tracking` (installs envs/tracking.txt into "
+                "the .venv), or switch the tracker off"
+            )
+
+
+def _find(find_spec, module: str):
+    try:
+        return find_spec(module)
+    except (ImportError, ValueError):
+        return None

@@ -48,6 +48,8 @@ NOT_A_RERUN = {
     "results_dir": "everything, in the new folder (the old one is left as it is)",
     "runs": "a new run is trained and evaluated; the report is redone for any change",
 }
+# tracking: where runs are logged, in no fingerprint (ddpflow.tracking)
+TRACKING_EFFECT = "nothing; the track rule logs again (and the report is redone)"
 # values tried for a key, beside its enum members and its default moved up or down: those
 # the key's schema accepts (3.0 is left out: JSON Schema counts it an integer, ddpflow not)
 TRIED = (True, False, 0, 1, 2, 3, 7, 100, 0.1, 0.3, 2.5, "x", None, [32, 32], [64],
@@ -108,6 +110,8 @@ def _effect(path: tuple, node: dict, runs: dict[str, dict]) -> str:
     dotted = ".".join(path)
     if dotted in NOT_A_RERUN:
         return NOT_A_RERUN[dotted]
+    if path[0] == "tracking":  # in no run's fingerprint: only the track rule's params
+        return TRACKING_EFFECT
     levels = {}
     for name, run in runs.items():
         before = _outcome(run)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from ddpflow.config.checks import _check_run
+from ddpflow.config.checks import _check_run, check_tracking
 from ddpflow.config.fingerprint import dataset_id
 from ddpflow.config.machine import world_size
 from ddpflow.config.schema import ConfigError, deep_merge, validate
@@ -48,6 +48,7 @@ def check_runs(config: dict) -> tuple[dict, list[dict]]:
     runs = resolve_runs(config)
     for run in runs:
         _check_run(run, config["launcher"])
+    check_tracking(config["tracking"])
     return config, runs
 
 

@@ -79,6 +79,9 @@ def _as_number(text: str) -> float | None:
 
 def _coerced(error: jsonschema.ValidationError):
     """The value the user unambiguously meant for a string of the wrong type, or None."""
+    # YAML 1.1 reads a bare `off` as false: tracking.wandb.mode: off means "off"
+    if error.validator == "enum" and error.instance is False and "off" in error.validator_value:
+        return "off"
     if error.validator != "type" or not isinstance(error.instance, str):
         return None
     expected = error.validator_value

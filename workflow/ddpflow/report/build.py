@@ -133,6 +133,32 @@ def _load_runs(runs: list[dict], unfinished=()) -> list[tuple[str, list[dict], d
     return loaded
 
 
+def _tracker_rows(runs: list[dict], tracking_failures=()) -> list[list[str]]:
+    """[run, tracker, run id, where] for each tracker run of a run's tracking.json (one that
+    belongs to the run's current evaluation), then each tracker that failed (the run itself
+    finished: only its logging failed)."""
+    from ddpflow.tracking.record import file_sha256
+
+    rows = []
+    for run in runs:
+        path = run.get("tracking")
+        if not path or not Path(path).is_file():
+            continue
+        try:
+            record = json.loads(Path(path).read_text())
+            if record["identity"]["eval_sha256"] != file_sha256(run["eval_metrics"]):
+                continue  # logged before the run was evaluated again: not this result
+            for tracker, entry in sorted(record["trackers"].items()):
+                where = entry.get("url") or entry.get("sync") or entry.get("view") or "-"
+                rows.append([run["name"], tracker, str(entry.get("run_id")), where])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("run %r: unreadable %s: %s", run["name"], path, exc)
+    for failure in tracking_failures:
+        rows.append([failure["run"], ", ".join(failure.get("trackers", [])) or "?", "-",
+                     f"failed: {failure['cause']} (log: {failure.get('log') or '-'})"])  # fmt: skip
+    return rows
+
+
 def _summary_row(name: str, epochs: list[dict], ev: dict) -> dict:
     train = ev["train"]
     row = {
@@ -250,15 +276,35 @@ def _write_all(out_dir: Path, figures: dict, texts: dict) -> dict[str, Path]:
     return paths
 
 
+def _texts(summary: dict, rows: list[dict], blocks: list) -> dict[str, tuple[str, str]]:
+    """{key: (file name, text)} of the report's text files."""
+    title = "ddpflow report"
+    return {
+        "summary_json": (
+            REPORT_FILES["summary"],
+            json.dumps(summary, indent=2, default=str) + "\n",
+        ),
+        "summary_csv": (REPORT_FILES["summary_csv"], _summary_csv(rows)),
+        "markdown": (REPORT_FILES["markdown"], to_markdown(title, blocks)),
+        "html": (REPORT_FILES["html"], to_html(title, blocks)),
+    }
+
+
 def build_report(
-    runs: list[dict], out_dir, unfinished: list[dict] = (), bad_nodes: list[dict] = ()
+    runs: list[dict],
+    out_dir,
+    unfinished: list[dict] = (),
+    bad_nodes: list[dict] = (),
+    tracking_failures: list[dict] = (),
 ) -> dict[str, Path]:
     """Write report.md/.html, summary.json/.csv and plots/*.png for runs into out_dir.
 
     runs: [{"name", "train_metrics", "eval_metrics"}, ...]; unfinished: runs that did not
     finish, [{"run", "stage", "cause", "detail", "log"}, ...] (ddpflow.report.outcome), named in a
     section of their own; bad_nodes: the bad-node ledger's entries (ddpflow.cluster.nodes), a
-    section of their own where there are any. Returns {key: path}, with keys markdown,
+    section of their own where there are any. A run's optional "tracking" (its
+    tracking.json) and tracking_failures ([{"run", "trackers", "cause", "log"}]) make the
+    section of experiment trackers. Returns {key: path}, with keys markdown,
     html, summary_json, summary_csv and plot_<stem> for every plots/<stem>.png. Raises
     ValueError naming the run and file for a missing, unreadable or incomplete input.
     """
@@ -272,22 +318,15 @@ def build_report(
     figures = plots.render_figures(loaded, rows, baseline) if rows else {}
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     found = insight.collect(runs, loaded)
+    trackers = _tracker_rows(runs, tracking_failures)
     blocks = document(loaded, rows, figures, generated, unfinished, insight.blocks(found),
-                      bad_nodes)  # fmt: skip
+                      bad_nodes, trackers)  # fmt: skip
     summary = _summary(loaded, rows, baseline, generated, unfinished)
     summary["bad_nodes"] = list(bad_nodes)
     summary["insight"] = found
-    title = "ddpflow report"
-    texts = {
-        "summary_json": (
-            REPORT_FILES["summary"],
-            json.dumps(summary, indent=2, default=str) + "\n",
-        ),
-        "summary_csv": (REPORT_FILES["summary_csv"], _summary_csv(rows)),
-        "markdown": (REPORT_FILES["markdown"], to_markdown(title, blocks)),
-        "html": (REPORT_FILES["html"], to_html(title, blocks)),
-    }
-    paths = _write_all(Path(out_dir), figures, texts)
+    summary["trackers"] = [dict(zip(("run", "tracker", "run_id", "where"), row, strict=True))
+                           for row in trackers]  # fmt: skip
+    paths = _write_all(Path(out_dir), figures, _texts(summary, rows, blocks))
     log.info(
         "report: %d run(s)%s, best %r -> %s",
         len(rows),

@@ -25,8 +25,17 @@ from pathlib import Path
 from ddpflow.cluster.nodes import read_ledger
 from ddpflow.config import evaluation_fingerprint, training_fingerprint
 from ddpflow.errors import UserError
-from ddpflow.paths import FAILED, REPORT_FILES, RunPaths, bad_nodes_file, report_dir, work_dir
+from ddpflow.paths import (
+    FAILED,
+    REPORT_FILES,
+    TRACKING_FILE,
+    RunPaths,
+    bad_nodes_file,
+    report_dir,
+    work_dir,
+)
 from ddpflow.runtime import atomic_write_json
+from ddpflow.tracking.track import read_failure as read_tracking_failure
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +119,7 @@ def bad_nodes_line(bad_nodes: list[dict]) -> str:
 
 
 def _report_unfinished(runs: dict[str, dict], results_dir: str | Path) -> Path | None:
-    finished, unfinished = [], []
+    finished, unfinished, tracking_failures = [], [], []
     for name, run in runs.items():
         paths = RunPaths.for_run(results_dir, run)
         failure = read_failure(work_dir(results_dir, name))
@@ -120,17 +129,23 @@ def _report_unfinished(runs: dict[str, dict], results_dir: str | Path) -> Path |
                     "name": name,
                     "train_metrics": paths.train_metrics,
                     "eval_metrics": paths.eval_metrics,
+                    "tracking": str(Path(paths.eval_metrics).parent / TRACKING_FILE),
                 }
             )
+            # only its logging to a tracker failed: a finished run, named in the trackers'
+            # section (the report rule, after every track rule, could not run)
+            if tracked := read_tracking_failure(paths.work):
+                tracking_failures.append({"run": name, **tracked})
         else:
             unfinished.append({"run": name, **(failure or {"stage": "-", "cause": NOT_RUN})})
-    if not any("log" in entry for entry in unfinished):
+    if not any("log" in entry for entry in unfinished) and not tracking_failures:
         return None  # no run failed (staging did, or Snakemake was stopped): nothing to say
     from ddpflow.report.build import build_report  # matplotlib: only once a report is written
 
     out = report_dir(results_dir)
     bad_nodes = read_ledger(bad_nodes_file(results_dir))
-    written = build_report(finished, out, unfinished=unfinished, bad_nodes=bad_nodes)
+    written = build_report(finished, out, unfinished=unfinished, bad_nodes=bad_nodes,
+                           tracking_failures=tracking_failures)  # fmt: skip
     # Older than any input: Snakemake's report rule must redo this report on the next run
     # even when no input changes (the failed run removed from config.yaml, say).
     for key in ("markdown", "html", "summary_json", "summary_csv"):
@@ -142,6 +157,9 @@ def _report_unfinished(runs: dict[str, dict], results_dir: str | Path) -> Path |
             + (f" ({entry['stage']} failed: {entry['cause']})" if "log" in entry else ""),
             file=sys.stderr,
         )
+    for entry in tracking_failures:
+        print(f"ddpflow: run {entry['run']!r} finished; its tracking failed: {entry['cause']}",
+              file=sys.stderr)  # fmt: skip
     if bad_nodes:
         print(f"ddpflow: {bad_nodes_line(bad_nodes)}", file=sys.stderr)
     print(

@@ -200,14 +200,27 @@ def _bad_node_blocks(bad_nodes) -> list[tuple]:
     ]  # fmt: skip
 
 
+def _tracker_blocks(trackers) -> list[tuple]:
+    """Each run's tracker runs (ddpflow.tracking): where to look at it in MLflow or W&B."""
+    return [
+        ("h2", "Experiment trackers"),
+        ("p", "Where each run was logged (results/runs/<run>/tracking.json). A failed tracker "
+              "failed only its logging: the run trained and was evaluated; fix the cause and "
+              "run the same snakemake command again."),
+        ("table", ["Run", "Tracker", "Tracker run id", "URL, or where"], trackers, None),
+    ]  # fmt: skip
+
+
 def document(
-    loaded, rows, figures, generated: str, unfinished=(), inside=(), bad_nodes=()
+    loaded, rows, figures, generated: str, unfinished=(), inside=(), bad_nodes=(), trackers=()
 ) -> list[tuple]:
     blocks = [("p", f"Generated {generated}.")]
     if unfinished:
         blocks += _unfinished_blocks(unfinished, len(rows))
     if bad_nodes:
         blocks += _bad_node_blocks(bad_nodes)
+    if trackers:
+        blocks += _tracker_blocks(trackers)
     if not rows:
         return blocks
     best = next(row["run"] for row in rows if row["best"])

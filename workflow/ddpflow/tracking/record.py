@@ -1,0 +1,180 @@
+"""What a tracker receives for one run, collected from the run's published files.
+
+    record = collect(run, paths, out_dir)   # paths: ddpflow.paths.RunPaths
+    record.params, record.metrics, record.tags, record.artifacts, record.identity
+
+Params are the run's resolved config (as eval_metrics.json records it), flattened to dotted
+keys (ddpflow.config.fingerprint.flatten); a run made by a sweep carries its swept keys
+like any other key. Metrics are one point per epoch (step = epoch) per figure: training and
+validation loss, validation accuracy, learning rate, samples/s, the seconds of each phase
+and each rank's own figures (rank<r>.<figure>); the final test figures have step 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ddpflow.config.fingerprint import flatten
+
+# per-epoch figures of train_metrics.jsonl logged as they are
+EPOCH_FIGURES = ("train_loss", "val_loss", "val_accuracy", "lr", "samples_per_s")
+
+
+@dataclass
+class RunRecord:
+    name: str
+    identity: dict
+    params: dict[str, str]
+    metrics: list[tuple[str, float, int]]  # (key, value, step)
+    final: dict[str, float]
+    tags: dict[str, str]
+    artifacts: list[Path] = field(default_factory=list)
+    config: dict = field(default_factory=dict)
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def identity(paths) -> dict:
+    """What one logging of the run stands for: its trained model and its evaluation. The
+    same identity is never logged twice; another one (retrained, re-evaluated) is a new
+    tracker run."""
+    return {
+        "model_sha256": file_sha256(paths.model),
+        "eval_sha256": file_sha256(paths.eval_metrics),
+    }
+
+
+def param_value(value) -> str:
+    """A param as trackers store it: text (lists and null as JSON, as in config.yaml)."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def params(config: dict) -> dict[str, str]:
+    """The run's config as flat params, less `tracking:` itself (where it is logged is no
+    property of the run, and the provenance's copy is that of the evaluation's time)."""
+    shown = {key: value for key, value in config.items() if key != "tracking"}
+    return {key: param_value(value) for key, value in flatten(shown).items()}
+
+
+def epoch_metrics(lines: list[dict]) -> list[tuple[str, float, int]]:
+    """One point per epoch per figure (an epoch trained twice, by a resumed attempt: the
+    last line counts)."""
+    by_epoch = {line["epoch"]: line for line in lines}
+    out = []
+    for epoch, line in sorted(by_epoch.items()):
+        figures = {key: line.get(key) for key in EPOCH_FIGURES}
+        figures.update({f"seconds.{k}": v for k, v in (line.get("seconds") or {}).items()})
+        for rank in line.get("ranks") or []:
+            figures.update(
+                {f"rank{rank['rank']}.{k}": v for k, v in rank.items() if k not in ("rank", "host")}
+            )
+        out += [
+            (key, float(value), epoch)
+            for key, value in figures.items()
+            if isinstance(value, int | float) and not isinstance(value, bool)
+        ]
+    return out
+
+
+def _plots(name: str, lines: list[dict], evaluation: dict, out_dir: Path) -> list[Path]:
+    """The run's own plots (the report's, for this run alone)."""
+    from ddpflow.report import plots  # matplotlib: only when a tracker is fed
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figures = {
+        "loss": plots.plot_per_epoch(
+            {name: [(e["epoch"], e["train_loss"]) for e in lines]},
+            "train loss",
+            "Training loss",
+            log_if_wide=True,
+        ),
+        "val_accuracy": plots.plot_per_epoch(
+            {name: [(e["epoch"], e["val_accuracy"]) for e in lines]},
+            "validation accuracy",
+            "Validation accuracy",
+        ),
+        "lr": plots.plot_per_epoch(
+            {name: [(e["epoch"], e["lr"]) for e in lines]}, "learning rate", "Learning rate"
+        ),
+        "confusion_matrix": plots.plot_confusion(
+            name,
+            evaluation["confusion_matrix"],
+            evaluation["class_names"],
+            evaluation["accuracy"],
+            evaluation.get("split", "test"),
+        ),
+    }
+    written = []
+    for key, png in figures.items():
+        (out_dir / f"{key}.png").write_bytes(png)
+        written.append(out_dir / f"{key}.png")
+    return written
+
+
+def _tags(run: dict, config: dict, evaluation: dict, summary: dict) -> dict[str, str]:
+    """What a tracker filters runs by: commit, dataset, machine shape, strategy, precision."""
+    hosts = sorted(set(summary.get("hosts") or evaluation["provenance"].get("hostnames") or []))
+    return {
+        "ddpflow.run": run["name"],
+        "git_commit": str(evaluation["provenance"].get("git_commit")),
+        "dataset_id": str(config.get("dataset_id", run["dataset_id"])),
+        "world_size": str(summary.get("world_size", config.get("world_size"))),
+        "hosts": ",".join(hosts),
+        "strategy": str(config["train"]["strategy"]),
+        "precision": str(summary.get("precision", config["train"]["precision"])),
+    }
+
+
+def collect(run: dict, paths, out_dir: str | Path) -> RunRecord:
+    """The run's record, its plots and confusion matrix written into out_dir (artifacts)."""
+    out_dir = Path(out_dir)
+    lines = [
+        json.loads(line)
+        for line in Path(paths.train_metrics).read_text().splitlines()
+        if line.strip()
+    ]
+    evaluation = json.loads(Path(paths.eval_metrics).read_text())
+    summary = json.loads(Path(paths.train_summary).read_text())
+    config = evaluation["provenance"]["config"]
+    split = evaluation.get("split", "test")
+    final = {f"{split}_accuracy": float(evaluation["accuracy"])}
+    if isinstance(evaluation.get("loss"), int | float):
+        final[f"{split}_loss"] = float(evaluation["loss"])
+    tags = _tags(run, config, evaluation, summary)
+    matrix = out_dir / "confusion_matrix.json"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    matrix.write_text(
+        json.dumps(
+            {
+                "class_names": evaluation["class_names"],
+                "confusion_matrix": evaluation["confusion_matrix"],
+            }
+        )
+        + "\n"
+    )
+    artifacts = [
+        Path(paths.eval_metrics),
+        Path(paths.train_metrics),
+        Path(paths.train_summary),
+        matrix,
+        *_plots(run["name"], lines, evaluation, out_dir / "plots"),
+    ]
+    return RunRecord(
+        name=run["name"],
+        identity=identity(paths),
+        params=params(config),
+        metrics=epoch_metrics(lines),
+        final=final,
+        tags=tags,
+        artifacts=artifacts,
+        config=config,
+    )
