@@ -139,3 +139,19 @@ def test_the_login_node_modules_import_no_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_no_module_over_400_lines_and_no_function_over_50():
+    """The package's shape: files a newcomer can read whole, functions that do one thing."""
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        rel = path.relative_to(PACKAGE)
+        if source.count("\n") > 400:
+            too_long.append(f"{rel}: {source.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > 50:
+                    too_long.append(f"{rel}:{node.lineno} {node.name}: {length} lines")
+    assert not too_long, "split these: " + "; ".join(too_long)
