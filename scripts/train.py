@@ -15,8 +15,6 @@ pipeline.run_rule(
     run,
     paths,
     smk.config["logs_dir"],
-    # where epochs are streamed as they land (ddpflow.tracking.live); no rerun trigger
-    smk.config.get("tracking"),
     # a failure is kept in the work folder for the report of the other runs
     failures=(paths.work, "train"),
 )

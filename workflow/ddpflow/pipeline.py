@@ -224,10 +224,10 @@ def _say_what_sits_out(run: dict, samples: int) -> None:
     )  # fmt: skip
 
 
-def train_run(run: dict, paths: RunPaths, logs_dir: str, tracking: dict | None = None) -> dict:
+def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     """Train one run: resume only an interrupted attempt of this very config (else from
-    scratch, saying why), then keep the work folder lean. tracking: the config's
-    `tracking:`; with an MLflow URI, epochs are streamed there as they land."""
+    scratch, saying why), then keep the work folder lean. With an MLflow URI in the run's
+    `tracking:`, epochs are streamed there as they land."""
     manifest = read_manifest(paths.staged)
     check_batch_fits(run, manifest["sizes"]["train"])
     _say_what_sits_out(run, manifest["sizes"]["train"])
@@ -240,7 +240,7 @@ def train_run(run: dict, paths: RunPaths, logs_dir: str, tracking: dict | None =
     # work folder is decided on: it would write its old-config checkpoints into it
     launch.cancel_outdated(_job_record(paths, "train"), config_hash(training_fingerprint(run)))
     workspace.prepare(run, paths.work)
-    stream = LiveStream.for_run(run, tracking, paths.work)
+    stream = LiveStream.for_run(run, run.get("tracking"), paths.work)
     summary = _distributed(TrainJob, "train", run, paths, logs_dir, exclude, stream)[0]
     workspace.finish(run, paths.work)
     log.info(

@@ -56,7 +56,10 @@ def resolve_runs(config: dict) -> list[dict]:
     """Each named run: the top-level sections with the run's overrides merged in, validated."""
     runs = []
     for index, entry in enumerate(config["runs"]):
-        merged = {key: config[key] for key in ("launcher", "results_dir", "logs_dir")}
+        # tracking: where a run is logged, the same for every run and in no fingerprint; the
+        # train rule reads it from the run (its script, a rerun trigger, stays as it was)
+        shared = ("launcher", "results_dir", "logs_dir", "tracking")
+        merged = {key: config[key] for key in shared if key in config}
         for section in SECTIONS:
             merged[section] = deep_merge(config[section], entry.get(section, {}))
         where = f"runs[{index}] ({entry['name']!r})"
