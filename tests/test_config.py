@@ -573,3 +573,19 @@ def test_oversized_batch_fails_the_train_rule_before_submitting(tmp_path):
     assert not (tmp_path / "logs/submitit/default/train").exists(), "a job was submitted"
     assert not (tmp_path / "results/runs/default/model.pt").exists()
     assert any((tmp_path / "results/staged").iterdir()), "staging should have run and stayed"
+
+
+def test_moving_a_key_in_the_config_file_does_not_change_the_stage_params():
+    """Snakemake compares the stage rule's dict param by its text: the order of the keys in
+    config.yaml must not count (else moving a line restages and retrains), and the schema's
+    order is the one earlier releases' shipped config.yaml produced."""
+    data = ddpconfig.load(None)["data"]
+    moved = dict(reversed(list(data.items())))
+    assert repr(ddpconfig.stage_params(moved)) == repr(ddpconfig.stage_params(data))
+    assert list(ddpconfig.stage_params(data))[:5] == [
+        "source",
+        "kwargs",
+        "root",
+        "path",
+        "image_size",
+    ]

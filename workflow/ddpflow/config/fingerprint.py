@@ -6,6 +6,7 @@ Keys outside them (VOLATILE_TRAIN_KEYS, DATA_RUNTIME_KEYS, the machine) redo not
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -87,7 +88,18 @@ def stage_params(data: dict) -> dict:
     nothing. (The keys a built-in source ignores stay, as they always were: removing them
     would change every staged dataset's params, and restage it, once.)"""
     skip = DATA_RUNTIME_KEYS if _on_small_acts(data) else DATA_RUNTIME_KEYS + ("on_small",)
-    return {k: v for k, v in data.items() if k not in skip}
+    # in the schema's order, not the config file's: Snakemake compares a dict param by its
+    # text, so moving a key in config.yaml would otherwise restage (and retrain) the data
+    order = {key: index for index, key in enumerate(_schema_data_keys())}
+    keys = sorted((k for k in data if k not in skip), key=lambda k: (order.get(k, len(order)), k))
+    return {k: data[k] for k in keys}
+
+
+@functools.cache
+def _schema_data_keys() -> tuple[str, ...]:
+    from ddpflow.config.schema import load_schema
+
+    return tuple(load_schema()["$defs"]["data"]["properties"])
 
 
 def data_settings(data: dict) -> dict:
