@@ -219,10 +219,8 @@ def document(
         blocks += _unfinished_blocks(unfinished, len(rows))
     if bad_nodes:
         blocks += _bad_node_blocks(bad_nodes)
-    if trackers:
-        blocks += _tracker_blocks(trackers)
     if not rows:
-        return blocks
+        return blocks + (_tracker_blocks(trackers) if trackers else [])
     best = next(row["run"] for row in rows if row["best"])
     scaling = any(row["speedup"] is not None for row in rows)
     label = split_label(rows)
@@ -242,10 +240,11 @@ def document(
                          "the previous one left, at its own world size; the steps are the "
                          "same training at any size (the global batch and the data order are "
                          "the recipe's).")]  # fmt: skip
+    if trackers:
+        blocks += _tracker_blocks(trackers)
     blocks += [("h2", "Time per phase (sum over epochs, share of epoch time)"), _phase_table(rows)]
-    blocks += list(
-        inside
-    )  # ddpflow.report.insight: ranks, stragglers, profiles, cluster efficiency
+    # ddpflow.report.insight: ranks, stragglers, profiles, cluster efficiency
+    blocks += list(inside)
     blocks += [("h2", f"Per-class {label} accuracy"), *_class_tables(loaded)]
     blocks.append(("h2", "Plots"))
     blocks += [("img", caption, f"plots/{key}.png", png) for key, (caption, png) in figures.items()]
