@@ -1,6 +1,6 @@
 """Strong scaling of ddpflow's loop on this machine's CPU ranks, and what the new sampler costs.
 
-1. Strong scaling (issue 23): ddpflow's Loop (the shipped config, built as throughput.py
+1. Strong scaling: ddpflow's Loop (the shipped config, built as throughput.py
    builds it) trains the same science at world sizes 1, 2 and 4: the same model, synthetic
    data, global batch (--global-batch 64) and micro-batch (--micro-batch 16), so the ranks
    accumulate 4, 2 and 1 micro-batches per optimizer step. Each world size runs in fresh

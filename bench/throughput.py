@@ -68,9 +68,9 @@ CASES = {
     "cnn": {"model": "cnn", "shape": [1, 28, 28], "samples": 1024},
     "resnet18": {"model": "resnet18", "shape": [3, 32, 32], "samples": 256},
 }
-# --lightning: the issue's cases against Lightning, each at one world size
+# --lightning: the CPU cases against Lightning, each at one world size
 LIGHTNING_WORLD = {"mlp": 2, "cnn": 2, "resnet18": 1}
-LIGHTNING_TARGET = 1.2  # ddpflow's loop vs Lightning's, every CPU case (issue 11)
+LIGHTNING_TARGET = 1.2  # ddpflow's loop vs Lightning's, every CPU case
 TRAINER_NOTE = "without logger, checkpointing, progress bar, summary or validation"
 GPU_CASE = {"model": "resnet18", "shape": [3, 32, 32], "samples": 512 * 40}
 NUM_CLASSES = 10
@@ -655,7 +655,7 @@ def add_lightning(report: dict) -> bool:
         "process group (LightningEnvironment), its DistributedSampler, plain SGD + the same "
         f"LambdaLR per step; timed on_train_epoch_start -> end; Trainer {TRAINER_NOTE}"
     )
-    report["conditions"]["target"] = f"ddpflow >= {LIGHTNING_TARGET}x Lightning (issue 11)"
+    report["conditions"]["target"] = f"ddpflow >= {LIGHTNING_TARGET}x Lightning"
     if version is None:
         report["skipped"] = (
             "Lightning is not importable from bench/.peers-site (run bench/install-peers): "

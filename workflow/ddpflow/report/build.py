@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ddpflow.config import VOLATILE_TRAIN_KEYS
+from ddpflow.data.staged import sha256_file
 from ddpflow.errors import ReportInputError
 from ddpflow.paths import REPORT_FILES
 from ddpflow.report import insight, plots
@@ -137,8 +138,6 @@ def _tracker_rows(runs: list[dict], tracking_failures=()) -> list[list[str]]:
     """[run, tracker, run id, where] for each tracker run of a run's tracking.json (one that
     belongs to the run's current evaluation), then each tracker that failed (the run itself
     finished: only its logging failed)."""
-    from ddpflow.tracking.record import file_sha256
-
     rows = []
     for run in runs:
         path = run.get("tracking")
@@ -146,7 +145,7 @@ def _tracker_rows(runs: list[dict], tracking_failures=()) -> list[list[str]]:
             continue
         try:
             record = json.loads(Path(path).read_text())
-            if record["identity"]["eval_sha256"] != file_sha256(run["eval_metrics"]):
+            if record["identity"]["eval_sha256"] != sha256_file(run["eval_metrics"]):
                 continue  # logged before the run was evaluated again: not this result
             for tracker, entry in sorted(record["trackers"].items()):
                 where = entry.get("url") or entry.get("sync") or entry.get("view") or "-"

@@ -12,12 +12,12 @@ and each rank's own figures (rank<r>.<figure>); the final test figures have step
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpflow.config.fingerprint import flatten
+from ddpflow.data.staged import sha256_file
 
 # per-epoch figures of train_metrics.jsonl logged as they are
 EPOCH_FIGURES = ("train_loss", "val_loss", "val_accuracy", "lr", "samples_per_s")
@@ -35,21 +35,13 @@ class RunRecord:
     config: dict = field(default_factory=dict)
 
 
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def identity(paths) -> dict:
     """What one logging of the run stands for: its trained model and its evaluation. The
     same identity is never logged twice; another one (retrained, re-evaluated) is a new
     tracker run."""
     return {
-        "model_sha256": file_sha256(paths.model),
-        "eval_sha256": file_sha256(paths.eval_metrics),
+        "model_sha256": sha256_file(paths.model),
+        "eval_sha256": sha256_file(paths.eval_metrics),
     }
 
 
