@@ -48,13 +48,11 @@ def _schema_defaults(schema: dict, node: dict) -> dict:
         if "default" in sub:
             out[key] = sub["default"]
         resolved = schema["$defs"][sub["$ref"].rsplit("/", 1)[1]] if "$ref" in sub else sub
-        if "properties" in resolved:
-            out[key] = {**_as_dict(out.get(key)), **_schema_defaults(schema, resolved)}
+        # an object without a default (sweep.random) or null by default (sweep.prune) is
+        # not filled in
+        if "properties" in resolved and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **_schema_defaults(schema, resolved)}
     return out
-
-
-def _as_dict(value):
-    return value if isinstance(value, dict) else {}
 
 
 def test_every_schema_default_is_filled_in():

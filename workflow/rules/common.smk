@@ -1,5 +1,6 @@
 # Validation and helpers shared by every rule file; defines no rules.
 # Parse-time code imports no torch or submitit: `snakemake -n` and `--lint` stay fast.
+import re
 import sys
 
 from ddpflow import config as ddpconfig
@@ -33,7 +34,8 @@ if config["launcher"] == "slurm" and workflow.is_main_process:
 
 
 wildcard_constraints:
-    run="|".join(RUNS),
+    # a run name is matched literally (a sweep names runs lr-0.05: the dot is no wildcard)
+    run="|".join(map(re.escape, RUNS)),
     dataset="[A-Za-z0-9_]+-[0-9a-f]{10}",
 
 

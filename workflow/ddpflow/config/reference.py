@@ -50,6 +50,15 @@ NOT_A_RERUN = {
 }
 # tracking: where runs are logged, in no fingerprint (ddpflow.tracking)
 TRACKING_EFFECT = "nothing; the track rule logs again (and the report is redone)"
+# sweep: which runs exist, not what one run computes (ddpflow.config.sweep)
+SWEEP_EFFECT = {
+    "prune": "nothing: a finished or pruned run is not retrained",
+    "max_runs": "nothing",
+}
+SWEEP_DEFAULT_EFFECT = (
+    "a new point is trained and evaluated; a removed one is left as it is; the other points "
+    "redo nothing"
+)
 # values tried for a key, beside its enum members and its default moved up or down: those
 # the key's schema accepts (3.0 is left out: JSON Schema counts it an integer, ddpflow not)
 TRIED = (True, False, 0, 1, 2, 3, 7, 100, 0.1, 0.3, 2.5, "x", None, [32, 32], [64],
@@ -112,6 +121,12 @@ def _effect(path: tuple, node: dict, runs: dict[str, dict]) -> str:
         return NOT_A_RERUN[dotted]
     if path[0] == "tracking":  # in no run's fingerprint: only the track rule's params
         return TRACKING_EFFECT
+    if path[0] == "sweep":  # makes runs: a point's run is a run like any other
+        return (
+            SWEEP_EFFECT.get(path[1], SWEEP_DEFAULT_EFFECT)
+            if len(path) > 1
+            else SWEEP_DEFAULT_EFFECT
+        )
     levels = {}
     for name, run in runs.items():
         before = _outcome(run)

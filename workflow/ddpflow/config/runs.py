@@ -13,6 +13,7 @@ from ddpflow.config.checks import _check_run, check_tracking
 from ddpflow.config.fingerprint import dataset_id
 from ddpflow.config.machine import world_size
 from ddpflow.config.schema import ConfigError, deep_merge, validate
+from ddpflow.config.sweep import has_sweep, sweep_entries
 
 SECTIONS = ("data", "model", "train", "eval", "machine")
 
@@ -40,40 +41,73 @@ def check(config: dict) -> dict:
 
 def check_runs(config: dict) -> tuple[dict, list[dict]]:
     """check() and the resolved runs, validating each run once (the Snakefile's parse)."""
+    given_runs = "runs" in config
     config = validate(copy.deepcopy(config))
-    names = [run["name"] for run in config["runs"]]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ConfigError(f"runs: run names must be unique; repeated: {duplicates}")
-    runs = resolve_runs(config)
+    if not given_runs and has_sweep(config):
+        config["runs"] = []  # a sweep without runs: trains its points only, no "default"
+    entries = run_entries(config)
+    if not entries:
+        raise ConfigError("runs: no run to train; name one under runs: or sweep: a key")
+    runs = [_resolve(config, entry, where) for entry, where in entries]
     for run in runs:
         _check_run(run, config["launcher"])
     check_tracking(config["tracking"])
     return config, runs
 
 
+def run_entries(config: dict) -> list[tuple[dict, str]]:
+    """Every run's entry ({"name", <section>: overrides}) and where it was written: the runs:
+    list, then the sweep's points (ddpflow.config.sweep); a name given twice is refused."""
+    entries = [(e, f"runs[{i}] ({e['name']!r})") for i, e in enumerate(config["runs"])]
+    entries += [(e, f"sweep point {e['name']!r} ({e['sweep']['origin']})")
+                for e in sweep_entries(config)]  # fmt: skip
+    names = [entry["name"] for entry, _ in entries]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ConfigError(
+            f"runs: run names must be unique; repeated: {duplicates} (a runs: entry and a "
+            "sweep point may not share a name: rename the runs: entry)"
+        )
+    return entries
+
+
 def resolve_runs(config: dict) -> list[dict]:
-    """Each named run: the top-level sections with the run's overrides merged in, validated."""
-    runs = []
-    for index, entry in enumerate(config["runs"]):
-        # tracking: where a run is logged, the same for every run and in no fingerprint; the
-        # train rule reads it from the run (its script, a rerun trigger, stays as it was)
-        shared = ("launcher", "results_dir", "logs_dir", "tracking")
-        merged = {key: config[key] for key in shared if key in config}
-        for section in SECTIONS:
-            merged[section] = deep_merge(config[section], entry.get(section, {}))
-        where = f"runs[{index}] ({entry['name']!r})"
-        resolved = validate(merged, where=where)
-        resolved["name"] = entry["name"]
-        resolved["world_size"] = world_size(resolved["machine"])
-        resolved["dataset_id"] = dataset_id(resolved["data"])
-        runs.append(resolved)
-    return runs
+    """Each named run (runs: and sweep:): the top-level sections with the run's overrides
+    merged in, validated."""
+    return [_resolve(config, entry, where) for entry, where in run_entries(config)]
+
+
+def _resolve(config: dict, entry: dict, where: str) -> dict:
+    # tracking: where a run is logged, the same for every run and in no fingerprint; the
+    # train rule reads it from the run (its script, a rerun trigger, stays as it was)
+    shared = ("launcher", "results_dir", "logs_dir", "tracking")
+    merged = {key: config[key] for key in shared if key in config}
+    for section in SECTIONS:
+        merged[section] = deep_merge(config[section], entry.get(section, {}))
+    resolved = validate(merged, where=where)
+    resolved["name"] = entry["name"]
+    resolved["world_size"] = world_size(resolved["machine"])
+    resolved["dataset_id"] = dataset_id(resolved["data"])
+    if "sweep" in entry:  # in no fingerprint, like tracking
+        block = entry["sweep"]
+        values = {key: _dotted(resolved, key) for key in block["keys"]}
+        resolved["sweep"] = {**block, "values": values}
+    return resolved
+
+
+def _dotted(run: dict, key: str):
+    """The run's value of a dotted key (every swept key, also one this point left at its base)."""
+    node = run
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def run_by_name(config: dict, name: str) -> dict:
-    """The resolved run called `name` of a validated config."""
-    for run in resolve_runs(config):
-        if run["name"] == name:
-            return run
-    raise ConfigError(f"no run named {name!r}; runs: {[r['name'] for r in config['runs']]}")
+    """The resolved run called `name` of a validated config (validating that run alone: a
+    rule's script calls this, and a sweep may have hundreds of runs)."""
+    entries = run_entries(config)
+    for entry, where in entries:
+        if entry["name"] == name:
+            return _resolve(config, entry, where)
+    raise ConfigError(f"no run named {name!r}; runs: {[e['name'] for e, _ in entries]}")

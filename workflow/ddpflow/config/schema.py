@@ -133,10 +133,15 @@ def _elsewhere(key: str, where: list) -> list[str]:
     in_memory under data -> ["data.loading.in_memory"]. In a runs[] entry, the sections'
     keys (dotted from the run)."""
     in_run = where[:1] == ["runs"]
+    # sweep's own keys (seed, samples) are no home for a run's key
+    in_sweep = where[:1] == ["sweep"]
     return [
         ".".join(path)
         for path in schema_keys(load_schema())
-        if path[-1] == key and path[:-1] != tuple(where) and not (in_run and len(path) == 1)
+        if path[-1] == key
+        and path[:-1] != tuple(where)
+        and not (in_run and len(path) == 1)
+        and (in_sweep or path[0] != "sweep")
     ]
 
 
