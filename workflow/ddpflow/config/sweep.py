@@ -78,7 +78,8 @@ def _grid(grid: dict) -> list[dict]:
     if not grid:
         return []
     keys = list(grid)
-    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(grid[k] for k in keys))]
+    combos = itertools.product(*(grid[k] for k in keys))
+    return [dict(zip(keys, combo, strict=True)) for combo in combos]
 
 
 def _draws(spec: dict) -> list[dict]:
