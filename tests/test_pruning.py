@@ -103,6 +103,26 @@ def test_pruning_is_due_only_when_set_from_after_epochs_to_before_the_last():
     assert [due(e) for e in range(1, 6)] == [False, True, True, True, False]
 
 
+def test_no_collective_where_pruning_is_off_and_a_failed_check_never_fails_the_run(
+    monkeypatch, caplog
+):
+    env = type("Env", (), {"world_size": 2, "is_master": True})()
+
+    def no_collective(*args):
+        raise AssertionError("a collective where pruning is not due")
+
+    monkeypatch.setattr(pruning, "agree", no_collective)
+    for run in (make_run(), _sweep()):  # hand-written; a sweep without prune
+        assert pruning.MedianPruner(run, "w", env, CPU).on_epoch({"epoch": 3}) is None
+    monkeypatch.setattr(pruning, "agree", lambda pruned, env, device: pruned)
+    broken = _sweep(prune=PRUNE)
+    broken["sweep"]["peers"] = None  # whatever goes wrong reading the peers
+    record = {"epoch": 3, "val_accuracy": 0.1}
+    with caplog.at_level("WARNING", logger="ddpflow.training.pruning"):
+        assert pruning.MedianPruner(broken, "w", env, CPU).on_epoch(record) is None
+    assert "pruning at epoch 3 skipped: TypeError" in caplog.text and "pruned" not in record
+
+
 def test_the_pruned_line_names_the_run_epoch_accuracy_and_median():
     line = pruning.pruned_line("lr1e-05", {"epoch": 3, "val_accuracy": 0.1, "median": 0.9,
                                            "runs": 4})  # fmt: skip

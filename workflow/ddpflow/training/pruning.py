@@ -148,7 +148,14 @@ class MedianPruner:
         epoch = record["epoch"]
         if not self.due(epoch):
             return None
-        pruned = self._decide(epoch, record["val_accuracy"]) if self.env.is_master else None
+        pruned = None
+        if self.env.is_master:
+            try:
+                pruned = self._decide(epoch, record["val_accuracy"])
+            except Exception as exc:  # noqa: BLE001 - an optimisation: never fails a run,
+                # and rank 0 must reach the broadcast the other ranks wait in
+                log.warning("pruning at epoch %d skipped: %s: %s", epoch,
+                            type(exc).__name__, exc)  # fmt: skip
         pruned = agree(pruned, self.env, self.device)
         if pruned is not None:
             record["pruned"] = pruned
