@@ -31,6 +31,7 @@ from ddpflow.paths import EVAL_FROM_TRAIN, LIVE_METRICS, TRACKING_FILE, RunPaths
 from ddpflow.report import outcome
 from ddpflow.tracking.live import LiveStream
 from ddpflow.training import workspace
+from ddpflow.training.pruning import pruned_line
 from ddpflow.training.records import published
 
 log = logging.getLogger(__name__)
@@ -250,6 +251,8 @@ def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
         summary["world_size"],
         ", ".join(sorted(set(summary["hosts"]))),
     )
+    if summary.get("pruned"):  # a sweep's median pruning stopped it: an ordinary end
+        log.warning("%s", pruned_line(run["name"], summary["pruned"]))
     return summary
 
 

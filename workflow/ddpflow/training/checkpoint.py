@@ -212,7 +212,10 @@ class Checkpointer:
             raise Preempted(f"stopped at step {step} after a signal; checkpoint saved")
 
     def on_epoch(self, loop) -> None:
-        if loop.epoch == self.epochs or (self.every_epochs and loop.epoch % self.every_epochs == 0):
+        every = self.every_epochs and loop.epoch % self.every_epochs == 0
+        if loop.pruned is not None:  # its last epoch: a resumed attempt must not train on
+            self.save(loop, f"end of epoch {loop.epoch}, pruned")
+        elif loop.epoch == self.epochs or every:
             self.save(loop, f"end of epoch {loop.epoch}")
 
     def stop_agreed(self) -> bool:

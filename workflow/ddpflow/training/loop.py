@@ -72,6 +72,12 @@ class Loop(Resumable):
         self.nonfinite = NonfiniteWatch(run, self.lr, device, env.world_size, watched, self.scaler)
 
     @property
+    def pruned(self) -> dict | None:
+        """The pruning record of the last epoch (ddpflow.training.pruning), if it was pruned:
+        the training stops there. In the history, so a resumed run keeps the decision."""
+        return self.history[-1].get("pruned") if self.history else None
+
+    @property
     def micro_batches_per_epoch(self) -> int:
         """The micro-batches this rank computes in an epoch (what its progress bar counts)."""
         return self.steps_per_epoch * self.accum
@@ -229,9 +235,10 @@ def sync_buffers(model: nn.Module, world_size: int) -> None:
 
 def fit(loop: Loop, on_epoch, progress_factory=None) -> float:
     """Train the remaining epochs; on_epoch(record) runs on every rank after each epoch, after
-    the record joined loop.history (so a checkpoint written there includes it)."""
+    the record joined loop.history (so a checkpoint written there includes it). A record
+    that on_epoch marks "pruned" ends the training after its epoch."""
     start = time.perf_counter()
-    while loop.epoch < loop.tcfg["epochs"]:
+    while loop.epoch < loop.tcfg["epochs"] and loop.pruned is None:
         epoch_start = time.perf_counter()
         progress = progress_factory(loop) if progress_factory else None
         record = loop.train_epoch(progress)

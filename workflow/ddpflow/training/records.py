@@ -55,6 +55,7 @@ def published(record: dict) -> dict:
 def train_summary(run, loop, env, hosts, attempt, wall_seconds, parameters, slurm_job_id) -> dict:
     """train_summary.json's content, from the finished Loop's epoch records (rank 0)."""
     records, data = loop.history, loop.data
+    pruned = {"pruned": loop.pruned} if loop.pruned is not None else {}  # sweep pruning
     train_seconds = sum(r["seconds"]["train"] for r in records)
     samples = sum(r["samples"] for r in records)  # global: every rank's
     phases = {p: sum(r["seconds"][p] for r in records) for p in records[0]["seconds"]}
@@ -84,4 +85,5 @@ def train_summary(run, loop, env, hosts, attempt, wall_seconds, parameters, slur
         # it was continued on another allocation)
         "segments": loop.segments,
         "precision": run["train"]["precision"] if loop.autocast else "fp32",
+        **pruned,
     }

@@ -36,6 +36,7 @@ from ddpflow.training.checkpoint import (
 )
 from ddpflow.training.loop import Loop, fit, sync_buffers
 from ddpflow.training.models import build_model, count_parameters, place
+from ddpflow.training.pruning import MedianPruner
 from ddpflow.training.rankdata import RankData, load_data
 from ddpflow.training.records import evaluation_record, published, train_summary
 
@@ -165,10 +166,14 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
     def _on_epoch(self, loop: Loop, ckpt: Checkpointer, watch, env):
         """What every rank does after an epoch: the monitor, the checkpoint, rank 0's log."""
         run, live_metrics = self.run, self.live_metrics
+        pruner = MedianPruner(run, self.paths.work, env, loop.device)
 
         def on_epoch(record: dict) -> None:
             watch.on_epoch(record)  # every rank (a collective), before the checkpoint
             record.update(run=run["name"], attempt=ckpt.attempt)
+            # sweep pruning (a collective where due): its decision joins the record, and so
+            # the checkpoint, and the fit loop stops after a pruned epoch
+            pruner.on_epoch(record)
             ckpt.on_epoch(loop)  # before the record is logged: a resume never repeats it
             if env.is_master:
                 runtime.append_jsonl(live_metrics, record)
