@@ -3,6 +3,7 @@ DAG (ddpflow.config.sweep); the names are stable, a typo is refused naming the p
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -201,3 +202,39 @@ def test_a_2x2_grid_trains_four_runs_and_a_new_value_plans_only_its_runs(tmp_pat
     wider = {**GRID, "train.optimizer.lr": [0.1, 0.05, 0.2]}
     write_config(cfg, {"train": {"epochs": 2}, "sweep": {"grid": wider}})
     assert planned_runs(tmp_path, cfg) == {"lr-0.2_name-cnn", "lr-0.2_name-mlp"}
+
+
+@pytest.mark.e2e
+def test_median_pruning_stops_the_hopeless_runs_and_a_rerun_keeps_them(tmp_path):
+    """Pruning depends on the order runs finish in: the two good runs are trained first (by
+    naming their models), then the sweep; lr 1e-5 and 1e-6 stay near chance on digits."""
+    cfg = tmp_path / "prune.yaml"
+    lrs = [0.1, 0.05, 1.0e-5, 1.0e-6]
+    write_config(cfg, {"train": {"epochs": 4},
+                       "sweep": {"grid": {"train.optimizer.lr": lrs}, "prune": {"after_epochs": 2}}})  # fmt: skip
+    runs = tmp_path / "results" / "runs"
+    targets = [f"results/runs/{name}/model.pt" for name in ("lr-0.1", "lr-0.05")]
+    # targets before --configfile, which takes every argument after it
+    good = snakemake(tmp_path, None, *targets, "--configfile", str(cfg))
+    assert good.returncode == 0, good.stdout + good.stderr
+    done = snakemake(tmp_path, cfg)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summaries = {
+        name: json.loads((runs / name / "train_summary.json").read_text())
+        for name in ("lr-0.1", "lr-0.05", "lr-1e-05", "lr-1e-06")
+    }
+    for name in ("lr-1e-05", "lr-1e-06"):
+        pruned = summaries[name]["pruned"]
+        assert pruned["epoch"] == 2 and pruned["val_accuracy"] < pruned["median"], name
+        epochs = [
+            json.loads(line)["epoch"] for line in (runs / name / "train_metrics.jsonl").open()
+        ]
+        assert epochs == [1, 2], name  # stopped at after_epochs, kept its model, was evaluated
+        assert (runs / name / "eval_metrics.json").is_file()
+        assert f"run '{name}' PRUNED after epoch 2" in done.stderr
+    for name in ("lr-0.1", "lr-0.05"):
+        assert "pruned" not in summaries[name]
+        assert len((runs / name / "train_metrics.jsonl").read_text().splitlines()) == 4
+    report = (tmp_path / "results" / "report" / "report.md").read_text()
+    assert "pruned" in report
+    assert planned_runs(tmp_path, cfg) == set()  # a pruned run is not retrained

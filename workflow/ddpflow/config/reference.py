@@ -52,7 +52,7 @@ NOT_A_RERUN = {
 TRACKING_EFFECT = "nothing; the track rule logs again (and the report is redone)"
 # sweep: which runs exist, not what one run computes (ddpflow.config.sweep)
 SWEEP_EFFECT = {
-    "prune": "nothing: a finished or pruned run is not retrained",
+    "prune": "nothing: a finished or pruned run is not retrained (force it: --forcerun)",
     "max_runs": "nothing",
 }
 SWEEP_DEFAULT_EFFECT = (
