@@ -210,8 +210,8 @@ def test_median_pruning_stops_the_hopeless_runs_and_a_rerun_keeps_them(tmp_path)
     naming their models), then the sweep; lr 1e-5 and 1e-6 stay near chance on digits."""
     cfg = tmp_path / "prune.yaml"
     lrs = [0.1, 0.05, 1.0e-5, 1.0e-6]
-    write_config(cfg, {"train": {"epochs": 4},
-                       "sweep": {"grid": {"train.optimizer.lr": lrs}, "prune": {"after_epochs": 2}}})  # fmt: skip
+    sweep = {"grid": {"train.optimizer.lr": lrs}, "prune": {"after_epochs": 2}}
+    write_config(cfg, {"train": {"epochs": 4}, "sweep": sweep})
     runs = tmp_path / "results" / "runs"
     targets = [f"results/runs/{name}/model.pt" for name in ("lr-0.1", "lr-0.05")]
     # targets before --configfile, which takes every argument after it
