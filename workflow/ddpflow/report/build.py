@@ -249,7 +249,8 @@ def _summary(loaded, rows, baseline, generated: str, unfinished) -> dict:
     best = next((row["run"] for row in rows if row["best"]), None)
     return {
         "generated": generated, "best_run": best, "runs": rows,
-        "unfinished": list(unfinished),
+        # without the sweep point an entry may carry: summary.json's sweep has the ranking
+        "unfinished": [{k: v for k, v in u.items() if k != "sweep"} for u in unfinished],
         "scaling_baseline": {"world_size": baseline[0], "samples_per_s": baseline[1],
                              "runs": baseline[2]} if baseline else None,
         "per_class_accuracy": {

@@ -34,6 +34,7 @@ from ddpflow.paths import (
     report_dir,
     work_dir,
 )
+from ddpflow.report.sweep import slim
 from ddpflow.runtime import atomic_write_json
 from ddpflow.tracking.track import read_failure as read_tracking_failure
 
@@ -130,6 +131,7 @@ def _report_unfinished(runs: dict[str, dict], results_dir: str | Path) -> Path |
                     "train_metrics": paths.train_metrics,
                     "eval_metrics": paths.eval_metrics,
                     "tracking": str(Path(paths.eval_metrics).parent / TRACKING_FILE),
+                    "sweep": slim(run.get("sweep")),
                 }
             )
             # only its logging to a tracker failed: a finished run, named in the trackers'
@@ -137,7 +139,9 @@ def _report_unfinished(runs: dict[str, dict], results_dir: str | Path) -> Path |
             if tracked := read_tracking_failure(paths.work):
                 tracking_failures.append({"run": name, **tracked})
         else:
-            unfinished.append({"run": name, **(failure or {"stage": "-", "cause": NOT_RUN})})
+            entry = {"run": name, **(failure or {"stage": "-", "cause": NOT_RUN})}
+            # its sweep point: the report's ranking lists it as failed or unfinished
+            unfinished.append({**entry, "sweep": slim(run.get("sweep"))})
     if not any("log" in entry for entry in unfinished) and not tracking_failures:
         return None  # no run failed (staging did, or Snakemake was stopped): nothing to say
     from ddpflow.report.build import build_report  # matplotlib: only once a report is written

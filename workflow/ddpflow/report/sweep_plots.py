@@ -17,10 +17,11 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
+from matplotlib.figure import Figure
 
 from ddpflow.report.plots import _new_figure, _png, safe_name, text_label
 
-__all__ = ["plot_key", "plot_parallel", "render"]
+__all__ = ["key_figure", "parallel_figure", "plot_key", "plot_parallel", "render"]
 
 _PICK = "tab:red"
 
@@ -75,7 +76,11 @@ def _unit(axis: dict) -> tuple[list[float], list[tuple[float, str]]]:
     return list(unit), [(tick_at(v) if hi > lo else 0.5, f"{v:.3g}") for v in shown]
 
 
-def plot_parallel(keys: list[str], log_keys: list[str], points: list[dict], pick: str | None):
+def plot_parallel(keys: list[str], log_keys: list[str], points: list[dict], pick) -> bytes:
+    return _png(parallel_figure(keys, log_keys, points, pick))
+
+
+def parallel_figure(keys: list[str], log_keys: list[str], points: list[dict], pick) -> Figure:
     """Parallel coordinates: one vertical axis per swept key and one for validation accuracy,
     one line per run coloured by its validation accuracy (best drawn last, on top)."""
     accuracy = [p["val_accuracy"] for p in points]
@@ -109,7 +114,7 @@ def plot_parallel(keys: list[str], log_keys: list[str], points: list[dict], pick
     fig.colorbar(ScalarMappable(norm, cmap), ax=ax, label="validation accuracy", pad=0.01)
     if pick is not None:
         fig.legend(fontsize="small", loc="outside lower center")
-    return _png(fig)
+    return fig
 
 
 def _wrap(key: str, width: int = 16) -> str:
@@ -125,6 +130,10 @@ def _wrap(key: str, width: int = 16) -> str:
 
 
 def plot_key(key: str, log: bool, points: list[dict], pick: str | None) -> bytes:
+    return _png(key_figure(key, log, points, pick))
+
+
+def key_figure(key: str, log: bool, points: list[dict], pick: str | None) -> Figure:
     """Validation accuracy against one key's value: a dot per run (a cross if pruned), the
     best run per value joined by a line, the selected run in red."""
     axis = _axis([p["values"].get(key) for p in points], log)
@@ -153,7 +162,7 @@ def plot_key(key: str, log: bool, points: list[dict], pick: str | None) -> bytes
     ax.set_title(f"Validation accuracy against {text_label(key)}")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize="small")
-    return _png(fig)
+    return fig
 
 
 def _best_per_value(ax, axis: dict, ys) -> None:
