@@ -124,8 +124,11 @@ def test_pruned_failed_and_unfinished_runs_say_so(tmp_path):
 
 
 def test_log_uniform_keys_get_a_log_axis():
-    points = [{"run": f"r{i}", "values": {"wd": 10.0**-i, "lr": 0.1 * i, "m": "cnn"},
-               "val_accuracy": 0.5 + 0.1 * i, "status": "finished"} for i in range(1, 5)]  # fmt: skip
+    points = [
+        {"run": f"r{i}", "values": {"wd": 10.0**-i, "lr": 0.1 * i, "m": "cnn"},
+         "val_accuracy": 0.5 + 0.1 * i, "status": "finished"}
+        for i in range(1, 5)
+    ]  # fmt: skip
     assert sweep_plots.key_figure("wd", True, points, "r4").axes[0].get_xscale() == "log"
     assert sweep_plots.key_figure("lr", False, points, "r4").axes[0].get_xscale() == "linear"
     fig = sweep_plots.parallel_figure(["wd", "lr", "m"], ["wd"], points, "r4")
