@@ -34,6 +34,8 @@ __all__ = ["build_report", "load_eval_metrics", "load_train_metrics"]
 
 log = logging.getLogger(__name__)
 
+MANY_RUNS = 12
+FOCUS_RUNS = 8
 _NUM = (int, float)
 _TRAIN_SPEC = {
     "run": str, "attempt": int, "epoch": int, "step": int, "train_loss": _NUM,
@@ -261,6 +263,16 @@ def _summary(loaded, rows, baseline, generated: str, unfinished) -> dict:
     }  # fmt: skip
 
 
+def _summary_extras(view, bad_nodes, found, trackers) -> dict:
+    """summary.json's sweep (where there is one), bad nodes, insight and tracker runs."""
+    extras = {"sweep": sweep.summary(view)} if view else {}
+    return {
+        **extras, "bad_nodes": list(bad_nodes), "insight": found,
+        "trackers": [dict(zip(("run", "tracker", "run_id", "where"), row, strict=True))
+                     for row in trackers],
+    }  # fmt: skip
+
+
 def _write_all(out_dir: Path, figures: dict, texts: dict) -> dict[str, Path]:
     plots_dir = out_dir / REPORT_FILES["plots"]
     plots_dir.mkdir(parents=True, exist_ok=True)
@@ -309,6 +321,16 @@ def _best(rows: list[dict], view: dict | None) -> dict | None:
     )
 
 
+def _focus(rows: list[dict]) -> list[str] | None:
+    """With more than MANY_RUNS runs, the FOCUS_RUNS best by validation accuracy, best first:
+    the runs named in the per-epoch plots and given a confusion matrix and per-class column
+    (100 legend entries, matrices and columns made the report unreadable). None: every run."""
+    if len(rows) <= MANY_RUNS:
+        return None
+    ranked = sorted(rows, key=lambda r: (-r["final_val_accuracy"], not r["best"], r["run"]))
+    return [row["run"] for row in ranked[:FOCUS_RUNS]]
+
+
 def build_report(
     runs: list[dict],
     out_dir,
@@ -337,20 +359,17 @@ def build_report(
     best = _best(rows, view)
     for row in rows:
         row["best"] = row is best
-    figures = plots.render_figures(loaded, rows, baseline) if rows else {}
+    focus = _focus(rows)
+    figures = plots.render_figures(loaded, rows, baseline, focus) if rows else {}
     swept = sweep_plots.render(view) if view else {}
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     found = insight.collect(runs, loaded)
     trackers = _tracker_rows(runs, tracking_failures)
     blocks = document(loaded, rows, figures, generated, unfinished, insight.blocks(found),
-                      bad_nodes, trackers, sweep.blocks(view, swept) if view else ())  # fmt: skip
+                      bad_nodes, trackers, sweep.blocks(view, swept) if view else (),
+                      focus)  # fmt: skip
     summary = _summary(loaded, rows, baseline, generated, unfinished)
-    if view:
-        summary["sweep"] = sweep.summary(view)
-    summary["bad_nodes"] = list(bad_nodes)
-    summary["insight"] = found
-    summary["trackers"] = [dict(zip(("run", "tracker", "run_id", "where"), row, strict=True))
-                           for row in trackers]  # fmt: skip
+    summary.update(_summary_extras(view, bad_nodes, found, trackers))
     paths = _write_all(Path(out_dir), {**figures, **swept}, _texts(summary, rows, blocks, view))
     log.info(
         "report: %d run(s)%s, best %r -> %s",

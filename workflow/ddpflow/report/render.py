@@ -121,10 +121,13 @@ def _phase_table(rows: list[dict]) -> tuple:
     return ("table", ["Run", *PHASES, "epochs total"], body, None)
 
 
-def _class_tables(loaded) -> list[tuple]:
-    """One table per distinct class list (runs on the same dataset share a table)."""
+def _class_tables(loaded, focus=None) -> list[tuple]:
+    """One table per distinct class list (runs on the same dataset share a table), a column
+    per run: with many runs, only the focus runs' (summary.json has every run's)."""
     groups: dict[tuple, list] = {}
     for name, _, ev in loaded:
+        if focus is not None and name not in focus:
+            continue
         groups.setdefault(tuple(map(str, ev["class_names"])), []).append((name, ev))
     tables = []
     for classes, members in groups.items():
@@ -214,10 +217,11 @@ def _tracker_blocks(trackers) -> list[tuple]:
 
 def document(
     loaded, rows, figures, generated: str, unfinished=(), inside=(), bad_nodes=(), trackers=(),
-    sweep=(),
+    sweep=(), focus=None,
 ) -> list[tuple]:  # fmt: skip
     """The report's blocks; sweep: the sweep section (ddpflow.report.sweep), which makes the
-    headline's best run the one selected on validation accuracy."""
+    headline's best run the one selected on validation accuracy; focus: with many runs, the
+    best ones, the only ones given a per-class column and a confusion matrix."""
     blocks = [("p", f"Generated {generated}.")]
     if unfinished:
         blocks += _unfinished_blocks(unfinished, len(rows))
@@ -249,10 +253,16 @@ def document(
     blocks += [("h2", "Time per phase (sum over epochs, share of epoch time)"), _phase_table(rows)]
     # ddpflow.report.insight: ranks, stragglers, profiles, cluster efficiency
     blocks += list(inside)
-    blocks += [("h2", f"Per-class {label} accuracy"), *_class_tables(loaded)]
-    blocks.append(("h2", "Plots"))
+    note = [("p", _focus_note(focus, len(rows)))] if focus is not None else []
+    blocks += [("h2", f"Per-class {label} accuracy"), *note, *_class_tables(loaded, focus)]
+    blocks += [("h2", "Plots"), *note]
     blocks += [("img", caption, f"plots/{key}.png", png) for key, (caption, png) in figures.items()]
     return blocks + [("h2", "Provenance"), *_provenance_blocks(loaded)]
+
+
+def _focus_note(focus, runs: int) -> str:
+    return (f"{runs} runs: the {len(focus)} with the best validation accuracy are shown here "
+            f"({', '.join(focus)}); summary.json and summary.csv hold every run.")  # fmt: skip
 
 
 def _md(text) -> str:
