@@ -183,3 +183,22 @@ def test_the_block_recorded_with_the_evaluation_is_used_when_none_is_given(tmp_p
         run["eval_metrics"].write_text(json.dumps(evaluation))
     paths = build_report(runs, tmp_path / "out")
     assert len(_csv(paths["sweep_csv"])) == 2
+
+
+@pytest.mark.slow
+def test_the_scale_benchmark_writes_complete_json(tmp_path):
+    """bench/sweep_scale.py in a tiny configuration (its dry runs left out: seconds each)."""
+    import subprocess
+    import sys
+
+    from workflow_helpers import REPO
+
+    out = tmp_path / "scale.json"
+    cmd = [sys.executable, str(REPO / "bench" / "sweep_scale.py"), "--sizes", "2", "4",
+           "--skip-dag", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [row["runs"] for row in report["report"]] == [2, 4]
+    assert all(row["html_bytes"] > 0 and row["build_cpu_s"] > 0 for row in report["report"])
+    assert report["report_per_run"]["build_cpu_s"]["ratio_largest_to_smallest"] > 0
