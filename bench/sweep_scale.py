@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 
 import yaml
@@ -55,12 +56,13 @@ def parse_args(argv):
 
 
 def machine() -> dict:
-    """Host, CPU, load: no torch import (nothing measured here needs it)."""
+    """Host, CPU, load, torch's installed version: no torch import (nothing here needs it)."""
     cpu = next((line.split(":", 1)[1].strip() for line in
                 Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
                platform.processor())  # fmt: skip
     return {"hostname": socket.gethostname(), "cpu_model": cpu, "cpu_count": os.cpu_count(),
             "platform": platform.platform(), "python": platform.python_version(),
+            "torch": metadata.version("torch"), "cuda_devices": [],
             "loadavg_at_start": os.getloadavg()}  # fmt: skip
 
 
