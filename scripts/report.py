@@ -15,4 +15,5 @@ pipeline.run_rule(
     str(Path(smk.output.markdown).parent),
     # not a declared input: a node failing later must not redo the report of finished runs
     str(bad_nodes_file(smk.config["results_dir"])),
+    list(smk.params.sweeps),
 )

@@ -94,3 +94,30 @@ def test_the_partial_report_of_a_failed_run_renders(tmp_path):
     outcome.record_failure(work_dir(results, "wild"), "train", RuntimeError("boom"), "w.log")
     result = browse(outcome.report_unfinished({"wild": wild}, results))
     assert result["images"] == 0 and result["undecoded"] == [] and result["tables"] == 1
+
+
+def test_a_sweep_of_100_runs_reads_in_the_browser(tmp_path):
+    """100 sweep runs: every image decodes, no table makes the page wider than the window
+    (a per-class column per run did: 9,600 px), the ranking's top is in view; the screenshot
+    is kept (DDPFLOW_SCREENSHOT_DIR, else tmp_path) to look at."""
+    from test_report_sweep import synthetic_sweep
+
+    paths = build_report(synthetic_sweep(tmp_path / "runs", 100), tmp_path / "out")
+    shots = Path(os.environ.get("DDPFLOW_SCREENSHOT_DIR", tmp_path))
+    shots.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            tab = browser.new_page(viewport={"width": 1280, "height": 900})
+            tab.goto(paths["html"].resolve().as_uri(), wait_until="load", timeout=120_000)
+            result = tab.evaluate(CHECK)
+            width = tab.evaluate("() => document.documentElement.scrollWidth")
+            ranking = tab.evaluate("() => document.querySelectorAll('table')[0].rows.length")
+            tab.screenshot(path=str(shots / "sweep-100-top.png"))
+        finally:
+            browser.close()
+    assert result["undecoded"] == [] and result["broken"] == [], result
+    assert result["images"] == len([k for k in paths if k.startswith("plot_")])
+    assert width <= 1280, width
+    assert ranking == 21  # header + the top 20; the other 80 folded below
+    assert (shots / "sweep-100-top.png").stat().st_size > 10_000

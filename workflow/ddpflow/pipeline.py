@@ -312,13 +312,17 @@ def build_report(
     eval_metrics: list[str],
     out_dir: str,
     ledger: str | None = None,
+    sweeps: list[dict | None] | None = None,
 ) -> dict:
     """The report over every run, from the files the rule declares as its inputs (in the
-    order of run_names), and the bad-node ledger's nodes if there are any."""
+    order of run_names), and the bad-node ledger's nodes if there are any. sweeps: each
+    run's sweep block (None for a run written under `runs:`), in the same order."""
+    sweeps = sweeps if sweeps is not None else [None] * len(run_names)
     runs = [
         {"name": name, "train_metrics": train, "eval_metrics": evaluation,
-         "tracking": str(Path(evaluation).parent / TRACKING_FILE)}
-        for name, train, evaluation in zip(run_names, train_metrics, eval_metrics, strict=True)
+         "tracking": str(Path(evaluation).parent / TRACKING_FILE), "sweep": sweep}
+        for name, train, evaluation, sweep in zip(
+            run_names, train_metrics, eval_metrics, sweeps, strict=True)
     ]  # fmt: skip
     from ddpflow.report.build import build_report  # matplotlib: only the report rule needs it
 

@@ -1,3 +1,6 @@
+from ddpflow.report import sweep as ddpsweep
+
+
 rule report:
     """Collect every run into Markdown + self-contained HTML with plots."""
     input:
@@ -28,5 +31,8 @@ rule report:
         "../../envs/ddpflow.yaml"
     params:
         runs=list(RUNS),
+        # each run's sweep point (None for a `runs:` entry), without the list of its peers:
+        # the report ranks a sweep's runs by validation accuracy (ddpflow.report.sweep)
+        sweeps=[ddpsweep.slim(run.get("sweep")) for run in RUNS.values()],
     script:
         "../../scripts/report.py"

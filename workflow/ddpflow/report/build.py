@@ -26,7 +26,7 @@ from ddpflow.config import VOLATILE_TRAIN_KEYS
 from ddpflow.data.staged import sha256_file
 from ddpflow.errors import ReportInputError
 from ddpflow.paths import REPORT_FILES
-from ddpflow.report import insight, plots
+from ddpflow.report import insight, plots, sweep, sweep_plots
 from ddpflow.report.render import PHASES, document, to_html, to_markdown
 from ddpflow.runtime import atomic_write_bytes
 
@@ -34,6 +34,8 @@ __all__ = ["build_report", "load_eval_metrics", "load_train_metrics"]
 
 log = logging.getLogger(__name__)
 
+MANY_RUNS = 12
+FOCUS_RUNS = 8
 _NUM = (int, float)
 _TRAIN_SPEC = {
     "run": str, "attempt": int, "epoch": int, "step": int, "train_loss": _NUM,
@@ -249,7 +251,8 @@ def _summary(loaded, rows, baseline, generated: str, unfinished) -> dict:
     best = next((row["run"] for row in rows if row["best"]), None)
     return {
         "generated": generated, "best_run": best, "runs": rows,
-        "unfinished": list(unfinished),
+        # without the sweep point an entry may carry: summary.json's sweep has the ranking
+        "unfinished": [{k: v for k, v in u.items() if k != "sweep"} for u in unfinished],
         "scaling_baseline": {"world_size": baseline[0], "samples_per_s": baseline[1],
                              "runs": baseline[2]} if baseline else None,
         "per_class_accuracy": {
@@ -260,6 +263,16 @@ def _summary(loaded, rows, baseline, generated: str, unfinished) -> dict:
     }  # fmt: skip
 
 
+def _summary_extras(view, bad_nodes, found, trackers) -> dict:
+    """summary.json's sweep (where there is one), bad nodes, insight and tracker runs."""
+    extras = {"sweep": sweep.summary(view)} if view else {}
+    return {
+        **extras, "bad_nodes": list(bad_nodes), "insight": found,
+        "trackers": [dict(zip(("run", "tracker", "run_id", "where"), row, strict=True))
+                     for row in trackers],
+    }  # fmt: skip
+
+
 def _write_all(out_dir: Path, figures: dict, texts: dict) -> dict[str, Path]:
     plots_dir = out_dir / REPORT_FILES["plots"]
     plots_dir.mkdir(parents=True, exist_ok=True)
@@ -267,18 +280,23 @@ def _write_all(out_dir: Path, figures: dict, texts: dict) -> dict[str, Path]:
     for key, (_, png) in figures.items():
         paths[f"plot_{key}"] = plots_dir / f"{key}.png"
         atomic_write_bytes(paths[f"plot_{key}"], png)
-    if "scaling" not in figures:  # a scaling plot left by an earlier set of runs would mislead
-        (plots_dir / "scaling.png").unlink(missing_ok=True)
+    # plots and a ranking left by an earlier set of runs would mislead
+    stale = [plots_dir / "scaling.png", *plots_dir.glob("sweep_*.png"), out_dir / sweep.CSV_NAME]
+    for path in stale:
+        if path.stem not in figures and not (path.name == sweep.CSV_NAME and "sweep_csv" in texts):
+            path.unlink(missing_ok=True)
     for key, (filename, text) in texts.items():  # the reports last: they reference the rest
         paths[key] = out_dir / filename
         atomic_write_bytes(paths[key], (text.rstrip("\n") + "\n").encode("utf-8"))
     return paths
 
 
-def _texts(summary: dict, rows: list[dict], blocks: list) -> dict[str, tuple[str, str]]:
-    """{key: (file name, text)} of the report's text files."""
+def _texts(summary: dict, rows: list[dict], blocks: list, view) -> dict[str, tuple[str, str]]:
+    """{key: (file name, text)} of the report's text files (sweep.csv with a sweep view)."""
     title = "ddpflow report"
+    extra = {"sweep_csv": (sweep.CSV_NAME, sweep.csv_text(view))} if view else {}
     return {
+        **extra,
         "summary_json": (
             REPORT_FILES["summary"],
             json.dumps(summary, indent=2, default=str) + "\n",
@@ -287,6 +305,30 @@ def _texts(summary: dict, rows: list[dict], blocks: list) -> dict[str, tuple[str
         "markdown": (REPORT_FILES["markdown"], to_markdown(title, blocks)),
         "html": (REPORT_FILES["html"], to_html(title, blocks)),
     }
+
+
+def _best(rows: list[dict], view: dict | None) -> dict | None:
+    """The best run: with a sweep, the best validation accuracy (selecting on the test set
+    would flatter the winner's test figure), a tie to the sweep's own pick; otherwise, as
+    before sweeps, the best evaluation accuracy. Then the faster run; then the first listed."""
+    if not view:
+        return max(rows, key=lambda r: (r["accuracy"], r["train_samples_per_s"]), default=None)
+    pick = (sweep.selected(view) or {}).get("run")
+    return max(
+        rows,
+        default=None,
+        key=lambda r: (r["final_val_accuracy"], r["run"] == pick, r["train_samples_per_s"]),
+    )
+
+
+def _focus(rows: list[dict]) -> list[str] | None:
+    """With more than MANY_RUNS runs, the FOCUS_RUNS best by validation accuracy, best first:
+    the runs named in the per-epoch plots and given a confusion matrix and per-class column
+    (100 legend entries, matrices and columns made the report unreadable). None: every run."""
+    if len(rows) <= MANY_RUNS:
+        return None
+    ranked = sorted(rows, key=lambda r: (-r["final_val_accuracy"], not r["best"], r["run"]))
+    return [row["run"] for row in ranked[:FOCUS_RUNS]]
 
 
 def build_report(
@@ -298,34 +340,37 @@ def build_report(
 ) -> dict[str, Path]:
     """Write report.md/.html, summary.json/.csv and plots/*.png for runs into out_dir.
 
-    runs: [{"name", "train_metrics", "eval_metrics"}, ...]; unfinished: runs that did not
+    runs: [{"name", "train_metrics", "eval_metrics"}, ...], each with an optional "sweep" (the
+    run's sweep block, ddpflow.report.sweep: the report then ranks the sweep's runs by
+    validation accuracy, selects on it, and writes sweep.csv); unfinished: runs that did not
     finish, [{"run", "stage", "cause", "detail", "log"}, ...] (ddpflow.report.outcome), named in a
     section of their own; bad_nodes: the bad-node ledger's entries (ddpflow.cluster.nodes), a
     section of their own where there are any. A run's optional "tracking" (its
     tracking.json) and tracking_failures ([{"run", "trackers", "cause", "log"}]) make the
     section of experiment trackers. Returns {key: path}, with keys markdown,
-    html, summary_json, summary_csv and plot_<stem> for every plots/<stem>.png. Raises
+    html, summary_json, summary_csv, sweep_csv (with a sweep) and plot_<stem> for every
+    plots/<stem>.png. Raises
     ValueError naming the run and file for a missing, unreadable or incomplete input.
     """
     loaded = _load_runs(runs, unfinished)
     rows = [_summary_row(name, epochs, ev) for name, epochs, ev in loaded]
     baseline = _add_scaling(rows)
-    # Ties on accuracy go to the faster run; the first listed wins a full tie.
-    best = max(rows, key=lambda r: (r["accuracy"], r["train_samples_per_s"]), default=None)
+    view = sweep.collect(runs, loaded, unfinished)
+    best = _best(rows, view)
     for row in rows:
         row["best"] = row is best
-    figures = plots.render_figures(loaded, rows, baseline) if rows else {}
+    focus = _focus(rows)
+    figures = plots.render_figures(loaded, rows, baseline, focus) if rows else {}
+    swept = sweep_plots.render(view) if view else {}
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     found = insight.collect(runs, loaded)
     trackers = _tracker_rows(runs, tracking_failures)
     blocks = document(loaded, rows, figures, generated, unfinished, insight.blocks(found),
-                      bad_nodes, trackers)  # fmt: skip
+                      bad_nodes, trackers, sweep.blocks(view, swept) if view else (),
+                      focus)  # fmt: skip
     summary = _summary(loaded, rows, baseline, generated, unfinished)
-    summary["bad_nodes"] = list(bad_nodes)
-    summary["insight"] = found
-    summary["trackers"] = [dict(zip(("run", "tracker", "run_id", "where"), row, strict=True))
-                           for row in trackers]  # fmt: skip
-    paths = _write_all(Path(out_dir), figures, _texts(summary, rows, blocks))
+    summary.update(_summary_extras(view, bad_nodes, found, trackers))
+    paths = _write_all(Path(out_dir), {**figures, **swept}, _texts(summary, rows, blocks, view))
     log.info(
         "report: %d run(s)%s, best %r -> %s",
         len(rows),

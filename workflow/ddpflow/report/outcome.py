@@ -34,6 +34,7 @@ from ddpflow.paths import (
     report_dir,
     work_dir,
 )
+from ddpflow.report.sweep import slim
 from ddpflow.runtime import atomic_write_json
 from ddpflow.tracking.track import read_failure as read_tracking_failure
 
@@ -118,26 +119,32 @@ def bad_nodes_line(bad_nodes: list[dict]) -> str:
             "snakemake clean_bad_nodes")  # fmt: skip
 
 
-def _report_unfinished(runs: dict[str, dict], results_dir: str | Path) -> Path | None:
+def _sort_runs(runs: dict[str, dict], results_dir) -> tuple[list, list, list]:
+    """The finished runs' report entries, the unfinished ones' (with why) and the tracking
+    failures of finished runs; each keeps its sweep point for the report's ranking."""
     finished, unfinished, tracking_failures = [], [], []
     for name, run in runs.items():
         paths = RunPaths.for_run(results_dir, run)
         failure = read_failure(work_dir(results_dir, name))
         if failure is None and _current(run, paths):
-            finished.append(
-                {
-                    "name": name,
-                    "train_metrics": paths.train_metrics,
-                    "eval_metrics": paths.eval_metrics,
-                    "tracking": str(Path(paths.eval_metrics).parent / TRACKING_FILE),
-                }
-            )
+            finished.append({
+                "name": name, "train_metrics": paths.train_metrics,
+                "eval_metrics": paths.eval_metrics,
+                "tracking": str(Path(paths.eval_metrics).parent / TRACKING_FILE),
+                "sweep": slim(run.get("sweep")),
+            })  # fmt: skip
             # only its logging to a tracker failed: a finished run, named in the trackers'
             # section (the report rule, after every track rule, could not run)
             if tracked := read_tracking_failure(paths.work):
                 tracking_failures.append({"run": name, **tracked})
         else:
-            unfinished.append({"run": name, **(failure or {"stage": "-", "cause": NOT_RUN})})
+            entry = {"run": name, **(failure or {"stage": "-", "cause": NOT_RUN})}
+            unfinished.append({**entry, "sweep": slim(run.get("sweep"))})
+    return finished, unfinished, tracking_failures
+
+
+def _report_unfinished(runs: dict[str, dict], results_dir: str | Path) -> Path | None:
+    finished, unfinished, tracking_failures = _sort_runs(runs, results_dir)
     if not any("log" in entry for entry in unfinished) and not tracking_failures:
         return None  # no run failed (staging did, or Snakemake was stopped): nothing to say
     from ddpflow.report.build import build_report  # matplotlib: only once a report is written

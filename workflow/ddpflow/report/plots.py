@@ -68,18 +68,25 @@ def _minor_log_label(value: float, _position) -> str:
 
 
 def plot_per_epoch(
-    series: dict[str, list[tuple[int, float]]], ylabel: str, title: str, log_if_wide=False
-) -> bytes:
+    series: dict[str, list[tuple[int, float]]], ylabel: str, title: str, log_if_wide=False,
+    focus=None,
+) -> bytes:  # fmt: skip
     """One line per run: series maps run name -> [(epoch, value), ...] sorted by epoch.
-    log_if_wide: a logarithmic y axis where the values span a factor of 10 or more."""
-    return _png(per_epoch_figure(series, ylabel, title, log_if_wide))
+    log_if_wide: a logarithmic y axis where the values span a factor of 10 or more.
+    focus: the runs drawn in colour and named (many runs: the best); the rest in grey."""
+    return _png(per_epoch_figure(series, ylabel, title, log_if_wide, focus))
 
 
-def per_epoch_figure(series, ylabel: str, title: str, log_if_wide=False) -> Figure:
+def per_epoch_figure(series, ylabel: str, title: str, log_if_wide=False, focus=None) -> Figure:
     fig = _new_figure()
     ax = fig.add_subplot()
-    for name, points in series.items():
-        epochs, values = zip(*points, strict=True)
+    if focus is not None:  # a legend of 100 runs fills the figure: name the best only
+        for name in [n for n in series if n not in focus]:
+            epochs, values = zip(*series[name], strict=True)
+            ax.plot(epochs, values, color="0.8", lw=0.7, alpha=0.6)
+        ax.plot([], [], color="0.8", label=f"{len(series) - len(focus)} other runs")
+    for name in series if focus is None else [n for n in focus if n in series]:
+        epochs, values = zip(*series[name], strict=True)
         ax.plot(epochs, values, marker="o", markersize=3, label=text_label(name))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("epoch")
@@ -98,7 +105,7 @@ def per_epoch_figure(series, ylabel: str, title: str, log_if_wide=False) -> Figu
 def plot_throughput(names: list[str], samples_per_s: list[float]) -> bytes:
     """Training throughput per run: horizontal bars, one fixed-height row per run, so that
     one run reads as one labelled bar rather than a slab filling the figure."""
-    fig = _new_figure(7.0, 1.3 + 0.45 * len(names))
+    fig = _new_figure(7.0, 1.3 + (0.45 if len(names) <= 20 else 0.2) * len(names))
     ax = fig.add_subplot()
     rows = range(len(names))
     bars = ax.barh(rows, samples_per_s, height=0.6, color="tab:blue")
@@ -172,11 +179,13 @@ def safe_name(name: str) -> str:
     return safe if safe == name else f"{safe}-{uuid.uuid5(uuid.NAMESPACE_URL, name).hex[:8]}"
 
 
-def render_figures(loaded, rows: list[dict], baseline) -> dict[str, tuple[str, bytes]]:
+def render_figures(loaded, rows: list[dict], baseline, focus=None) -> dict[str, tuple[str, bytes]]:
     """All report figures as key -> (caption, PNG bytes); the key is the file stem in plots/.
 
     loaded: [(run name, per-epoch records, eval metrics)]; rows: report summary rows;
-    baseline: (ranks, samples/s, run names) of the plotted scaling study, or None.
+    baseline: (ranks, samples/s, run names) of the plotted scaling study, or None; focus:
+    with many runs, the best ones (by validation accuracy), named in the per-epoch plots and
+    the only ones with a confusion matrix (None: every run).
     """
     keys = ("train_loss", "val_loss", "val_accuracy", "lr", "samples_per_s")
     per_epoch = {key: {name: [(e["epoch"], e[key]) for e in epochs] for name, epochs, _ in loaded}
@@ -184,15 +193,17 @@ def render_figures(loaded, rows: list[dict], baseline) -> dict[str, tuple[str, b
     names = [row["run"] for row in rows]
     figures = {
         "loss": ("Training loss per epoch", plot_per_epoch(
-            per_epoch["train_loss"], "train loss", "Training loss", log_if_wide=True)),
+            per_epoch["train_loss"], "train loss", "Training loss", True, focus)),
         "val_loss": ("Validation loss per epoch", plot_per_epoch(
-            per_epoch["val_loss"], "validation loss", "Validation loss", log_if_wide=True)),
+            per_epoch["val_loss"], "validation loss", "Validation loss", True, focus)),
         "val_accuracy": ("Validation accuracy per epoch", plot_per_epoch(
-            per_epoch["val_accuracy"], "validation accuracy", "Validation accuracy")),
+            per_epoch["val_accuracy"], "validation accuracy", "Validation accuracy",
+            focus=focus)),
         "lr": ("Learning rate at the end of each epoch (warmup, then the schedule)",
-               plot_per_epoch(per_epoch["lr"], "learning rate", "Learning rate")),
+               plot_per_epoch(per_epoch["lr"], "learning rate", "Learning rate", focus=focus)),
         "throughput_epochs": ("Training throughput per epoch (all ranks)", plot_per_epoch(
-            per_epoch["samples_per_s"], "train samples/s", "Throughput per epoch")),
+            per_epoch["samples_per_s"], "train samples/s", "Throughput per epoch",
+            focus=focus)),
         "throughput": ("Training throughput per run", plot_throughput(
             names, [row["train_samples_per_s"] for row in rows])),
     }  # fmt: skip
@@ -203,6 +214,8 @@ def render_figures(loaded, rows: list[dict], baseline) -> dict[str, tuple[str, b
         caption = f"Throughput against ranks ({', '.join(runs)})"
         figures["scaling"] = (caption, plot_scaling(points, base_ranks, base_rate))
     for name, _, ev in loaded:
+        if focus is not None and name not in focus:
+            continue
         split = ev.get("split", "test")
         png = plot_confusion(name, ev["confusion_matrix"], ev["class_names"], ev["accuracy"], split)
         figures[f"confusion_{safe_name(name)}"] = (f"Confusion matrix: {name}", png)

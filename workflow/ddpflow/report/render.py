@@ -2,8 +2,9 @@
 
 report.py loads and validates the runs and computes the rows; here they become a list of
 format-neutral blocks, ("h2", text), ("p", text), ("table", headers, body, best_index),
-("img", caption, path, png), ("details", summary, code), so that both formats show the same
-content and a new section is written once. Pure: nothing here touches the file system.
+("img", caption, path, png), ("details", summary, code), ("fold", summary, block, note) (a
+block folded away in the HTML, the note in its place in the Markdown), so that both formats
+show the same content and a new section is written once. Pure: nothing here touches the file system.
 
     blocks = document(loaded, rows, figures, "2025-01-01 00:00 UTC")
     markdown, page = to_markdown("ddpflow report", blocks), to_html("ddpflow report", blocks)
@@ -120,10 +121,13 @@ def _phase_table(rows: list[dict]) -> tuple:
     return ("table", ["Run", *PHASES, "epochs total"], body, None)
 
 
-def _class_tables(loaded) -> list[tuple]:
-    """One table per distinct class list (runs on the same dataset share a table)."""
+def _class_tables(loaded, focus=None) -> list[tuple]:
+    """One table per distinct class list (runs on the same dataset share a table), a column
+    per run: with many runs, only the focus runs' (summary.json has every run's)."""
     groups: dict[tuple, list] = {}
     for name, _, ev in loaded:
+        if focus is not None and name not in focus:
+            continue
         groups.setdefault(tuple(map(str, ev["class_names"])), []).append((name, ev))
     tables = []
     for classes, members in groups.items():
@@ -212,8 +216,12 @@ def _tracker_blocks(trackers) -> list[tuple]:
 
 
 def document(
-    loaded, rows, figures, generated: str, unfinished=(), inside=(), bad_nodes=(), trackers=()
-) -> list[tuple]:
+    loaded, rows, figures, generated: str, unfinished=(), inside=(), bad_nodes=(), trackers=(),
+    sweep=(), focus=None,
+) -> list[tuple]:  # fmt: skip
+    """The report's blocks; sweep: the sweep section (ddpflow.report.sweep), which makes the
+    headline's best run the one selected on validation accuracy; focus: with many runs, the
+    best ones, the only ones given a per-class column and a confusion matrix."""
     blocks = [("p", f"Generated {generated}.")]
     if unfinished:
         blocks += _unfinished_blocks(unfinished, len(rows))
@@ -223,9 +231,9 @@ def document(
         return blocks + (_tracker_blocks(trackers) if trackers else [])
     best = next(row["run"] for row in rows if row["best"])
     scaling = any(row["speedup"] is not None for row in rows)
-    label = split_label(rows)
+    label = "validation" if sweep else split_label(rows)
     blocks[0] = ("p", f"Generated {generated}. {len(rows)} run(s); best {label} accuracy: {best}.")
-    blocks += [("h2", "Runs"), _runs_table(rows, scaling)]
+    blocks += [*sweep, ("h2", "Runs"), _runs_table(rows, scaling)]
     blocks += [("h2", "Machine and speed"), _machine_table(rows, scaling)]
     if scaling:
         blocks.append(("p", "Speedup and efficiency compare only runs that differ in machine "
@@ -245,10 +253,16 @@ def document(
     blocks += [("h2", "Time per phase (sum over epochs, share of epoch time)"), _phase_table(rows)]
     # ddpflow.report.insight: ranks, stragglers, profiles, cluster efficiency
     blocks += list(inside)
-    blocks += [("h2", f"Per-class {label} accuracy"), *_class_tables(loaded)]
-    blocks.append(("h2", "Plots"))
+    note = [("p", _focus_note(focus, len(rows)))] if focus is not None else []
+    blocks += [("h2", f"Per-class {label} accuracy"), *note, *_class_tables(loaded, focus)]
+    blocks += [("h2", "Plots"), *note]
     blocks += [("img", caption, f"plots/{key}.png", png) for key, (caption, png) in figures.items()]
     return blocks + [("h2", "Provenance"), *_provenance_blocks(loaded)]
+
+
+def _focus_note(focus, runs: int) -> str:
+    return (f"{runs} runs: the {len(focus)} with the best validation accuracy are shown here "
+            f"({', '.join(focus)}); summary.json and summary.csv hold every run.")  # fmt: skip
 
 
 def _md(text) -> str:
@@ -272,6 +286,8 @@ def to_markdown(title: str, blocks: list[tuple]) -> str:
                 out.append("\n".join(lines))
             case ("img", caption, path, _):
                 out.append(f"![{_md(caption)}]({path})")
+            case ("fold", _, _, note):
+                out.append(_md(note))
             case ("details", summary, code):
                 # A fence longer than any backtick run inside keeps the block closed.
                 fence = "`" * max(3, 1 + max(map(len, re.findall(r"`+", code)), default=0))
@@ -308,6 +324,8 @@ def _html_block(block: tuple) -> str:
                     f"<figcaption>{esc(caption)}</figcaption></figure>")  # fmt: skip
         case ("details", summary, code):
             return f"<details><summary>{esc(summary)}</summary><pre>{esc(code)}</pre></details>"
+        case ("fold", summary, inner, _):
+            return f"<details><summary>{esc(summary)}</summary>{_html_block(inner)}</details>"
     raise ValueError(f"unknown report block {block[0]!r}")
 
 
