@@ -389,6 +389,38 @@ def render_scaling(doc: dict) -> list[str]:
     return out
 
 
+def render_sweep_scale(doc: dict) -> list[str]:
+    """Cost per run at each run count: linear growth keeps the per-run figure flat or falling."""
+    sizes = doc["sizes"]
+    dag = {d["runs"]: d for d in doc.get("dag", [])}
+    rep = {r["runs"]: r for r in doc["report"]}
+    measures = [
+        ("`snakemake -n`, CPU s", dag, "dry_run_cpu_s", 2),
+        ("of which the parse (`check_runs`), CPU s", dag, "check_runs_cpu_s", 2),
+        ("one job's `run_by_name`, CPU s", dag, "run_by_name_cpu_s", 3),
+        ("report build, CPU s", rep, "build_cpu_s", 2),
+        ("report.md, kB", rep, "markdown_bytes", None),
+        ("report.html, MB", rep, "html_bytes", None),
+        ("plots/, MB", rep, "plots_bytes", None),
+    ]
+    rows = []
+    for label, source, key, digits in measures:
+        if not source:
+            continue
+        cells = []
+        for n in sizes:
+            value = source[n][key]
+            if key == "markdown_bytes":
+                cells.append(f"{value / 1e3:,.0f} ({value / n / 1e3:,.2f})")
+            elif key.endswith("_bytes"):
+                cells.append(f"{mb(value)} ({value / n / 1e3:,.1f} kB)")
+            else:
+                cells.append(f"{num(value, digits)} ({num(value / n, 3)})")
+        rows.append([label, *cells])
+    header = ["measure: total (per run)", *(f"{n} runs" for n in sizes)]
+    return [table(header, rows)]
+
+
 def render_unknown(doc: dict) -> list[str]:
     keys = ", ".join(f"`{k}`" for k in doc)
     return [f"No table renderer for this benchmark; its top-level keys: {keys}."]
@@ -408,6 +440,8 @@ def renderer(doc: dict):
         return render_data
     if "scaling" in doc:
         return render_scaling
+    if "report_per_run" in doc:
+        return render_sweep_scale
     return render_unknown
 
 
