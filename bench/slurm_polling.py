@@ -35,6 +35,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+from ddpflow.runtime import provenance  # noqa: E402
 from workers import machine_info  # noqa: E402
 
 RPC_LINE = re.compile(r"^\s+([A-Z][A-Z0-9_]+)\s+\(\s*\d+\)\s+count:(\d+)")
@@ -178,6 +179,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     codes = [c.split("=", 1) for c in args.code] or [["new", str(REPO)]]
+    started = datetime.now(UTC).isoformat(timespec="seconds")
     sh("scontrol", "update", f"PartitionName={args.partition}", "OverSubscribe=FORCE:8")
     rows = []
     try:
@@ -192,6 +194,8 @@ def main() -> None:
         result = {
             "benchmark": "slurm_polling",
             "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "started": started,
+            "provenance": provenance(),
             "machine": machine_info(),
             "slurm": sh("sinfo", "--version").strip(),
             "conditions": {
