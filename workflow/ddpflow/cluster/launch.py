@@ -18,7 +18,7 @@ from pathlib import Path
 
 import submitit
 
-from ddpflow.cluster import failures, nodes
+from ddpflow.cluster import failures, nodes, poll
 from ddpflow.config import memory_mb, ranks_per_node, world_size
 from ddpflow.errors import UserError
 from ddpflow.runtime import atomic_write_json
@@ -168,13 +168,23 @@ def launch(
 
 def _results(job, task, launcher: str, job_name: str, record, on_poll, ledger) -> list:
     """Wait for the job and return every rank's result. A failed job's record is forgotten;
-    a Slurm job with a ledger is watched for node failures and blames the nodes it failed on."""
-    watch = None
-    if launcher == "slurm" and ledger is not None:
-        watch = nodes.NodeFailureWatch(job.job_id)
+    a Slurm job with a ledger is watched for node failures and blames the nodes it failed on.
+    A Slurm job's state comes from the workflow's shared status (ddpflow.cluster.poll: one
+    sacct per interval for all its jobs, beside the ledger; without one, the job's folder)."""
+    run_name = getattr(task, "run", {}).get("name", job_name)
+    if launcher != "slurm":  # a poll stats result files
+        return _wait_and_blame(job, job_name, record, on_poll, 0.2, run_name)
+    status = poll.status_for(ledger, job.paths.folder)
+    with poll.attached(job, status):
+        watch = None
+        if ledger is not None:
+            watch = nodes.NodeFailureWatch(job.job_id, every_s=0.0,
+                                           source=lambda: status.instances(job.job_id))  # fmt: skip
+        return _wait_and_blame(job, job_name, record, on_poll, 2.0, run_name, watch, ledger)
+
+
+def _wait_and_blame(job, job_name, record, on_poll, poll_s, run_name, watch=None, ledger=None):
     try:
-        # a poll stats result files (sacct is rate-limited by submitit itself)
-        poll_s = 0.2 if launcher == "local" else 2.0
         return wait(job, job_name, poll_s, on_poll=on_poll, watch=watch)
     except LaunchError as err:
         # the job ended and failed: a retry or rerun must submit a new one, not
@@ -183,7 +193,7 @@ def _results(job, task, launcher: str, job_name: str, record, on_poll, ledger) -
             Path(record).unlink(missing_ok=True)
         if watch is None:
             raise
-        _blame_nodes(err, job, ledger, getattr(task, "run", {}).get("name", job_name))
+        _blame_nodes(err, job, ledger, run_name)
         raise  # not reached: _blame_nodes always raises
 
 

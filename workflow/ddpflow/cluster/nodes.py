@@ -38,7 +38,6 @@ from ddpflow.cluster.slurm_parse import (
     parse_job_instances,
     parse_node_events,
     parse_nodes,
-    parse_oneliner,
 )
 from ddpflow.runtime import atomic_write_json
 
@@ -205,12 +204,15 @@ def blame_from_events(job_id: str, lost: list[JobInstance], event_text: str) -> 
 
 class NodeFailureWatch:
     """While a Slurm job runs: True once Slurm requeued it after a node failure (the requeued
-    job would wait for nodes that may never come back). One `scontrol show job` every
-    `every_s`; sacct only after a requeue (Restarts grew), which a time limit or preemption
-    requeue also causes: then the runs' states tell them apart."""
+    job would wait for nodes that may never come back). Reads the job's runs (`sacct -D`:
+    one line per run, requeued ones included) from `source()`, the workflow's shared status
+    (ddpflow.cluster.poll: one query per interval for all its jobs), or by itself every
+    `every_s` without a source. A new run after one in NODE_FAIL is a node-failure requeue;
+    a time limit or preemption requeue also adds a run, with its earlier run REQUEUED."""
 
-    def __init__(self, job_id: str, every_s: float = 15.0):
+    def __init__(self, job_id: str, every_s: float = 15.0, source=None):
         self.job_id, self.every_s = str(job_id), every_s
+        self.source = source or (lambda: job_instances(self.job_id))
         self.next_at = time.monotonic() + every_s
         self.restarts = 0
 
@@ -218,16 +220,12 @@ class NodeFailureWatch:
         if time.monotonic() < self.next_at:
             return False
         self.next_at = time.monotonic() + self.every_s
-        text = _query(["scontrol", "--oneliner", "show", "job", self.job_id])
-        records = parse_oneliner(text)
-        restarts = records[0].get("Restarts", "0") if records else "0"
-        if not restarts.isdigit() or int(restarts) <= self.restarts:
+        runs = self.source()
+        restarts = len(runs) - 1  # accounting shows a requeue once the new run is there
+        if restarts <= self.restarts:
             return False
-        runs = job_instances(self.job_id)
-        if len(runs) <= int(restarts):
-            return False  # accounting lags: look again at the next probe
-        self.restarts = int(restarts)
-        return any(r.state == "NODE_FAIL" for r in runs)
+        self.restarts = restarts
+        return any(r.state == "NODE_FAIL" for r in runs[:-1])
 
 
 # squeue states of a job that may still run (again); NODE_FAIL: Slurm's requeue may follow
