@@ -421,6 +421,28 @@ def render_sweep_scale(doc: dict) -> list[str]:
     return [table(header, rows)]
 
 
+def render_slurm_polling(doc: dict) -> list[str]:
+    """Status queries per minute at the controller and the accounting daemon, 1 vs N runs."""
+    types = sorted({t for r in doc["rows"] for t in r["queries_per_min_by_type"]})
+    rows = [
+        [r["code"], num(r["runs"]), num(r["queries_per_min"], 1),
+         *(num(r["queries_per_min_by_type"].get(t, 0.0), 1) for t in types)]
+        for r in doc["rows"]
+    ]  # fmt: skip
+    out = [table(["code", "runs", "queries/min", *types], rows)]
+    by_code: dict[str, dict[int, float]] = {}
+    for r in doc["rows"]:
+        by_code.setdefault(r["code"], {})[r["runs"]] = r["queries_per_min"]
+    notes = []
+    for code, counts in by_code.items():
+        low, high = min(counts), max(counts)
+        if low != high and counts[low]:
+            notes.append(f"{code}: {high} runs / {low} run = {counts[high] / counts[low]:.1f}x")
+    if notes:
+        out.append("Queries per minute, " + "; ".join(notes) + ".")
+    return out
+
+
 def render_unknown(doc: dict) -> list[str]:
     keys = ", ".join(f"`{k}`" for k in doc)
     return [f"No table renderer for this benchmark; its top-level keys: {keys}."]
@@ -442,6 +464,8 @@ def renderer(doc: dict):
         return render_scaling
     if "report_per_run" in doc:
         return render_sweep_scale
+    if doc.get("benchmark") == "slurm_polling":
+        return render_slurm_polling
     return render_unknown
 
 
