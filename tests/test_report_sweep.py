@@ -81,6 +81,21 @@ def test_ranks_by_validation_not_test_accuracy(tmp_path):
     assert "<td>b</td>" in best_row
 
 
+def test_a_tie_in_validation_accuracy_goes_to_the_lower_validation_loss(tmp_path):
+    """Small validation sets tie often (two runs at 100%): the next criterion is still the
+    validation split, never the name alone and never the test set."""
+    runs = [
+        sweep_run(tmp_path, "a", val=1.0, test=0.99, block=_block(0.1, 1e-4, "cnn")),
+        sweep_run(tmp_path, "b", val=1.0, test=0.90, block=_block(0.05, 1e-3, "cnn")),
+    ]
+    for run, loss in zip(runs, (0.30, 0.05), strict=True):
+        lines = run["train_metrics"].read_text().splitlines()
+        last = {**json.loads(lines[-1]), "val_loss": loss}
+        run["train_metrics"].write_text("\n".join([*lines[:-1], json.dumps(last)]) + "\n")
+    rows = _csv(build_report(runs, tmp_path / "out")["sweep_csv"])
+    assert [(r["run"], r["rank"]) for r in rows] == [("b", "1"), ("a", "2")]
+
+
 def test_sweep_csv_has_one_row_per_run_with_every_key(tmp_path):
     runs = synthetic_sweep(tmp_path / "runs", 7)
     paths = build_report(runs, tmp_path / "out")

@@ -18,6 +18,7 @@ import csv
 import io
 import json
 import logging
+import math
 from pathlib import Path
 
 from ddpflow.paths import RUN_FILES
@@ -65,7 +66,8 @@ def _finished_row(entry: dict, epochs: list[dict], ev: dict, block: dict) -> dic
     pruned = _pruned(entry, ev)
     return {
         "run": str(entry["name"]), "values": dict(block["values"]),
-        "val_accuracy": epochs[-1]["val_accuracy"], "test_accuracy": ev["accuracy"],
+        "val_accuracy": epochs[-1]["val_accuracy"], "val_loss": epochs[-1].get("val_loss"),
+        "test_accuracy": ev["accuracy"],
         "split": ev.get("split", "test"), "epochs": len(epochs),
         "status": "pruned" if pruned else "finished", "pruned": pruned, "rank": None,
     }  # fmt: skip
@@ -117,10 +119,17 @@ def collect(runs: list[dict], loaded, unfinished=()) -> dict | None:
 
 
 def _ranked(rows: list[dict]) -> list[dict]:
-    """Best validation accuracy first; a tie goes to the run that finished (over a pruned
-    one), then by name, so the order never depends on the order runs are listed in."""
+    """Best validation accuracy first; a tie goes to the lower validation loss (still the
+    validation split: small validation sets tie often), then to the run that finished (over
+    a pruned one), then by name, so the order never depends on the order runs are listed in."""
     scored = [r for r in rows if r["val_accuracy"] is not None]
-    scored.sort(key=lambda r: (-r["val_accuracy"], r["status"] != "finished", r["run"]))
+
+    def key(r: dict) -> tuple:
+        loss = r.get("val_loss")
+        loss = loss if isinstance(loss, int | float) and math.isfinite(loss) else math.inf
+        return (-r["val_accuracy"], loss, r["status"] != "finished", r["run"])
+
+    scored.sort(key=key)
     for rank, row in enumerate(scored, start=1):
         row["rank"] = rank
     rest = sorted((r for r in rows if r["val_accuracy"] is None), key=lambda r: r["run"])
