@@ -2,16 +2,14 @@
 of its jobs, whatever the number of processes waiting for them.
 
 The coordination tests run several real processes against a stand-in `sacct` on PATH that
-counts its calls (the one thing measured here is how often ddpflow calls it); the
-`slurm`-marked test runs concurrent runs on the real test cluster."""
+counts its calls (the one thing measured here is how often ddpflow calls it); the real test
+cluster runs concurrent runs in tests/slurm/test_sweep_slurm.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import multiprocessing
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -133,51 +131,3 @@ def test_the_node_failure_watch_reads_the_shared_runs(tmp_path, fake_sacct, monk
 
 
 # ---------------------------------------------------------------- the real test cluster
-
-
-def _slurm_fixture():
-    """tests/slurm/conftest.py's session fixture (that folder's conftest does not reach here)."""
-    spec = importlib.util.spec_from_file_location(
-        "ddpflow_slurm_conftest", Path(__file__).parent / "slurm" / "conftest.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module.slurm_cluster
-
-
-slurm_cluster = _slurm_fixture()
-RUNS = 3
-POLL_S = 2.0
-
-
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_concurrent_runs_share_one_status_query_per_interval(slurm_cluster, tmp_path):
-    """3 runs train side by side on Slurm: ddpflow's own query log shows at most one sacct
-    per interval for the workflow, each asking for all the jobs alive at the time."""
-    from workflow_helpers import REPO, snakemake, write_config
-
-    runs = [{"name": f"seed{i}", "train": {"seed": i}} for i in range(RUNS)]
-    machine = {"nodes": 1, "cpu_ranks_per_node": 1, "partition": slurm_cluster.partition,
-               "account": slurm_cluster.account, "mem_gb": 1, "time_min": 10}  # fmt: skip
-    configfile = write_config(tmp_path / "config.yaml", {
-        "train": {"epochs": 6, "progress": False}, "machine": machine, "runs": runs})  # fmt: skip
-    result = snakemake(
-        tmp_path, configfile, "--profile", str(REPO / "profiles/slurm"), "--jobs", str(RUNS),
-        "--cores", "8", "--slurm-init-seconds-before-status-checks", "2",
-        "--seconds-between-status-checks", "3", "--latency-wait", "5",
-        env={poll.INTERVAL_ENV: str(POLL_S)},
-    )  # fmt: skip
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    lines = (tmp_path / "results/work" / poll.FOLDER / "queries.log").read_text().splitlines()
-    queries = [json.loads(line) for line in lines]
-    times = sorted(q["time"] for q in queries)
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-    span = times[-1] - times[0]
-    assert max(q["jobs"] for q in queries) == RUNS, "one query asked for every run's job"
-    assert len({q["pid"] for q in queries}) > 1, "any waiting process may be the one to ask"
-    # the count is bounded by the interval, not by the runs (3 runs polled alone: ~3x)
-    assert len(queries) <= span / POLL_S + 2, (len(queries), span)
-    assert min(gaps) >= 0.9 * POLL_S, f"two queries within one interval: {min(gaps):.2f}s"
-    assert not list((tmp_path / "results/work" / poll.FOLDER / "jobs").iterdir())

@@ -10,12 +10,15 @@ import subprocess
 import time
 
 import pytest
+from ddpflow.cluster import poll
 from test_workflow_slurm import FAST_POLL
 from workflow_helpers import REPO, snakemake, write_config
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 RUNS = 20
+FEW = 3
+POLL_S = 2.0
 MACHINE = {"nodes": 1, "cpu_ranks_per_node": 1, "partition": "debug", "account": "ddpflow",
            "mem_gb": 1, "time_min": 10, "pg_timeout_s": 60}  # fmt: skip
 
@@ -69,3 +72,31 @@ def test_twenty_runs_at_jobs_20_finish_with_batched_polling(slurm_cluster, tmp_p
     # no per-job `scontrol show job` while waiting (the old node-failure watch did one per
     # run every 15 s): slurmctld answered no single-job query for 20 runs
     assert ctld.get("REQUEST_JOB_INFO_SINGLE", 0) == 0, ctld
+
+
+def test_concurrent_runs_share_one_status_query_per_interval(slurm_cluster, tmp_path):
+    """3 runs train side by side on Slurm: ddpflow's own query log shows at most one sacct
+    per interval for the workflow, each asking for all the jobs alive at the time."""
+    runs = [{"name": f"seed{i}", "train": {"seed": i}} for i in range(FEW)]
+    machine = {"nodes": 1, "cpu_ranks_per_node": 1, "partition": slurm_cluster.partition,
+               "account": slurm_cluster.account, "mem_gb": 1, "time_min": 10}  # fmt: skip
+    configfile = write_config(tmp_path / "config.yaml", {
+        "train": {"epochs": 6, "progress": False}, "machine": machine, "runs": runs})  # fmt: skip
+    result = snakemake(
+        tmp_path, configfile, "--profile", str(REPO / "profiles/slurm"), "--jobs", str(FEW),
+        "--cores", "8", "--slurm-init-seconds-before-status-checks", "2",
+        "--seconds-between-status-checks", "3", "--latency-wait", "5",
+        env={poll.INTERVAL_ENV: str(POLL_S)},
+    )  # fmt: skip
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    lines = (tmp_path / "results/work" / poll.FOLDER / "queries.log").read_text().splitlines()
+    queries = [json.loads(line) for line in lines]
+    times = sorted(q["time"] for q in queries)
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    span = times[-1] - times[0]
+    assert max(q["jobs"] for q in queries) == FEW, "one query asked for every run's job"
+    assert len({q["pid"] for q in queries}) > 1, "any waiting process may be the one to ask"
+    # the count is bounded by the interval, not by the runs (3 runs polled alone: ~3x)
+    assert len(queries) <= span / POLL_S + 2, (len(queries), span)
+    assert min(gaps) >= 0.9 * POLL_S, f"two queries within one interval: {min(gaps):.2f}s"
+    assert not list((tmp_path / "results/work" / poll.FOLDER / "jobs").iterdir())
