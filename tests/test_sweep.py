@@ -3,6 +3,7 @@ DAG (ddpflow.config.sweep); the names are stable, a typo is refused naming the p
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 
@@ -198,6 +199,14 @@ def test_a_2x2_grid_trains_four_runs_and_a_new_value_plans_only_its_runs(tmp_pat
         metrics = tmp_path / "results" / "runs" / name / "eval_metrics.json"
         assert metrics.is_file(), name
     assert not (tmp_path / "results" / "runs" / "default").exists()
+    # the report ranks the four by validation accuracy, best first
+    rows = list(csv.DictReader((tmp_path / "results/report/sweep.csv").open()))
+    assert {r["run"] for r in rows} == four and [r["rank"] for r in rows] == ["1", "2", "3", "4"]
+    vals = [float(r["val_accuracy"]) for r in rows]
+    assert vals == sorted(vals, reverse=True)
+    report = (tmp_path / "results/report/report.md").read_text()
+    assert "## Sweep: runs ranked by validation accuracy" in report
+    assert f"Selected: {rows[0]['run'].replace('_', chr(92) + '_')}" in report
     assert planned_runs(tmp_path, cfg) == set()
     wider = {**GRID, "train.optimizer.lr": [0.1, 0.05, 0.2]}
     write_config(cfg, {"train": {"epochs": 2}, "sweep": {"grid": wider}})
@@ -235,6 +244,12 @@ def test_median_pruning_stops_the_hopeless_runs_and_a_rerun_keeps_them(tmp_path)
     for name in ("lr-0.1", "lr-0.05"):
         assert "pruned" not in summaries[name]
         assert len((runs / name / "train_metrics.jsonl").read_text().splitlines()) == 4
+    status = {
+        r["run"]: r["status"]
+        for r in csv.DictReader((tmp_path / "results/report/sweep.csv").open())
+    }
+    assert status == {"lr-0.1": "finished", "lr-0.05": "finished", "lr-1e-05": "pruned",
+                      "lr-1e-06": "pruned"}  # fmt: skip
     report = (tmp_path / "results" / "report" / "report.md").read_text()
-    assert "pruned" in report
+    assert "| pruned |" in report
     assert planned_runs(tmp_path, cfg) == set()  # a pruned run is not retrained
