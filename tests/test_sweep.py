@@ -67,7 +67,7 @@ def test_sweep_settings_are_in_no_fingerprint():
     )
     same = next(r for r in pruned if r["train"]["optimizer"]["lr"] == 0.1
                 and r["model"]["name"] == "cnn")  # fmt: skip
-    assert same["sweep"]["prune"] == {"after_epochs": 2}
+    assert same["sweep"]["prune"] == {"after_epochs": 2, "min_runs": 3}
     assert ddpconfig.training_fingerprint(same) == ddpconfig.training_fingerprint(plain)
     assert ddpconfig.evaluation_fingerprint(same) == ddpconfig.evaluation_fingerprint(plain)
 
