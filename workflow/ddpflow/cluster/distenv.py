@@ -217,6 +217,40 @@ def barrier(env: DistEnv) -> None:
         dist.barrier()
 
 
+# the store key every rank adds 1 to once its process group is destroyed
+LEFT_KEY = "ddpflow/left"
+
+
+def leave_together(env: DistEnv, wait: bool = True, timeout_s: float = 10.0) -> None:
+    """Destroy the process group, then (wait: the rank's work succeeded, so every rank
+    gets here) wait up to timeout_s until every rank has destroyed its own before this
+    process may exit; a failed rank leaves at once (the others may be stuck in a collective:
+    fail-fast must not wait for them). A rank that exited while another still tore its gloo
+    group down (rank 0's exit also ends the TCPStore the others use) aborted that rank at
+    exit ("terminate called without an active exception") on the Slurm test cluster, a
+    barrier before the teardown notwithstanding: the race is in the teardown itself."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    store = None
+    if wait and env.world_size > 1:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError, AttributeError):
+            store = None
+    dist.destroy_process_group()
+    if store is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    try:
+        store.add(LEFT_KEY, 1)
+        while store.add(LEFT_KEY, 0) < env.world_size and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except (RuntimeError, OSError):  # the store's host (rank 0) saw everyone leave and left
+        return
+
+
 def any_rank(world_size: int, flag: bool) -> bool:
     """True on every rank if `flag` is true on any (a MAX all-reduce; world 1: the flag).
     Every rank must call it at the same point: it is a collective."""

@@ -88,6 +88,7 @@ class DistributedTask:
         Path(self.paths.work).mkdir(parents=True, exist_ok=True)
         rendezvous = self.paths.work if self.file_rendezvous else None
         env, device = rank_context(self.run, rendezvous)
+        done = False
         try:
             result = self.work(env, device, gather_hosts(env))
             if env.world_size > 1:
@@ -95,10 +96,10 @@ class DistributedTask:
                 # wrote its outputs was aborted at exit ("terminate called without an
                 # active exception") in evaluate jobs on the Slurm test cluster
                 dist.barrier()
+            done = True
             return result
         finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            distenv.leave_together(env, wait=done)
 
     def work(self, env, device, hosts) -> dict:
         raise NotImplementedError
