@@ -5,14 +5,16 @@ and say so, finish when they are above the median, and are unchanged without a s
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from datafixtures import make_folder
 from ddpflow import paths as ddpaths
-from ddpflow.config import training_fingerprint
+from ddpflow.config import dataset_id, training_fingerprint
 from ddpflow.paths import RunPaths
 from ddpflow.training import pruning
 from ddpflow.training.tasks import TrainTask
@@ -93,6 +95,32 @@ def test_peers_count_only_with_records_of_their_current_config(tmp_path):
     work = ddpaths.work_dir(results, "me")
     assert pruning.peer_accuracies(run, work, 2) == {"p1": 0.9}
     assert pruning.peer_accuracies(run, work, 1) == {"p1": 0.5, "p2": 0.4}
+
+
+@pytest.mark.parametrize("own_data", [False, True], ids=["digits", "image_folder"])
+def test_peers_of_a_sweep_over_a_data_key_count(tmp_path, own_data):
+    """A swept data key: the peer's records count. Own data's fingerprint holds the dataset
+    id (from the folder's listing), which each point has of its own: the peer's is taken."""
+    results = tmp_path / "results"
+    run = _sweep(prune={"after_epochs": 2})
+    if own_data:
+        root = make_folder(tmp_path / "images", per_class=(4, 2))
+        data = {"source": "image_folder", "root": str(root), "image_size": [8, 8]}
+        own = make_run(data=data, train=run["train"], machine=run["machine"])
+        run = {**own, "name": "me", "sweep": run["sweep"]}
+    run["sweep"]["keys"] = ["train.optimizer.lr", "data.val_fraction"]
+    work = ddpaths.work_dir(results, "p1")
+    work.mkdir(parents=True)
+    peer = copy.deepcopy(run)
+    peer["data"]["val_fraction"], peer["train"]["optimizer"]["lr"] = 0.2, 0.1
+    peer["dataset_id"] = dataset_id(peer["data"])
+    assert own_data == (peer["dataset_id"] != run["dataset_id"] and
+                        "dataset_id" in training_fingerprint(peer))  # fmt: skip
+    (work / ddpaths.FINGERPRINT).write_text(json.dumps(training_fingerprint(peer)))
+    (work / ddpaths.LIVE_METRICS).write_text(json.dumps({"epoch": 2, "val_accuracy": 0.9}) + "\n")
+    assert pruning.peer_accuracies(run, ddpaths.work_dir(results, "me"), 2) == {"p1": 0.9}
+    run["sweep"]["keys"] = ["train.optimizer.lr"]  # val_fraction not swept: stale records
+    assert pruning.peer_accuracies(run, ddpaths.work_dir(results, "me"), 2) == {}
 
 
 def test_pruning_is_due_only_when_set_from_after_epochs_to_before_the_last():

@@ -94,9 +94,14 @@ def records_are_current(run: dict, peer_work: Path) -> bool:
     except (OSError, ValueError):
         return False
     peer = copy.deepcopy({k: v for k, v in run.items() if k != "sweep"})
-    for key in run["sweep"].get("keys") or run["sweep"].get("values", {}):
+    keys = run["sweep"].get("keys") or run["sweep"].get("values", {})
+    for key in keys:
         if key in theirs:
             _set_dotted(peer, key, theirs[key])
+    if any(key.startswith("data.") for key in keys) and "dataset_id" in theirs:
+        # a swept data key gives the peer a dataset of its own: its id is not recomputed
+        # here (that reads an image folder's listing), the peer's own is taken
+        peer["dataset_id"] = theirs["dataset_id"]
     try:
         expected = json.loads(json.dumps(training_fingerprint(peer)))
     except (KeyError, TypeError, ValueError):  # a swept value this run's sections cannot take
