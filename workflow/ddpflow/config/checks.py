@@ -15,6 +15,8 @@ from ddpflow.config.machine import (
     cpu_computes_bf16,
     local_gpu_count,
     ranks_per_node,
+    request_world_sizes,
+    splitting_micro_batch,
     trains_sharded,
     working_world_sizes,
 )
@@ -171,14 +173,61 @@ def check_world_size(where: str, train: dict, world: int, machine_text: str = ""
             f"{where}: {global_} = {micro} x world size x accumulation steps "
             f"(train.global_batch_size = train.micro_batch_size x ...), but world size "
             f"{world}{machine_text} does not divide {count} micro-batches: world sizes "
-            f"{works} work; {world} does not. Change the machine, or the two batch sizes"
+            f"{works} work; {world} does not. Change the machine, or the two batch sizes, or "
+            "set train.micro_batch_size: auto (the largest micro-batch that splits, per world "
+            "size)"
         )
+
+
+def resolve_micro_batch(where: str, train: dict, machine: dict) -> tuple[dict, dict]:
+    """train.micro_batch_size as the run trains it, and how it was chosen. `auto`: the
+    largest micro-batch up to train.max_micro_batch_size that splits the global batch at
+    every world size of the request (request_world_sizes), else refused naming the world
+    sizes that work. The cap leaves the train section (and so every fingerprint): the
+    micro-batch it resolves to is the science, as a number written by hand is."""
+    train = dict(train)
+    cap = train.pop("max_micro_batch_size", None)
+    if train["micro_batch_size"] != "auto":
+        return train, {"size": train["micro_batch_size"], "auto": False, "max": cap}
+    global_, worlds = train["global_batch_size"], request_world_sizes(machine)
+    micro = splitting_micro_batch(global_, cap, worlds)
+    if micro is None:
+        works = [w for w in range(1, global_ + 1) if splitting_micro_batch(global_, cap, [w])]
+        sizes = ", ".join(map(str, worlds))
+        raise ConfigError(
+            f"{where}: train.micro_batch_size auto finds no micro-batch "
+            f"{f'up to train.max_micro_batch_size {cap} ' if cap else ''}that splits "
+            f"train.global_batch_size {global_} evenly at world size {sizes} ({_nodes(machine)} "
+            f"x {ranks_per_node(machine)} ranks per node): world sizes {_few(works)} work. Change the "
+            "machine, or the global batch (a multiple of the world size)"
+        )
+    train["micro_batch_size"] = micro
+    return train, {"size": micro, "auto": True, "max": cap}
+
+
+def _nodes(machine: dict) -> str:
+    fewest = machine.get("min_nodes")
+    if fewest and fewest < machine["nodes"]:
+        return f"machine.min_nodes {fewest} to nodes {machine['nodes']}"
+    return f"machine.nodes {machine['nodes']}"
+
+
+def _few(values: list[int], shown: int = 12) -> str:
+    text = ", ".join(map(str, values[:shown]))
+    return text + (f", ... ({len(values)} in all)" if len(values) > shown else "")
 
 
 def run_warnings(run: dict, launcher: str) -> list[str]:
     """Legal but suspicious settings: the run starts, and these lines say what looks wrong."""
     where = f"run {run['name']!r}"
     machine, train, out = run["machine"], run["train"], []
+    chosen = run.get("micro_batch", {})
+    if chosen.get("max") is not None and not chosen["auto"]:
+        out.append(
+            f"{where}: train.max_micro_batch_size {chosen['max']} is set but "
+            f"train.micro_batch_size is {train['micro_batch_size']}, so the cap does nothing; "
+            "set train.micro_batch_size: auto for it to act"
+        )
     if train["warmup_epochs"] > train["epochs"]:
         reached = train["epochs"] / train["warmup_epochs"]
         out.append(

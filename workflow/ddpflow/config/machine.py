@@ -34,6 +34,24 @@ def working_world_sizes(train: dict) -> list[int]:
     return [w for w in range(1, count + 1) if count % w == 0]
 
 
+def request_world_sizes(machine: dict) -> list[int]:
+    """Every world size a job of this request can run at: machine.nodes, and each node count
+    down to machine.min_nodes (placement shrinks a job there after node failures)."""
+    per_node = ranks_per_node(machine)
+    fewest = machine.get("min_nodes") or machine["nodes"]
+    return [nodes * per_node for nodes in range(fewest, machine["nodes"] + 1)]
+
+
+def splitting_micro_batch(global_batch: int, cap: int | None, worlds: list[int]) -> int | None:
+    """The largest micro-batch up to `cap` that cuts the global batch into whole
+    micro-batches which every world size in `worlds` shares out evenly (None: there is none)."""
+    for micro in range(min(cap or global_batch, global_batch), 0, -1):
+        count, rest = divmod(global_batch, micro)
+        if not rest and all(count % world == 0 for world in worlds):
+            return micro
+    return None
+
+
 def memory_mb(machine: dict) -> int:
     """Memory per node in MB: what the Slurm job asks for and what the checks compare."""
     return int(machine["mem_gb"] * 1024)

@@ -47,6 +47,12 @@ LEVELS = ("nothing", "re-evaluate", "retrain", "restage")
 NOT_A_RERUN = {
     "results_dir": "everything, in the new folder (the old one is left as it is)",
     "runs": "a new run is trained and evaluated; the report is redone for any change",
+    # resolved before a run exists (config.checks.resolve_micro_batch): a number is the
+    # science; auto follows the world size
+    "train.micro_batch_size": "retrain, where the micro-batch the run trains with changes "
+    "(with auto: also a machine edit that changes the micro-batch auto resolves to)",
+    "train.max_micro_batch_size": "nothing with a numeric micro_batch_size; with auto, retrain "
+    "where the micro-batch it resolves to changes",
 }
 # tracking: where runs are logged, in no fingerprint (ddpflow.tracking)
 TRACKING_EFFECT = "nothing; the track rule logs again (and the report is redone)"

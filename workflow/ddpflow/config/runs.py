@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from ddpflow.config.checks import _check_run, check_tracking
+from ddpflow.config.checks import _check_run, check_tracking, resolve_micro_batch
 from ddpflow.config.fingerprint import dataset_id
 from ddpflow.config.machine import world_size
 from ddpflow.config.schema import ConfigError, deep_merge, validate
@@ -86,6 +86,9 @@ def _resolve(config: dict, entry: dict, where: str) -> dict:
         merged[section] = deep_merge(config[section], entry.get(section, {}))
     resolved = validate(merged, where=where)
     resolved["name"] = entry["name"]
+    resolved["train"], resolved["micro_batch"] = resolve_micro_batch(
+        where, resolved["train"], resolved["machine"]
+    )
     resolved["world_size"] = world_size(resolved["machine"])
     resolved["dataset_id"] = dataset_id(resolved["data"])
     if "sweep" in entry:  # in no fingerprint, like tracking

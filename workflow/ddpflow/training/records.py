@@ -80,6 +80,8 @@ def train_summary(run, loop, env, hosts, attempt, wall_seconds, parameters, slur
         "lr": loop.lr,
         "global_batch": run["train"]["global_batch_size"],
         "micro_batch": run["train"]["micro_batch_size"],
+        # chosen by train.micro_batch_size auto for this world size (config.checks)
+        "micro_batch_auto": run.get("micro_batch", {}).get("auto", False),
         "accumulation_steps": loop.accum,
         # the world size and hosts of each stretch of the training, in order (one unless
         # it was continued on another allocation)
