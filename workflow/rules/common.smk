@@ -32,6 +32,17 @@ if config["launcher"] == "slurm" and workflow.is_main_process:
     except ddpconfig.ConfigError as err:
         sys.exit(f"ddpflow: configuration error: {err}")
 
+# What the train rule would refuse (a model that cannot be built or take the data's shape, a
+# global batch larger than the staged split), refused here for every run whose data is staged:
+# before Snakemake removes any finished run's outputs to retrain it (ddpflow.early).
+if workflow.is_main_process:
+    from ddpflow.early import check_before_jobs
+
+    try:
+        check_before_jobs(list(RUNS.values()), RESULTS, ".snakemake/ddpflow")
+    except ddpconfig.ConfigError as err:
+        sys.exit(f"ddpflow: configuration error: {err}")
+
 
 wildcard_constraints:
     # a run name is matched literally (a sweep names runs lr-0.05: the dot is no wildcard)

@@ -20,6 +20,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from ddpflow.cluster.nodes import read_ledger
@@ -100,13 +101,16 @@ def _current(run: dict, paths: RunPaths) -> bool:
         return False
 
 
-def report_unfinished(runs: dict[str, dict], results_dir: str | Path) -> Path | None:
+def report_unfinished(
+    runs: dict[str, dict], results_dir: str | Path, restored: Iterable[str] = ()
+) -> Path | None:
     """After a failed workflow: the report of the runs that finished, naming every run that
     did not and why. Written only where a run failed (a failure record exists); returns the
     HTML report's path, or None where nothing was written. Never raises: it runs in
-    Snakemake's error hook, after the failure was reported."""
+    Snakemake's error hook, after the failure was reported. restored: runs whose rerun failed
+    and whose previous outputs came back (ddpflow.kept): finished, as they were."""
     try:
-        return _report_unfinished(runs, results_dir)
+        return _report_unfinished(runs, results_dir, set(restored))
     except Exception as exc:  # noqa: BLE001 - the hook must not hide the original failure
         log.warning("ddpflow: no report of the finished runs: %s: %s", type(exc).__name__, exc)
         return None
@@ -119,14 +123,14 @@ def bad_nodes_line(bad_nodes: list[dict]) -> str:
             "snakemake clean_bad_nodes")  # fmt: skip
 
 
-def _sort_runs(runs: dict[str, dict], results_dir) -> tuple[list, list, list]:
+def _sort_runs(runs: dict[str, dict], results_dir, restored=frozenset()) -> tuple[list, list, list]:
     """The finished runs' report entries, the unfinished ones' (with why) and the tracking
     failures of finished runs; each keeps its sweep point for the report's ranking."""
     finished, unfinished, tracking_failures = [], [], []
     for name, run in runs.items():
         paths = RunPaths.for_run(results_dir, run)
         failure = read_failure(work_dir(results_dir, name))
-        if failure is None and _current(run, paths):
+        if name in restored or (failure is None and _current(run, paths)):
             finished.append({
                 "name": name, "train_metrics": paths.train_metrics,
                 "eval_metrics": paths.eval_metrics,
@@ -143,8 +147,8 @@ def _sort_runs(runs: dict[str, dict], results_dir) -> tuple[list, list, list]:
     return finished, unfinished, tracking_failures
 
 
-def _report_unfinished(runs: dict[str, dict], results_dir: str | Path) -> Path | None:
-    finished, unfinished, tracking_failures = _sort_runs(runs, results_dir)
+def _report_unfinished(runs: dict[str, dict], results_dir: str | Path, restored) -> Path | None:
+    finished, unfinished, tracking_failures = _sort_runs(runs, results_dir, restored)
     if not any("log" in entry for entry in unfinished) and not tracking_failures:
         return None  # no run failed (staging did, or Snakemake was stopped): nothing to say
     from ddpflow.report.build import build_report  # matplotlib: only once a report is written

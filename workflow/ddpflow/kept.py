@@ -1,0 +1,93 @@
+"""A failed rerun never costs a finished run: its previous outputs come back.
+
+Snakemake deletes a job's declared outputs before the job runs (and again after it fails), so
+a rerun of a finished run that fails (a refusal only the rule can make, a rank that crashes
+on the edited config) would leave the run with no model and no metrics: the report would not
+show it, and reverting the edit would train it all again. Before any job runs (Snakemake's
+`onstart`, workflow/rules/hooks.smk), every complete set of a run's outputs (train: model,
+metrics, summary; evaluate; track) is hard-linked into results/runs/<run>/.kept/<rule>/ (no
+copy: the same bytes, the same modification time) and Snakemake's metadata record of each
+file is kept in memory. After a failed workflow (`onerror`), a set whose files are all gone
+is linked back and its metadata written back: the run is finished as before, byte for byte,
+its downstream outputs stay up to date, and Snakemake still sees the params the files were
+made with, so the edit is retried by the next run and reverting it plans nothing.
+
+    kept = KeptOutputs(workflow.persistence, runs, "results")   # onstart
+    kept.restore_failed()                                         # onerror
+    kept.drop()                                                   # onsuccess
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from ddpflow.paths import RUN_FILES, TRACKING_FILE
+
+KEPT = ".kept"
+# each rule's declared outputs in a run's folder: a set is kept and restored whole
+GROUPS = {
+    "train": (RUN_FILES["model"], RUN_FILES["train_metrics"], RUN_FILES["train_summary"]),
+    "evaluate": (RUN_FILES["eval_metrics"],),
+    "track": (TRACKING_FILE,),
+}
+
+
+class KeptOutputs:
+    """The finished outputs of every run as they were when this workflow started."""
+
+    def __init__(self, persistence, run_names, results: str):
+        self._persistence = persistence
+        self._records: dict[str, object] = {}
+        # the folders as the rules name their outputs: f"{RESULTS}/runs/{run}/<file>" is
+        # Snakemake's metadata key of each file
+        self._folders = [f"{results}/runs/{name}" for name in run_names]
+        self._kept: list[tuple[str, str]] = []
+        for folder in self._folders:
+            shutil.rmtree(Path(folder, KEPT), ignore_errors=True)  # an earlier workflow's
+            for rule, names in GROUPS.items():
+                keys = [f"{folder}/{name}" for name in names]
+                if all(Path(key).is_file() for key in keys) and not (
+                    persistence._filter_incomplete_keys(keys)  # a killed job's half files
+                ):
+                    self._keep(folder, rule, names)
+
+    def _keep(self, folder: str, rule: str, names: tuple[str, ...]) -> None:
+        target = Path(folder, KEPT, rule)
+        target.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            os.link(f"{folder}/{name}", target / name)
+            key = f"{folder}/{name}"
+            self._records[key] = self._persistence._read_record(key)
+        self._kept.append((folder, rule))
+
+    def restore_failed(self) -> list[str]:
+        """Link back every kept set whose files a failed job removed; returns the names of
+        the runs restored (each said in the terminal)."""
+        restored = []
+        for folder, rule in self._kept:
+            names = GROUPS[rule]
+            if any(Path(folder, name).exists() for name in names):
+                continue  # the rerun wrote new outputs (or left them): nothing to restore
+            for name in names:
+                key = f"{folder}/{name}"
+                os.link(Path(folder, KEPT, rule, name), key)
+                record = self._records.get(key)
+                if record is not None:
+                    self._persistence._write_record(key, record)
+                self._persistence._unmark_incomplete(key)
+            restored.append(Path(folder).name)
+            print(
+                f"ddpflow: run {restored[-1]!r}: its {rule} rule failed; the run's previous "
+                f"{', '.join(names)} are kept as they were (fix the cause and rerun, or revert "
+                "the edit: then nothing is redone)",
+                file=sys.stderr,
+            )
+        self.drop()
+        return sorted(set(restored))
+
+    def drop(self) -> None:
+        for folder in self._folders:
+            shutil.rmtree(Path(folder, KEPT), ignore_errors=True)
