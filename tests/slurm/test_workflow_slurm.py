@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from slurm_helpers import job_ids, job_story, sacct_state
 from snakemake.common import get_appdirs
 from workflow_helpers import BIN, REPO, jobs_planned, snakemake, snakemake_command, write_config
@@ -434,3 +435,16 @@ def test_a_failed_run_spares_the_other_and_the_report_names_it(slurm_cluster, tm
     (failed,) = summary["unfinished"]
     assert failed["run"] == "wild" and "NaN or infinite" in failed["cause"], failed
     assert "ddpflow: run 'wild' did not finish (train failed: rank " in output
+
+
+def test_the_shipped_config_plans_on_two_nodes(slurm_cluster, tmp_path):
+    """The user's first edit on a cluster: the shipped config.yaml with only machine.nodes
+    (and the test cluster's partition and account) edited plans under `--profile slurm`
+    (micro_batch_size auto resolves to 16 at 2 nodes x 2 ranks; 32 was refused there)."""
+    shipped = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    cluster = {"partition": slurm_cluster.short_partition, "account": slurm_cluster.account}
+    shipped["machine"].update(nodes=2, **cluster)
+    dry = named_profile_snakemake(tmp_path, write_config(tmp_path / "c.yaml", shipped), "-n")
+    output = dry.stdout + dry.stderr
+    assert dry.returncode == 0, output[-3000:]
+    assert "localrule train:" in output and "configuration error" not in output, output[-3000:]
