@@ -27,6 +27,9 @@ from pathlib import Path
 from ddpflow.paths import RUN_FILES, TRACKING_FILE
 
 KEPT = ".kept"
+# Snakemake's own metadata methods (not a public API: snakemake is pinned in
+# envs/requirements.txt, and tests/test_refusal_keeps_finished_run.py runs them for real)
+PERSISTENCE_API = ("_read_record", "_write_record", "_unmark_incomplete", "_filter_incomplete_keys")
 # each rule's declared outputs in a run's folder: a set is kept and restored whole
 GROUPS = {
     "train": (RUN_FILES["model"], RUN_FILES["train_metrics"], RUN_FILES["train_summary"]),
@@ -39,6 +42,13 @@ class KeptOutputs:
     """The finished outputs of every run as they were when this workflow started."""
 
     def __init__(self, persistence, run_names, results: str):
+        if not all(hasattr(persistence, m) for m in PERSISTENCE_API):  # another Snakemake
+            print(
+                f"ddpflow: warning: this Snakemake's metadata store has no {PERSISTENCE_API}:"
+                " a failed rerun of a finished run cannot give its outputs back",
+                file=sys.stderr,
+            )
+            run_names = ()
         self._persistence = persistence
         self._records: dict[str, object] = {}
         # the folders as the rules name their outputs: f"{RESULTS}/runs/{run}/<file>" is
@@ -58,7 +68,7 @@ class KeptOutputs:
         target = Path(folder, KEPT, rule)
         target.mkdir(parents=True, exist_ok=True)
         for name in names:
-            os.link(f"{folder}/{name}", target / name)
+            _link(f"{folder}/{name}", target / name)
             key = f"{folder}/{name}"
             self._records[key] = self._persistence._read_record(key)
         self._kept.append((folder, rule))
@@ -73,7 +83,7 @@ class KeptOutputs:
                 continue  # the rerun wrote new outputs (or left them): nothing to restore
             for name in names:
                 key = f"{folder}/{name}"
-                os.link(Path(folder, KEPT, rule, name), key)
+                _link(Path(folder, KEPT, rule, name), key)
                 record = self._records.get(key)
                 if record is not None:
                     self._persistence._write_record(key, record)
@@ -91,3 +101,12 @@ class KeptOutputs:
     def drop(self) -> None:
         for folder in self._folders:
             shutil.rmtree(Path(folder, KEPT), ignore_errors=True)
+
+
+def _link(source, target) -> None:
+    """A hard link (no copy, the same modification time); a copy with its times where the
+    filesystem has no hard links."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
