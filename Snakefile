@@ -2,6 +2,9 @@
 # Table of contents only; each stage lives in workflow/rules/. Edit config/config.yaml.
 
 
+include: "workflow/rules/configfile.smk"
+
+
 configfile: "config/config.yaml"
 
 

@@ -587,3 +587,57 @@ def test_moving_a_key_in_the_config_file_does_not_change_the_stage_params():
         "path",
         "image_size",
     ]
+
+
+# --- YAML errors: file, line, column, the key they are under -----------------------------
+
+YAML_ERRORS = [
+    (
+        "unclosed-bracket",
+        "train:\n  optimizer:\n    lr: [1, 2\nmodel: {name: cnn}\n",
+        [
+            ":4:6: not valid YAML (under model)",
+            "flow sequence, which starts at line 3, column 9",
+            "    lr: [1, 2",
+        ],
+    ),
+    ("tab", "train:\n  epochs: 3\n\tlr: 2\n", [":3:1: not valid YAML", "never tabs"]),
+    ("bad-indent", "train:\n  epochs: 3\n lr: 2\n", [":3:2: not valid YAML", "line 1, column 1"]),
+    (
+        "duplicate-key",
+        "machine:\n  nodes: 1\n  gpus_per_node: 0\n  nodes: 2\n",
+        [":4:3:", "(under machine.nodes)", "'nodes' is given twice (first on line 2)"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [c[1:] for c in YAML_ERRORS], ids=[c[0] for c in YAML_ERRORS]
+)
+def test_a_yaml_error_names_the_file_line_column_and_key(tmp_path, text, expected):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        ddpconfig.load(path)
+    for part in [str(path), *expected]:
+        assert part in str(err.value), str(err.value)
+
+
+def test_a_config_file_that_is_not_a_mapping_is_named(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("- data\n- model\n")
+    with pytest.raises(ConfigError, match="the top level must be a mapping of keys .* not a list"):
+        ddpconfig.load(path)
+
+
+def test_snakemake_names_the_yaml_error_in_config_yaml(tmp_path):
+    """The user's own file, read by the Snakefile's configfile: directive: ddpflow's message
+    with file, line and column, no traceback, instead of Snakemake's 'not valid JSON or YAML'."""
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config/config.yaml").write_text(YAML_ERRORS[0][1])
+    cmd, env = snakemake_command(tmp_path, None, "-n")
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "ddpflow: configuration error: config/config.yaml:4:6: not valid YAML" in output
+    assert "Traceback" not in output and "not valid JSON or YAML" not in output, output

@@ -197,9 +197,10 @@ def resolve_micro_batch(where: str, train: dict, machine: dict) -> tuple[dict, d
         raise ConfigError(
             f"{where}: train.micro_batch_size auto finds no micro-batch "
             f"{f'up to train.max_micro_batch_size {cap} ' if cap else ''}that splits "
-            f"train.global_batch_size {global_} evenly at world size {sizes} ({_nodes(machine)} "
-            f"x {ranks_per_node(machine)} ranks per node): world sizes {_few(works)} work. Change the "
-            "machine, or the global batch (a multiple of the world size)"
+            f"train.global_batch_size {global_} evenly at world size {sizes} "
+            f"({_nodes(machine)} x {ranks_per_node(machine)} ranks per node): world sizes "
+            f"{_few(works)} work. Change the machine, or the global batch (a multiple of the "
+            "world size)"
         )
     train["micro_batch_size"] = micro
     return train, {"size": micro, "auto": True, "max": cap}

@@ -7,13 +7,12 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import yaml
-
 from ddpflow.config.checks import _check_run, check_tracking, resolve_micro_batch
 from ddpflow.config.fingerprint import dataset_id
 from ddpflow.config.machine import world_size
 from ddpflow.config.schema import ConfigError, deep_merge, validate
 from ddpflow.config.sweep import has_sweep, sweep_entries
+from ddpflow.config.yamlfile import read_config_file
 
 SECTIONS = ("data", "model", "train", "eval", "machine")
 
@@ -25,12 +24,7 @@ def load(path: str | Path | None = None, overrides: dict | None = None) -> dict:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config file {path}: the top level must be a mapping of keys")
+        raw = read_config_file(path)
     return check(deep_merge(raw, overrides or {}))
 
 
