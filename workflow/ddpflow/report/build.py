@@ -111,6 +111,12 @@ def load_eval_metrics(name: str, path) -> dict:
         raise ReportInputError(f"{where}: class_names, per_class_accuracy, confusion_matrix differ")
     if any(not isinstance(row, list) or len(row) != n for row in matrix):
         raise ReportInputError(f"{where}: confusion_matrix is not {n}x{n}")
+    if any(not isinstance(c, int) or isinstance(c, bool) for row in matrix for c in row):
+        raise ReportInputError(f"{where}: confusion_matrix holds a value that is not a count")
+    # None: a class with no sample in the evaluated split (shown as n/a)
+    numbers = [a for a in data["per_class_accuracy"] if a is not None]
+    if any(isinstance(a, bool) or not isinstance(a, _NUM) for a in numbers):
+        raise ReportInputError(f"{where}: per_class_accuracy holds a value that is not a number")
     # Padded samplers double-count (README: Exact evaluation): a count mismatch is loud, not fatal.
     total = sum(sum(row) for row in matrix)
     if not data["samples_evaluated"] == data["test_size"] == total:
@@ -119,10 +125,13 @@ def load_eval_metrics(name: str, path) -> dict:
     return data
 
 
-def _load_runs(runs: list[dict], unfinished=()) -> list[tuple[str, list[dict], dict]]:
+def _load_runs(runs: list[dict], unfinished=()) -> tuple[list[tuple], list[dict]]:
+    """The runs whose records can be read, and one unfinished entry per run whose records
+    cannot (missing, cut short, a key or type the report needs is not there): the report is
+    written without it, naming it and why."""
     if not runs and not unfinished:
         raise ReportInputError("build_report: no runs given")
-    loaded, names = [], set()
+    loaded, unreadable, names = [], [], set()
     for run in runs:
         missing = {"name", "train_metrics", "eval_metrics"} - set(run)
         if missing:
@@ -131,9 +140,19 @@ def _load_runs(runs: list[dict], unfinished=()) -> list[tuple[str, list[dict], d
         if name in names:
             raise ReportInputError(f"run {name!r}: listed twice")
         names.add(name)
-        evals = load_eval_metrics(name, run["eval_metrics"])
-        loaded.append((name, load_train_metrics(name, run["train_metrics"]), evals))
-    return loaded
+        try:
+            evals = load_eval_metrics(name, run["eval_metrics"])
+            loaded.append((name, load_train_metrics(name, run["train_metrics"]), evals))
+        except ReportInputError as err:
+            log.warning("report: %s", err)
+            unreadable.append(unrenderable(name, str(err), run.get("sweep")))
+    return loaded, unreadable
+
+
+def unrenderable(name: str, cause: str, sweep_block=None) -> dict:
+    """The unfinished-runs entry of a run whose records the report cannot show."""
+    cause = f"records cannot be shown: {cause}"
+    return {"run": name, "stage": "report", "cause": cause, "sweep": sweep_block}
 
 
 def _tracker_rows(runs: list[dict], tracking_failures=()) -> list[list[str]]:
@@ -349,10 +368,15 @@ def build_report(
     tracking.json) and tracking_failures ([{"run", "trackers", "cause", "log"}]) make the
     section of experiment trackers. Returns {key: path}, with keys markdown,
     html, summary_json, summary_csv, sweep_csv (with a sweep) and plot_<stem> for every
-    plots/<stem>.png. Raises
-    ValueError naming the run and file for a missing, unreadable or incomplete input.
+    plots/<stem>.png. A run whose files are missing, unreadable or incomplete is listed
+    among the unfinished runs with the reason (naming the run and file); ValueError only for
+    a call without runs or with a run listed twice.
     """
-    loaded = _load_runs(runs, unfinished)
+    loaded, unreadable = _load_runs(runs, unfinished)
+    if unreadable:
+        shown = {name for name, _, _ in loaded}
+        runs = [run for run in runs if str(run["name"]) in shown]
+        unfinished = [*unfinished, *unreadable]
     rows = [_summary_row(name, epochs, ev) for name, epochs, ev in loaded]
     baseline = _add_scaling(rows)
     view = sweep.collect(runs, loaded, unfinished)

@@ -131,10 +131,17 @@ def _class_tables(loaded, focus=None) -> list[tuple]:
         groups.setdefault(tuple(map(str, ev["class_names"])), []).append((name, ev))
     tables = []
     for classes, members in groups.items():
-        body = [[cls, *(f"{ev['per_class_accuracy'][i]:.2%}" for _, ev in members)]
-                for i, cls in enumerate(classes)]  # fmt: skip
+        body = [[cls, *(_class_cell(ev, i) for _, ev in members)] for i, cls in enumerate(classes)]
         tables.append(("table", ["Class", *(name for name, _ in members)], body, None))
     return tables
+
+
+def _class_cell(ev: dict, index: int) -> str:
+    """A class's accuracy and support; a class with no sample in the split: n/a."""
+    accuracy, support = ev["per_class_accuracy"][index], sum(ev["confusion_matrix"][index])
+    if accuracy is None or not support:
+        return "n/a (0 samples)"
+    return f"{accuracy:.2%} ({support})"
 
 
 def _provenance_blocks(loaded) -> list[tuple]:
