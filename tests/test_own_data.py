@@ -70,9 +70,9 @@ def test_grayscale_conversion(tmp_path):
 @pytest.mark.parametrize(
     "damage, expected",
     [
-        ("corrupt", r"train/green/bad.png: not a readable image.*data.on_corrupt: skip"),
+        ("corrupt", r"train/green/bad.png: not a readable image(.|\n)*data.on_corrupt: skip"),
         ("empty_class", r"train/violet: class 'violet' has no images"),
-        ("test_classes", r"different classes \(only in train: none; only in test: \['violet'\]"),
+        ("test_classes", r"test/violet: class 'violet' is in test/ but not in train/"),
         ("no_train", r"no train/ folder"),
     ],
 )
@@ -91,6 +91,72 @@ def test_bad_image_folders_name_the_file(tmp_path, damage, expected):
     with pytest.raises(DataError, match=expected):
         stage_dataset(_data(root=str(root)), tmp_path / "staged", seed=0)
     assert not (tmp_path / "staged").exists()  # nothing half-staged
+
+
+def test_every_problem_of_a_folder_is_named_in_one_staging_run(tmp_path):
+    """Five different problems, one run: a truncated JPEG, a zero-byte image, an empty class
+    folder, a file that is not an image, a class in test/ only. All named, nothing staged."""
+    root = make_folder(tmp_path / "images", per_class=(4, 2))
+    jpeg = root / "train/red/cut.jpg"
+    image_of((200, 0, 0), np.random.default_rng(1)).save(jpeg, quality=90)
+    jpeg.write_bytes(jpeg.read_bytes()[:200])  # truncated by a failed copy
+    (root / "train/blue/zero.png").write_bytes(b"")
+    (root / "train/violet").mkdir()
+    (root / "train/green/labels.csv").write_text("a,b\n")
+    (root / "train/green/.DS_Store").write_bytes(b"\0")  # a file manager's: silently ignored
+    (root / "test/white").mkdir()
+    image_of((255, 255, 255), np.random.default_rng(0)).save(root / "test/white/a.png")
+    with pytest.raises(DataError) as err:
+        stage_dataset(_data(root=str(root)), tmp_path / "staged", seed=0)
+    text = str(err.value)
+    assert "4 problems, nothing was staged" in text, text
+    assert "train/red/cut.jpg: not a readable image (" in text
+    assert "train/blue/zero.png: not a readable image (an empty file (0 bytes))" in text
+    assert "train/violet: class 'violet' has no images" in text
+    assert "test/white: class 'white' is in test/ but not in train/" in text
+    assert "1 file is not an image by its extension and left out:" in text
+    assert "train/green/labels.csv" in text and ".DS_Store" not in text
+    assert not (tmp_path / "staged").exists()
+
+
+def test_unreadable_images_found_while_staging_are_named_together(tmp_path):
+    """No problem in the listing: the images are decoded while staged, and every unreadable
+    one is named at the end (not the first alone), with the total beyond the first 20."""
+    root = make_folder(tmp_path / "images", per_class=(6, 2))
+    for i in range(23):
+        (root / f"train/{('red', 'green', 'blue')[i % 3]}/bad{i}.png").write_bytes(b"\x89PNG x")
+    with pytest.raises(DataError) as err:
+        stage_dataset(_data(root=str(root)), tmp_path / "staged", seed=0)
+    text = str(err.value)
+    assert "23 problems" in text and "... and 3 more (23 in all)" in text, text
+    assert text.count(": not a readable image (") == 20
+
+
+def test_a_class_folder_in_nfd_and_nfc_is_one_class(tmp_path):
+    """A folder copied from macOS names 'Café' in NFD; typed elsewhere it is NFC: one class."""
+    import unicodedata
+
+    root = make_folder(tmp_path / "images", per_class=(4, 2))
+    (root / "train/red").rename(root / "train" / unicodedata.normalize("NFD", "Café"))
+    (root / "test/red").rename(root / "test" / unicodedata.normalize("NFC", "Café"))
+    manifest = stage_dataset(_data(root=str(root)), tmp_path / "staged", seed=0)
+    assert manifest["class_names"] == ["Café", "blue", "green"]
+    assert unicodedata.is_normalized("NFC", manifest["class_names"][0])
+    assert manifest["class_counts"]["test"] == [2, 2, 2]
+
+
+def test_a_class_without_a_test_sample_is_warned_at_staging(tmp_path, caplog):
+    """A class with one image and no test/ folder: the stratified split gives it no test
+    sample; staging says so (class, split, counts)."""
+    root = make_folder(tmp_path / "images", per_class=(10, 0))
+    (root / "train/white").mkdir()
+    image_of((255, 255, 255), np.random.default_rng(0)).save(root / "train/white/only.png")
+    with caplog.at_level("WARNING"):
+        manifest = stage_dataset(_data(root=str(root)), tmp_path / "staged", seed=0)
+    white = manifest["class_names"].index("white")
+    assert manifest["class_counts"]["test"][white] == 0
+    assert "class 'white' has no sample in the test split (train 1, val 0, test 0)" in caplog.text
+    assert "its test accuracy is n/a" in caplog.text
 
 
 def test_corrupt_images_can_be_skipped_and_are_counted(tmp_path):
@@ -135,7 +201,7 @@ def test_small_images_are_upscaled_or_skipped_and_counted(tmp_path, caplog, on_s
 def test_small_images_are_refused_under_on_small_error(tmp_path):
     root = make_mixed_folder(tmp_path / "images")
     data = _data(root=str(root), image_size=[32, 32], on_small="error")
-    expected = (r"18 image\(s\) smaller than data.image_size \[32, 32\] \(width x height "
+    expected = (r"18 images smaller than data.image_size \[32, 32\] \(width x height "
                 r"shown\): .*train/blue/001.jpg \(28x40\).* and 13 more; set data.on_small: "
                 r"upscale")  # fmt: skip
     with pytest.raises(DataError, match=expected):
@@ -278,10 +344,31 @@ def test_the_workflow_trains_on_an_image_folder_and_restages_on_a_new_image(work
     assert metrics["class_names"] == ["blue", "green", "red"]
     assert metrics["samples_evaluated"] == 30 and metrics["accuracy"] > 0.9
     report = (workdir / "results/report/report.md").read_text()
-    assert "folder (train 108, val 12, test 30); 0 corrupt image(s) skipped" in report
+    assert "folder (train 108, val 12, test 30); 0 corrupt images skipped" in report
     assert jobs_planned(workdir, configfile) == set()
     image_of((30, 200, 40), np.random.default_rng(7)).save(root / "train/green/extra.png")
     assert {"stage", "train", "evaluate", "report"} <= jobs_planned(workdir, configfile)
+
+
+@pytest.mark.e2e
+def test_a_class_without_a_test_sample_is_warned_and_reported_as_na(workdir):
+    """An image folder without test/ in which one class has one image: the stratified split
+    leaves it no test sample. Staging says so in the terminal, training and evaluation run,
+    and the report is written with the class at zero support, n/a."""
+    root = make_folder(workdir / "my_images", per_class=(20, 0))
+    (root / "train/white").mkdir()
+    image_of((255, 255, 255), np.random.default_rng(0)).save(root / "train/white/only.png")
+    config = {
+        "data": {"source": "image_folder", "root": "my_images", "image_size": [16, 16]},
+        "train": {"epochs": 1, "progress": False, "global_batch_size": 32, "micro_batch_size": 16},
+        "runs": [{"name": "one"}],
+    }
+    result = snakemake(workdir, write_config(workdir / "config.yaml", config))
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "class 'white' has no sample in the test split (train 1, val 0, test 0)" in output
+    report = (workdir / "results/report/report.md").read_text()
+    assert "| white | n/a (0 samples) |" in report, report
 
 
 @pytest.mark.e2e
@@ -305,7 +392,7 @@ def test_the_workflow_trains_on_a_folder_with_small_images(workdir):
     # measured 2026-11-23: 30 of 30
     assert metrics["samples_evaluated"] == 30 and metrics["accuracy"] > 0.9
     report = (workdir / "results/report/report.md").read_text()
-    assert "60 image(s) smaller than data.image\\_size \\[32, 32\\] upscaled" in report
+    assert "60 images smaller than data.image\\_size \\[32, 32\\] upscaled" in report
     written_out = {**config, "data": {**data, "on_small": "upscale"}}
     assert jobs_planned(workdir, write_config(workdir / "upscale.yaml", written_out)) == set()
     skip = {**config, "data": {**data, "on_small": "skip"}}
@@ -381,6 +468,12 @@ def bright():
 
 def not_pairs():
     return [np.zeros((1, 8, 8), np.uint8)]
+
+def vectors():
+    return [(np.zeros((1, 8, 8), np.uint8), np.array([1, 0, 1])) for _ in range(4)]
+
+def vector_arrays():
+    return np.zeros((4, 1, 8, 8), np.uint8), np.zeros((4, 3), np.int64)
 """
 
 
@@ -394,6 +487,8 @@ def not_pairs():
         ("bright", r"pixels of dtype float64 \(range 2.0..2.0\); expected uint8 0..255 or floats"),
         ("not_pairs", r"item 0 is a ndarray; expected an \(image, label\) pair"),
         ("missing", r"has no function 'missing'"),
+        ("vectors", r"item 0's label has shape \[3\] \(3 values\); a label is one integer"),
+        ("vector_arrays", r"labels have shape \[4, 3\]; a label is one integer class"),
     ],
 )
 def test_a_bad_plugin_source_names_the_cause(in_workdir, function, expected):

@@ -11,10 +11,12 @@ training job is submitted. An image folder is decoded a shard at a time while it
 from __future__ import annotations
 
 import logging
+import unicodedata
 from pathlib import Path
 
 import numpy as np
 
+from ddpflow.data.folder_problems import IGNORED_NAMES, FolderProblems, ignored_line
 from ddpflow.data.image_size import SmallImages, fit_image, some_names
 from ddpflow.data.raw import DataError, RawSource
 
@@ -26,71 +28,128 @@ def load_image_folder(cfg: dict) -> RawSource:
     name, as ImageFolder does. Only the listing is read here; the images are decoded while
     they are staged, a shard at a time (ImageFiles.read): converted to cfg["channels"],
     resized so that the shorter side fits image_size, then centre-cropped to it; an image
-    smaller than image_size is upscaled, skipped or refused (data.on_small)."""
+    smaller than image_size is upscaled, skipped or refused (data.on_small). Every problem of
+    the listing (empty class folders, classes in one split only, empty files) is gathered,
+    with the unreadable images of the whole folder, into one DataError (FolderProblems)."""
     from PIL import Image
 
+    root = _checked_root(cfg)
+    train_dir, test_dir = root / "train", root / "test"
+    extensions = {ext.lower() for ext in Image.registered_extensions()}
+    problems = FolderProblems(root, cfg)
+    notes = {
+        "skipped_corrupt": [],
+        "ignored_files": 0,
+        "small": SmallImages(cfg),
+        "ignored": [],
+        "unreadable": [],
+    }
+    folders = {"train": _classes(train_dir, problems)}
+    if test_dir.is_dir():
+        folders["test"] = _classes(test_dir, problems)
+    classes = sorted(folders["train"])
+    listed = {
+        split: _list_split(found, classes, extensions, notes, problems)
+        for split, found in folders.items()
+    }
+    if "test" in folders:
+        problems.compare_classes(folders["train"], folders["test"])
+    if problems:  # the listing is wrong already: name the unreadable images too, in this run
+        _find_unreadable(problems, [path for files, _ in listed.values() for path in files])
+    problems.raise_if_any(notes["ignored"])
+    if notes["ignored"]:
+        log.warning("image_folder: %s", ignored_line(notes["ignored"]))
+    train_files, train_y = listed["train"]
+    test_x, test_y = None, None
+    if "test" in listed:
+        test_x, test_y = ImageFiles(listed["test"][0], cfg, notes), listed["test"][1]
+    return RawSource(ImageFiles(train_files, cfg, notes), train_y, test_x, test_y, classes, notes)
+
+
+def _checked_root(cfg: dict) -> Path:
     root = Path(cfg["root"])
     if cfg["image_size"] is None:
         raise DataError(
             "data.image_size is required for data.source image_folder: the size "
             "[height, width] every image is resized to, e.g. [32, 32]"
         )
-    train_dir = root / "train"
-    if not train_dir.is_dir():
+    if not (root / "train").is_dir():
         raise DataError(
             f"data.root {root}: no train/ folder; image_folder expects "
             f"{root}/train/<class>/<image> (and optionally {root}/test/...)"
         )
-    extensions = {ext.lower() for ext in Image.registered_extensions()}
-    classes = _classes(train_dir)
-    notes = {"skipped_corrupt": [], "ignored_files": 0, "small": SmallImages(cfg)}
-    train_files, train_y = _list_split(train_dir, classes, extensions, notes)
-    test_x = test_y = None
-    test_dir = root / "test"
-    if test_dir.is_dir():
-        test_classes = _classes(test_dir)
-        if test_classes != classes:
-            only_train = sorted(set(classes) - set(test_classes))
-            only_test = sorted(set(test_classes) - set(classes))
-            raise DataError(
-                f"data.root {root}: train/ and test/ have different classes (only "
-                f"in train: {only_train or 'none'}; only in test: "
-                f"{only_test or 'none'}); give both the same class folders"
-            )
-        test_files, test_y = _list_split(test_dir, classes, extensions, notes)
-        test_x = ImageFiles(test_files, cfg, notes)
-    if notes["ignored_files"]:
-        log.info("image_folder: %d files that are not images were ignored", notes["ignored_files"])
-    return RawSource(ImageFiles(train_files, cfg, notes), train_y, test_x, test_y, classes, notes)
+    return root
 
 
-def _classes(split_dir: Path) -> list[str]:
-    classes = sorted(
-        d.name for d in split_dir.iterdir() if d.is_dir() and not d.name.startswith(".")
-    )
-    if not classes:
-        raise DataError(
+def _classes(split_dir: Path, problems: FolderProblems) -> dict[str, Path]:
+    """{class name: its folder}: names in Unicode NFC, so that a folder copied from macOS
+    (NFD) names the same class as one typed elsewhere (NFC)."""
+    found: dict[str, Path] = {}
+    for folder in sorted(split_dir.iterdir()):
+        if folder.is_dir() and not folder.name.startswith("."):
+            name = unicodedata.normalize("NFC", folder.name)
+            if name in found:
+                other = found[name].name
+                points = f"{_code_points(folder.name)} and {_code_points(other)}"
+                problems.add(
+                    f"{folder}: the same class name as {other!r} (code points {points}); "
+                    "merge the two folders"
+                )
+                continue
+            found[name] = folder
+    if not found:
+        problems.add(
             f"{split_dir}: no class folders; put each class's images in {split_dir}/<class name>/"
         )
-    return classes
+    return found
 
 
-def _list_split(split_dir, classes, extensions, notes) -> tuple[list[Path], np.ndarray]:
+def _code_points(name: str) -> str:
+    return " ".join(f"U+{ord(c):04X}" for c in name)
+
+
+def _list_split(
+    found: dict[str, Path], classes, extensions, notes, problems
+) -> tuple[list, np.ndarray]:
     files, labels = [], []
     for label, name in enumerate(classes):
-        found = 0
-        for path in sorted(p for p in (split_dir / name).rglob("*") if p.is_file()):
-            if path.name.startswith(".") or path.suffix.lower() not in extensions:
+        if name not in found:
+            continue  # a class of train/ missing from test/: FolderProblems.compare_classes
+        images = 0
+        for path in sorted(p for p in found[name].rglob("*") if p.is_file()):
+            if path.name.startswith(".") or path.name in IGNORED_NAMES:
+                continue  # .DS_Store, Thumbs.db: what file managers leave behind
+            if path.suffix.lower() not in extensions:
                 notes["ignored_files"] += 1
+                notes["ignored"].append(str(path))
                 continue
+            if path.stat().st_size == 0:
+                problems.unreadable(path, "an empty file (0 bytes)")
             files.append(path)
             labels.append(label)
-            found += 1
-        if not found:
-            raise DataError(
-                f"{split_dir / name}: class {name!r} has no images; add some or remove the folder"
+            images += 1
+        if not images:
+            problems.empty.add(name)
+            problems.add(
+                f"{found[name]}: class {name!r} has no images; add some or remove the folder"
             )
     return files, np.asarray(labels, dtype=np.int64)
+
+
+def _find_unreadable(problems: FolderProblems, paths: list[Path]) -> None:
+    """Each image decoded once (not resized): those that fail are problems."""
+    from PIL import Image
+
+    if problems.on_corrupt != "error":
+        return
+    for path in paths:
+        if path.stat().st_size == 0:
+            continue  # named already
+        try:
+            with Image.open(path) as image:
+                image.load()
+        except (OSError, SyntaxError, ValueError) as err:
+            problems.unreadable(path, str(err))
 
 
 DECODE_CHUNK = 256  # images per task of the staging processes
@@ -150,12 +209,8 @@ class ImageFiles:
         for path, (_, detail) in zip(paths, results, strict=True):
             if isinstance(detail, tuple):
                 self.small.count(split, str(path), detail)
-            elif self.cfg["on_corrupt"] == "error":
-                raise DataError(
-                    f"{path}: not a readable image ({detail}); replace or delete "
-                    f"it, or set data.on_corrupt: skip to skip such files "
-                    f"(they are counted in the manifest)"
-                )
+            elif self.cfg["on_corrupt"] == "error":  # all of them named once read (finish)
+                self.notes["unreadable"].append((path, detail))
             else:
                 self.notes["skipped_corrupt"].append(str(path))
         out = np.empty((int(keep.sum()), *self.shape[1:]), np.uint8)  # the shard, NCHW
@@ -165,6 +220,11 @@ class ImageFiles:
 
     def finish(self) -> None:
         """After every split was read: what could only be told then."""
+        if self.notes["unreadable"]:
+            problems = FolderProblems(Path(self.cfg["root"]), self.cfg)
+            for path, detail in self.notes["unreadable"]:
+                problems.unreadable(path, detail)
+            problems.raise_if_any([])
         self.small.tell()
         skipped = self.notes["skipped_corrupt"]
         if skipped:

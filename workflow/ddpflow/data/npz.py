@@ -89,7 +89,11 @@ def _npz_images(arrays, key: str, path: Path) -> np.ndarray:
 def _npz_labels(arrays, key: str, path: Path, n: int) -> np.ndarray:
     y = arrays[key]
     if y.ndim != 1:
-        raise DataError(f"data.path {path}: {key} must be 1-D, got shape {list(y.shape)}")
+        raise DataError(
+            f"data.path {path}: {key} must be 1-D (one integer class per sample), got shape "
+            f"{list(y.shape)} (labels with several values per sample, multi-label or vector "
+            "targets, are not supported yet)"
+        )
     if len(y) != n:
         images = key.replace("labels", "images")
         raise DataError(f"data.path {path}: {key} has {len(y)} entries but {images} has {n}")

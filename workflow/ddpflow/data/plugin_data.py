@@ -61,10 +61,21 @@ def load_plugin(cfg: dict) -> RawSource:
     return RawSource(train_x, train_y, test_x, test_y, names, notes)
 
 
+# what a label must be: more than one value per sample is refused, never cut
+ONE_CLASS = (
+    "a label is one integer class 0..K-1 per sample (labels with several values per sample, "
+    "multi-label or vector targets, are not supported yet)"
+)
+
+
 def _plugin_split(data, where: str, cfg: dict, small=None, part="train") -> tuple[np.ndarray, ...]:
     arrays = isinstance(data, (tuple, list)) and len(data) == 2
     if arrays and all(isinstance(a, np.ndarray) or hasattr(a, "detach") for a in data):
         images, labels = (_as_numpy(a) for a in data)
+        if images.ndim in (3, 4) and labels.ndim == 2 and labels.shape[1] == 1:
+            labels = labels[:, 0]
+        if images.ndim in (3, 4) and labels.ndim > 1:
+            raise DataError(f"{where}: labels have shape {list(labels.shape)}; {ONE_CLASS}")
         if images.ndim in (3, 4) and labels.ndim == 1:
             if len(images) != len(labels):
                 raise DataError(f"{where}: {len(images)} images but {len(labels)} labels")
@@ -94,7 +105,13 @@ def _plugin_split(data, where: str, cfg: dict, small=None, part="train") -> tupl
                 "or PIL images with data.image_size set"
             )
         images.append(pixels)
-        labels.append(_as_numpy(item[1]).reshape(-1)[:1])
+        label = _as_numpy(item[1])
+        if label.size != 1:  # never cut to its first value: that trains on another target
+            raise DataError(
+                f"{where}: item {i}'s label has shape {list(label.shape)} ({label.size} "
+                f"values); {ONE_CLASS}"
+            )
+        labels.append(label.reshape(1))
     if not images:
         raise DataError(
             f"{where}: all {len(data)} images were smaller than data.image_size and skipped "

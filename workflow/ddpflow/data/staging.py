@@ -11,6 +11,7 @@ everything is written to a temporary sibling directory, fsynced, then renamed in
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import shutil
@@ -24,6 +25,8 @@ from ddpflow.data.raw import DataError, RawSource
 from ddpflow.data.sources import load_source
 from ddpflow.data.staged import FORMAT_VERSION, MANIFEST, sha256_file
 from ddpflow.runtime import fsync_dir, replace_dir
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SHARD_BYTES", "split_indices", "stage_dataset", "stratified_split"]
 
@@ -51,6 +54,7 @@ def stage_dataset(
             finish()
         _refuse_emptied(plan, written)
         manifest = _base_manifest(raw, written, data_cfg, seed)
+        _warn_empty_classes(manifest)
         _write_json(tmp / MANIFEST, manifest)
         fsync_dir(tmp)
         replace_dir(tmp, out_dir)
@@ -58,6 +62,27 @@ def stage_dataset(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest  # pipeline.stage_data logs it, with the time taken
+
+
+def _warn_empty_classes(manifest: dict) -> None:
+    """A class with no sample in a split (one image, a stratified split gives it no test
+    sample; a test split without it): said at staging, named with its counts per split (the
+    report shows its accuracy as n/a; an empty train split of a class trains nothing on it)."""
+    counts = manifest["class_counts"]
+    for index, name in enumerate(manifest["class_names"]):
+        per_split = {split: counts[split][index] for split in counts}
+        for split in (split for split, count in per_split.items() if count == 0):
+            shown = ", ".join(f"{s} {c}" for s, c in per_split.items())
+            log.warning(
+                "data: class %r has no sample in the %s split (%s): %s",
+                name,
+                split,
+                shown,
+                "it is never trained on; add samples of it"
+                if split == "train"
+                else f"its {split} accuracy is n/a; add samples of it (or raise "
+                f"data.{split}_fraction where the {split} split is carved from train)",
+            )
 
 
 def _refuse_emptied(plan: dict, written: dict) -> None:
