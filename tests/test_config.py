@@ -308,7 +308,7 @@ def test_a_key_under_the_wrong_section_names_the_right_one(tmp_path, text, where
     with pytest.raises(ConfigError) as info:
         load_yaml(tmp_path, text)
     message = str(info.value)
-    assert f"{where}: unknown key(s)" in message and hint in message, message
+    assert f"{where}: unknown key" in message and hint in message, message
 
 
 def test_validate_names_the_right_section_too():

@@ -187,7 +187,7 @@ def test_ledger_node_is_excluded_and_without_min_nodes_the_run_fails_before_subm
         placement.decide(run, [node("node1"), node("node2")], ledger, "results/work/bad_nodes.json")
     text = str(err.value)
     assert "machine.nodes is 2 (machine.min_nodes is null)" in text
-    assert "1 healthy node(s): node1" in text and "node2 (NODE_FAIL in job 4" in text
+    assert "1 healthy node: node1" in text and "node2 (NODE_FAIL in job 4" in text
     assert "results/work/bad_nodes.json" in text and "snakemake clean_bad_nodes" in text
     assert "Nothing was submitted" in text and "machine.min_nodes: 1" in text
 

@@ -69,7 +69,7 @@ def test_report_of_the_finished_runs_names_the_failed_and_the_outdated(tmp_path)
     assert unfinished["wild"]["cause"].startswith("rank 1 on node3")
     assert unfinished["stale"]["cause"] == outcome.NOT_RUN  # a result of an older config
     markdown = (results / "report" / "report.md").read_text()
-    assert "1 of 3 run(s) finished" in markdown and "| wild | train |" in markdown
+    assert "1 of 3 runs finished" in markdown and "| wild | train |" in markdown
 
 
 def test_a_report_with_no_finished_run_still_renders(tmp_path):

@@ -382,11 +382,11 @@ def test_the_provenance_says_what_staging_upscaled_or_skipped():
         for name, notes in (("old", folder), ("folder", {**folder, **small}), ("plugin", small))
     }
     assert lines["old"] == (
-        "data: s (train 5); 1 corrupt image(s) skipped, 2 file(s) that are not images ignored"
+        "data: s (train 5); 1 corrupt image skipped, 2 files that are not images ignored"
     )
     assert lines["folder"] == lines["old"] + (
-        "; 12 image(s) smaller than data.image_size [32, 48] upscaled (data.on_small: upscale)"
+        "; 12 images smaller than data.image_size [32, 48] upscaled (data.on_small: upscale)"
     )
-    assert lines["plugin"] == "data: s (train 5); 12 image(s) smaller than data.image_size " + (
+    assert lines["plugin"] == "data: s (train 5); 12 images smaller than data.image_size " + (
         "[32, 48] upscaled (data.on_small: upscale)"
     )

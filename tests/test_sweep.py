@@ -131,7 +131,7 @@ def test_table_errors_name_the_file(tmp_path, monkeypatch):
     [
         (
             {"grid": {"train.optimizer.lrr": [0.1]}},
-            r"sweep point 'lrr-0.1' \(grid\): train.optimizer: unknown key\(s\) \['lrr'\]; "
+            r"sweep point 'lrr-0.1' \(grid\): train.optimizer: unknown key \['lrr'\]; "
             r"did you mean 'lr'",
         ),
         ({"grid": {"train.epochs": ["many"]}}, r"sweep point 'epochs-many'.*train.epochs"),

@@ -136,7 +136,7 @@ def test_a_diverging_run_fails_alone_and_the_report_names_it(workdir):
     assert (workdir / "results/runs/steady/eval_metrics.json").is_file()
     report = workdir / "results/report"
     markdown = (report / "report.md").read_text()
-    assert "## Runs that did not finish" in markdown and "1 of 2 run(s) finished" in markdown
+    assert "## Runs that did not finish" in markdown and "1 of 2 runs finished" in markdown
     assert cause in markdown and "logs/train/wild.log" in markdown
     summary = json.loads((report / "summary.json").read_text())
     assert [row["run"] for row in summary["runs"]] == ["steady"]
@@ -145,7 +145,7 @@ def test_a_diverging_run_fails_alone_and_the_report_names_it(workdir):
     assert unfinished["cause"].startswith("rank ") and cause in unfinished["cause"]
     output = result.stdout + result.stderr
     assert "ddpflow: run 'wild' did not finish (train failed: rank " in output
-    assert "report of the 1 finished run(s) of 2" in output
+    assert "report of the 1 finished of 2 runs" in output
 
     # the failed run dropped from config.yaml: the report alone is redone, without it
     write_config(configfile, {**diverging, "runs": [{"name": "steady"}]})

@@ -180,7 +180,7 @@ def test_time_error_suggests_partitions_that_allow_it():
         # 8 x 16 = 128 CPUs: gpu03 keeps 2 cores for the system, gpu05 has 6 GPUs -> 3 nodes fit
         (
             {"partition": "gpu", "nodes": 4, "gpus_per_node": 8, "cpus_per_task": 16},
-            "only 3 node(s) of partition 'gpu' have 8 GPUs, 128 CPUs and 4096 MB together "
+            "only 3 nodes of partition 'gpu' have 8 GPUs, 128 CPUs and 4096 MB together "
             "(gpu01,gpu02,gpu04)",
         ),
         ({"partition": "gpu", "mem_gb": 490}, "at most 500000 MB (MaxMemPerNode)"),

@@ -161,7 +161,7 @@ def test_too_few_healthy_nodes_fails_before_submitting(slurm_cluster, tmp_path):
     assert result.returncode != 0
     assert (
         "machine.nodes is 2 (machine.min_nodes is null) but the partition has 1 healthy "
-        "node(s): node1; left out: node2 (NODE_FAIL in job 99, ledger "
+        "node: node1; left out: node2 (NODE_FAIL in job 99, ledger "
         "results/work/bad_nodes.json). Nothing was submitted."
     ) in output, output[-3000:]
     assert "`snakemake clean_bad_nodes`" in output and "machine.min_nodes: 1" in output
@@ -170,4 +170,4 @@ def test_too_few_healthy_nodes_fails_before_submitting(slurm_cluster, tmp_path):
     cleaned = slurm_snakemake(tmp_path, configfile, "clean_bad_nodes", timeout=120)
     assert cleaned.returncode == 0, (cleaned.stdout + cleaned.stderr)[-3000:]
     assert not ledger.exists()
-    assert "forgot 1 node(s)" in cleaned.stdout + cleaned.stderr
+    assert "forgot 1 node" in cleaned.stdout + cleaned.stderr

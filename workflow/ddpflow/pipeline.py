@@ -29,6 +29,7 @@ from ddpflow.errors import UserError
 from ddpflow.monitoring.rankstats import stragglers
 from ddpflow.paths import EVAL_FROM_TRAIN, LIVE_METRICS, TRACKING_FILE, RunPaths
 from ddpflow.report import outcome
+from ddpflow.text import counted
 from ddpflow.tracking.live import LiveStream
 from ddpflow.training import workspace
 from ddpflow.training.pruning import pruned_line
@@ -44,9 +45,9 @@ def stage_data(data_cfg: dict, out_dir: str, threads: int = 1) -> dict:
     images = sum(manifest["sizes"].values())
     shards = sum(len(s) for s in manifest["shards"].values())
     log.info(
-        "staged %s into %s in %.1fs (%d images, %.0f images/s, %d thread(s), %d shard(s)): %s",
-        data_cfg["source"], out_dir, seconds, images, images / max(seconds, 1e-9), threads,
-        shards, manifest["sizes"],
+        "staged %s into %s in %.1fs (%d images, %.0f images/s, %s, %s): %s",
+        data_cfg["source"], out_dir, seconds, images, images / max(seconds, 1e-9),
+        counted(threads, "thread"), counted(shards, "shard"), manifest["sizes"],
     )  # fmt: skip
     return manifest
 
@@ -168,10 +169,10 @@ def _distributed(
         ledger=nodes.ledger_beside(paths.work),
     )
     log.info(
-        "%s of run %r: %d ranks done in %.1fs",
+        "%s of run %r: %s done in %.1fs",
         stage_name,
         run["name"],
-        len(results),
+        counted(len(results), "rank"),
         time.perf_counter() - start,
     )
     return results
@@ -245,10 +246,10 @@ def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     summary = _distributed(TrainJob, "train", run, paths, logs_dir, exclude, stream)[0]
     workspace.finish(run, paths.work)
     log.info(
-        "train %r: %.0f samples/s on %d ranks (%s)",
+        "train %r: %.0f samples/s on %s (%s)",
         run["name"],
         summary["samples_per_s"],
-        summary["world_size"],
+        counted(summary["world_size"], "rank"),
         ", ".join(sorted(set(summary["hosts"]))),
     )
     if summary.get("pruned"):  # a sweep's median pruning stopped it: an ordinary end
@@ -338,15 +339,23 @@ def clean_work(work_root: str) -> list[str]:
     removed: list[str] = []
     for work in sorted(p for p in Path(work_root).glob("*") if p.is_dir()):
         removed += [str(path) for path in workspace.clean(work)]
-    log.info("clean_work removed %d item(s)%s", len(removed), "".join(f"\n  {r}" for r in removed))
+    log.info(
+        "clean_work removed %s%s",
+        counted(len(removed), "item"),
+        "".join(f"\n  {r}" for r in removed),
+    )
     return removed
 
 
 def clean_bad_nodes(ledger: str) -> list[dict]:
     """Empty the bad-node ledger (ddpflow.cluster.nodes): its nodes were repaired."""
     removed = nodes.clear_ledger(ledger)
-    log.info("clean_bad_nodes: %s%s", f"forgot {len(removed)} node(s) of {ledger}" if removed
-             else f"no bad nodes recorded ({ledger})",
+    said = (
+        f"forgot {counted(len(removed), 'node')} of {ledger}"
+        if removed
+        else f"no bad nodes recorded ({ledger})"
+    )
+    log.info("clean_bad_nodes: %s%s", said,
              "".join(f"\n  {e['node']}: {e.get('reason', '?')}" for e in removed))  # fmt: skip
     return removed
 

@@ -27,6 +27,8 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddpflow.text import counted
+
 TAIL_LINES = 15
 MAX_CAUSE_CHARS = 500
 
@@ -251,7 +253,7 @@ def diagnose(ranks: list[RankFiles], cancelled: bool = False, batch_log: str | N
 def render(job_name: str, job_id: str, num_tasks: int, folder, diagnosis: Diagnosis) -> str:
     """The rule's error: header, one line per culprit, the collateral ranks, Slurm's lines,
     then the first culprit's log tail."""
-    lines = [f"{job_name} failed (job {job_id}, {num_tasks} ranks, logs in {folder})"]
+    lines = [f"{job_name} failed (job {job_id}, {counted(num_tasks, 'rank')}, logs in {folder})"]
     lines += [f"  rank {v.rank} on {v.host}: {v.cause}" for v in diagnosis.culprits]
     if diagnosis.collateral:
         ranks = [v.rank for v in diagnosis.collateral]

@@ -22,6 +22,7 @@ from ddpflow.cluster import failures, nodes, poll
 from ddpflow.config import memory_mb, ranks_per_node, world_size
 from ddpflow.errors import UserError
 from ddpflow.runtime import atomic_write_json
+from ddpflow.text import counted
 
 log = logging.getLogger(__name__)
 
@@ -222,11 +223,11 @@ def submit(
     with clean_slurm_environment():
         job = executor.submit(task)
     log.info(
-        "submitted %s as %s job %s (%d ranks); logs in %s",
+        "submitted %s as %s job %s (%s); logs in %s",
         job_name,
         launcher,
         job.job_id,
-        job.num_tasks,
+        counted(job.num_tasks, "rank"),
         folder,
     )
     if record:

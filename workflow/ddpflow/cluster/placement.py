@@ -26,6 +26,7 @@ from ddpflow import config as ddpconfig
 from ddpflow.cluster.nodes import read_ledger, shown
 from ddpflow.cluster.slurm_parse import Node
 from ddpflow.config import ConfigError, world_size
+from ddpflow.text import counted
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def decide(run: dict, members: list[Node], ledger: list[dict], ledger_path) -> D
         why = accepts(run, count)
         if why is None:
             return Decision(count, exclude, down, healthy)
-        refused.append(f"{count} node(s): {why}")
+        refused.append(f"{counted(count, 'node')}: {why}")
     raise ConfigError(shortage(run, ledger, ledger_path, Decision(0, exclude, down, healthy),
                                refused))  # fmt: skip
 
@@ -93,7 +94,7 @@ def shortage(run, ledger, ledger_path, decision: Decision, refused: list[str]) -
     )
     have = len(decision.healthy)
     text = (
-        f"run {run['name']!r}: {wanted} but the partition has {have} healthy node(s)"
+        f"run {run['name']!r}: {wanted} but the partition has {counted(have, 'healthy node')}"
         f"{': ' + ', '.join(decision.healthy) if have else ''}; left out: "
         f"{_excluded(ledger, decision, ledger_path) or 'none'}. Nothing was submitted."
     )

@@ -114,9 +114,10 @@ def _judge(result: dict, threshold: float, hosts: list[str]) -> None:
         return
     slow = [r for r, gbps in links.items() if gbps < threshold] or [min(links, key=links.get)]
     names = ", ".join(f"rank {r} on {hosts[r]} ({links[r]:.3f} GB/s)" for r in slow)
+    links_text = "link" if len(slow) == 1 else "links"
     raise SlowInterconnect(
         f"preflight: all_reduce bus bandwidth {busbw:.3f} GB/s is below "
-        f"machine.preflight.min_busbw_gbps={threshold}; slowest link(s) from rank 0 "
+        f"machine.preflight.min_busbw_gbps={threshold}; slowest {links_text} from rank 0 "
         f"({hosts[0]}): {names}. Exclude those nodes (sbatch_extra: {{exclude: ...}}) or "
         "lower the threshold"
     )

@@ -22,6 +22,7 @@ from ddpflow.config.machine import (
 )
 from ddpflow.config.schema import ConfigError, validate
 from ddpflow.runtime import usable_cores
+from ddpflow.text import counted
 
 
 def _check_run(run: dict, launcher: str) -> None:
@@ -82,7 +83,9 @@ def _check_data_and_model(where: str, run: dict) -> None:
 def _check_batches(where: str, run: dict) -> None:
     """The global batch against the world size, the training samples and DDP's static graph."""
     machine, train, world = run["machine"], run["train"], run["world_size"]
-    machine_text = f" (machine.nodes {machine['nodes']} x {ranks_per_node(machine)} ranks)"
+    machine_text = (
+        f" (machine.nodes {machine['nodes']} x {counted(ranks_per_node(machine), 'rank')})"
+    )
     check_world_size(where, train, world, machine_text)
     samples = run["data"]["max_train_samples"]
     if samples is not None and samples < train["global_batch_size"]:
@@ -145,7 +148,7 @@ def _check_local_gpus(where: str, wanted: int) -> None:
     found = local_gpu_count()
     if found >= wanted:
         return
-    have = "no NVIDIA GPU" if found == 0 else f"{found} GPU(s)"
+    have = "no NVIDIA GPU" if found == 0 else counted(found, "GPU")
     raise ConfigError(
         f"{where}: machine.gpus_per_node is {wanted} but this machine has {have} (counted from "
         "CUDA_VISIBLE_DEVICES, else /dev/nvidia*) and the local launcher runs here; set "
@@ -169,10 +172,11 @@ def check_world_size(where: str, train: dict, world: int, machine_text: str = ""
     count = global_ // micro
     if count % world:
         works = ", ".join(map(str, working_world_sizes(train)))
+        batches = counted(count, "micro-batch", "micro-batches")
         raise ConfigError(
             f"{where}: {global_} = {micro} x world size x accumulation steps "
             f"(train.global_batch_size = train.micro_batch_size x ...), but world size "
-            f"{world}{machine_text} does not divide {count} micro-batches: world sizes "
+            f"{world}{machine_text} does not divide {batches}: world sizes "
             f"{works} work; {world} does not. Change the machine, or the two batch sizes, or "
             "set train.micro_batch_size: auto (the largest micro-batch that splits, per world "
             "size)"

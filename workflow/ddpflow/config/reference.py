@@ -25,6 +25,7 @@ from ddpflow.config.fingerprint import (
 from ddpflow.config.machine import world_size
 from ddpflow.config.runs import SECTIONS, resolve_runs
 from ddpflow.config.schema import load_schema, schema_keys, validate
+from ddpflow.text import counted
 
 REGENERATE = "make docs-reference (python -m ddpflow.config.reference > docs/reference/config.md)"
 # an edit is tried in the default run and in runs where keys act that the default run ignores
@@ -203,7 +204,7 @@ def _allowed(node: dict) -> str:
     if "minItems" in node:
         count = node["minItems"]
         same = node.get("maxItems") == count
-        out.append(f"{count} items" if same else f"at least {count} item(s)")
+        out.append(counted(count, "item") if same else f"at least {counted(count, 'item')}")
     items = " and ".join(_bounds(node.get("items", {})))
     if items:
         out.append(f"each {items}")

@@ -168,7 +168,8 @@ def _describe(error: jsonschema.ValidationError) -> str:
         allowed = sorted(error.schema.get("properties", {}))
         extra = sorted(set(error.instance) - set(allowed))
         hints = "".join(_unknown_key_hint(key, allowed, list(error.absolute_path)) for key in extra)
-        return f"{path}: unknown key(s) {extra}{hints} (allowed keys here: {allowed})"
+        keys = "key" if len(extra) == 1 else "keys"
+        return f"{path}: unknown {keys} {extra}{hints} (allowed keys here: {allowed})"
     if error.validator == "enum":
         return f"{path}: {error.instance!r} is not one of {error.validator_value}"
     if error.validator == "anyOf" and path.endswith("data.source"):

@@ -33,6 +33,7 @@ from ddpflow.cluster.slurm_parse import (
 )
 from ddpflow.config.machine import memory_mb, ranks_per_node
 from ddpflow.config.schema import ConfigError
+from ddpflow.text import counted
 
 log = logging.getLogger(__name__)
 
@@ -205,8 +206,9 @@ def check_nodes(where: str, machine: dict, partition: Partition, nodes: list[Nod
     fitting = [n.name for n in nodes if _fits(n, need)]
     if wanted > len(fitting):
         raise ConfigError(
-            f"{where}: machine.nodes is {wanted} but only {len(fitting)} node(s) of partition "
-            f"{partition.name!r} have {need[0]} GPUs, {need[1]} CPUs and {need[2]} MB together "
+            f"{where}: machine.nodes is {wanted} but only {counted(len(fitting), 'node')} of "
+            f"partition {partition.name!r} {'has' if len(fitting) == 1 else 'have'} "
+            f"{need[0]} GPUs, {need[1]} CPUs and {need[2]} MB together "
             f"({','.join(fitting) or 'none'}); set machine.nodes <= {len(fitting)} or ask for less "
             "per node"
         )

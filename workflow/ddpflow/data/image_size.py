@@ -9,6 +9,7 @@ import logging
 import numpy as np
 
 from ddpflow.data.raw import DataError
+from ddpflow.text import counted
 
 log = logging.getLogger(__name__)
 SHOWN = 5  # file names listed in a message before "and N more"
@@ -44,7 +45,7 @@ class SmallImages:
         names = self.names()
         if names and self.on_small == "error":
             raise DataError(
-                f"{len(names)} image(s) smaller than data.image_size [{self.height}, "
+                f"{counted(len(names), 'image')} smaller than data.image_size [{self.height}, "
                 f"{self.width}] (width x height shown): {some_names(names)}; set data.on_small: "
                 "upscale to resize them up (or skip to leave them out; both are counted in "
                 "the manifest), lower data.image_size, or remove them"

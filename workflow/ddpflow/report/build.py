@@ -24,11 +24,12 @@ from pathlib import Path
 
 from ddpflow.config import VOLATILE_TRAIN_KEYS
 from ddpflow.data.staged import sha256_file
-from ddpflow.errors import ReportInputError
 from ddpflow.paths import REPORT_FILES
 from ddpflow.report import insight, plots, sweep, sweep_plots
+from ddpflow.report.inputs import load_eval_metrics, load_runs, load_train_metrics
 from ddpflow.report.render import PHASES, document, to_html, to_markdown
 from ddpflow.runtime import atomic_write_bytes
+from ddpflow.text import counted
 
 __all__ = ["build_report", "load_eval_metrics", "load_train_metrics"]
 
@@ -36,123 +37,6 @@ log = logging.getLogger(__name__)
 
 MANY_RUNS = 12
 FOCUS_RUNS = 8
-_NUM = (int, float)
-_TRAIN_SPEC = {
-    "run": str, "attempt": int, "epoch": int, "step": int, "train_loss": _NUM,
-    "val_accuracy": _NUM, "val_loss": _NUM, "lr": _NUM, "samples_per_s": _NUM,
-    "seconds": {key: _NUM for key in (*PHASES, "epoch")},
-}  # fmt: skip
-_EVAL_SPEC = {
-    "run": str, "accuracy": _NUM, "per_class_accuracy": list, "confusion_matrix": list,
-    "class_names": list, "samples_evaluated": int, "test_size": int, "world_size": int,
-    "hosts": list, "eval_seconds": _NUM,
-    "train": {
-        "world_size": int, "nodes": int, "samples_per_s": _NUM, "wall_seconds": _NUM,
-        "epochs": int, "attempts": int, "hosts": list, "phase_seconds": dict,
-    },
-    "provenance": {
-        "config": dict, "git_commit": (str, type(None)), "versions": dict, "hostnames": list,
-        "created": str,
-    },
-}  # fmt: skip
-
-
-def _check(obj: dict, spec: dict, where: str, prefix: str = "") -> None:
-    for key, kind in spec.items():
-        if key not in obj:
-            raise ReportInputError(f"{where}: missing key {prefix + key!r}")
-        value, expected = obj[key], dict if isinstance(kind, dict) else kind
-        # bool is an int subclass; a JSON true where a count belongs is a producer bug
-        if isinstance(value, bool) or not isinstance(value, expected):
-            raise ReportInputError(f"{where}: key {prefix + key!r} has type {type(value).__name__}")
-        if isinstance(kind, dict):
-            _check(value, kind, where, f"{prefix}{key}.")
-
-
-def _read_text(path, where: str) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise ReportInputError(f"{where}: cannot read file ({err})") from err
-
-
-def load_train_metrics(name: str, path) -> list[dict]:
-    """Per-epoch records sorted by epoch; a resumed attempt re-does epochs, the last one wins."""
-    where = f"run {name!r}: train_metrics {path}"
-    by_epoch: dict[int, dict] = {}
-    for number, line in enumerate(_read_text(path, where).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ReportInputError(f"{where}: line {number} is not JSON ({err.msg})") from err
-        if not isinstance(record, dict):
-            raise ReportInputError(f"{where}: line {number} is not a JSON object")
-        _check(record, _TRAIN_SPEC, f"{where} line {number}")
-        by_epoch[record["epoch"]] = record
-    if not by_epoch:
-        raise ReportInputError(f"{where}: no epochs recorded")
-    return [by_epoch[epoch] for epoch in sorted(by_epoch)]
-
-
-def load_eval_metrics(name: str, path) -> dict:
-    """The evaluation JSON, checked for every key the report reads and for class consistency."""
-    where = f"run {name!r}: eval_metrics {path}"
-    try:
-        data = json.loads(_read_text(path, where))
-    except json.JSONDecodeError as err:
-        raise ReportInputError(f"{where}: not JSON ({err.msg})") from err
-    if not isinstance(data, dict):
-        raise ReportInputError(f"{where}: not a JSON object")
-    _check(data, _EVAL_SPEC, where)
-    n, matrix = len(data["class_names"]), data["confusion_matrix"]
-    if len(data["per_class_accuracy"]) != n or len(matrix) != n:
-        raise ReportInputError(f"{where}: class_names, per_class_accuracy, confusion_matrix differ")
-    if any(not isinstance(row, list) or len(row) != n for row in matrix):
-        raise ReportInputError(f"{where}: confusion_matrix is not {n}x{n}")
-    if any(not isinstance(c, int) or isinstance(c, bool) for row in matrix for c in row):
-        raise ReportInputError(f"{where}: confusion_matrix holds a value that is not a count")
-    # None: a class with no sample in the evaluated split (shown as n/a)
-    numbers = [a for a in data["per_class_accuracy"] if a is not None]
-    if any(isinstance(a, bool) or not isinstance(a, _NUM) for a in numbers):
-        raise ReportInputError(f"{where}: per_class_accuracy holds a value that is not a number")
-    # Padded samplers double-count (README: Exact evaluation): a count mismatch is loud, not fatal.
-    total = sum(sum(row) for row in matrix)
-    if not data["samples_evaluated"] == data["test_size"] == total:
-        log.warning("%s: %d samples evaluated, test size %d, confusion total %d", where,
-                    data["samples_evaluated"], data["test_size"], total)  # fmt: skip
-    return data
-
-
-def _load_runs(runs: list[dict], unfinished=()) -> tuple[list[tuple], list[dict]]:
-    """The runs whose records can be read, and one unfinished entry per run whose records
-    cannot (missing, cut short, a key or type the report needs is not there): the report is
-    written without it, naming it and why."""
-    if not runs and not unfinished:
-        raise ReportInputError("build_report: no runs given")
-    loaded, unreadable, names = [], [], set()
-    for run in runs:
-        missing = {"name", "train_metrics", "eval_metrics"} - set(run)
-        if missing:
-            raise ReportInputError(f"run {run.get('name')!r}: missing {sorted(missing)}")
-        name = str(run["name"])
-        if name in names:
-            raise ReportInputError(f"run {name!r}: listed twice")
-        names.add(name)
-        try:
-            evals = load_eval_metrics(name, run["eval_metrics"])
-            loaded.append((name, load_train_metrics(name, run["train_metrics"]), evals))
-        except ReportInputError as err:
-            log.warning("report: %s", err)
-            unreadable.append(unrenderable(name, str(err), run.get("sweep")))
-    return loaded, unreadable
-
-
-def unrenderable(name: str, cause: str, sweep_block=None) -> dict:
-    """The unfinished-runs entry of a run whose records the report cannot show."""
-    cause = f"records cannot be shown: {cause}"
-    return {"run": name, "stage": "report", "cause": cause, "sweep": sweep_block}
 
 
 def _tracker_rows(runs: list[dict], tracking_failures=()) -> list[list[str]]:
@@ -340,6 +224,13 @@ def _best(rows: list[dict], view: dict | None) -> dict | None:
     )
 
 
+def _mark_best(rows: list[dict], view: dict | None) -> dict | None:
+    best = _best(rows, view)
+    for row in rows:
+        row["best"] = row is best
+    return best
+
+
 def _focus(rows: list[dict]) -> list[str] | None:
     """With more than MANY_RUNS runs, the FOCUS_RUNS best by validation accuracy, best first:
     the runs named in the per-epoch plots and given a confusion matrix and per-class column
@@ -372,17 +263,13 @@ def build_report(
     among the unfinished runs with the reason (naming the run and file); ValueError only for
     a call without runs or with a run listed twice.
     """
-    loaded, unreadable = _load_runs(runs, unfinished)
-    if unreadable:
-        shown = {name for name, _, _ in loaded}
-        runs = [run for run in runs if str(run["name"]) in shown]
-        unfinished = [*unfinished, *unreadable]
+    loaded, unreadable = load_runs(runs, unfinished)
+    shown = {name for name, _, _ in loaded}
+    runs, unfinished = [r for r in runs if str(r["name"]) in shown], [*unfinished, *unreadable]
     rows = [_summary_row(name, epochs, ev) for name, epochs, ev in loaded]
     baseline = _add_scaling(rows)
     view = sweep.collect(runs, loaded, unfinished)
-    best = _best(rows, view)
-    for row in rows:
-        row["best"] = row is best
+    best = _mark_best(rows, view)
     focus = _focus(rows)
     figures = plots.render_figures(loaded, rows, baseline, focus) if rows else {}
     swept = sweep_plots.render(view) if view else {}
@@ -396,8 +283,8 @@ def build_report(
     summary.update(_summary_extras(view, bad_nodes, found, trackers))
     paths = _write_all(Path(out_dir), {**figures, **swept}, _texts(summary, rows, blocks, view))
     log.info(
-        "report: %d run(s)%s, best %r -> %s",
-        len(rows),
+        "report: %s%s, best %r -> %s",
+        counted(len(rows), "run"),
         f", {len(unfinished)} unfinished" if unfinished else "",
         best and best["run"],
         out_dir,

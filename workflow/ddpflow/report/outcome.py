@@ -37,6 +37,7 @@ from ddpflow.paths import (
 )
 from ddpflow.report.sweep import slim
 from ddpflow.runtime import atomic_write_json
+from ddpflow.text import counted
 from ddpflow.tracking.track import read_failure as read_tracking_failure
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ def _report_unfinished(runs: dict[str, dict], results_dir: str | Path, restored)
     if bad_nodes:
         print(f"ddpflow: {bad_nodes_line(bad_nodes)}", file=sys.stderr)
     print(
-        f"ddpflow: report of the {len(finished)} finished run(s) of {len(runs)}, "
+        f"ddpflow: report of the {len(finished)} finished of {counted(len(runs), 'run')}, "
         f"naming the others: {written['html']}",
         file=sys.stderr,
     )

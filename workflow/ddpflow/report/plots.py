@@ -18,6 +18,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FormatStrFormatter, FuncFormatter, MaxNLocator, ScalarFormatter
 
+from ddpflow.text import counted
+
 __all__ = [
     "plot_confusion",
     "plot_per_epoch",
@@ -129,7 +131,9 @@ def plot_scaling(points: list[tuple[str, int, float]], base_ranks: int, base_rat
     ax = fig.add_subplot()
     sizes = sorted({ranks for _, ranks, _ in points})
     ideal = [base_rate * ranks / base_ranks for ranks in sizes]
-    ax.plot(sizes, ideal, "--", color="gray", label=f"ideal: linear from {base_ranks} rank(s)")
+    ax.plot(
+        sizes, ideal, "--", color="gray", label=f"ideal: linear from {counted(base_ranks, 'rank')}"
+    )
     best = [max(rate for _, r, rate in points if r == ranks) for ranks in sizes]
     ax.plot(sizes, best, "o-", color="tab:blue", label="measured")
     for name, ranks, rate in points:

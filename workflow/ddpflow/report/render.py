@@ -19,6 +19,7 @@ import re
 import yaml
 
 from ddpflow.runtime import PHASES
+from ddpflow.text import counted
 
 __all__ = ["PHASES", "document", "to_html", "to_markdown"]
 
@@ -172,12 +173,14 @@ def _dataset_line(dataset: dict) -> list[tuple]:
     text = f"data: {dataset.get('source')} ({sizes})"
     notes = dataset.get("source_notes") or {}
     if "skipped_corrupt" in notes:  # an image folder
-        text += (f"; {notes['skipped_corrupt']} corrupt image(s) skipped, "
-                 f"{notes['ignored_files']} file(s) that are not images ignored")  # fmt: skip
+        corrupt, ignored = notes["skipped_corrupt"], notes["ignored_files"]
+        text += (f"; {counted(corrupt, 'corrupt image')} skipped, "
+                 f"{counted(ignored, 'file')} that are not images ignored")  # fmt: skip
     for done in ("upscaled", "skipped"):  # data.on_small (a manifest staged before: none)
         if count := notes.get(f"{done}_small"):
-            text += (f"; {count} image(s) smaller than data.image_size {notes['image_size']} "
-                     f"{done} (data.on_small: {notes['on_small']})")  # fmt: skip
+            size, mode = notes["image_size"], notes["on_small"]
+            text += (f"; {counted(count, 'image')} smaller than data.image_size {size} "
+                     f"{done} (data.on_small: {mode})")  # fmt: skip
     return [("p", text)]
 
 
@@ -186,9 +189,9 @@ def _unfinished_blocks(unfinished, finished: int) -> list[tuple]:
     total = finished + len(unfinished)
     blocks = [
         ("h2", "Runs that did not finish"),
-        ("p", f"Partial report: {finished} of {total} run(s) finished. Fix the cause, then "
-              "run the same snakemake command again: it redoes the unfinished runs and this "
-              "report, nothing else."),
+        ("p", f"Partial report: {finished} of {counted(total, 'run')} finished. Fix the cause, "
+              "then run the same snakemake command again: it redoes the unfinished runs and "
+              "this report, nothing else."),
         ("table", ["Run", "Failed in", "Cause", "Log"],
          [[u["run"], u.get("stage", "-"), u.get("cause", "?"), u.get("log") or "-"]
           for u in unfinished], None),
@@ -202,9 +205,9 @@ def _bad_node_blocks(bad_nodes) -> list[tuple]:
     """The nodes of the bad-node ledger (ddpflow.cluster.nodes), which later Slurm jobs avoid."""
     return [
         ("h2", "Bad nodes"),
-        ("p", f"{len(bad_nodes)} node(s) failed under this workflow's Slurm jobs; later jobs "
-              "exclude them (and run on fewer nodes with machine.min_nodes). Once they are "
-              "repaired: snakemake clean_bad_nodes."),
+        ("p", f"{counted(len(bad_nodes), 'node')} failed under this workflow's Slurm jobs; "
+              "later jobs exclude them (and run on fewer nodes with machine.min_nodes). Once "
+              "they are repaired: snakemake clean_bad_nodes."),
         ("table", ["Node", "Reason", "Job", "Run", "Time"],
          [[e["node"], e.get("reason", "?"), e.get("job_id", "-"), e.get("run", "-"),
            e.get("time", "-")] for e in bad_nodes], None),
@@ -239,7 +242,10 @@ def document(
     best = next(row["run"] for row in rows if row["best"])
     scaling = any(row["speedup"] is not None for row in rows)
     label = "validation" if sweep else split_label(rows)
-    blocks[0] = ("p", f"Generated {generated}. {len(rows)} run(s); best {label} accuracy: {best}.")
+    blocks[0] = (
+        "p",
+        f"Generated {generated}. {counted(len(rows), 'run')}; best {label} accuracy: {best}.",
+    )
     blocks += [*sweep, ("h2", "Runs"), _runs_table(rows, scaling)]
     blocks += [("h2", "Machine and speed"), _machine_table(rows, scaling)]
     if scaling:

@@ -22,6 +22,7 @@ import math
 from pathlib import Path
 
 from ddpflow.paths import RUN_FILES
+from ddpflow.text import counted
 
 __all__ = ["CSV_NAME", "TOP_IN_TABLE", "blocks", "collect", "csv_text", "slim"]
 
@@ -212,7 +213,8 @@ def _headline(view: dict) -> str:
     counts = {s: sum(r["status"] == s for r in view["rows"]) for s in
               ("finished", "pruned", "failed", "unfinished")}  # fmt: skip
     done = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
-    text = (f"{len(view['rows'])} run(s) of a sweep ({', '.join(view['origins']) or 'sweep'}) "
+    origins = ", ".join(view["origins"]) or "sweep"
+    text = (f"{counted(len(view['rows']), 'run')} of a sweep ({origins}) "
             f"over {', '.join(view['keys'])}: {done}. Ranked by validation accuracy (of the model "
             "each run kept: its last epoch's); the test set is never used to select.")  # fmt: skip
     best = selected(view)

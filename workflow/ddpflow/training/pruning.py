@@ -35,6 +35,7 @@ from pathlib import Path
 
 from ddpflow import paths
 from ddpflow.config import training_fingerprint
+from ddpflow.text import counted
 
 log = logging.getLogger(__name__)
 
@@ -173,8 +174,8 @@ class MedianPruner:
         decision = decide(own, list(peers.values()), epoch, min_runs)
         seen = ", ".join(f"{name} {value:.4f}" for name, value in sorted(peers.items()))
         if decision is None:
-            log.info("pruning at epoch %d: %d other run(s) of the sweep reached it (%s), "
-                     "pruning needs %d runs in all: continuing", epoch, len(peers),
+            log.info("pruning at epoch %d: %s of the sweep reached it (%s), pruning needs %d "
+                     "runs in all: continuing", epoch, counted(len(peers), "other run"),
                      seen or "none", min_runs)  # fmt: skip
             return None
         if not decision.pop("prune"):

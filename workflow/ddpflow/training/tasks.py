@@ -25,6 +25,7 @@ from ddpflow.cluster.preflight import run_preflight
 from ddpflow.config import config_hash, evaluation_fingerprint, uses_channels_last
 from ddpflow.monitoring import sampler as monitor
 from ddpflow.paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
+from ddpflow.text import counted
 from ddpflow.training import evaluate
 from ddpflow.training.build import cpu_has_native_bf16, placed_model
 from ddpflow.training.checkpoint import (
@@ -293,10 +294,11 @@ def _start_log(run, model, loop, resumed, attempt, live_metrics: Path) -> None:
     runtime.atomic_write_bytes(live_metrics, lines.encode())
     train = run["train"]
     log.info(
-        "model %s: %d parameters; lr %.4g (global batch %d = micro-batch %d x %d ranks x %d "
-        "accumulation steps); strategy %s; attempt %d",
+        "model %s: %d parameters; lr %.4g (global batch %d = micro-batch %d x %s x %s); "
+        "strategy %s; attempt %d",
         run["model"]["name"], count_parameters(model), loop.lr, train["global_batch_size"],
-        train["micro_batch_size"], loop.env.world_size, loop.accum, loop.strategy, attempt,
+        train["micro_batch_size"], counted(loop.env.world_size, "rank"),
+        counted(loop.accum, "accumulation step"), loop.strategy, attempt,
     )  # fmt: skip
     if resumed:
         log.info("RESUMED from attempt %d: %s", resumed["attempt"],
