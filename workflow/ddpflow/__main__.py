@@ -21,7 +21,7 @@ import sys
 from ddpflow import config as ddpconfig
 from ddpflow import pipeline
 from ddpflow.data.staged import DataError, verify_staged
-from ddpflow.paths import REPORT_FILES, RunPaths, report_dir
+from ddpflow.paths import RunPaths
 from ddpflow.training.tasks import EvalTask, TrainTask
 
 COMMANDS = {
@@ -61,13 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def select_run(cfg: dict, name: str | None) -> dict:
-    runs = ddpconfig.resolve_runs(cfg)
+    """The run called `name` (default: the config's first), validating that run alone."""
     if name is None:
-        return runs[0]
-    for run in runs:
-        if run["name"] == name:
-            return run
-    raise ddpconfig.ConfigError(f"--run {name!r}: no such run; runs: {[r['name'] for r in runs]}")
+        name = ddpconfig.run_entries(cfg)[0][0]["name"]
+    return ddpconfig.run_by_name(cfg, name)
 
 
 def already_staged(staged: str, data_cfg: dict) -> bool:
@@ -103,18 +100,11 @@ def main(argv=None) -> int:
 
 
 def _report(cfg: dict) -> int:
-    runs = ddpconfig.resolve_runs(cfg)
-    files = [RunPaths.for_run(cfg["results_dir"], run) for run in runs]
-    out = report_dir(cfg["results_dir"])
-    pipeline.run_rule(
-        pipeline.build_report,
-        None,
-        [run["name"] for run in runs],
-        [f.train_metrics for f in files],
-        [f.eval_metrics for f in files],
-        str(out),
+    """The report rule's report (pipeline.report_of_config), of every run of the config."""
+    paths = pipeline.run_rule(
+        pipeline.report_of_config, None, cfg["results_dir"], ddpconfig.resolve_runs(cfg)
     )
-    print(f"ddpflow: report in {out / REPORT_FILES['html']}")
+    print(f"ddpflow: report in {paths['html']}")
     return 0
 
 

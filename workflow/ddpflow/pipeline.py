@@ -27,7 +27,14 @@ from ddpflow.data.staged import choose_in_memory, read_manifest, sha256_file
 from ddpflow.data.staging import stage_dataset
 from ddpflow.errors import UserError
 from ddpflow.monitoring.rankstats import stragglers
-from ddpflow.paths import EVAL_FROM_TRAIN, LIVE_METRICS, TRACKING_FILE, RunPaths
+from ddpflow.paths import (
+    EVAL_FROM_TRAIN,
+    LIVE_METRICS,
+    TRACKING_FILE,
+    RunPaths,
+    bad_nodes_file,
+    report_dir,
+)
 from ddpflow.report import outcome
 from ddpflow.text import counted
 from ddpflow.tracking.live import LiveStream
@@ -331,6 +338,22 @@ def build_report(
     if bad_nodes:
         log.warning("%s (%s)", outcome.bad_nodes_line(bad_nodes), nodes.shown(ledger))
     return build_report(runs, out_dir, bad_nodes=bad_nodes)
+
+
+def report_of_config(results_dir: str, runs: list[dict]) -> dict:
+    """The report rule's report, for `python -m ddpflow report`: the same runs, files, bad-node
+    ledger and sweep points as the rule passes (workflow/rules/report.smk)."""
+    from ddpflow.report.sweep import slim
+
+    files = [RunPaths.for_run(results_dir, run) for run in runs]
+    return build_report(
+        [run["name"] for run in runs],
+        [f.train_metrics for f in files],
+        [f.eval_metrics for f in files],
+        str(report_dir(results_dir)),
+        str(bad_nodes_file(results_dir)),
+        [slim(run.get("sweep")) for run in runs],
+    )
 
 
 def clean_work(work_root: str) -> list[str]:

@@ -58,7 +58,15 @@ from ddpflow.config.machine import (
     uses_channels_last,
     world_size,
 )
-from ddpflow.config.runs import SECTIONS, check, check_runs, load, resolve_runs, run_by_name
+from ddpflow.config.runs import (
+    SECTIONS,
+    check,
+    check_runs,
+    load,
+    resolve_runs,
+    run_by_name,
+    run_entries,
+)
 from ddpflow.config.schema import ConfigError, load_schema, validate
 
 __all__ = [
@@ -92,6 +100,7 @@ __all__ = [
     "ranks_per_node",
     "resolve_runs",
     "run_by_name",
+    "run_entries",
     "run_warnings",
     "stage_params",
     "trains_sharded",
