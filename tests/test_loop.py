@@ -299,6 +299,7 @@ def test_accumulation_with_no_sync_equals_the_large_batch(ddp_results, steps):
     torch.testing.assert_close(accum["params"], large["params"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # ddp_results starts a process group of 2 ranks
 @pytest.mark.parametrize("case", [c[0] for c in ACCUMULATION_CASES])
 def test_ddp_ranks_end_with_identical_parameters(ddp_results, case):
     ranks, _ = ddp_results
@@ -309,6 +310,7 @@ def test_ddp_ranks_end_with_identical_parameters(ddp_results, case):
     assert not torch.allclose(ranks[0][case]["params"], initial)
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_rank_with_the_whole_batch(ddp_results):
     """One step of 2 ranks x 16 samples is one step of 1 rank x 32 samples (same scaled lr)."""
     ranks, datasets = ddp_results

@@ -9,7 +9,6 @@ import logging
 from pathlib import Path
 
 import pytest
-from ddpflow import config as ddpconfig
 from ddpflow import pipeline
 from ddpflow.cluster import launch, nodes, placement
 from ddpflow.cluster.slurm_parse import Node, parse_job_instances, parse_node_events, parse_nodes
@@ -28,17 +27,14 @@ def node(name: str, state: str = "IDLE", reason: str = "") -> Node:
     return Node(name, ("debug",), 4, 8000, 0, "(null)", state, reason)
 
 
-def _splittable_batch() -> dict:
-    """Train keys of a global batch that 1 to 4 ranks split evenly, where the config has a
-    global batch (issue 23's world-size-free recipe refuses a world size that cannot split
-    it; its default of 2 micro-batches allows 1 or 2 ranks only)."""
-    keys = ddpconfig.load_schema()["$defs"]["train"]["properties"]
-    return {"global_batch_size": 384, "micro_batch_size": 32} if "global_batch_size" in keys else {}
+# a global batch that 1 to 4 ranks split evenly (the schema's default of 2 micro-batches
+# allows 1 or 2 ranks only)
+SPLITTABLE = {"global_batch_size": 384, "micro_batch_size": 32}
 
 
 def slurm_run(nodes_: int = 2, min_nodes: int | None = None, **machine) -> dict:
     machine = {"nodes": nodes_, "min_nodes": min_nodes, "cpu_ranks_per_node": 1, **machine}
-    return make_run(launcher="slurm", machine=machine, train=_splittable_batch(),
+    return make_run(launcher="slurm", machine=machine, train=SPLITTABLE,
                     runs=[{"name": "cnn"}])  # fmt: skip
 
 
@@ -264,7 +260,6 @@ def test_the_report_has_a_bad_nodes_section_only_when_there_are_some():
     assert "Bad nodes" not in render.to_markdown("r", render.document([], [], {}, "now"))
 
 
-@pytest.mark.skipif(not _splittable_batch(), reason="needs the global batch of issue 23's recipe")
 def test_a_node_count_that_cannot_split_the_global_batch_is_skipped():
     """global 128 / micro 32 = 4 micro-batches per step: 3 ranks cannot share them, 2 can."""
     machine = {"nodes": 4, "min_nodes": 1, "cpu_ranks_per_node": 1}

@@ -93,9 +93,10 @@ class DistributedTask:
         try:
             result = self.work(env, device, gather_hosts(env))
             if env.world_size > 1:
-                # every rank leaves together: a rank tearing gloo down while rank 0 still
-                # wrote its outputs was aborted at exit ("terminate called without an
-                # active exception") in evaluate jobs on the Slurm test cluster
+                # no rank starts its teardown while another is still in the task's last
+                # collective; the abort at exit seen on the Slurm test cluster ("terminate
+                # called without an active exception") is a race in the teardown itself,
+                # which this barrier did not end: distenv.leave_together does
                 dist.barrier()
             done = True
             return result
@@ -107,9 +108,12 @@ class DistributedTask:
 
 
 class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
-    """Train one run. Resumes from the newest valid checkpoint; on Slurm's time-limit or
-    preemption signal all ranks stop at one step, rank 0 saves, and submitit requeues the job
-    (checkpoint() returns this same task, which resumes)."""
+    """Train one run. Resumes from the newest valid checkpoint. On Slurm's time-limit or
+    preemption signal (USR2) the ranks agree on a step, rank 0 saves, then calls submitit's own
+    USR2 handler (checkpoint.hand_over_to_requeue). That handler calls checkpoint() of the
+    callable submitit pickled, cluster.jobs.TrainJob (never this class's, inherited from
+    Checkpointable), and requeues the job; the requeued TrainJob builds this task anew, which
+    resumes from the checkpoint."""
 
     def work(self, env, device, hosts) -> dict:
         run, paths = self.run, self.paths
