@@ -160,10 +160,24 @@ def test_clean_work_removes_set_aside_and_finished_checkpoints(trained):
     assert jobs_planned(trained, configfile) == set(), "clean_work invalidated an output"
 
 
-def _start(workdir: Path, configfile: Path) -> subprocess.Popen:
+def _start(workdir: Path, configfile: Path, out: str = "snakemake.out") -> subprocess.Popen:
+    """Snakemake in a session of its own, as a terminal starts it: os.killpg is a Ctrl-C."""
     cmd, env = snakemake_command(workdir, configfile)
-    log = open(workdir / "snakemake.out", "ab")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(cmd, stdout=log, stderr=log, env=env, cwd=workdir)
+    log = open(workdir / out, "ab")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(
+        cmd, stdout=log, stderr=log, env=env, cwd=workdir, start_new_session=True
+    )
+
+
+def _quietly_stopped(workdir: Path, out: str, stage: str) -> str:
+    """The output of a stopped workflow: no traceback, and the run's one line saying what was
+    interrupted, what is kept and the command that goes on."""
+    text = (workdir / out).read_text()
+    assert "Traceback" not in text, text[-4000:]
+    lines = [line for line in text.splitlines() if line.startswith("ddpflow: run 'cnn': ")]
+    assert len(lines) == 1 and f"{stage} interrupted" in lines[0], text[-3000:]
+    assert "the same command" in lines[0] and "--configfile" in lines[0], lines[0]
+    return lines[0]
 
 
 def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout_s: float = 300) -> None:
@@ -190,25 +204,38 @@ def _job_pids(folder: Path) -> list[int]:
 
 def test_signals_to_snakemake_stop_the_jobs_and_rerun_recovers(workdir):
     """Finding 7: SIGINT to Snakemake (its PID only) during a local evaluation let the job
-    run on. Now SIGTERM during training and SIGINT during evaluation both stop the job at
-    once (nothing left running); the rerun resumes training, then redoes evaluation."""
-    slow = _edit(BASE, "train", epochs=4, checkpoint__every_steps=5)
+    run on. Now a terminal's Ctrl-C (SIGINT to the whole process group) and SIGTERM during
+    training, and SIGINT during evaluation, all stop the job at once (nothing left running),
+    each with one line naming what stopped, what is kept and the command that continues it,
+    and no traceback; the reruns resume training, then redo evaluation."""
+    slow = _edit(BASE, "train", epochs=6, checkpoint__every_steps=5)
     slow["eval"] = {"in_train": False}  # an evaluate job to stop, after the training job
     configfile = write_config(workdir / "config.yaml", slow)
     train_logs = workdir / "logs/submitit/cnn/train"
-    proc = _start(workdir, configfile)
-    _wait_for(lambda: list(workdir.glob("results/work/cnn/checkpoints/ckpt-*.pt")), proc, "a ckpt")
+    checkpoints = workdir / "results/work/cnn/checkpoints"
+    proc = _start(workdir, configfile, "ctrl-c.out")
+    _wait_for(lambda: list(checkpoints.glob("ckpt-*.pt")), proc, "a ckpt")
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal
+    assert proc.wait(timeout=90) != 0
+    assert not any(_alive(pid) for pid in _job_pids(train_logs)), "training job left running"
+    assert "checkpoint (step " in _quietly_stopped(workdir, "ctrl-c.out", "train")
+    first = sorted(checkpoints.glob("ckpt-*.pt"))[-1]
+
+    proc = _start(workdir, configfile, "sigterm.out")
+    _wait_for(lambda: sorted(checkpoints.glob("ckpt-*.pt"))[-1] != first, proc, "a later ckpt")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=90) != 0
     assert not any(_alive(pid) for pid in _job_pids(train_logs)), "training job left running"
+    _quietly_stopped(workdir, "sigterm.out", "train")
     assert not (workdir / "results/runs/cnn/model.pt").exists(), "stopped too late"
 
-    proc = _start(workdir, configfile)
+    proc = _start(workdir, configfile, "sigint.out")
     eval_logs = workdir / "logs/submitit/cnn/evaluate"
     _wait_for(lambda: _job_pids(eval_logs), proc, "the evaluation job")
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=90) != 0
     assert not any(_alive(pid) for pid in _job_pids(eval_logs)), "evaluation job left running"
+    _quietly_stopped(workdir, "sigint.out", "evaluate")
     assert "RESUMED from attempt" in _newest_rank0_log(workdir, "train")
     assert not (workdir / "results/runs/cnn/eval_metrics.json").exists(), "stopped too late"
 

@@ -398,6 +398,13 @@ def run_rule(function, log_file: str | None, *args, failures: tuple[str, str] | 
         outcome.clear_failure(failures[0])
     try:
         return function(*args)
+    except KeyboardInterrupt as exc:
+        # Ctrl-C, or Snakemake's SIGTERM (cluster.interrupts): the job was cancelled or left
+        # running (cluster.launch); one line, no traceback; onerror says how to continue
+        log.warning("%s stopped (Ctrl-C or a signal)", function.__name__)
+        if failures:
+            outcome.record_failure(*failures, exc, log_file)
+        raise SystemExit(130) from None
     except UserError as exc:
         # the message names what to fix: a traceback would only bury it
         log.error("%s failed:\n%s", function.__name__, exc)

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -100,6 +101,29 @@ def clean_slurm_environment():
     salloc = [key for key in os.environ if key.startswith("SALLOC_")]
     with submitit.helpers.clean_env(extra_names=salloc):
         yield
+
+
+@contextlib.contextmanager
+def _controller_output(launcher: str, folder):
+    """submitit's local executor starts a controller process that inherits this process's
+    stdout and stderr, and a Ctrl-C or a cancel (its SIGINT) makes it print a
+    KeyboardInterrupt traceback there, in the user's terminal: its output goes to
+    <folder>/controller.log instead (the ranks write logs of their own)."""
+    if launcher != "local":
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(Path(folder) / "controller.log", "ab") as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+    try:
+        yield
+    finally:
+        for fd, copy in zip((1, 2), saved, strict=True):
+            os.dup2(copy, fd)
+            os.close(copy)
 
 
 @contextlib.contextmanager
@@ -220,7 +244,7 @@ def submit(
     """Submit one job with one task per rank and record its id and placement (for a later
     reattach)."""
     executor = make_executor(launcher, machine, folder, job_name, max_requeues, exclude)
-    with clean_slurm_environment():
+    with clean_slurm_environment(), _controller_output(launcher, folder):
         job = executor.submit(task)
     log.info(
         "submitted %s as %s job %s (%s); logs in %s",

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
+import shutil
 import socket
 import sys
 import time
@@ -27,7 +29,9 @@ from ddpflow.cluster.nodes import read_ledger
 from ddpflow.config import evaluation_fingerprint, training_fingerprint
 from ddpflow.errors import UserError
 from ddpflow.paths import (
+    CHECKPOINTS,
     FAILED,
+    LIVE_METRICS,
     REPORT_FILES,
     TRACKING_FILE,
     RunPaths,
@@ -66,6 +70,7 @@ def record_failure(work: str | Path, stage: str, exc: BaseException, log_file: s
     # ("  rank 0 on node3: <exception>"): the first culprit is the cause
     culprit = next((line.strip() for line in lines[1:] if line.startswith("  rank ")), None)
     record = {
+        "interrupted": isinstance(exc, KeyboardInterrupt),
         "stage": stage,
         "cause": culprit or lines[0],
         "detail": "\n".join(lines[:40]),
@@ -117,6 +122,45 @@ def report_unfinished(
         return None
 
 
+def _unfinished_line(entry: dict, runs: dict[str, dict], results_dir) -> str:
+    """One line per run that did not finish; a stopped one says where it stopped, what is
+    kept and the command that continues it."""
+    name = entry["run"]
+    if not entry.get("interrupted"):
+        failed = f" ({entry['stage']} failed: {entry['cause']})" if "log" in entry else ""
+        return f"ddpflow: run {name!r} did not finish{failed}"
+    work = work_dir(results_dir, name)
+    epochs = _lines(work / LIVE_METRICS) if entry["stage"] == "train" else 0
+    total = runs.get(name, {}).get("train", {}).get("epochs", "?")
+    where = f" after epoch {epochs} of {total}" if epochs else ""
+    saved = sorted((work / CHECKPOINTS).glob("ckpt-*"))
+    step = saved[-1].name.removeprefix("ckpt-").split(".")[0].lstrip("0") if saved else ""
+    kept = "no checkpoint was written yet; the same command starts it again"
+    if entry["stage"] != "train":
+        kept = "the same command runs it again"
+    elif saved:
+        kept = f"its checkpoint (step {step or 0}) is kept; the same command continues it"
+    return f"ddpflow: run {name!r}: {entry['stage']} interrupted{where}; {kept}: {_command()}"
+
+
+def _lines(path: Path) -> int:
+    try:
+        return sum(1 for line in path.read_text().splitlines() if line.strip())
+    except OSError:
+        return 0
+
+
+def _command() -> str:
+    """This Snakemake's command line as the user can type it again."""
+    program = Path(sys.argv[0])
+    if program.name == "snakemake" and shutil.which("snakemake") == str(program):
+        shown = "snakemake"  # on the PATH (an activated .venv)
+    else:
+        shown = os.path.relpath(program) if program.is_absolute() else str(program)
+        shown = shown if len(shown) < len(str(program)) else str(program)
+    return shlex.join([shown, *sys.argv[1:]])
+
+
 def bad_nodes_line(bad_nodes: list[dict]) -> str:
     """The ledger in one line for the terminal."""
     names = ", ".join(f"{e['node']} ({e.get('reason', '?')})" for e in bad_nodes)
@@ -164,11 +208,7 @@ def _report_unfinished(runs: dict[str, dict], results_dir: str | Path, restored)
         os.utime(written[key], (0, 0))
     (out / REPORT_FILES["plots"] / ".snakemake_timestamp").unlink(missing_ok=True)
     for entry in unfinished:
-        print(
-            f"ddpflow: run {entry['run']!r} did not finish"
-            + (f" ({entry['stage']} failed: {entry['cause']})" if "log" in entry else ""),
-            file=sys.stderr,
-        )
+        print(_unfinished_line(entry, runs, results_dir), file=sys.stderr)
     for entry in tracking_failures:
         print(f"ddpflow: run {entry['run']!r} finished; its tracking failed: {entry['cause']}",
               file=sys.stderr)  # fmt: skip
