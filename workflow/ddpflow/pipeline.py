@@ -26,7 +26,6 @@ from ddpflow.config import (
 from ddpflow.data.staged import choose_in_memory, read_manifest, sha256_file
 from ddpflow.data.staging import stage_dataset
 from ddpflow.errors import UserError
-from ddpflow.monitoring.rankstats import stragglers
 from ddpflow.paths import (
     EVAL_FROM_TRAIN,
     LIVE_METRICS,
@@ -35,6 +34,7 @@ from ddpflow.paths import (
     bad_nodes_file,
     report_dir,
 )
+from ddpflow.progress import EpochProgress
 from ddpflow.report import outcome
 from ddpflow.text import counted
 from ddpflow.tracking.live import LiveStream
@@ -62,78 +62,6 @@ def stage_data(data_cfg: dict, out_dir: str, threads: int = 1) -> dict:
 def _job_record(paths: RunPaths, stage_name: str) -> Path:
     """Where the id of the stage's submitted job is kept (for a reattach after a stop)."""
     return Path(paths.work) / f"{stage_name}-job.json"
-
-
-class EpochProgress:
-    """Live progress in the rule's log and the terminal: each epoch line rank 0 appends to
-    the run's metrics.jsonl in the work folder (a shared filesystem on a cluster), with an
-    estimate of the time left, printed as the launcher polls the job."""
-
-    def __init__(self, run: dict, metrics: Path, stream=None):
-        self.run, self.metrics = run, metrics
-        self.stream = stream  # ddpflow.tracking.live.LiveStream, or None
-        # epochs already there are an earlier attempt's (a resumed attempt rewrites the file
-        # with its history first): only later epochs are news
-        self.last_epoch = max((r["epoch"] for r in self._records()), default=0)
-        self.epoch_seconds: list[float] = []
-        self.stragglers: set[int] = set()
-
-    def _records(self) -> list[dict]:
-        try:
-            lines = self.metrics.read_text(errors="replace").splitlines()
-        except OSError:
-            return []
-        records = []
-        for line in lines:
-            try:  # a line being written fails to parse: it is read at the next poll
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and isinstance(record.get("epoch"), int):
-                records.append(record)
-        return records
-
-    def __call__(self) -> None:
-        for record in self._records():
-            if record["epoch"] > self.last_epoch:
-                self.last_epoch = record["epoch"]
-                if self.stream is not None:
-                    self.stream(record)  # to MLflow as it lands; never raises
-                try:
-                    self._log(record)
-                except (KeyError, TypeError, ValueError):
-                    continue
-
-    def _log(self, record: dict) -> None:
-        epochs, epoch = self.run["train"]["epochs"], record["epoch"]
-        self.epoch_seconds.append(record["seconds"]["epoch"])
-        mean = sum(self.epoch_seconds) / len(self.epoch_seconds)
-        eta = mean * (epochs - epoch)
-        log.info(
-            "run %r epoch %d/%d: train loss %.4f, val accuracy %.4f, %.0f samples/s, "
-            "%.1f s per epoch%s",
-            self.run["name"],
-            epoch,
-            epochs,
-            record["train_loss"],
-            record["val_accuracy"],
-            record["samples_per_s"],
-            record["seconds"]["epoch"],
-            f", about {eta:.0f} s left" if epoch < epochs else "",
-        )
-        margin = self.run["train"]["monitor"]["straggler_margin"]
-        flagged = stragglers(record.get("ranks") or [], margin)
-        for f in flagged:
-            if f["rank"] not in self.stragglers:
-                log.warning(
-                    "run %r epoch %d: rank %d on %s is a straggler, the others wait for it (%s)",
-                    self.run["name"],
-                    epoch,
-                    f["rank"],
-                    f["host"],
-                    f["reason"],
-                )
-        self.stragglers = {f["rank"] for f in flagged}
 
 
 def _placed(run: dict, paths: RunPaths, stage_name: str) -> tuple[dict, tuple[str, ...]]:

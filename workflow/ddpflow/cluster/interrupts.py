@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 from pathlib import Path
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -76,3 +77,50 @@ def forward_stop_signals() -> None:
                 os.kill(os.getpid(), num)
 
         signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def controller_output(launcher: str, folder):
+    """submitit's local executor starts a controller process that inherits this process's
+    stdout and stderr, and a Ctrl-C or a cancel (its SIGINT) makes it print a
+    KeyboardInterrupt traceback there, in the user's terminal: its output goes to
+    <folder>/controller.log instead (the ranks write logs of their own)."""
+    if launcher != "local":
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(Path(folder) / "controller.log", "ab") as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+    try:
+        yield
+    finally:
+        for fd, copy in zip((1, 2), saved, strict=True):
+            os.dup2(copy, fd)
+            os.close(copy)
+
+
+@contextlib.contextmanager
+def ignore_stop_signals():
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    """Snakemake stops a running rule with SIGTERM: treat it like Ctrl-C so we cancel the job."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -11,15 +11,18 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import submitit
 
 from ddpflow.cluster import failures, nodes, poll
+from ddpflow.cluster.interrupts import (
+    controller_output,
+    ignore_stop_signals,
+    terminate_as_interrupt,
+)
 from ddpflow.config import memory_mb, ranks_per_node, world_size
 from ddpflow.errors import UserError
 from ddpflow.runtime import atomic_write_json
@@ -101,53 +104,6 @@ def clean_slurm_environment():
     salloc = [key for key in os.environ if key.startswith("SALLOC_")]
     with submitit.helpers.clean_env(extra_names=salloc):
         yield
-
-
-@contextlib.contextmanager
-def _controller_output(launcher: str, folder):
-    """submitit's local executor starts a controller process that inherits this process's
-    stdout and stderr, and a Ctrl-C or a cancel (its SIGINT) makes it print a
-    KeyboardInterrupt traceback there, in the user's terminal: its output goes to
-    <folder>/controller.log instead (the ranks write logs of their own)."""
-    if launcher != "local":
-        yield
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    with open(Path(folder) / "controller.log", "ab") as sink:
-        os.dup2(sink.fileno(), 1)
-        os.dup2(sink.fileno(), 2)
-    try:
-        yield
-    finally:
-        for fd, copy in zip((1, 2), saved, strict=True):
-            os.dup2(copy, fd)
-            os.close(copy)
-
-
-@contextlib.contextmanager
-def ignore_stop_signals():
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-@contextlib.contextmanager
-def terminate_as_interrupt():
-    """Snakemake stops a running rule with SIGTERM: treat it like Ctrl-C so we cancel the job."""
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def launch(
@@ -244,7 +200,7 @@ def submit(
     """Submit one job with one task per rank and record its id and placement (for a later
     reattach)."""
     executor = make_executor(launcher, machine, folder, job_name, max_requeues, exclude)
-    with clean_slurm_environment(), _controller_output(launcher, folder):
+    with clean_slurm_environment(), controller_output(launcher, folder):
         job = executor.submit(task)
     log.info(
         "submitted %s as %s job %s (%s); logs in %s",

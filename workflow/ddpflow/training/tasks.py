@@ -93,10 +93,8 @@ class DistributedTask:
         try:
             result = self.work(env, device, gather_hosts(env))
             if env.world_size > 1:
-                # no rank starts its teardown while another is still in the task's last
-                # collective; the abort at exit seen on the Slurm test cluster ("terminate
-                # called without an active exception") is a race in the teardown itself,
-                # which this barrier did not end: distenv.leave_together does
+                # no rank tears down while another is in the last collective; the abort at
+                # exit (a teardown race) is distenv.leave_together's to prevent, not this
                 dist.barrier()
             done = True
             return result
@@ -108,12 +106,9 @@ class DistributedTask:
 
 
 class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
-    """Train one run. Resumes from the newest valid checkpoint. On Slurm's time-limit or
-    preemption signal (USR2) the ranks agree on a step, rank 0 saves, then calls submitit's own
-    USR2 handler (checkpoint.hand_over_to_requeue). That handler calls checkpoint() of the
-    callable submitit pickled, cluster.jobs.TrainJob (never this class's, inherited from
-    Checkpointable), and requeues the job; the requeued TrainJob builds this task anew, which
-    resumes from the checkpoint."""
+    """Train one run, from the newest valid checkpoint. On USR2 (time limit, preemption) the
+    ranks agree on a step, rank 0 saves and calls submitit's USR2 handler, which requeues the
+    pickled cluster.jobs.TrainJob (its checkpoint(), never this class's); the new job resumes."""
 
     def work(self, env, device, hosts) -> dict:
         run, paths = self.run, self.paths
