@@ -37,6 +37,27 @@ def test_a_bug_keeps_its_exception_type_and_a_stop_says_so(tmp_path):
     assert outcome.read_failure(tmp_path)["cause"].startswith("stopped")
 
 
+def test_an_interrupted_run_says_where_it_stopped_what_is_kept_and_how_to_go_on(tmp_path):
+    run = make_run(train={"epochs": 12}, runs=[{"name": "cnn"}])
+    work = work_dir(tmp_path, "cnn")
+    outcome.record_failure(work, "train", KeyboardInterrupt(), "logs/train/cnn.log")
+    entry = {"run": "cnn", **outcome.read_failure(work)}
+    line = outcome._unfinished_line(entry, {"cnn": run}, tmp_path)
+    assert "train interrupted; no checkpoint was written yet; the same command starts" in line
+    (work / "metrics.jsonl").write_text('{"epoch": 1}\n{"epoch": 2}\n')
+    (work / "checkpoints").mkdir()
+    (work / "checkpoints/ckpt-000000040.pt").write_bytes(b"")
+    line = outcome._unfinished_line(entry, {"cnn": run}, tmp_path)
+    assert line.startswith("ddpflow: run 'cnn': train interrupted after epoch 2 of 12; its ")
+    assert "checkpoint (step 40) is kept; the same command continues it: " in line
+    left = make_run(
+        launcher="slurm", machine={"cancel_on_interrupt": False}, runs=[{"name": "cnn"}]
+    )
+    line = outcome._unfinished_line(entry, {"cnn": left}, tmp_path)
+    assert "its Slurm job keeps running (machine.cancel_on_interrupt: false); the same " in line
+    assert "command reattaches to it" in line
+
+
 def _publish(results, run: dict, config: dict) -> None:
     """Write fake train/eval metrics where the run's rules publish them, for `config`."""
     written = _write_run(results / "fake" / run["name"], run["name"], 2, 1, 100.0)

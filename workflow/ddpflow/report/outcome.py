@@ -140,6 +140,10 @@ def _unfinished_line(entry: dict, runs: dict[str, dict], results_dir) -> str:
         kept = "the same command runs it again"
     elif saved:
         kept = f"its checkpoint (step {step or 0}) is kept; the same command continues it"
+    run = runs.get(name, {})
+    if run.get("launcher") == "slurm" and not run["machine"]["cancel_on_interrupt"]:
+        kept = "its Slurm job keeps running (machine.cancel_on_interrupt: false); the same "
+        kept += "command reattaches to it"
     return f"ddpflow: run {name!r}: {entry['stage']} interrupted{where}; {kept}: {_command()}"
 
 
