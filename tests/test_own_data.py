@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import unicodedata
 
 import numpy as np
 import pytest
@@ -93,30 +94,47 @@ def test_bad_image_folders_name_the_file(tmp_path, damage, expected):
     assert not (tmp_path / "staged").exists()  # nothing half-staged
 
 
-def test_every_problem_of_a_folder_is_named_in_one_staging_run(tmp_path):
-    """Five different problems, one run: a truncated JPEG, a zero-byte image, an empty class
-    folder, a file that is not an image, a class in test/ only. All named, nothing staged."""
-    root = make_folder(tmp_path / "images", per_class=(4, 2))
+def five_problems(root):
+    """A folder with five different problems (and what a macOS or Windows copy leaves)."""
+    make_folder(root, per_class=(4, 2))
     jpeg = root / "train/red/cut.jpg"
     image_of((200, 0, 0), np.random.default_rng(1)).save(jpeg, quality=90)
     jpeg.write_bytes(jpeg.read_bytes()[:200])  # truncated by a failed copy
     (root / "train/blue/zero.png").write_bytes(b"")
     (root / "train/violet").mkdir()
-    (root / "train/green/labels.csv").write_text("a,b\n")
+    (root / "train/green/notes.txt").write_text("a,b\n")
     (root / "train/green/.DS_Store").write_bytes(b"\0")  # a file manager's: silently ignored
+    (root / "test/blue/Thumbs.db").write_bytes(b"\0")
     (root / "test/white").mkdir()
     image_of((255, 255, 255), np.random.default_rng(0)).save(root / "test/white/a.png")
+    return root
+
+
+FIVE_PROBLEMS = [
+    "4 problems, nothing was staged",
+    "train/red/cut.jpg: not a readable image (",
+    "train/blue/zero.png: not a readable image (an empty file (0 bytes))",
+    "train/violet: class 'violet' has no images",
+    "test/white: class 'white' is in test/ but not in train/",
+    "1 file is not an image by its extension and left out: ",
+    "train/green/notes.txt",
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_problem_of_a_folder_is_named_in_one_staging_run(tmp_path, threads):
+    """Five different problems, one run: a truncated JPEG, a zero-byte image, an empty class
+    folder, a file that is not an image, a class in test/ only. All named, nothing staged;
+    the images are read the staging's way (in its processes) to find the unreadable ones."""
+    root = five_problems(tmp_path / "images")
     with pytest.raises(DataError) as err:
-        stage_dataset(_data(root=str(root)), tmp_path / "staged", seed=0)
+        stage_dataset(_data(root=str(root)), tmp_path / "staged", seed=0, threads=threads)
     text = str(err.value)
-    assert "4 problems, nothing was staged" in text, text
-    assert "train/red/cut.jpg: not a readable image (" in text
-    assert "train/blue/zero.png: not a readable image (an empty file (0 bytes))" in text
-    assert "train/violet: class 'violet' has no images" in text
-    assert "test/white: class 'white' is in test/ but not in train/" in text
-    assert "1 file is not an image by its extension and left out:" in text
-    assert "train/green/labels.csv" in text and ".DS_Store" not in text
+    assert all(line in text for line in FIVE_PROBLEMS), text
+    assert ".DS_Store" not in text and "Thumbs.db" not in text
+    assert text.count("cut.jpg") == 1 and text.count("zero.png") == 1  # each named once
     assert not (tmp_path / "staged").exists()
+    assert not list(tmp_path.glob(".staged.staging-*"))  # nor half-written
 
 
 def test_unreadable_images_found_while_staging_are_named_together(tmp_path):
@@ -134,8 +152,6 @@ def test_unreadable_images_found_while_staging_are_named_together(tmp_path):
 
 def test_a_class_folder_in_nfd_and_nfc_is_one_class(tmp_path):
     """A folder copied from macOS names 'Café' in NFD; typed elsewhere it is NFC: one class."""
-    import unicodedata
-
     root = make_folder(tmp_path / "images", per_class=(4, 2))
     (root / "train/red").rename(root / "train" / unicodedata.normalize("NFD", "Café"))
     (root / "test/red").rename(root / "test" / unicodedata.normalize("NFC", "Café"))
@@ -143,6 +159,79 @@ def test_a_class_folder_in_nfd_and_nfc_is_one_class(tmp_path):
     assert manifest["class_names"] == ["Café", "blue", "green"]
     assert unicodedata.is_normalized("NFC", manifest["class_names"][0])
     assert manifest["class_counts"]["test"] == [2, 2, 2]
+
+
+def test_classes_keep_the_order_of_their_folder_names_on_disk(tmp_path):
+    """Labels follow train/'s folder names as ImageFolder sorts them: 'é' in NFD (e + U+0301)
+    sorts before 'f', in NFC (U+00E9) after it. A macOS copy keeps the labels it was staged
+    with before names were compared in NFC."""
+    root = make_folder(tmp_path / "images", per_class=(4, 2))
+    for split in ("train", "test"):
+        (root / split / "red").rename(root / split / unicodedata.normalize("NFD", "é"))
+        (root / split / "green").rename(root / split / "f")
+    manifest = stage_dataset(_data(root=str(root)), tmp_path / "staged", seed=0)
+    assert manifest["class_names"] == ["blue", "é", "f"]
+    images, labels, _ = load_split(tmp_path / "staged", "test")
+    red = images.float().mean(dim=(2, 3)).argmax(dim=1) == 0  # the former red images
+    assert (labels[red] == 1).all() and int(red.sum()) == 2
+
+
+def test_names_that_print_alike_are_refused_with_their_code_points(tmp_path):
+    """Two folders of one split naming one class (NFD and NFC), and a class of test/ whose
+    name only looks like train/'s (a Cyrillic 'а'): named with their code points."""
+    root = make_folder(tmp_path / "images", per_class=(4, 2))
+    nfd = root / "train" / unicodedata.normalize("NFD", "blué")
+    (root / "train/blue").rename(nfd)
+    shutil.copytree(nfd, root / "train" / unicodedata.normalize("NFC", "blué"))
+    (root / "test/blue").rename(root / "test/blué")
+    (root / "test/green").rename(root / "test/gr\u0435en")  # Cyrillic ie
+    with pytest.raises(DataError) as err:
+        stage_dataset(_data(root=str(root)), tmp_path / "staged", seed=0)
+    text = str(err.value)
+    points = "U+0062 U+006C U+0075 U+00E9 and U+0062 U+006C U+0075 U+0065 U+0301"
+    assert f"the same class name as 'blue\u0301' (code points {points}); merge" in text, text
+    cyrillic = "class 'gr\u0435en' (U+0067 U+0072 U+0435 U+0065 U+006E) is in test/ but not"
+    assert cyrillic in text
+    assert "no folder for class 'green' of train/" in text
+
+
+def test_files_beside_the_class_folders_are_named_and_left_out(tmp_path, caplog):
+    """A stray image in train/ itself, a README beside the class folders: staged without them,
+    each named in a warning (file managers' .DS_Store and Thumbs.db are not)."""
+    root = make_folder(tmp_path / "images", per_class=(4, 2))
+    image_of((1, 2, 3), np.random.default_rng(0)).save(root / "train/stray.png")
+    (root / "test/README.md").write_text("my images")
+    (root / "train/.DS_Store").write_bytes(b"\0")
+    (root / "train/Thumbs.db").write_bytes(b"\0")
+    with caplog.at_level("WARNING"):
+        manifest = stage_dataset(_data(root=str(root)), tmp_path / "staged", seed=0)
+    assert sum(manifest["sizes"].values()) == 18
+    told = [r.getMessage() for r in caplog.records if "beside the class folders" in r.getMessage()]
+    assert len(told) == 1 and told[0].startswith("image_folder: 2 files are beside")
+    assert "test/README.md" in told[0] and "train/stray.png" in told[0]
+    assert "Thumbs.db" not in caplog.text and ".DS_Store" not in caplog.text
+
+
+def test_a_folder_of_empty_class_folders_stops_at_once(tmp_path):
+    """No image at all in train/: nothing to read, the listing's problems are said at once
+    (not a later, vaguer 'the train split is empty')."""
+    for name in ("a", "b"):
+        (tmp_path / "images/train" / name).mkdir(parents=True)
+    with pytest.raises(DataError, match=r"2 problems, nothing was staged(.|\n)*train/a: class "
+                                        r"'a' has no images(.|\n)*train/b: class 'b'"):  # fmt: skip
+        stage_dataset(_data(root=str(tmp_path / "images")), tmp_path / "staged", seed=0)
+
+
+def test_small_images_under_on_small_error_are_named_with_the_unreadable_ones(tmp_path):
+    """data.on_small: error and a corrupt image: both in the one error."""
+    root = make_mixed_folder(tmp_path / "images")
+    (root / "train/green/bad.png").write_bytes(b"garbage")
+    with pytest.raises(DataError) as err:
+        stage_dataset(_data(root=str(root), image_size=[32, 32], on_small="error"),
+                      tmp_path / "staged", seed=0)  # fmt: skip
+    text = str(err.value)
+    assert "2 problems" in text and "train/green/bad.png: not a readable image" in text, text
+    assert "18 images smaller than data.image_size [32, 32]" in text
 
 
 def test_a_class_without_a_test_sample_is_warned_at_staging(tmp_path, caplog):
@@ -156,7 +245,37 @@ def test_a_class_without_a_test_sample_is_warned_at_staging(tmp_path, caplog):
     white = manifest["class_names"].index("white")
     assert manifest["class_counts"]["test"][white] == 0
     assert "class 'white' has no sample in the test split (train 1, val 0, test 0)" in caplog.text
-    assert "its test accuracy is n/a" in caplog.text
+    assert "its test accuracy is n/a; add samples of it or raise data.test_fraction" in caplog.text
+
+
+def test_classes_without_a_sample_are_warned_once_per_split(tmp_path, caplog):
+    """Many classes without a sample in a split: one warning, 20 named, then the total; a split
+    with no sample at all is said as such, not class by class."""
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 255, size=(60, 4, 4), dtype=np.uint8)
+    labels = np.repeat(np.arange(30), 2)  # 30 classes of 2 images, 1 test image of each
+    test_labels = np.arange(30)[rng.permutation(30)][:5]  # 5 of them in the test split
+    arrays = {"train_images": images, "train_labels": labels,
+              "test_images": images[:5], "test_labels": test_labels}  # fmt: skip
+    data = ddpconfig.load(None, {"data": _npz(tmp_path / "d.npz", **arrays)})["data"]
+    with caplog.at_level("WARNING"):
+        manifest = stage_dataset(data, tmp_path / "staged", seed=0)
+    assert manifest["sizes"] == {"train": 54, "val": 6, "test": 5}
+    told = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    test = [line for line in told if "the test split" in line]
+    assert len(test) == 1 and test[0].startswith("data: 25 classes have no sample in the test")
+    assert test[0].count(" (train ") == 20
+    assert " and 5 more; their test accuracy is n/a; add samples of them" in test[0]
+    assert "test_fraction" not in test[0]  # the npz's own test split: no fraction to raise
+    val = [line for line in told if "the val split" in line]
+    assert len(val) == 1 and val[0].startswith("data: 24 classes have no sample in the val")
+    tiny = make_folder(tmp_path / "tiny", per_class=(1, 1))  # 3 train images: no val split
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        stage_dataset(_data(root=str(tiny)), tmp_path / "tiny_staged", seed=0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "data: the val split is empty; add samples or raise data.val_fraction"
+    ]
 
 
 def test_corrupt_images_can_be_skipped_and_are_counted(tmp_path):
@@ -277,12 +396,38 @@ def test_npz_in_either_layout(tmp_path):
           "class_names": np.array(["a", "b"])}, r"label 3 but only 2 class_names"),
         ({"train_images": np.zeros((4, 8, 8), np.uint8), "train_labels": np.zeros(4, int),
           "test_images": np.zeros((2, 8, 8), np.uint8)}, r"test_images and test_labels come"),
+        ({"train_images": np.zeros((4, 8, 8), np.uint8), "train_labels": np.ones((4, 3), int)},
+         r"train_labels: labels have shape \[4, 3\]; a label is one integer class 0..K-1 per "
+         r"sample \(labels with several values per sample, multi-label or vector targets, are "
+         r"not supported yet\)$"),
+        ({"train_images": np.zeros((4, 8, 8), np.uint8), "train_labels": np.zeros(4, int),
+          "test_images": np.zeros((2, 8, 8), np.uint8), "test_labels": np.eye(2, dtype=int)},
+         r"test_labels: labels have shape \[2, 2\]; .* not supported yet\); they look one-hot: "
+         r"give labels.argmax\(axis=1\)"),
     ],
 )  # fmt: skip
 def test_bad_npz_files_name_the_key(tmp_path, arrays, expected):
     data = ddpconfig.load(None, {"data": _npz(tmp_path / "d.npz", **arrays)})["data"]
     with pytest.raises(DataError, match=expected):
         stage_dataset(data, tmp_path / "staged", seed=0)
+
+
+def test_labels_in_a_column_are_one_class_per_sample(tmp_path, in_workdir):
+    """Labels [n, 1] (Keras's layout), in an npz or from a plug-in: the same staged labels as
+    [n]; only more than one value per sample is refused."""
+    images, labels = np.zeros((12, 8, 8), np.uint8), np.arange(12) % 3
+    staged = {}
+    for name, y in (("flat", labels), ("column", labels[:, None])):
+        data = ddpconfig.load(None, {"data": _npz(tmp_path / f"{name}.npz", train_images=images,
+                                                  train_labels=y)})["data"]  # fmt: skip
+        staged[name] = stage_dataset(data, tmp_path / name, seed=0)["files"]
+    assert staged["flat"] == staged["column"]
+    (in_workdir / "column.py").write_text(
+        "import numpy as np\n\ndef data():\n"
+        "    return np.zeros((12, 1, 8, 8), np.uint8), (np.arange(12) % 3)[:, None]\n"
+    )
+    manifest = stage_dataset(_plugin_data("column:data"), in_workdir / "p", seed=0)
+    assert manifest["class_counts"]["train"] == [3, 3, 3]
 
 
 def test_the_dataset_id_follows_the_files_not_only_the_config(tmp_path):
@@ -348,6 +493,14 @@ def test_the_workflow_trains_on_an_image_folder_and_restages_on_a_new_image(work
     assert jobs_planned(workdir, configfile) == set()
     image_of((30, 200, 40), np.random.default_rng(7)).save(root / "train/green/extra.png")
     assert {"stage", "train", "evaluate", "report"} <= jobs_planned(workdir, configfile)
+    # five problems more: the stage rule names them all in the terminal and stops, once
+    five_problems(root)
+    failed = snakemake(workdir, configfile)
+    assert failed.returncode != 0
+    assert all(line in failed.stderr for line in FIVE_PROBLEMS), failed.stderr[-3000:]
+    logs = list((workdir / "logs/stage").glob("*.log"))  # Snakemake echoes the failed log
+    assert sum(log.read_text().count("nothing was staged") for log in logs) == 1
+    assert (workdir / "results/runs/colours/eval_metrics.json").is_file()
 
 
 @pytest.mark.e2e

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ddpflow.data.folder_problems import IGNORED_NAMES, FolderProblems, ignored_line
+from ddpflow.data.folder_problems import IGNORED_NAMES, FolderProblems, code_points, shown_name
 from ddpflow.data.image_size import SmallImages, fit_image, some_names
 from ddpflow.data.raw import DataError, RawSource
+from ddpflow.text import counted
 
 log = logging.getLogger(__name__)
 
@@ -30,35 +31,39 @@ def load_image_folder(cfg: dict) -> RawSource:
     resized so that the shorter side fits image_size, then centre-cropped to it; an image
     smaller than image_size is upscaled, skipped or refused (data.on_small). Every problem of
     the listing (empty class folders, classes in one split only, empty files) is gathered,
-    with the unreadable images of the whole folder, into one DataError (FolderProblems)."""
+    with the unreadable images of the whole folder, into one DataError (FolderProblems),
+    raised once every image was read (ImageFiles.finish)."""
     from PIL import Image
 
     root = _checked_root(cfg)
     train_dir, test_dir = root / "train", root / "test"
     extensions = {ext.lower() for ext in Image.registered_extensions()}
     problems = FolderProblems(root, cfg)
-    notes = {
-        "skipped_corrupt": [],
-        "ignored_files": 0,
-        "small": SmallImages(cfg),
-        "ignored": [],
-        "unreadable": [],
-    }
+    notes = {"skipped_corrupt": [], "ignored_files": 0, "small": SmallImages(cfg),
+             "problems": problems}  # fmt: skip
     folders = {"train": _classes(train_dir, problems)}
     if test_dir.is_dir():
         folders["test"] = _classes(test_dir, problems)
-    classes = sorted(folders["train"])
+    # labels in the order of train/'s folder names (ImageFolder's), whatever their form: NFC
+    # names would sort a macOS copy's NFD names differently, and relabel a folder staged before
+    classes = sorted(folders["train"], key=lambda name: folders["train"][name].name)
     listed = {
         split: _list_split(found, classes, extensions, notes, problems)
         for split, found in folders.items()
     }
     if "test" in folders:
         problems.compare_classes(folders["train"], folders["test"])
-    if problems:  # the listing is wrong already: name the unreadable images too, in this run
-        _find_unreadable(problems, [path for files, _ in listed.values() for path in files])
-    problems.raise_if_any(notes["ignored"])
-    if notes["ignored"]:
-        log.warning("image_folder: %s", ignored_line(notes["ignored"]))
+    if problems:
+        # reading every image can only add unreadable (or, under on_small: error, small)
+        # ones: it is done where it can, the staging's way, so that this run names them too
+        reading_adds = cfg["on_corrupt"] == "error" or notes["small"].on_small == "error"
+        if not (reading_adds and len(listed["train"][1])):
+            problems.raise_if_any()
+        log.info(
+            "image_folder: %s in the listing of %s; reading every image (to name the "
+            "unreadable ones too) before stopping", counted(len(problems.lines), "problem"),
+            root,
+        )  # fmt: skip
     train_files, train_y = listed["train"]
     test_x, test_y = None, None
     if "test" in listed:
@@ -83,29 +88,30 @@ def _checked_root(cfg: dict) -> Path:
 
 def _classes(split_dir: Path, problems: FolderProblems) -> dict[str, Path]:
     """{class name: its folder}: names in Unicode NFC, so that a folder copied from macOS
-    (NFD) names the same class as one typed elsewhere (NFC)."""
+    (NFD) names the same class as one typed elsewhere (NFC). A file beside the class folders
+    is left out, named."""
     found: dict[str, Path] = {}
-    for folder in sorted(split_dir.iterdir()):
-        if folder.is_dir() and not folder.name.startswith("."):
-            name = unicodedata.normalize("NFC", folder.name)
-            if name in found:
-                other = found[name].name
-                points = f"{_code_points(folder.name)} and {_code_points(other)}"
-                problems.add(
-                    f"{folder}: the same class name as {other!r} (code points {points}); "
-                    "merge the two folders"
-                )
-                continue
-            found[name] = folder
+    for entry in sorted(split_dir.iterdir()):
+        if entry.name.startswith(".") or entry.name in IGNORED_NAMES:
+            continue
+        if not entry.is_dir():
+            problems.outside.append(str(entry))
+            continue
+        name = unicodedata.normalize("NFC", entry.name)
+        if name in found:
+            other = found[name].name
+            points = f"{code_points(entry.name)} and {code_points(other)}"
+            problems.add(
+                f"{entry}: the same class name as {other!r} (code points {points}); "
+                "merge the two folders"
+            )
+            continue
+        found[name] = entry
     if not found:
         problems.add(
             f"{split_dir}: no class folders; put each class's images in {split_dir}/<class name>/"
         )
     return found
-
-
-def _code_points(name: str) -> str:
-    return " ".join(f"U+{ord(c):04X}" for c in name)
 
 
 def _list_split(
@@ -121,7 +127,7 @@ def _list_split(
                 continue  # .DS_Store, Thumbs.db: what file managers leave behind
             if path.suffix.lower() not in extensions:
                 notes["ignored_files"] += 1
-                notes["ignored"].append(str(path))
+                problems.not_images.append(str(path))
                 continue
             if path.stat().st_size == 0:
                 problems.unreadable(path, "an empty file (0 bytes)")
@@ -131,25 +137,10 @@ def _list_split(
         if not images:
             problems.empty.add(name)
             problems.add(
-                f"{found[name]}: class {name!r} has no images; add some or remove the folder"
+                f"{found[name]}: class {shown_name(name)} has no images; add some or remove "
+                "the folder"
             )
     return files, np.asarray(labels, dtype=np.int64)
-
-
-def _find_unreadable(problems: FolderProblems, paths: list[Path]) -> None:
-    """Each image decoded once (not resized): those that fail are problems."""
-    from PIL import Image
-
-    if problems.on_corrupt != "error":
-        return
-    for path in paths:
-        if path.stat().st_size == 0:
-            continue  # named already
-        try:
-            with Image.open(path) as image:
-                image.load()
-        except (OSError, SyntaxError, ValueError) as err:
-            problems.unreadable(path, str(err))
 
 
 DECODE_CHUNK = 256  # images per task of the staging processes
@@ -210,7 +201,7 @@ class ImageFiles:
             if isinstance(detail, tuple):
                 self.small.count(split, str(path), detail)
             elif self.cfg["on_corrupt"] == "error":  # all of them named once read (finish)
-                self.notes["unreadable"].append((path, detail))
+                self.notes["problems"].unreadable(path, detail)
             else:
                 self.notes["skipped_corrupt"].append(str(path))
         out = np.empty((int(keep.sum()), *self.shape[1:]), np.uint8)  # the shard, NCHW
@@ -219,13 +210,16 @@ class ImageFiles:
         return out, keep
 
     def finish(self) -> None:
-        """After every split was read: what could only be told then."""
-        if self.notes["unreadable"]:
-            problems = FolderProblems(Path(self.cfg["root"]), self.cfg)
-            for path, detail in self.notes["unreadable"]:
-                problems.unreadable(path, detail)
-            problems.raise_if_any([])
+        """After every split was read: what could only be told then. Every problem of the
+        folder (its listing's, the unreadable and the small images) in one DataError."""
+        problems: FolderProblems = self.notes["problems"]
+        refusal = self.small.refusal()
+        if problems and refusal:
+            problems.add(refusal)
+        problems.raise_if_any()
         self.small.tell()
+        for line in problems.left_out():
+            log.warning("image_folder: %s", line)
         skipped = self.notes["skipped_corrupt"]
         if skipped:
             log.warning(

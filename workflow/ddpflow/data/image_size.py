@@ -39,17 +39,25 @@ class SmallImages:
     def names(self) -> list[str]:
         return [name for names in self.small.values() for name in names]
 
+    def refusal(self) -> str | None:
+        """Why staging stops (data.on_small: error and images smaller than image_size)."""
+        names = self.names()
+        if not (names and self.on_small == "error"):
+            return None
+        return (
+            f"{counted(len(names), 'image')} smaller than data.image_size [{self.height}, "
+            f"{self.width}] (width x height shown): {some_names(names)}; set data.on_small: "
+            "upscale to resize them up (or skip to leave them out; both are counted in "
+            "the manifest), lower data.image_size, or remove them"
+        )
+
     def tell(self) -> None:
         """Refuse them (error), or say once how many were upscaled or skipped, and warn for
         each split where they were more than half: a smaller image_size would suit it."""
+        refusal = self.refusal()
+        if refusal:
+            raise DataError(refusal)
         names = self.names()
-        if names and self.on_small == "error":
-            raise DataError(
-                f"{counted(len(names), 'image')} smaller than data.image_size [{self.height}, "
-                f"{self.width}] (width x height shown): {some_names(names)}; set data.on_small: "
-                "upscale to resize them up (or skip to leave them out; both are counted in "
-                "the manifest), lower data.image_size, or remove them"
-            )
         if not names:
             return
         seen = sum(len(fits) for fits in self.fits.values())

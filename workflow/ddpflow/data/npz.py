@@ -13,15 +13,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ddpflow.data.raw import DataError, RawSource, check_labels
+from ddpflow.data.raw import DataError, RawSource, check_labels, one_class_per_sample
 
 NPZ_KEYS = ("train_images", "train_labels", "test_images", "test_labels", "class_names")
 
 
 def load_npz(cfg: dict) -> RawSource:
     """Arrays in data.path: train_images (uint8, [N, H, W], [N, H, W, C] or [N, C, H, W] with
-    C 1 or 3), train_labels (integers 0..K-1); optional test_images + test_labels and
-    class_names (else "0".."K-1")."""
+    C 1 or 3), train_labels (integers 0..K-1, [N] or [N, 1]); optional test_images +
+    test_labels and class_names (else "0".."K-1")."""
     if not cfg["path"]:
         raise DataError("data.path is required for data.source npz: the .npz file to read")
     path = Path(cfg["path"])
@@ -87,13 +87,7 @@ def _npz_images(arrays, key: str, path: Path) -> np.ndarray:
 
 
 def _npz_labels(arrays, key: str, path: Path, n: int) -> np.ndarray:
-    y = arrays[key]
-    if y.ndim != 1:
-        raise DataError(
-            f"data.path {path}: {key} must be 1-D (one integer class per sample), got shape "
-            f"{list(y.shape)} (labels with several values per sample, multi-label or vector "
-            "targets, are not supported yet)"
-        )
+    y = one_class_per_sample(arrays[key], f"data.path {path}: {key}")
     if len(y) != n:
         images = key.replace("labels", "images")
         raise DataError(f"data.path {path}: {key} has {len(y)} entries but {images} has {n}")

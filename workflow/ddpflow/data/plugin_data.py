@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ddpflow.data.image_size import SmallImages, fit_image
-from ddpflow.data.raw import DataError, RawSource, check_labels
+from ddpflow.data.raw import ONE_CLASS, DataError, RawSource, check_labels, one_class_per_sample
 
 
 def load_plugin(cfg: dict) -> RawSource:
@@ -61,22 +61,12 @@ def load_plugin(cfg: dict) -> RawSource:
     return RawSource(train_x, train_y, test_x, test_y, names, notes)
 
 
-# what a label must be: more than one value per sample is refused, never cut
-ONE_CLASS = (
-    "a label is one integer class 0..K-1 per sample (labels with several values per sample, "
-    "multi-label or vector targets, are not supported yet)"
-)
-
-
 def _plugin_split(data, where: str, cfg: dict, small=None, part="train") -> tuple[np.ndarray, ...]:
     arrays = isinstance(data, (tuple, list)) and len(data) == 2
     if arrays and all(isinstance(a, np.ndarray) or hasattr(a, "detach") for a in data):
         images, labels = (_as_numpy(a) for a in data)
-        if images.ndim in (3, 4) and labels.ndim == 2 and labels.shape[1] == 1:
-            labels = labels[:, 0]
-        if images.ndim in (3, 4) and labels.ndim > 1:
-            raise DataError(f"{where}: labels have shape {list(labels.shape)}; {ONE_CLASS}")
-        if images.ndim in (3, 4) and labels.ndim == 1:
+        if images.ndim in (3, 4):
+            labels = one_class_per_sample(labels, where)
             if len(images) != len(labels):
                 raise DataError(f"{where}: {len(images)} images but {len(labels)} labels")
             x = np.stack([_pixels(img, f"{where} image {i}", cfg) for i, img in enumerate(images)])

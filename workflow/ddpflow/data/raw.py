@@ -1,6 +1,6 @@
 """What every data source returns (RawSource), the error every data problem raises
-(DataError) and the labels check (check_labels): the vocabulary the built-in sources, the
-user's own data and staging share."""
+(DataError) and the labels checks (check_labels, one_class_per_sample): the vocabulary the
+built-in sources, the user's own data and staging share."""
 
 from __future__ import annotations
 
@@ -35,3 +35,27 @@ def check_labels(labels: np.ndarray, where: str) -> np.ndarray:
             f"min {labels.min() if len(labels) else '-'})"
         )
     return labels.astype(np.int64)
+
+
+# what a label must be: more than one value per sample is refused, never cut to one of them
+ONE_CLASS = (
+    "a label is one integer class 0..K-1 per sample (labels with several values per sample, "
+    "multi-label or vector targets, are not supported yet)"
+)
+
+
+def one_class_per_sample(labels: np.ndarray, where: str) -> np.ndarray:
+    """Labels [n] as they are, a column [n, 1] as [n] (Keras's layout); any other shape, e.g.
+    [n, 3] (three values per sample), a DataError naming it."""
+    if labels.ndim == 2 and labels.shape[1] == 1:
+        return labels[:, 0]
+    if labels.ndim == 1:
+        return labels
+    one_hot = (
+        labels.ndim == 2
+        and labels.size
+        and np.isin(labels, (0, 1)).all()
+        and (labels.sum(axis=1) == 1).all()
+    )
+    hint = "; they look one-hot: give labels.argmax(axis=1)" if one_hot else ""
+    raise DataError(f"{where}: labels have shape {list(labels.shape)}; {ONE_CLASS}{hint}")

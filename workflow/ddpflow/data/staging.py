@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 __all__ = ["SHARD_BYTES", "split_indices", "stage_dataset", "stratified_split"]
 
 SHARD_BYTES = 64 << 20  # images per shard: as many as fit in 64 MiB
+SHOWN = 20  # classes named in a warning, then the total
 LEVELS = np.arange(256, dtype=np.int64)
 
 
@@ -54,7 +55,7 @@ def stage_dataset(
             finish()
         _refuse_emptied(plan, written)
         manifest = _base_manifest(raw, written, data_cfg, seed)
-        _warn_empty_classes(manifest)
+        _warn_empty_classes(manifest, carved=raw.test_x is None)
         _write_json(tmp / MANIFEST, manifest)
         fsync_dir(tmp)
         replace_dir(tmp, out_dir)
@@ -64,25 +65,39 @@ def stage_dataset(
     return manifest  # pipeline.stage_data logs it, with the time taken
 
 
-def _warn_empty_classes(manifest: dict) -> None:
-    """A class with no sample in a split (one image, a stratified split gives it no test
-    sample; a test split without it): said at staging, named with its counts per split (the
-    report shows its accuracy as n/a; an empty train split of a class trains nothing on it)."""
-    counts = manifest["class_counts"]
-    for index, name in enumerate(manifest["class_names"]):
-        per_split = {split: counts[split][index] for split in counts}
-        for split in (split for split, count in per_split.items() if count == 0):
-            shown = ", ".join(f"{s} {c}" for s, c in per_split.items())
-            log.warning(
-                "data: class %r has no sample in the %s split (%s): %s",
-                name,
-                split,
-                shown,
-                "it is never trained on; add samples of it"
-                if split == "train"
-                else f"its {split} accuracy is n/a; add samples of it (or raise "
-                f"data.{split}_fraction where the {split} split is carved from train)",
-            )
+def _warn_empty_classes(manifest: dict, carved: bool) -> None:
+    """A class with no sample in a split (one image: a stratified split gives it no test
+    sample; a test split without it): one warning per split, naming the classes (up to
+    SHOWN, then the total) with their counts per split, which the manifest's class_counts
+    record. The report shows their test accuracy as n/a. carved: the test split is carved
+    from train (as val always is), so a larger fraction can give it samples."""
+    counts, names = manifest["class_counts"], manifest["class_names"]
+    for split, in_split in counts.items():
+        missing = [k for k, count in enumerate(in_split) if count == 0]
+        if not missing:
+            continue
+        one = len(missing) == 1
+        it, its = ("it", "its") if one else ("them", "their")
+        fix = f"add samples of {it}"
+        if split == "val" or (split == "test" and carved):
+            fix += f" or raise data.{split}_fraction"
+        why = {"train": f"the model never learns {it}; add samples of {it}",
+               "val": f"validation does not measure {it}; {fix}",
+               "test": f"{its} test accuracy is n/a; {fix}"}[split]  # fmt: skip
+        if not sum(in_split):  # too few samples for the fraction: no class has one
+            log.warning("data: the %s split is empty; %s", split, fix.replace(" of them", ""))
+            continue
+        per_split = [", ".join(f"{s} {counts[s][k]}" for s in counts) for k in missing[:SHOWN]]
+        if one:
+            log.warning("data: class %r has no sample in the %s split (%s): %s",
+                        names[missing[0]], split, per_split[0], why)  # fmt: skip
+            continue
+        shown = [f"{names[k]!r} ({c})" for k, c in zip(missing, per_split, strict=False)]
+        more = f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""
+        log.warning(
+            "data: %d classes have no sample in the %s split: %s%s; %s",
+            len(missing), split, ", ".join(shown), more, why,
+        )  # fmt: skip
 
 
 def _refuse_emptied(plan: dict, written: dict) -> None:
