@@ -293,9 +293,14 @@ def test_a_class_without_a_test_sample_is_shown_as_na(tmp_path):
     markdown = paths["markdown"].read_text()
     assert "| &lt;bird&gt; | n/a (0 samples) | 97.06% (34) | 97.06% (34) |" in markdown
     assert "90.91% (33)" in markdown
+    assert "<td>&lt;bird&gt;</td><td>n/a (0 samples)</td>" in paths["html"].read_text()
     summary = json.loads(paths["summary_json"].read_text())
     assert summary["per_class_accuracy"]["r1"]["<bird>"] is None
-    assert not summary["unfinished"]
+    assert not summary["unfinished"] and len(summary["runs"]) == 3
+    assert [r["run"] for r in csv.DictReader(paths["summary_csv"].open())] == ["r1", "<b>x", "r4"]
+    # the confusion matrix has an empty row: drawn, not divided by zero
+    image = matplotlib.image.imread(paths["plot_confusion_r1"])
+    assert image.ndim == 3 and image.shape[0] > 100
 
 
 def test_short_times_read_as_measured():
@@ -390,3 +395,127 @@ def test_the_provenance_says_what_staging_upscaled_or_skipped():
     assert lines["plugin"] == "data: s (train 5); 12 images smaller than data.image_size " + (
         "[32, 48] upscaled (data.on_small: upscale)"
     )
+
+
+def _edit(path, change) -> None:
+    """Rewrite a run's eval_metrics.json (a dict) or train_metrics.jsonl (each epoch) in place."""
+    if path.suffix == ".json":
+        record = json.loads(path.read_text())
+        change(record)
+        path.write_text(json.dumps(record))
+        return
+    epochs = [json.loads(line) for line in path.read_text().splitlines()]
+    for epoch in epochs:
+        change(epoch)
+    path.write_text("".join(json.dumps(e) + "\n" for e in epochs))
+
+
+# Records the loader lets through (optional keys, newer writers) but that cannot be rendered:
+# run name -> (file, change, what the reason names)
+ODD_RECORDS = {
+    "segments-cut": (
+        "eval_metrics",
+        lambda ev: ev["train"].update(
+            segments=[
+                {"world_size": 2, "hosts": ["n"], "attempt": 1, "start_step": 0},
+                {"world_size": 1},
+            ]
+        ),
+        "KeyError: 'end_step'",
+    ),
+    "step-none": (
+        "eval_metrics",
+        lambda ev: ev["train"].update(
+            segments=[
+                {"world_size": 2, "hosts": ["n"], "attempt": a, "start_step": 0, "end_step": None}
+                for a in (1, 2)
+            ]
+        ),
+        "TypeError",
+    ),
+    "params-text": ("eval_metrics", lambda ev: ev["train"].update(parameters="many"), "ValueError"),
+    "notes-cut": (
+        "eval_metrics",
+        lambda ev: ev["provenance"].update(
+            dataset={"source": "s", "sizes": {"train": 5}, "source_notes": {"skipped_corrupt": 1}}
+        ),
+        "KeyError: 'ignored_files'",
+    ),
+    "rank-hostless": (
+        "train_metrics",
+        lambda ep: ep.update(ranks=[{"rank": 0, "train_s": 1.0, "compute_s": 1.0}]),
+        "KeyError: 'host'",
+    ),
+    "split-list": ("eval_metrics", lambda ev: ev.update(split=["test"]), "TypeError"),
+    "no-classes": (
+        "eval_metrics",
+        lambda ev: ev.update(class_names=[], per_class_accuracy=[], confusion_matrix=[]),
+        "no class",
+    ),
+    "eval-cut": ("eval_metrics", None, "not JSON"),
+    "train-cut": ("train_metrics", None, "line 4 is not JSON"),
+}
+
+
+def test_records_that_cannot_be_rendered_are_named_and_the_rest_reported(tmp_path):
+    """The report is the most robust rule: whatever a run's records hold (a key a newer or
+    broken writer left out, a None or a text where a number belongs, a file cut short), the
+    report is written; each run it cannot render is listed with the reason and its folder,
+    the other runs render as usual, every plot included."""
+    runs = [_write_run(tmp_path / "good", "good", 1, 1, 1000.0)]
+    for name, (key, change, _) in ODD_RECORDS.items():
+        run = _write_run(tmp_path / name, name, 2, 1, 900.0)
+        if change is None:  # a writer killed mid-file
+            text = run[key].read_text()
+            run[key].write_text(text[: len(text) * 3 // 4])
+        else:
+            _edit(run[key], change)
+        runs.append(run)
+    paths = build_report(runs, tmp_path / "out")
+    summary = json.loads(paths["summary_json"].read_text())
+    assert [row["run"] for row in summary["runs"]] == ["good"]
+    causes = _unfinished(paths)
+    assert sorted(causes) == sorted(ODD_RECORDS)
+    for name, (_, _, reason) in ODD_RECORDS.items():
+        assert causes[name].startswith(f"records cannot be shown: run {name!r}"), causes[name]
+        assert reason in causes[name] and str(tmp_path / name) in causes[name], causes[name]
+    markdown = paths["markdown"].read_text()
+    assert "Partial report: 1 of 10 runs finished" in markdown
+    for name in ODD_RECORDS:
+        assert f"| {_md_name(name)} | report | records cannot be shown" in markdown
+    assert (tmp_path / "out/plots/confusion_good.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert paths["summary_csv"].read_text().startswith("run,accuracy,")
+
+
+def _md_name(name: str) -> str:
+    return name.replace("_", "\\_")
+
+
+def test_a_none_metric_in_every_epoch_is_named(tmp_path):
+    """A None where the report expects a number (a metric a writer could not compute) names
+    the run, the file and the key; the other runs are reported."""
+    runs = _three_runs(tmp_path)
+    _edit(runs[1]["train_metrics"], lambda epoch: epoch.update(val_loss=None))
+    paths = build_report(runs, tmp_path / "out")
+    cause = _unfinished(paths)["<b>x"]
+    assert "train_metrics" in cause and "'val_loss' has type NoneType" in cause
+    assert [row["run"] for row in json.loads(paths["summary_json"].read_text())["runs"]] == [
+        "r1",
+        "r4",
+    ]
+
+
+def test_a_plot_its_numbers_cannot_draw_is_named_and_the_report_written(tmp_path):
+    """An infinite throughput (a writer that divided by a zero time) cannot be drawn on an
+    axis: that plot says so in its place, the rest of the report is whole."""
+    runs = _three_runs(tmp_path)
+    _edit(runs[2]["eval_metrics"], lambda ev: ev["train"].update(samples_per_s=float("inf")))
+    out = tmp_path / "out"
+    (out / "plots").mkdir(parents=True)
+    (out / "plots/throughput.png").write_bytes(PNG_SIGNATURE)  # an earlier report's
+    paths = build_report(runs, out)
+    markdown = paths["markdown"].read_text()
+    assert "Training throughput per run: not drawn (ValueError: Axis limits" in markdown
+    assert "plot_throughput" not in paths and not (out / "plots/throughput.png").exists()
+    assert "](plots/loss.png)" in markdown and "plot_confusion_r4" in paths
+    assert len(json.loads(paths["summary_json"].read_text())["runs"]) == 3

@@ -19,6 +19,7 @@ import csv
 import io
 import json
 import logging
+import traceback
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from ddpflow.config import VOLATILE_TRAIN_KEYS
 from ddpflow.data.staged import sha256_file
 from ddpflow.paths import REPORT_FILES
 from ddpflow.report import insight, plots, sweep, sweep_plots
-from ddpflow.report.inputs import load_eval_metrics, load_runs, load_train_metrics
+from ddpflow.report.inputs import load_eval_metrics, load_runs, load_train_metrics, unrenderable
 from ddpflow.report.render import PHASES, document, to_html, to_markdown
 from ddpflow.runtime import atomic_write_bytes
 from ddpflow.text import counted
@@ -181,6 +182,9 @@ def _write_all(out_dir: Path, figures: dict, texts: dict) -> dict[str, Path]:
     plots_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
     for key, (_, png) in figures.items():
+        if png is None:  # not drawn (plots.render_figures): an earlier report's would mislead
+            (plots_dir / f"{key}.png").unlink(missing_ok=True)
+            continue
         paths[f"plot_{key}"] = plots_dir / f"{key}.png"
         atomic_write_bytes(paths[f"plot_{key}"], png)
     # plots and a ranking left by an earlier set of runs would mislead
@@ -241,6 +245,41 @@ def _focus(rows: list[dict]) -> list[str] | None:
     return [row["run"] for row in ranked[:FOCUS_RUNS]]
 
 
+def _renderable(runs: list[dict], loaded, unreadable) -> tuple[list, list[dict]]:
+    """The loaded runs the report can render, and unreadable with an unfinished entry for
+    each it cannot (a key an optional table reads left out, a text where a number belongs):
+    each run is first rendered alone, in memory, so that a run's odd records cost its rows,
+    never the report."""
+    files = {str(run["name"]): run for run in runs}
+    kept, failed = [], []
+    for item in loaded:
+        run = files[item[0]]
+        try:
+            _render_alone(run, item)
+        except Exception as exc:  # noqa: BLE001 - whatever the records hold, a report is written
+            where = traceback.extract_tb(exc.__traceback__)[-1].name
+            cause = f"run {item[0]!r} ({Path(run['eval_metrics']).parent}): "
+            cause += f"{type(exc).__name__}: {exc} (in {where})"
+            log.warning("report: %s", cause)
+            failed.append(unrenderable(item[0], cause, run.get("sweep")))
+        else:
+            kept.append(item)
+    return kept, [*unreadable, *failed]
+
+
+def _render_alone(run: dict, item: tuple) -> None:
+    """Every table and text of the report for one run alone: raises what its records raise."""
+    name, epochs, ev = item
+    row = _summary_row(name, epochs, ev)
+    _add_scaling([row])
+    row["best"] = True
+    view = sweep.collect([run], [item])
+    inside = insight.blocks({name: insight.entry(run, epochs, ev)})
+    shown = sweep.blocks(view, {}) if view else ()
+    blocks = document([item], [row], {}, "", inside=inside, sweep=shown)
+    to_markdown("", blocks), to_html("", blocks), sweep.csv_text(view) if view else None
+
+
 def build_report(
     runs: list[dict],
     out_dir,
@@ -259,11 +298,12 @@ def build_report(
     tracking.json) and tracking_failures ([{"run", "trackers", "cause", "log"}]) make the
     section of experiment trackers. Returns {key: path}, with keys markdown,
     html, summary_json, summary_csv, sweep_csv (with a sweep) and plot_<stem> for every
-    plots/<stem>.png. A run whose files are missing, unreadable or incomplete is listed
-    among the unfinished runs with the reason (naming the run and file); ValueError only for
-    a call without runs or with a run listed twice.
+    plots/<stem>.png. A run whose files are missing, unreadable or incomplete, or whose
+    records cannot be rendered, is listed among the unfinished runs with the reason (naming
+    the run and its file or folder); a plot that cannot be drawn says why in its place.
+    ValueError only for a call without runs or with a run listed twice.
     """
-    loaded, unreadable = load_runs(runs, unfinished)
+    loaded, unreadable = _renderable(runs, *load_runs(runs, unfinished))
     shown = {name for name, _, _ in loaded}
     runs, unfinished = [r for r in runs if str(r["name"]) in shown], [*unfinished, *unreadable]
     rows = [_summary_row(name, epochs, ev) for name, epochs, ev in loaded]

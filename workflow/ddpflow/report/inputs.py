@@ -88,6 +88,8 @@ def load_eval_metrics(name: str, path) -> dict:
         raise ReportInputError(f"{where}: not a JSON object")
     _check(data, _EVAL_SPEC, where)
     n, matrix = len(data["class_names"]), data["confusion_matrix"]
+    if not n:
+        raise ReportInputError(f"{where}: no class (class_names is empty)")
     if len(data["per_class_accuracy"]) != n or len(matrix) != n:
         raise ReportInputError(f"{where}: class_names, per_class_accuracy, confusion_matrix differ")
     if any(not isinstance(row, list) or len(row) != n for row in matrix):

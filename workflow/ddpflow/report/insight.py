@@ -28,23 +28,26 @@ def _train_config(ev: dict) -> dict:
 
 def collect(runs: list[dict], loaded) -> dict[str, dict]:
     files = {str(run["name"]): run for run in runs}
-    found = {}
-    for name, epochs, ev in loaded:
-        train = _train_config(ev)
-        margin = (train.get("monitor") or {}).get("straggler_margin", DEFAULT_MARGIN)
-        ranks = combine_epochs([e.get("ranks") for e in epochs])
-        entry = {"margin": margin, "ranks": ranks, "stragglers": stragglers(ranks, margin)}
-        profile = train.get("profile") or {}
-        if profile.get("enabled"):
-            path = Path(files[name]["train_metrics"]).parent / PROFILE_TOP_OPS
-            try:
-                entry["top_ops"] = json.loads(path.read_text())
-            except (OSError, ValueError):
-                entry["top_ops"] = None  # the run ended before its profiled steps
-            entry["profile"] = {k: profile.get(k) for k in ("wait", "warmup", "active", "ranks")}
-            entry["profile_dir"] = str(path.parent)
-        found[name] = entry
+    found = {name: entry(files[name], epochs, ev) for name, epochs, ev in loaded}
     _add_efficiency(loaded, found)
+    return found
+
+
+def entry(run: dict, epochs: list[dict], ev: dict) -> dict:
+    """One run's ranks, stragglers and profile (collect's, without the cluster's accounting)."""
+    train = _train_config(ev)
+    margin = (train.get("monitor") or {}).get("straggler_margin", DEFAULT_MARGIN)
+    ranks = combine_epochs([e.get("ranks") for e in epochs])
+    found = {"margin": margin, "ranks": ranks, "stragglers": stragglers(ranks, margin)}
+    profile = train.get("profile") or {}
+    if profile.get("enabled"):
+        path = Path(run["train_metrics"]).parent / PROFILE_TOP_OPS
+        try:
+            found["top_ops"] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            found["top_ops"] = None  # the run ended before its profiled steps
+        found["profile"] = {k: profile.get(k) for k in ("wait", "warmup", "active", "ranks")}
+        found["profile_dir"] = str(path.parent)
     return found
 
 
@@ -56,13 +59,18 @@ def _add_efficiency(loaded, found: dict[str, dict]) -> None:
         stages = [("train", ev["train"].get("slurm_job_id"))]
         if ev.get("evaluated_by") == "evaluate job":
             stages.append(("evaluate", ev.get("slurm_job_id")))
-        jobs[name] = [(stage, job) for stage, job in stages if job]
+        # a job id as sacct knows it; anything else a writer left is no job to look up
+        jobs[name] = [(stage, str(job)) for stage, job in stages if _job_id(job)]
     figures = efficiency.job_efficiency([job for pairs in jobs.values() for _, job in pairs])
     for name, pairs in jobs.items():
         if pairs:
             found[name]["slurm_jobs"] = [
                 {"stage": stage, "job_id": job, **figures.get(job, {})} for stage, job in pairs
             ]
+
+
+def _job_id(job) -> bool:
+    return bool(job) and isinstance(job, str | int) and not isinstance(job, bool)
 
 
 def _cell(value, fmt: str) -> str:

@@ -10,6 +10,7 @@ there is no figure left open to leak between calls.
 from __future__ import annotations
 
 import io
+import logging
 import re
 import uuid
 
@@ -29,6 +30,8 @@ __all__ = [
     "safe_name",
     "text_label",
 ]
+
+log = logging.getLogger(__name__)
 
 
 def text_label(text: str) -> str:
@@ -183,44 +186,63 @@ def safe_name(name: str) -> str:
     return safe if safe == name else f"{safe}-{uuid.uuid5(uuid.NAMESPACE_URL, name).hex[:8]}"
 
 
-def render_figures(loaded, rows: list[dict], baseline, focus=None) -> dict[str, tuple[str, bytes]]:
+def render_figures(loaded, rows: list[dict], baseline, focus=None) -> dict[str, tuple]:
     """All report figures as key -> (caption, PNG bytes); the key is the file stem in plots/.
 
     loaded: [(run name, per-epoch records, eval metrics)]; rows: report summary rows;
     baseline: (ranks, samples/s, run names) of the plotted scaling study, or None; focus:
     with many runs, the best ones (by validation accuracy), named in the per-epoch plots and
-    the only ones with a confusion matrix (None: every run).
+    the only ones with a confusion matrix (None: every run). A figure its numbers cannot
+    draw (an infinite throughput, say) is (caption saying so and why, None): the report
+    says so in its place and is written.
     """
+    figures = {}
+    for key, caption, draw in _figure_plan(loaded, rows, baseline, focus):
+        try:
+            figures[key] = (caption, draw())
+        except Exception as exc:  # noqa: BLE001 - one figure never costs the report
+            log.warning("report: plot %s not drawn: %s: %s", key, type(exc).__name__, exc)
+            figures[key] = (f"{caption}: not drawn ({type(exc).__name__}: {exc})", None)
+    return figures
+
+
+def _figure_plan(loaded, rows: list[dict], baseline, focus) -> list[tuple]:
+    """[(key, caption, a function drawing the PNG)] of every figure of the report."""
     keys = ("train_loss", "val_loss", "val_accuracy", "lr", "samples_per_s")
     per_epoch = {key: {name: [(e["epoch"], e[key]) for e in epochs] for name, epochs, _ in loaded}
                  for key in keys}  # fmt: skip
-    names = [row["run"] for row in rows]
-    figures = {
-        "loss": ("Training loss per epoch", plot_per_epoch(
-            per_epoch["train_loss"], "train loss", "Training loss", True, focus)),
-        "val_loss": ("Validation loss per epoch", plot_per_epoch(
-            per_epoch["val_loss"], "validation loss", "Validation loss", True, focus)),
-        "val_accuracy": ("Validation accuracy per epoch", plot_per_epoch(
-            per_epoch["val_accuracy"], "validation accuracy", "Validation accuracy",
-            focus=focus)),
-        "lr": ("Learning rate at the end of each epoch (warmup, then the schedule)",
-               plot_per_epoch(per_epoch["lr"], "learning rate", "Learning rate", focus=focus)),
-        "throughput_epochs": ("Training throughput per epoch (all ranks)", plot_per_epoch(
-            per_epoch["samples_per_s"], "train samples/s", "Throughput per epoch",
-            focus=focus)),
-        "throughput": ("Training throughput per run", plot_throughput(
-            names, [row["train_samples_per_s"] for row in rows])),
-    }  # fmt: skip
+
+    def epochs(key, ylabel, title, log_if_wide=False):
+        return lambda: plot_per_epoch(per_epoch[key], ylabel, title, log_if_wide, focus)
+
+    names, rates = [row["run"] for row in rows], [row["train_samples_per_s"] for row in rows]
+    plan = [
+        ("loss", "Training loss per epoch", epochs("train_loss", "train loss", "Training loss",
+                                                   True)),
+        ("val_loss", "Validation loss per epoch", epochs("val_loss", "validation loss",
+                                                         "Validation loss", True)),
+        ("val_accuracy", "Validation accuracy per epoch", epochs(
+            "val_accuracy", "validation accuracy", "Validation accuracy")),
+        ("lr", "Learning rate at the end of each epoch (warmup, then the schedule)",
+         epochs("lr", "learning rate", "Learning rate")),
+        ("throughput_epochs", "Training throughput per epoch (all ranks)", epochs(
+            "samples_per_s", "train samples/s", "Throughput per epoch")),
+        ("throughput", "Training throughput per run", lambda: plot_throughput(names, rates)),
+    ]  # fmt: skip
     if baseline:
         base_ranks, base_rate, runs = baseline
         points = [(r["run"], r["world_size"], r["train_samples_per_s"]) for r in rows
                   if r["run"] in runs]  # fmt: skip
         caption = f"Throughput against ranks ({', '.join(runs)})"
-        figures["scaling"] = (caption, plot_scaling(points, base_ranks, base_rate))
+        plan.append(("scaling", caption, lambda: plot_scaling(points, base_ranks, base_rate)))
     for name, _, ev in loaded:
-        if focus is not None and name not in focus:
-            continue
-        split = ev.get("split", "test")
-        png = plot_confusion(name, ev["confusion_matrix"], ev["class_names"], ev["accuracy"], split)
-        figures[f"confusion_{safe_name(name)}"] = (f"Confusion matrix: {name}", png)
-    return figures
+        if focus is None or name in focus:
+            caption = f"Confusion matrix: {name}"
+            plan.append((f"confusion_{safe_name(name)}", caption, _confusion(name, ev)))
+    return plan
+
+
+def _confusion(name: str, ev: dict):
+    split = ev.get("split", "test")
+    matrix, classes = ev["confusion_matrix"], ev["class_names"]
+    return lambda: plot_confusion(name, matrix, classes, ev["accuracy"], split)

@@ -269,7 +269,10 @@ def document(
     note = [("p", _focus_note(focus, len(rows)))] if focus is not None else []
     blocks += [("h2", f"Per-class {label} accuracy"), *note, *_class_tables(loaded, focus)]
     blocks += [("h2", "Plots"), *note]
-    blocks += [("img", caption, f"plots/{key}.png", png) for key, (caption, png) in figures.items()]
+    blocks += [
+        ("img", caption, f"plots/{key}.png", png) if png else ("p", caption)
+        for key, (caption, png) in figures.items()
+    ]  # a plot not drawn: why, in its place
     return blocks + [("h2", "Provenance"), *_provenance_blocks(loaded)]
 
 
