@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 OUTPUT = ROOT / "docs" / "performance.md"
 COMMAND = "python docs/gen_performance.py"
+MICRO_MEASURES = ("test_accuracy", "test_loss", "train_seconds")
 
 HEADER = f"""# Performance
 
@@ -443,12 +444,76 @@ def render_slurm_polling(doc: dict) -> list[str]:
     return out
 
 
+def render_micro_batch(doc: dict) -> list[str]:
+    """Test accuracy, loss and training time per micro-batch (BatchNorm's batch), over seeds."""
+    bn = {r["micro_batch"]: r for r in doc["batchnorm"]}
+    rows = []
+    for s in doc["by_micro_batch"]:
+        b, acc, loss, secs = bn[s["micro_batch"]], *(s[k] for k in MICRO_MEASURES)
+        auto = b["rank0_forwards_per_step_at_auto_world_sizes"]
+        rows.append(
+            [
+                num(s["micro_batch"]),
+                ", ".join(map(str, b["auto_picks_it_at_world_sizes"])) or "—",
+                f"{num(b['rank0_forwards_per_step_here'])} / "
+                + ", ".join(f"{v} at {w}" for w, v in auto.items()),
+                f"{acc['mean']:.4f} ± {acc['std']:.4f} ({acc['min']:.4f}–{acc['max']:.4f})",
+                f"{loss['mean']:.4f} ± {loss['std']:.4f}",
+                f"{secs['mean']:.1f} ± {secs['std']:.1f}",
+                num(s["runs"]),
+            ]
+        )
+    header = [
+        "micro-batch (BatchNorm's batch)",
+        "`auto` picks it at ranks",
+        "rank 0's forwards per step: here / at those ranks",
+        "test accuracy, mean ± std (range)",
+        "test loss, mean ± std",
+        "training s, mean ± std",
+        "seeds",
+    ]
+    ranks = doc["batchnorm"][0]["ranks_here"]
+    out = [
+        f"Every run at {ranks} CPU ranks, seeds {', '.join(map(str, doc['seeds']))}; "
+        "mean ± sample standard deviation over the seeds (conditions below).",
+        table(header, rows),
+    ]
+    return out + micro_batch_checks(doc, ranks)
+
+
+def micro_batch_checks(doc: dict, ranks: int) -> list[str]:
+    """The check runs at the world size auto picks, beside the same seed at the bench's ranks."""
+    out, checks = [], doc.get("at_auto_world_size") or []
+    if checks:
+        out.append(
+            f"The same runs at the world size `auto` picks their micro-batch for, against {ranks} "
+            "ranks (there / here):"
+        )
+        rows = [
+            [
+                num(c["micro_batch"]),
+                num(c["seed"]),
+                num(c["world_size"]),
+                *(
+                    f"{c[k]:.4f} / {c['at_ranks_here'][k]:.4f}"
+                    for k in ("test_accuracy", "test_loss", "final_train_loss")
+                ),
+            ]
+            for c in checks
+        ]
+        header = ["micro-batch", "seed", "ranks", "test accuracy", "test loss", "last epoch's loss"]
+        out.append(table(header, rows))
+    return out
+
+
 def render_unknown(doc: dict) -> list[str]:
     keys = ", ".join(f"`{k}`" for k in doc)
     return [f"No table renderer for this benchmark; its top-level keys: {keys}."]
 
 
 def renderer(doc: dict):
+    if "by_micro_batch" in doc:
+        return render_micro_batch
     if "summary" in doc and "runs" in doc:
         return render_peers
     runs = doc.get("runs") or []

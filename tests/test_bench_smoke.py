@@ -1,11 +1,12 @@
 """The benchmarks (bench/throughput.py, end_to_end.py, memory.py, data.py, layout.py,
-scaling.py) run in a tiny configuration and write complete JSON.
+scaling.py, micro_batch.py) run in a tiny configuration and write complete JSON.
 
 Speed is measured by the benchmarks and never asserted here: only that the numbers exist.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -328,3 +329,72 @@ def test_scaling_tiny_run_writes_complete_json(tmp_path):
     }  # fmt: skip
     assert all(v > 0 for v in seeding["seconds_per_call"].values())
     assert set(seeding["share_of_micro_step"]) == {"loop", "loop_depth_30"}
+
+
+# --- the micro-batch auto resolves and the science (issue 32) ----------------------------
+
+
+def test_micro_batch_plan_flips_the_micro_batches_every_seed():
+    sys.path.insert(0, str(REPO / "bench"))
+    from micro_batch import plan
+
+    order = plan([32, 16, 8], [0, 1, 2])
+    assert [micro for micro, _ in order] == [32, 16, 8, 8, 16, 32, 32, 16, 8]
+    assert [seed for _, seed in order] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
+@pytest.mark.e2e
+def test_micro_batch_tiny_run_writes_complete_json(tmp_path):
+    """bench/micro_batch.py through the real workflow: each run trains at the micro-batch it
+    names (BatchNorm's batch), the one auto picks at 2 ranks has the shipped default run's
+    training fingerprint, the check run trains at the world size auto picks its micro-batch
+    for, and the performance page renders the result (no timing asserted)."""
+    out = tmp_path / "micro_batch.json"
+    cmd = [sys.executable, str(REPO / "bench" / "micro_batch.py"), "--micro-batches", "32", "16"]
+    cmd += ["--seeds", "3", "--check-seeds", "3", "--epochs", "1", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "| micro-batch | auto at ranks |" in result.stdout
+
+    report = json.loads(out.read_text())
+    assert {"hostname", "cpu_model", "cpu_count", "loadavg_at_start"} <= set(report["machine"])
+    assert {"torch", "python", "snakemake"} <= set(report["provenance"]["versions"])
+    assert report["started"] and report["wall_s"] > 0
+    c = report["conditions"]
+    assert (c["ranks"], c["cores"]) == (2, 2) and len(c["loadavg_after"]) == 3
+    assert c["runs_listed"] == ["micro32-seed3", "micro16-seed3", "micro16-seed3-4ranks"]
+    assert sorted(c["runs_trained_in_order"]) == sorted(c["runs_listed"])
+    assert "BatchNorm's batch is the micro-batch" in c["batchnorm"]
+    runs = {r["micro_batch"]: r for r in report["seed_runs"]}
+    assert sorted(runs) == [16, 32]
+    for micro, accum in ((32, 1), (16, 2)):
+        row = runs[micro]
+        assert (row["seed"], row["world_size"], row["epochs"]) == (3, 2, 1)
+        assert row["accumulation_steps"] == accum and row["steps"] == 1294 // 64
+        assert row["test_samples"] == 359 and 0.0 < row["test_accuracy"] <= 1.0
+        assert math.isfinite(row["test_loss"]) and row["train_seconds"] > 0
+    # 32 is what auto picks at 2 ranks: the shipped default run's science; 16 is another
+    assert runs[32]["same_training_fingerprint_as_shipped_default"] is True
+    assert runs[16]["same_training_fingerprint_as_shipped_default"] is False
+    # ... and 16 is the shipped default's at 4 ranks, where the check run trains it
+    (check,) = report["at_auto_world_size"]
+    assert (check["micro_batch"], check["seed"], check["world_size"]) == (16, 3, 4)
+    assert check["accumulation_steps"] == 1 and check["steps"] == runs[16]["steps"]
+    assert check["same_training_fingerprint_as_shipped_default"] is True
+    assert check["at_ranks_here"]["test_accuracy"] == runs[16]["test_accuracy"]
+    assert 0.0 < check["test_accuracy"] <= 1.0
+    bn = {r["micro_batch"]: r for r in report["batchnorm"]}
+    assert bn[32]["auto_picks_it_at_world_sizes"] == [1, 2]
+    assert bn[16]["auto_picks_it_at_world_sizes"] == [4]
+    assert bn[16]["rank0_forwards_per_step_here"] == 2
+    assert bn[16]["rank0_forwards_per_step_at_auto_world_sizes"] == {"4": 1}
+    for s in report["by_micro_batch"]:
+        assert s["runs"] == 1 and s["test_accuracy"]["std"] == 0.0
+        assert s["test_accuracy"]["mean"] == runs[s["micro_batch"]]["test_accuracy"]
+
+    spec = importlib.util.spec_from_file_location("gen", REPO / "docs" / "gen_performance.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    page = "\n".join(gen.renderer(report)(report))
+    assert "| 32 | 1, 2 | 1 / 2 at 1, 1 at 2 |" in page and "| 16 | 4 | 2 / 1 at 4 |" in page
+    assert "| 16 | 3 | 4 |" in page
