@@ -99,11 +99,20 @@ def test_scaling_config_reports_speedup(workdir):
     ledger = {"nodes": [{"node": "node7", "reason": "NODE_FAIL", "job_id": "9", "run": "ranks2",
                          "time": "2026-01-01T00:00:00+00:00"}]}  # fmt: skip
     (workdir / "results/work/bad_nodes.json").write_text(json.dumps(ledger))
+    # and a run whose records the report cannot read (its path is named the same way by both);
+    # its old mtime kept: no rerun trigger for evaluate
+    cut = workdir / "results/runs/ranks2/eval_metrics.json"
+    stat = cut.stat()
+    cut.write_text(cut.read_text()[:100])
+    os.utime(cut, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     rerun = snakemake(workdir, REPO / "config/config.yaml", str(REPO / "config/scaling.yaml"),
                       str(overlay), "--forcerun", "report")  # fmt: skip
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     rule = {name: (workdir / "results/report" / name).read_text() for name in REPORTED}
     assert "node7" in rule["report.md"]
+    unfinished = json.loads(rule["summary.json"])["unfinished"]
+    assert [u["run"] for u in unfinished] == ["ranks2"]
+    assert "eval_metrics results/runs/ranks2/eval_metrics.json: not JSON" in unfinished[0]["cause"]
     merged = {}
     for part in (REPO / "config/config.yaml", REPO / "config/scaling.yaml", overlay):
         merged = deep_merge(merged, yaml.safe_load(part.read_text()))

@@ -22,6 +22,7 @@ from ddpflow import config as ddpconfig
 from ddpflow import pipeline
 from ddpflow.data.staged import DataError, verify_staged
 from ddpflow.paths import RunPaths
+from ddpflow.report.sweep import slim
 from ddpflow.training.tasks import EvalTask, TrainTask
 
 COMMANDS = {
@@ -100,10 +101,11 @@ def main(argv=None) -> int:
 
 
 def _report(cfg: dict) -> int:
-    """The report rule's report (pipeline.report_of_config), of every run of the config."""
-    paths = pipeline.run_rule(
-        pipeline.report_of_config, None, cfg["results_dir"], ddpconfig.resolve_runs(cfg)
-    )
+    """The report rule's report (pipeline.build_report, with the inputs workflow/rules/report.smk
+    passes), of every run of the config."""
+    runs = ddpconfig.resolve_runs(cfg)
+    names, sweeps = [run["name"] for run in runs], [slim(run.get("sweep")) for run in runs]
+    paths = pipeline.run_rule(pipeline.build_report, None, cfg["results_dir"], names, sweeps)
     print(f"ddpflow: report in {paths['html']}")
     return 0
 

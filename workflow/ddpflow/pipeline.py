@@ -29,10 +29,12 @@ from ddpflow.errors import UserError
 from ddpflow.paths import (
     EVAL_FROM_TRAIN,
     LIVE_METRICS,
+    RUN_FILES,
     TRACKING_FILE,
     RunPaths,
     bad_nodes_file,
     report_dir,
+    run_dir,
 )
 from ddpflow.progress import EpochProgress
 from ddpflow.report import outcome
@@ -242,46 +244,31 @@ def _publish_evaluation_from_training(run: dict, paths: RunPaths) -> dict | None
     return None
 
 
-def build_report(
-    run_names: list[str],
-    train_metrics: list[str],
-    eval_metrics: list[str],
-    out_dir: str,
-    ledger: str | None = None,
-    sweeps: list[dict | None] | None = None,
-) -> dict:
-    """The report over every run, from the files the rule declares as its inputs (in the
-    order of run_names), and the bad-node ledger's nodes if there are any. sweeps: each
-    run's sweep block (None for a run written under `runs:`), in the same order."""
-    sweeps = sweeps if sweeps is not None else [None] * len(run_names)
-    runs = [
-        {"name": name, "train_metrics": train, "eval_metrics": evaluation,
-         "tracking": str(Path(evaluation).parent / TRACKING_FILE), "sweep": sweep}
-        for name, train, evaluation, sweep in zip(
-            run_names, train_metrics, eval_metrics, sweeps, strict=True)
-    ]  # fmt: skip
+def build_report(results_dir: str, run_names: list[str], sweeps: list[dict | None]) -> dict:
+    """The report of every run, into results_dir/report: the report rule's (scripts/report.py)
+    and `python -m ddpflow report`'s, one function with the same inputs. It reads each run's
+    records under results_dir/runs/<run>/ (the files the report rule declares as its
+    inputs), the bad-node ledger's nodes if there are any, and each run's sweep point
+    (sweeps, in the order of run_names; None for a run written under `runs:`)."""
+    runs = []
+    for name, sweep in zip(run_names, sweeps, strict=True):
+        folder = run_dir(results_dir, name)
+        runs.append(
+            {
+                "name": name,
+                "train_metrics": str(folder / RUN_FILES["train_metrics"]),
+                "eval_metrics": str(folder / RUN_FILES["eval_metrics"]),
+                "tracking": str(folder / TRACKING_FILE),
+                "sweep": sweep,
+            }
+        )
     from ddpflow.report.build import build_report  # matplotlib: only the report rule needs it
 
-    bad_nodes = nodes.read_ledger(ledger) if ledger else []
+    ledger = bad_nodes_file(results_dir)
+    bad_nodes = nodes.read_ledger(ledger)
     if bad_nodes:
         log.warning("%s (%s)", outcome.bad_nodes_line(bad_nodes), nodes.shown(ledger))
-    return build_report(runs, out_dir, bad_nodes=bad_nodes)
-
-
-def report_of_config(results_dir: str, runs: list[dict]) -> dict:
-    """The report rule's report, for `python -m ddpflow report`: the same runs, files, bad-node
-    ledger and sweep points as the rule passes (workflow/rules/report.smk)."""
-    from ddpflow.report.sweep import slim
-
-    files = [RunPaths.for_run(results_dir, run) for run in runs]
-    return build_report(
-        [run["name"] for run in runs],
-        [f.train_metrics for f in files],
-        [f.eval_metrics for f in files],
-        str(report_dir(results_dir)),
-        str(bad_nodes_file(results_dir)),
-        [slim(run.get("sweep")) for run in runs],
-    )
+    return build_report(runs, report_dir(results_dir), bad_nodes=bad_nodes)
 
 
 def clean_work(work_root: str) -> list[str]:

@@ -30,6 +30,7 @@ rule report:
     conda:
         "../../envs/ddpflow.yaml"
     params:
+        # `python -m ddpflow report` passes the same to the same function (build_report)
         runs=list(RUNS),
         # each run's sweep point (None for a `runs:` entry), without the list of its peers:
         # the report ranks a sweep's runs by validation accuracy (ddpflow.report.sweep)
