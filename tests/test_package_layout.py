@@ -13,6 +13,7 @@ import ast
 import importlib
 import os
 import pkgutil
+import re
 import shutil
 import subprocess
 import sys
@@ -155,3 +156,18 @@ def test_no_module_over_400_lines_and_no_function_over_50():
                 if length > 50:
                     too_long.append(f"{rel}:{node.lineno} {node.name}: {length} lines")
     assert not too_long, "split these: " + "; ".join(too_long)
+
+
+def test_no_text_counts_with_an_s_in_brackets():
+    """What the terminal, the logs and the report print says '1 run', '3 runs' (ddpflow.text.
+    counted), never 'run(s)': no string in the package or the rule scripts holds a word
+    followed by '(s)'."""
+    found = []
+    for path in [*PACKAGE.rglob("*.py"), *(PACKAGE.parents[1] / "scripts").glob("*.py")]:
+        if path == PACKAGE / "text.py":  # its docstring names what it replaces
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            text = node.value if isinstance(node, ast.Constant) else None
+            if isinstance(text, str) and re.search(r"[A-Za-z]\(s\)", text):
+                found.append(f"{path.relative_to(PACKAGE.parents[1])}:{node.lineno}")
+    assert not found, found

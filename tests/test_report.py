@@ -233,6 +233,7 @@ def test_hosts_are_listed_once_with_their_rank_count():
     assert _hosts(["vm"] * 4) == "vm ×4"
     assert _hosts(["n1", "n1", "n2", "n2"]) == "n1 ×2, n2 ×2"
     assert _hosts([f"n{i}" for i in range(6)]) == "n0, n1, n2, n3, … (+2 hosts)"
+    assert _hosts([f"n{i}" for i in range(5)]) == "n0, n1, n2, n3, … (+1 host)"
 
 
 def _unfinished(paths) -> dict[str, str]:

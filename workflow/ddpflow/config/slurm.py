@@ -195,7 +195,9 @@ def check_nodes(where: str, machine: dict, partition: Partition, nodes: list[Nod
     wanted = machine["nodes"]
     limit = min(len(nodes), partition.max_nodes or len(nodes))
     if wanted > limit:
-        why = f"MaxNodes={partition.max_nodes}" if limit < len(nodes) else f"{len(nodes)} nodes"
+        why = (
+            f"MaxNodes={partition.max_nodes}" if limit < len(nodes) else counted(len(nodes), "node")
+        )
         raise ConfigError(
             f"{where}: machine.nodes is {wanted} but partition {partition.name!r} allows at most "
             f"{limit} ({why}: {','.join(n.name for n in nodes)}); set machine.nodes <= {limit} "
@@ -208,7 +210,7 @@ def check_nodes(where: str, machine: dict, partition: Partition, nodes: list[Nod
         raise ConfigError(
             f"{where}: machine.nodes is {wanted} but only {counted(len(fitting), 'node')} of "
             f"partition {partition.name!r} {'has' if len(fitting) == 1 else 'have'} "
-            f"{need[0]} GPUs, {need[1]} CPUs and {need[2]} MB together "
+            f"{counted(need[0], 'GPU')}, {counted(need[1], 'CPU')} and {need[2]} MB together "
             f"({','.join(fitting) or 'none'}); set machine.nodes <= {len(fitting)} or ask for less "
             "per node"
         )
@@ -224,7 +226,7 @@ def _check_gpus(where: str, machine: dict, partition: Partition, nodes: list[Nod
         gres = ", ".join(sorted({n.gres for n in nodes}))
         raise ConfigError(
             f"{where}: machine.gpus_per_node is {machine['gpus_per_node']} but the nodes of "
-            f"partition {partition.name!r} have at most {most} GPUs (Gres={gres}); set "
+            f"partition {partition.name!r} have at most {counted(most, 'GPU')} (Gres={gres}); set "
             f"machine.gpus_per_node <= {most} (more machine.nodes give more GPUs), or pick a "
             "partition with bigger GPU nodes"
         )
@@ -242,9 +244,9 @@ def _check_cpus(where: str, machine: dict, partition: Partition, nodes: list[Nod
         else f"set {rank_key} <= {most} and machine.cpus_per_task: 1"
     )
     raise ConfigError(
-        f"{where}: machine.cpus_per_task is {per_task} with {ranks} ranks per node ({rank_key}): "
-        f"{ranks * per_task} CPUs per node, but the nodes of partition {partition.name!r} have "
-        f"at most {most} CPUs; {fix}"
+        f"{where}: machine.cpus_per_task is {per_task} with {counted(ranks, 'rank')} per node "
+        f"({rank_key}): {counted(ranks * per_task, 'CPU')} per node, but the nodes of partition "
+        f"{partition.name!r} have at most {counted(most, 'CPU')}; {fix}"
     )
 
 

@@ -39,7 +39,7 @@ def _hosts(hosts: list) -> str:
     for host in map(str, hosts):
         counts[host] = counts.get(host, 0) + 1
     shown = ", ".join(f"{h} ×{n}" if n > 1 else h for h, n in list(counts.items())[:4])
-    return shown + (f", … (+{len(counts) - 4} hosts)" if len(counts) > 4 else "")
+    return shown + (f", … (+{counted(len(counts) - 4, 'host')})" if len(counts) > 4 else "")
 
 
 def _number(value, fmt: str) -> str:

@@ -20,6 +20,7 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
 from ddpflow.report.plots import _new_figure, _png, safe_name, text_label
+from ddpflow.text import counted
 
 __all__ = ["key_figure", "parallel_figure", "plot_key", "plot_parallel", "render"]
 
@@ -110,7 +111,7 @@ def parallel_figure(keys: list[str], log_keys: list[str], points: list[dict], pi
     ax.set_xlim(-0.1, len(names) - 0.6)
     ax.set_ylim(-0.05, 1.05)
     ax.set_yticks([])
-    ax.set_title(f"Swept keys against validation accuracy ({len(points)} runs)")
+    ax.set_title(f"Swept keys against validation accuracy ({counted(len(points), 'run')})")
     fig.colorbar(ScalarMappable(norm, cmap), ax=ax, label="validation accuracy", pad=0.01)
     if pick is not None:
         fig.legend(fontsize="small", loc="outside lower center")

@@ -21,6 +21,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from ddpflow.errors import UserError
+from ddpflow.text import counted
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +135,10 @@ def _log_new(client, experiment_id, record, identity: str, live, uri: str, exper
         client.set_terminated(run_id, "FAILED")
         raise
     client.set_terminated(run_id, "FINISHED")
-    log.info("MLflow %s: run %r logged as %s (%d metric points, %d params, %d artifacts)",
-             uri, record.name, run_id, len(record.metrics) + len(record.final),
-             len(record.params), len(record.artifacts))  # fmt: skip
+    log.info("MLflow %s: run %r logged as %s (%s, %s, %s)", uri, record.name, run_id,
+             counted(len(record.metrics) + len(record.final), "metric point"),
+             counted(len(record.params), "param"),
+             counted(len(record.artifacts), "artifact"))  # fmt: skip
     return run_id
 
 

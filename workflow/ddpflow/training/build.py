@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpflow.config import trains_sharded, uses_channels_last
+from ddpflow.text import counted
 from ddpflow.training import sharding
 from ddpflow.training.models import build_model, place
 from ddpflow.training.schedule import effective_lr, lr_schedule
@@ -79,8 +80,8 @@ def _wrap(model: nn.Module, strategy: str, env, device, tcfg: dict):
     if tcfg["activation_checkpointing"]:  # before sharding: FSDP's hooks wrap it
         blocks = sharding.checkpoint_activations(model)
         if env.is_master:
-            log.info("activation checkpointing: %d blocks recompute their forward in "
-                     "the backward", blocks)  # fmt: skip
+            log.info("activation checkpointing: %s, each forward recomputed in the backward",
+                     counted(blocks, "block"))  # fmt: skip
     if strategy == "fsdp":  # sharded in place: the model's parameters become DTensor shards
         model = wrapped = sharding.shard(model, device, tcfg)
     else:

@@ -25,6 +25,7 @@ import torch
 from ddpflow.cluster.distenv import any_rank, barrier
 from ddpflow.config import config_hash, training_fingerprint
 from ddpflow.runtime import atomic_torch_save, atomic_write_bytes, atomic_write_json
+from ddpflow.text import counted
 from ddpflow.training import sharding
 from ddpflow.training.workspace import (
     NEWEST,
@@ -204,7 +205,7 @@ class Checkpointer:
     def on_step(self, loop) -> None:
         step = loop.scheduler.last_epoch
         if self.every_steps and step % self.every_steps == 0:
-            self.save(loop, f"every {self.every_steps} steps")
+            self.save(loop, f"every {counted(self.every_steps, 'step')}")
         # only Slurm sends the stop signal: elsewhere skip the agreement (a collective and a
         # host sync every stop_check_steps)
         if self.watch_signal and step % self.stop_check_steps == 0 and self.stop_agreed():

@@ -13,6 +13,7 @@ import torch
 from ddpflow.cluster import distenv
 from ddpflow.data import feed
 from ddpflow.data.staged import DataError, choose_in_memory, open_split
+from ddpflow.text import counted
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,8 @@ def load_data(run: dict, staged: str, env, device, splits=("train", "val")) -> R
         )  # fmt: skip
     if env.is_master:
         how = "in memory" if in_memory else (
-            f"streamed from {staged} ({loading['workers']} DataLoader workers per rank, "
-            f"{loading['prefetch']} batches ahead each)"
+            f"streamed from {staged} ({counted(loading['workers'], 'DataLoader worker')} per "
+            f"rank, {counted(loading['prefetch'], 'batch', 'batches')} ahead each)"
         )  # fmt: skip
         log.info("data %s: %s (%s)", "+".join(opened), how, why)
     return data
