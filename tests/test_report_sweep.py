@@ -180,13 +180,15 @@ def test_a_long_ranking_shows_its_top_in_markdown_and_all_in_html(tmp_path):
 
 
 def test_the_report_rule_passes_each_runs_sweep_block(tmp_path):
-    runs = synthetic_sweep(tmp_path / "runs", 3)
-    pipeline.build_report(
-        [r["name"] for r in runs], [str(r["train_metrics"]) for r in runs],
-        [str(r["eval_metrics"]) for r in runs], str(tmp_path / "out"), None,
-        [sweep.slim(r["sweep"]) for r in runs],
-    )  # fmt: skip
-    assert len(_csv(tmp_path / "out" / "sweep.csv")) == 3
+    """pipeline.build_report, the report rule's and `python -m ddpflow report`'s, reads each
+    run's records in results/runs/<run>/ and ranks the runs by the sweep points given."""
+    runs = synthetic_sweep(tmp_path / "made", 3)
+    (tmp_path / "results/runs").mkdir(parents=True)
+    for run in runs:
+        run["train_metrics"].parent.rename(tmp_path / "results/runs" / run["name"])
+    names, points = [r["name"] for r in runs], [sweep.slim(r["sweep"]) for r in runs]
+    pipeline.build_report(str(tmp_path / "results"), names, points)
+    assert len(_csv(tmp_path / "results/report/sweep.csv")) == 3
     assert "peers" not in sweep.slim(runs[0]["sweep"])
 
 
