@@ -482,6 +482,7 @@ def test_records_that_cannot_be_rendered_are_named_and_the_rest_reported(tmp_pat
         assert reason in causes[name] and str(tmp_path / name) in causes[name], causes[name]
     markdown = paths["markdown"].read_text()
     assert "Partial report: 1 of 10 runs finished" in markdown
+    assert "its records cannot be shown: a rerun does not redo it" in markdown
     for name in ODD_RECORDS:
         assert f"| {_md_name(name)} | report | records cannot be shown" in markdown
     assert (tmp_path / "out/plots/confusion_good.png").read_bytes()[:8] == PNG_SIGNATURE

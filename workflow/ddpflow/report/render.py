@@ -198,7 +198,16 @@ def _unfinished_blocks(unfinished, finished: int) -> list[tuple]:
     ]  # fmt: skip
     blocks += [("details", f"{u['run']}: {u['cause']}", u["detail"])
                for u in unfinished if u.get("detail")]  # fmt: skip
+    if any(u.get("stage") == "report" for u in unfinished):  # inputs.unrenderable
+        blocks.insert(2, ("p", _UNRENDERABLE))
     return blocks
+
+
+_UNRENDERABLE = (
+    "A run that failed in 'report' trained and was evaluated, but its records cannot be "
+    "shown: a rerun does not redo it. Fix or remove the file named, then build the report "
+    "again (python -m ddpflow report)."
+)
 
 
 def _bad_node_blocks(bad_nodes) -> list[tuple]:
