@@ -507,6 +507,7 @@ def test_a_none_metric_in_every_epoch_is_named(tmp_path):
     ]
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_a_plot_its_numbers_cannot_draw_is_named_and_the_report_written(tmp_path):
     """An infinite throughput (a writer that divided by a zero time) cannot be drawn on an
     axis: that plot says so in its place, the rest of the report is whole."""
