@@ -184,7 +184,7 @@ def test_adding_a_value_plans_exactly_the_new_runs(tmp_path):
     dry = snakemake(tmp_path, cfg, "-n", "--configfile", str(write_config(
         tmp_path / "typo.yaml", {"sweep": {"grid": {"train.optimizr.lr": [0.1]}}})))  # fmt: skip
     assert dry.returncode != 0
-    assert "sweep point 'lr-0.1' (grid): train: unknown key(s) ['optimizr']" in dry.stderr
+    assert "sweep point 'lr-0.1' (grid): train: unknown key ['optimizr']" in dry.stderr
     assert yaml.safe_load(cfg.read_text())["sweep"]["grid"] == GRID  # nothing rewrote it
 
 
