@@ -34,9 +34,12 @@ CACHE = "models.json"
 
 def check_before_jobs(runs: list[dict], results: str, cache_dir: str | Path) -> None:
     """Refuse, naming every problem of every run at once, what the train rule would."""
-    problems, models = [], {}
+    problems, models, manifests = [], {}, {}
     for run in runs:
-        manifest = _manifest(staged_dir(results, run["dataset_id"]))
+        dataset = run["dataset_id"]  # a sweep's runs share a few datasets: each read once
+        if dataset not in manifests:
+            manifests[dataset] = _manifest(staged_dir(results, dataset))
+        manifest = manifests[dataset]
         if manifest is None:
             continue
         try:
