@@ -442,7 +442,8 @@ def test_the_shipped_config_plans_on_two_nodes(slurm_cluster, tmp_path):
     (and the test cluster's partition and account) edited plans under `--profile slurm`
     (micro_batch_size auto resolves to 16 at 2 nodes x 2 ranks; 32 was refused there)."""
     shipped = yaml.safe_load((REPO / "config/config.yaml").read_text())
-    cluster = {"partition": slurm_cluster.short_partition, "account": slurm_cluster.account}
+    # the shipped time_min (60) needs the unlimited partition: 'short' is refused before planning
+    cluster = {"partition": slurm_cluster.partition, "account": slurm_cluster.account}
     shipped["machine"].update(nodes=2, **cluster)
     dry = named_profile_snakemake(tmp_path, write_config(tmp_path / "c.yaml", shipped), "-n")
     output = dry.stdout + dry.stderr
