@@ -11,9 +11,17 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from ddpflow.task import get_task
 from ddpflow.training import evaluate
-from ddpflow.training.evaluate import evaluate_split, shard_bounds, shard_counts, summarize
+from ddpflow.training.evaluate import (
+    Scoring,
+    evaluate_split,
+    shard_bounds,
+    shard_counts,
+    summarize,
+)
 from ddpflow.training.models import small_cnn
+from ddpflow.training.rankdata import Split
 from distributed_helpers import run_group
 from torch.utils.data import DistributedSampler
 
@@ -94,9 +102,8 @@ def _evaluate_on_rank(env, case):
     model = small_cnn(1, 4, NUM_CLASSES)
     model.load_state_dict(case["state"])
     images, labels = case["images"], case["labels"]
-    result = evaluate_split(
-        model, images, labels, NUM_CLASSES, BATCH, case["norm"], env.rank, env.world_size
-    )
+    scoring = Scoring(get_task(), {"num_classes": NUM_CLASSES}, case["norm"], BATCH)
+    result = evaluate_split(model, Split(images, labels), scoring, env)
     start, stop = shard_bounds(N_TEST, env.world_size, env.rank)
     local, _ = shard_counts(
         model, images[start:stop], labels[start:stop], NUM_CLASSES, BATCH, case["norm"]

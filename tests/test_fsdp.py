@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from ddpflow import config as ddpconfig
+from ddpflow.cluster.distenv import discover
 from ddpflow.training import evaluate, sharding
 from ddpflow.training.checkpoint import Checkpointer
 from ddpflow.training.loop import Loop, fit
@@ -64,10 +65,7 @@ def _trained(env, work: str) -> dict:
     dist.barrier()
     # the sharded model scores an uneven split (31 samples, 3 ranks, batch 4: 3 forwards on
     # two ranks, 3 on the third whose shard has 10) exactly as one process scores it whole
-    result = evaluate.evaluate_split(
-        loop.model, loop.data.val.images, loop.data.val.labels, 4, 4, loop.data.norm,
-        env.rank, env.world_size,
-    )  # fmt: skip
+    result = evaluate.evaluate_split(loop.model, loop.data.val, loop.data.scoring(4), env)
     return {
         "weights": loop.full_model_state(),
         "history": [{k: v for k, v in r.items() if k != "seconds" and k != "samples_per_s"}
@@ -143,9 +141,7 @@ def test_the_sharded_model_scores_an_uneven_split_exactly(groups):
     run = _run()
     model = build_model(run["model"], data.shape, 4)
     model.load_state_dict(clean[0]["weights"])
-    whole = evaluate.evaluate_split(
-        model, data.val.images, data.val.labels, 4, 4, data.norm, rank=0, world=1
-    )
+    whole = evaluate.evaluate_split(model, data.val, data.scoring(4), discover({}))
     for rank in clean:
         assert rank["eval"]["confusion_matrix"] == whole["confusion_matrix"]
         assert rank["eval"]["samples_evaluated"] == 31

@@ -16,11 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from ddpflow import runtime
+from ddpflow.cluster.distenv import discover
 from ddpflow.cluster.preflight import _timed_all_reduce
 from ddpflow.training import evaluate
 from ddpflow.training.checkpoint import Checkpointer
+from ddpflow.training.evaluate import Scoring
 from ddpflow.training.loop import Loop, fit
 from ddpflow.training.models import build_model, place
+from ddpflow.training.rankdata import Split
 from distributed_helpers import make_data, run_group
 from workflow_helpers import make_run, snakemake, write_config
 
@@ -212,16 +215,16 @@ def _evaluation(env):
     fit(loop, lambda record: None)
     model, data = loop.model, loop.data
     x, y, n = data.val.images, data.val.labels, data.num_classes
-    whole = evaluate.evaluate_split(model, x, y, n, 64, data.norm, 0, 1)
+    single = discover({})
+    whole = evaluate.evaluate_split(model, data.val, data.scoring(64), single)
     # what 3 ranks evaluate, shard by shard (batches of 7: other shapes than the whole run)
     shards = [evaluate.shard_bounds(x.shape[0], 3, r) for r in range(3)]
     confusion = sum(
         evaluate.shard_counts(model, x[a:b], y[a:b], n, 7, data.norm)[0] for a, b in shards
     )
     dist.all_reduce(confusion)  # int64 over NCCL, as evaluate_split sums shards
-    cpu = evaluate.evaluate_split(
-        model.cpu().float(), x.cpu(), y.cpu(), n, 64, tuple(t.cpu() for t in data.norm), 0, 1
-    )
+    on_cpu = Scoring(data.task, data.task_manifest, tuple(t.cpu() for t in data.norm), 64)
+    cpu = evaluate.evaluate_split(model.cpu().float(), Split(x.cpu(), y.cpu()), on_cpu, single)
     return {
         "whole": whole["confusion_matrix"],
         "sharded": confusion.cpu().tolist(),

@@ -398,11 +398,11 @@ def test_npz_in_either_layout(tmp_path):
           "test_images": np.zeros((2, 8, 8), np.uint8)}, r"test_images and test_labels come"),
         ({"train_images": np.zeros((4, 8, 8), np.uint8), "train_labels": np.ones((4, 3), int)},
          r"train_labels: labels have shape \[4, 3\]; a label is one integer class 0..K-1 per "
-         r"sample \(labels with several values per sample, multi-label or vector targets, are "
-         r"not supported yet\)$"),
+         r"sample under task: classification \(for several labels per sample set task: "
+         r"multilabel; for float or vector targets task: regression\)$"),
         ({"train_images": np.zeros((4, 8, 8), np.uint8), "train_labels": np.zeros(4, int),
           "test_images": np.zeros((2, 8, 8), np.uint8), "test_labels": np.eye(2, dtype=int)},
-         r"test_labels: labels have shape \[2, 2\]; .* not supported yet\); they look one-hot: "
+         r"test_labels: labels have shape \[2, 2\]; .* task: regression\); they look one-hot: "
          r"give labels.argmax\(axis=1\)"),
     ],
 )  # fmt: skip

@@ -42,7 +42,7 @@ from ddpflow.text import counted
 from ddpflow.tracking.live import LiveStream
 from ddpflow.training import workspace
 from ddpflow.training.pruning import pruned_line
-from ddpflow.training.records import published
+from ddpflow.training.records import describe, published
 
 log = logging.getLogger(__name__)
 
@@ -205,14 +205,9 @@ def evaluate_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
         result = _distributed(EvalJob, "evaluate", placed, paths, logs_dir, exclude)[0]
         workspace.remove_rendezvous_files(paths.work)
         where = "in a job of its own"
+    text = describe(result)
     log.info(
-        "evaluate %r on the %s split: %d of %d samples correct, accuracy %.4f (evaluated %s)",
-        run["name"],
-        result["split"],
-        result["correct"],
-        result["samples_evaluated"],
-        result["accuracy"],
-        where,
+        "evaluate %r on the %s split: %s (evaluated %s)", run["name"], result["split"], text, where
     )
     return result
 

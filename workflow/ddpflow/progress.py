@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 
 from ddpflow.monitoring.rankstats import stragglers
+from ddpflow.task import run_task
 
 log = logging.getLogger("ddpflow.pipeline")  # the rule's progress lines, as they always were
 
@@ -61,14 +62,16 @@ class EpochProgress:
         self.epoch_seconds.append(record["seconds"]["epoch"])
         mean = sum(self.epoch_seconds) / len(self.epoch_seconds)
         eta = mean * (epochs - epoch)
+        selection = run_task(self.run).selection
         log.info(
-            "run %r epoch %d/%d: train loss %.4f, val accuracy %.4f, %.0f samples/s, "
+            "run %r epoch %d/%d: train loss %.4f, %s %.4f, %.0f samples/s, "
             "%.1f s per epoch%s",
             self.run["name"],
             epoch,
             epochs,
             record["train_loss"],
-            record["val_accuracy"],
+            selection.label.replace("validation", "val"),
+            record[selection.metric],
             record["samples_per_s"],
             record["seconds"]["epoch"],
             f", about {eta:.0f} s left" if epoch < epochs else "",
@@ -86,3 +89,4 @@ class EpochProgress:
                     f["reason"],
                 )
         self.stragglers = {f["rank"] for f in flagged}
+

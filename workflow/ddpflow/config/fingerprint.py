@@ -113,6 +113,8 @@ def data_settings(data: dict) -> dict:
         settings["plugin_sha256"] = plugin_source_hash(data["source"])
     else:
         settings["files"] = own_data_listing(data)
+    if is_plugin(data.get("task", "")):  # a plug-in task's code stages the targets
+        settings["task_sha256"] = plugin_source_hash(data["task"])
     return settings
 
 
@@ -179,6 +181,7 @@ def training_fingerprint(run: dict) -> dict[str, Any]:
                     "train": train})  # fmt: skip
     if is_own_data(run["data"]["source"]):  # the files' or the plug-in's content too
         flat["dataset_id"] = run["dataset_id"]
+    flat.update(task_settings(run, training=True))
     if fsdp:  # at any world size: its checkpoints and layout are fsdp's, even on 1 rank
         flat.update(flatten({"train": {"strategy": "fsdp", "fsdp": run["train"]["fsdp"]}}))
     flat["device"] = "cuda" if gpu else "cpu"
@@ -228,8 +231,29 @@ def plugin_source_hash(spec: str) -> str:
 
 def evaluation_fingerprint(run: dict) -> dict[str, Any]:
     """What determines an evaluation besides the model file: the eval section, less where
-    it runs (eval.in_train: the training job or a job of its own score alike)."""
-    return flatten({"eval": {k: v for k, v in run["eval"].items() if k != "in_train"}})
+    it runs (eval.in_train: the training job or a job of its own score alike), and a task's
+    settings (a multi-label threshold) other than classification's."""
+    flat = flatten({"eval": {k: v for k, v in run["eval"].items() if k != "in_train"}})
+    flat.update(task_settings(run, training=False))
+    return flat
+
+
+def task_settings(run: dict, training: bool) -> dict[str, Any]:
+    """The task keys of a fingerprint, none for classification (the default: a run trained
+    before tasks existed keeps its fingerprints). Training: what of the task changes the
+    weights (a regression's loss; a plug-in task's code and kwargs); the task's name is the
+    data's (data.task). Evaluation: the task and all its kwargs (a threshold)."""
+    name = run.get("task", "classification")
+    if name == "classification":
+        return {}
+    if not training:
+        return flatten({"task": name, "task_kwargs": run.get("task_kwargs") or {}})
+    if is_plugin(name):
+        kwargs = flatten({"task_kwargs": run.get("task_kwargs") or {}})
+        return {"task_sha256": plugin_source_hash(name), **kwargs}
+    from ddpflow.task import get_task
+
+    return flatten({"task": get_task(name, run.get("task_kwargs") or {}).fingerprint()})
 
 
 def as_params(fingerprint: dict[str, Any]) -> list[str]:

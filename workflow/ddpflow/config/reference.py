@@ -54,6 +54,10 @@ NOT_A_RERUN = {
     "(with auto: also a machine edit that changes the micro-batch auto resolves to)",
     "train.max_micro_batch_size": "nothing with a numeric micro_batch_size; with auto, retrain "
     "where the micro-batch it resolves to changes",
+    # resolved before a run exists (config.runs._resolve_task): the data section carries it
+    "task": "restage and retrain (the targets are staged as the task needs them)",
+    "task_kwargs": "multilabel threshold: re-evaluate; regression loss, huber_delta: retrain; "
+    "your own task's: restage and retrain",
 }
 # tracking: where runs are logged, in no fingerprint (ddpflow.tracking)
 TRACKING_EFFECT = "nothing; the track rule logs again (and the report is redone)"

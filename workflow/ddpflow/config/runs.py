@@ -13,8 +13,10 @@ from ddpflow.config.machine import world_size
 from ddpflow.config.schema import ConfigError, deep_merge, validate
 from ddpflow.config.sweep import has_sweep, sweep_entries
 from ddpflow.config.yamlfile import read_config_file
+from ddpflow.plugins import is_plugin
 
 SECTIONS = ("data", "model", "train", "eval", "machine")
+DEFAULT_TASK = "classification"
 
 
 def load(path: str | Path | None = None, overrides: dict | None = None) -> dict:
@@ -78,7 +80,12 @@ def _resolve(config: dict, entry: dict, where: str) -> dict:
     merged = {key: config[key] for key in shared if key in config}
     for section in SECTIONS:
         merged[section] = deep_merge(config[section], entry.get(section, {}))
+    # a run's own task takes its own task_kwargs (the top-level ones are another task's)
+    merged["task"] = entry.get("task", config.get("task", DEFAULT_TASK))
+    own = "task" in entry and entry["task"] != config.get("task", DEFAULT_TASK)
+    merged["task_kwargs"] = entry.get("task_kwargs", {} if own else config.get("task_kwargs", {}))
     resolved = validate(merged, where=where)
+    _resolve_task(resolved, where)
     resolved["name"] = entry["name"]
     resolved["train"], resolved["micro_batch"] = resolve_micro_batch(
         where, resolved["train"], resolved["machine"]
@@ -90,6 +97,36 @@ def _resolve(config: dict, entry: dict, where: str) -> dict:
         values = {key: _dotted(resolved, key) for key in block["keys"]}
         resolved["sweep"] = {**block, "values": values}
     return resolved
+
+
+def _resolve_task(run: dict, where: str) -> None:
+    """A built-in task and its task_kwargs are checked here, at parse (a plug-in task when
+    its data is staged: importing your code at every parse would import torch). A task other
+    than classification stages its targets its own way: the data section carries its name
+    (and a plug-in task's kwargs), so its staged dataset and fingerprint are its own, while a
+    classification run's stay what they were before tasks existed."""
+    from ddpflow.task import TaskError, get_task
+
+    name = run["task"]
+    if not is_plugin(name):
+        try:
+            get_task(name, run["task_kwargs"])
+        except TaskError as err:
+            raise ConfigError(f"{where}: {err}") from err
+    source = run["data"]["source"]
+    if name != DEFAULT_TASK and source != "npz" and not is_plugin(source):
+        held = "class folders: one class per image"
+        if source != "image_folder":
+            held = f"one class per image (the built-in {source})"
+        raise ConfigError(
+            f"{where}: task {name!r} on data.source {source}, which holds {held}; give the "
+            "targets in an npz (data.source: npz) or a data plug-in (docs/tasks.md), or set "
+            "task: classification"
+        )
+    if name != DEFAULT_TASK:
+        run["data"]["task"] = name
+        if is_plugin(name):
+            run["data"]["task_kwargs"] = run["task_kwargs"]
 
 
 def _dotted(run: dict, key: str):

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ddpflow.data.raw import DataError, RawSource, check_labels, one_class_per_sample
+from ddpflow.data.raw import (
+    DataError,
+    RawSource,
+    check_labels,
+    one_class_per_sample,
+    staging_task,
+    task_targets,
+)
 
 NPZ_KEYS = ("train_images", "train_labels", "test_images", "test_labels", "class_names")
 
@@ -46,6 +53,10 @@ def load_npz(cfg: dict) -> RawSource:
                 "give both or neither (then the test split is carved out)"
             )
         train_x = _npz_images(arrays, "train_images", path)
+        names = [str(n) for n in arrays["class_names"]] if "class_names" in keys else None
+        task = staging_task(cfg)
+        if task.name != "classification":  # the task stages the targets (ddpflow.task)
+            return _task_npz(task, arrays, keys, path, train_x, names)
         train_y = _npz_labels(arrays, "train_labels", path, len(train_x))
         test_x = test_y = None
         if "test_images" in keys:
@@ -56,7 +67,6 @@ def load_npz(cfg: dict) -> RawSource:
                     f"data.path {path}: test_images are {list(test_x.shape[1:])} "
                     f"but train_images {list(train_x.shape[1:])} (C, H, W)"
                 )
-        names = [str(n) for n in arrays["class_names"]] if "class_names" in keys else None
     top = int(max(train_y.max(), test_y.max() if test_y is not None else 0))
     names = names or [str(k) for k in range(top + 1)]
     if top >= len(names):
@@ -64,6 +74,23 @@ def load_npz(cfg: dict) -> RawSource:
             f"data.path {path}: label {top} but only {len(names)} class_names; "
             "labels are 0..K-1 for K class names"
         )
+    return RawSource(train_x, train_y, test_x, test_y, names)
+
+
+def _task_npz(task, arrays, keys, path: Path, train_x, names) -> RawSource:
+    where = f"data.path {path}: train_labels"
+    train_y, names = task_targets(task, arrays["train_labels"], names, where, len(train_x))
+    test_x = test_y = None
+    if "test_images" in keys:
+        test_x = _npz_images(arrays, "test_images", path)
+        where = f"data.path {path}: test_labels"
+        test_y, _ = task_targets(task, arrays["test_labels"], names, where, len(test_x))
+        if test_x.shape[1:] != train_x.shape[1:] or test_y.shape[1:] != train_y.shape[1:]:
+            raise DataError(
+                f"data.path {path}: test_images/test_labels are {list(test_x.shape[1:])}/"
+                f"{list(test_y.shape[1:])} per sample but train_images/train_labels "
+                f"{list(train_x.shape[1:])}/{list(train_y.shape[1:])}"
+            )
     return RawSource(train_x, train_y, test_x, test_y, names)
 
 

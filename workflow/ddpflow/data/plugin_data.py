@@ -11,7 +11,15 @@ from __future__ import annotations
 import numpy as np
 
 from ddpflow.data.image_size import SmallImages, fit_image
-from ddpflow.data.raw import ONE_CLASS, DataError, RawSource, check_labels, one_class_per_sample
+from ddpflow.data.raw import (
+    ONE_CLASS,
+    DataError,
+    RawSource,
+    check_labels,
+    one_class_per_sample,
+    staging_task,
+    task_targets,
+)
 
 
 def load_plugin(cfg: dict) -> RawSource:
@@ -38,16 +46,35 @@ def load_plugin(cfg: dict) -> RawSource:
         )
     # PIL images are fitted to image_size: the small ones as data.on_small says
     small = SmallImages(cfg, f"data.source {spec!r}") if cfg["image_size"] is not None else None
-    train_x, train_y = _plugin_split(parts["train"], f"data.source {spec!r} train", cfg, small)
+    task = staging_task(cfg)
+    own = task.name != "classification"  # the task stages the targets (ddpflow.task)
+    names = parts.get("class_names")
+    names = [str(n) for n in names] if names is not None else None
+    where = f"data.source {spec!r} train"
+    train_x, train_y = _plugin_split(parts["train"], where, cfg, small, "train", own)
+    if own:
+        train_y, names = task_targets(task, train_y, names, f"{where} targets", len(train_x))
     test_x = test_y = None
     if parts.get("test") is not None:
         where = f"data.source {spec!r} test"
-        test_x, test_y = _plugin_split(parts["test"], where, cfg, small, "test")
+        test_x, test_y = _plugin_split(parts["test"], where, cfg, small, "test", own)
+        if own:
+            test_y, _ = task_targets(task, test_y, names, f"{where} targets", len(test_x))
         if test_x.shape[1:] != train_x.shape[1:]:
             raise DataError(
                 f"data.source {spec!r}: test images are {list(test_x.shape[1:])}, "
                 f"train images {list(train_x.shape[1:])} (C, H, W)"
             )
+        if test_y.shape[1:] != train_y.shape[1:]:
+            raise DataError(
+                f"data.source {spec!r}: test targets are {list(test_y.shape[1:])} per "
+                f"sample, train targets {list(train_y.shape[1:])}"
+            )
+    if own:
+        if small is not None:
+            small.tell()
+        notes = {"small": small} if small is not None else None
+        return RawSource(train_x, train_y, test_x, test_y, names, notes)
     top = int(max(train_y.max(), test_y.max() if test_y is not None else 0))
     names = [str(n) for n in parts.get("class_names") or range(top + 1)]
     if top >= len(names):
@@ -61,10 +88,17 @@ def load_plugin(cfg: dict) -> RawSource:
     return RawSource(train_x, train_y, test_x, test_y, names, notes)
 
 
-def _plugin_split(data, where: str, cfg: dict, small=None, part="train") -> tuple[np.ndarray, ...]:
+def _plugin_split(
+    data, where: str, cfg: dict, small=None, part="train", targets=False
+) -> tuple[np.ndarray, ...]:
+    """(images uint8 [n, C, H, W], labels): int64 class labels, checked; targets=True: the
+    targets as given, for the task to check (task_targets)."""
     arrays = isinstance(data, (tuple, list)) and len(data) == 2
     if arrays and all(isinstance(a, np.ndarray) or hasattr(a, "detach") for a in data):
         images, labels = (_as_numpy(a) for a in data)
+        if images.ndim in (3, 4) and targets:
+            x = np.stack([_pixels(img, f"{where} image {i}", cfg) for i, img in enumerate(images)])
+            return x, labels
         if images.ndim in (3, 4):
             labels = one_class_per_sample(labels, where)
             if len(images) != len(labels):
@@ -96,6 +130,9 @@ def _plugin_split(data, where: str, cfg: dict, small=None, part="train") -> tupl
             )
         images.append(pixels)
         label = _as_numpy(item[1])
+        if targets:
+            labels.append(label)
+            continue
         if label.size != 1:  # never cut to its first value: that trains on another target
             raise DataError(
                 f"{where}: item {i}'s label has shape {list(label.shape)} ({label.size} "
@@ -107,7 +144,17 @@ def _plugin_split(data, where: str, cfg: dict, small=None, part="train") -> tupl
             f"{where}: all {len(data)} images were smaller than data.image_size and skipped "
             "(data.on_small: skip); lower data.image_size or set data.on_small: upscale"
         )
+    if targets:
+        return np.stack(images), _stacked(labels, where)
     return np.stack(images), check_labels(np.concatenate(labels), where)
+
+
+def _stacked(labels: list[np.ndarray], where: str) -> np.ndarray:
+    shapes = {label.shape for label in labels}
+    if len(shapes) > 1:
+        shown = sorted(map(list, shapes))
+        raise DataError(f"{where}: targets of several shapes ({shown}); give one shape")
+    return np.stack(labels)
 
 
 def _as_numpy(value) -> np.ndarray:

@@ -230,13 +230,33 @@ def open_split(
         raise DataError(f"{path} is unreadable ({exc}); delete {staged_dir} and restage") from exc
     images = StagedImages(shards, shape)
     n = manifest["sizes"][split]
-    if len(images) != n or labels.shape != (n,) or labels.dtype != np.int64:
+    dtype, shape = target_layout(manifest, n)
+    if len(images) != n or labels.shape != shape or labels.dtype != dtype:
         raise DataError(
             f"{staged_dir}: the {split} split holds {len(images)} images and "
             f"{labels.dtype}{list(labels.shape)} labels, the manifest says {n} and "
-            f"int64[{n}]; delete {staged_dir} and restage"
+            f"{np.dtype(dtype)}{list(shape)}; delete {staged_dir} and restage"
         )
     return images, labels, manifest
+
+
+# the staged targets of each task: (dtype, per-sample shape from the class count K)
+TARGET_LAYOUTS = {
+    "classification": (np.int64, False),
+    "multilabel": (np.uint8, True),
+    "regression": (np.float32, True),
+}
+
+
+def target_layout(manifest: dict, n: int) -> tuple[np.dtype, tuple[int, ...]]:
+    """The dtype and shape of a split's staged targets: int64 [n] for classification (every
+    manifest without a task), uint8 [n, K] for multilabel, float32 [n, K] for regression; a
+    plug-in task's as its manifest records them (target_dtype, target_shape)."""
+    task = manifest.get("task", "classification")
+    if task in TARGET_LAYOUTS:
+        dtype, vector = TARGET_LAYOUTS[task]
+        return np.dtype(dtype), (n, manifest["num_classes"]) if vector else (n,)
+    return np.dtype(manifest["target_dtype"]), (n, *manifest["target_shape"])
 
 
 def _data_offset(staged_dir: Path, path: Path, shape: tuple, dtype) -> int:

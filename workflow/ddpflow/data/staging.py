@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ddpflow.data.raw import DataError, RawSource
+from ddpflow.data.raw import DataError, RawSource, staging_task
 from ddpflow.data.sources import load_source
-from ddpflow.data.staged import FORMAT_VERSION, MANIFEST, sha256_file
+from ddpflow.data.staged import FORMAT_VERSION, MANIFEST, TARGET_LAYOUTS, sha256_file
 from ddpflow.runtime import fsync_dir, replace_dir
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,8 @@ def stage_dataset(
     the dataset's size."""
     out_dir = Path(out_dir)
     raw = load_source(data_cfg, seed)
-    plan = split_indices(raw, data_cfg, seed)
+    task = staging_task(data_cfg)
+    plan = split_indices(raw, data_cfg, seed, task.strata(raw.train_y))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
     try:
@@ -54,8 +55,9 @@ def stage_dataset(
         if finish is not None:  # an image folder: what it could only tell after reading
             finish()
         _refuse_emptied(plan, written)
-        manifest = _base_manifest(raw, written, data_cfg, seed)
-        _warn_empty_classes(manifest, carved=raw.test_x is None)
+        manifest = _base_manifest(raw, written, data_cfg, seed, task)
+        if "class_counts" in manifest:
+            _warn_empty_classes(manifest, carved=raw.test_x is None)
         _write_json(tmp / MANIFEST, manifest)
         fsync_dir(tmp)
         replace_dir(tmp, out_dir)
@@ -112,14 +114,20 @@ def _refuse_emptied(plan: dict, written: dict) -> None:
             )
 
 
-def split_indices(raw: RawSource, data_cfg: dict, seed: int) -> dict:
+_LABELS = object()  # split_indices's default strata: raw.train_y
+
+
+def split_indices(raw: RawSource, data_cfg: dict, seed: int, strata=_LABELS) -> dict:
     """{split: (pool, indices)}: which samples of raw's train or test pool each split holds;
-    seeded, stratified; test is official or carved from all data.
+    seeded, stratified by `strata` (the class labels by default; None: a seeded random split,
+    for targets without classes); test is official or carved from all data.
 
     Each step draws from its own seed stream, so e.g. changing max_train_samples does not
     reshuffle val or test. Only labels are read: an image folder is not decoded here.
     """
-    y = raw.train_y
+    y = raw.train_y if strata is _LABELS else strata
+    if y is None:  # no strata: every sample its own stratum is a seeded random split
+        y = np.zeros(len(raw.train_y), np.int64)
     base = np.arange(len(y))
     if raw.test_x is None:
         rest, test = stratified_split(y, round(data_cfg["test_fraction"] * len(y)), _rng(seed, 1))
@@ -159,12 +167,17 @@ def _rng(seed: int, stream: int) -> np.random.Generator:
     return np.random.default_rng([seed, stream])
 
 
-def _base_manifest(raw: RawSource, written: dict, data_cfg: dict, seed: int) -> dict:
+def _base_manifest(raw: RawSource, written: dict, data_cfg: dict, seed: int, task) -> dict:
     num_classes = len(raw.class_names)
     total, squares, count = written["train_sums"]
     mean = total / max(count, 1)
     std = np.sqrt(np.maximum(squares / max(count, 1) - mean * mean, 0.0))
     labels = written["labels"]
+    if task.name != "classification":  # the task's own record of its targets
+        targets = {"task": task.name, **task.manifest_fields(labels, raw.class_names)}
+        sample = labels["train"]
+        if task.name not in TARGET_LAYOUTS:  # a plug-in task: how its targets are stored
+            targets.update(target_dtype=str(sample.dtype), target_shape=list(sample.shape[1:]))
     return {
         "format_version": FORMAT_VERSION,
         "source": data_cfg["source"],
@@ -172,9 +185,16 @@ def _base_manifest(raw: RawSource, written: dict, data_cfg: dict, seed: int) -> 
         "class_names": raw.class_names,
         "shape": list(written["shape"]),
         "sizes": {name: len(y) for name, y in labels.items()},
-        "class_counts": {
-            name: np.bincount(y, minlength=num_classes).tolist() for name, y in labels.items()
-        },
+        **(
+            targets
+            if task.name != "classification"
+            else {
+                "class_counts": {
+                    name: np.bincount(y, minlength=num_classes).tolist()
+                    for name, y in labels.items()
+                }
+            }
+        ),
         "mean": (mean / 255.0).tolist(),
         "std": (std / 255.0).tolist(),
         "seed": seed,
@@ -231,7 +251,9 @@ def _write_splits(directory: Path, raw: RawSource, plan: dict, threads: int, sha
                 written["files"][name] = _save(directory / name, x)
                 shards.append({"file": name, "count": int(x.shape[0])})
             written["shards"][split] = shards
-            y = np.concatenate(kept).astype(np.int64) if kept else np.zeros(0, np.int64)
+            # classification's int64 labels [n]; another task's targets as it staged them
+            y = np.concatenate(kept) if kept else labels[:0]
+            y = y.astype(np.int64) if y.ndim == 1 and y.dtype.kind in "iu" else y
             written["labels"][split] = y
             written["files"][f"{split}_labels.npy"] = _save(directory / f"{split}_labels.npy", y)
     finally:

@@ -213,8 +213,9 @@ class TensorBoardLog:
         self.flush_steps()
         scalars = {
             "train/loss": record["train_loss"],
-            "val/loss": record["val_loss"],
-            "val/accuracy": record["val_accuracy"],
+            # the task's validation metrics (classification: val/loss, val/accuracy)
+            **{f"val/{key[4:]}": value for key, value in record.items()
+               if key.startswith("val_") and isinstance(value, (int, float))},
             "train/lr": record["lr"],
             "train/samples_per_s": record["samples_per_s"],
             **{f"seconds/{phase}": v for phase, v in record["seconds"].items()},
@@ -233,12 +234,16 @@ class TensorBoardLog:
         self.writer.close()
 
 
-def log_final_metrics(log_dir: Path, split: str, result: dict, step: int) -> None:
+def log_final_metrics(
+    log_dir: Path, split: str, result: dict, step: int, headline=("accuracy",)
+) -> None:
     """The evaluation's figures, as scalars at the training's last step (`<split>/...`)."""
     from torch.utils.tensorboard import SummaryWriter
 
     with SummaryWriter(str(log_dir)) as writer:
-        writer.add_scalar(f"{split}/final_accuracy", result["accuracy"], step)
+        for key in headline:
+            if result.get(key) is not None:
+                writer.add_scalar(f"{split}/final_{key}", result[key], step)
         writer.add_scalar(f"{split}/final_loss", result["loss"], step)
         writer.add_scalar(f"{split}/eval_seconds", result["eval_seconds"], step)
 

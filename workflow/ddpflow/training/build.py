@@ -47,9 +47,9 @@ def placed_model(run: dict, shape, num_classes: int, device: torch.device) -> nn
     return place(model, device, uses_channels_last(run), move=not trains_sharded(run))
 
 
-def build_training(run: dict, env, device: torch.device, model, steps_per_epoch: int):
-    """The strategy's wrapper around model, and the optimizer, schedule, precision and loss
-    of run's train section (a TrainingParts)."""
+def build_training(run: dict, env, device: torch.device, model, steps_per_epoch: int, loss_fn):
+    """The strategy's wrapper around model, and the optimizer, schedule and precision of
+    run's train section, with the task's loss on the device (a TrainingParts)."""
     tcfg = run["train"]
     # one rank: nothing to shard, every strategy is plain training
     strategy = tcfg["strategy"] if env.world_size > 1 else "ddp"
@@ -68,7 +68,7 @@ def build_training(run: dict, env, device: torch.device, model, steps_per_epoch:
     scaler = torch.amp.GradScaler(
         "cuda", enabled=tcfg["precision"] == "fp16" and device.type == "cuda"
     )
-    loss_fn = nn.CrossEntropyLoss(label_smoothing=tcfg["label_smoothing"])
+    loss_fn = loss_fn.to(device)
     return TrainingParts(
         strategy, model, wrapped, lr, optimizer, scheduler, scaler, autocast, loss_fn
     )

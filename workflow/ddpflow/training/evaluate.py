@@ -1,8 +1,11 @@
-"""Distributed, exact evaluation.
+"""Distributed, exact evaluation, for every task.
 
 Every rank scores a disjoint, *unpadded* shard of the split (DistributedSampler would pad with
 repeated samples, so summed counts would exceed the test set: 10,000 images at 3 ranks count as
-10,002). One all_reduce of an int64 confusion matrix gives correct, total and per-class counts.
+10,002). The task's metric state holds only sums (int64 counts, float64 sums with their
+counts), so an all_reduce of each gives the split's totals: classification's confusion matrix
+exactly, a multi-label task's per-label true/false positive counts exactly, a regression's
+squared-error sums in float64 (ddpflow.task).
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ddpflow.cluster.distenv import any_rank
+from ddpflow.task import Task, get_task
 from ddpflow.training import sharding
 
 log = logging.getLogger(__name__)
@@ -36,41 +41,59 @@ def normalize(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> to
     return images.float().div_(255.0).sub_(mean).div_(std)
 
 
+@dataclass(frozen=True, slots=True)
+class Scoring:
+    """How a split is scored: the run's task (with the staged manifest it reads: the output
+    count, a regression's target statistics), the train split's normalisation, the batch size
+    and, during training, mixed precision (None: fp32)."""
+
+    task: Task
+    manifest: dict
+    norm: tuple[torch.Tensor, torch.Tensor]
+    batch_size: int
+    autocast: Callable | None = None
+
+
 @torch.no_grad()
-def shard_counts(
-    model, images, labels, num_classes: int, batch_size: int, norm, autocast=None, forwards=0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local int64 confusion matrix (rows = true class) and float64 summed cross-entropy of a
-    shard already on the model's device. `model` must be the bare module, not the DDP wrapper:
-    DDP's forward broadcasts buffers, a collective that would hang on unequal shard sizes.
+def shard_state(model, images, labels, scoring: Scoring, forwards: int = 0) -> dict:
+    """The task's metric state (int64 counts, float64 sums) of a shard already on the model's
+    device. `model` must be the bare module, not the DDP wrapper: DDP's forward broadcasts
+    buffers, a collective that would hang on unequal shard sizes.
     forwards: at least this many forward passes (an FSDP model's forward is a collective:
     every rank must run as many as the others; the extra ones score nothing)."""
     from ddpflow.data.feed import rows  # in memory or streamed from the shards
 
     model.eval()
-    counts = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=images.device)
-    loss = torch.zeros((), dtype=torch.float64, device=images.device)
-    done = 0
-    for start in range(0, images.shape[0], batch_size):
-        x = normalize(rows(images, start, start + batch_size), *norm)
-        y = labels[start : start + batch_size]
-        with autocast() if autocast else contextlib.nullcontext():
-            logits = model(x)
-        loss += F.cross_entropy(logits.float(), y, reduction="sum").double()
-        counts += torch.bincount(y * num_classes + logits.argmax(dim=1), minlength=num_classes**2)
+    state = scoring.task.new_state(scoring.manifest, images.device)
+    done, size = 0, scoring.batch_size
+    precision = scoring.autocast or contextlib.nullcontext
+    for start in range(0, images.shape[0], size):
+        x = normalize(rows(images, start, start + size), *scoring.norm)
+        with precision():
+            outputs = model(x)
+        scoring.task.update(state, outputs, labels[start : start + size])
         done += 1
     for _ in range(done, forwards):
         blank = torch.zeros(1, *images.shape[1:], dtype=torch.uint8, device=images.device)
-        with autocast() if autocast else contextlib.nullcontext():
-            model(normalize(blank, *norm))
-    return counts.view(num_classes, num_classes), loss
+        with precision():
+            model(normalize(blank, *scoring.norm))
+    return state
 
 
-def evaluate_split(
-    model, images, labels, num_classes, batch_size, norm, rank, world, autocast=None, guard=False
-) -> dict | None:
-    """Score rank's unpadded shard, then sum counts over ranks: int64 confusion matrix with one
-    all_reduce (exact), the loss sum with a second one (float64).
+def shard_counts(
+    model, images, labels, num_classes: int, batch_size: int, norm, autocast=None, forwards=0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Classification's state of a shard: its int64 confusion matrix (rows = true class) and
+    float64 summed cross-entropy."""
+    scoring = Scoring(get_task(), {"num_classes": num_classes}, norm, batch_size, autocast)
+    state = shard_state(model, images, labels, scoring, forwards)
+    return state["confusion"].view(num_classes, num_classes), state["loss"]
+
+
+def evaluate_split(model, split, scoring: Scoring, env, guard: bool = False) -> dict | None:
+    """Score env.rank's unpadded shard of `split` (a rankdata.Split), then sum the task's
+    counts and sums over the ranks (one all_reduce per state tensor: int64 counts exactly,
+    float64 sums), and compute the task's metrics from the totals.
 
     guard=True (the evaluation a training job adds before it ends): a rank whose scoring
     raises (out of memory at eval.batch_size, say) logs it, the ranks agree on it in one
@@ -78,48 +101,38 @@ def evaluate_split(
     fails the training it follows (the evaluate rule then scores the model in a job of its
     own). Without it the exception propagates, as in the evaluate job."""
     begin = time.perf_counter()
+    images, labels = split.images, split.labels
+    rank, world = env.rank, env.world_size
     start, stop = shard_bounds(images.shape[0], world, rank)
     # FSDP: as many forwards on every rank as the largest shard needs
-    forwards = math.ceil(math.ceil(images.shape[0] / world) / batch_size)
+    forwards = math.ceil(math.ceil(images.shape[0] / world) / scoring.batch_size)
     try:
-        confusion, loss = shard_counts(
-            model, images[start:stop], labels[start:stop], num_classes, batch_size, norm,
-            autocast, forwards if sharding.is_sharded(model) else 0,
-        )  # fmt: skip
+        forwards = forwards if sharding.is_sharded(model) else 0
+        state = shard_state(model, images[start:stop], labels[start:stop], scoring, forwards)
         failed = False
     except Exception:
         if not guard:
             raise
         log.exception("rank %d: the evaluation after training failed", rank)
-        confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=images.device)
-        loss, failed = torch.zeros((), dtype=torch.float64, device=images.device), True
+        state, failed = scoring.task.new_state(scoring.manifest, images.device), True
     if guard and any_rank(world, failed):
         return None
     if world > 1:
-        dist.all_reduce(confusion, op=dist.ReduceOp.SUM)
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-    total = int(confusion.sum())
+        for key, value in state.items():
+            if not key.startswith("_"):
+                dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    result = scoring.task.metrics(state, scoring.manifest)
+    total = result["samples_evaluated"]
     if total != images.shape[0]:
         raise RuntimeError(f"evaluation counted {total} samples, the split has {images.shape[0]}")
-    result = summarize(confusion)
-    result["loss"] = float(loss) / total if total else 0.0
     result["eval_seconds"] = time.perf_counter() - begin
     return result
 
 
 def summarize(confusion: torch.Tensor) -> dict:
-    """Accuracy and per-class accuracy from integer counts (exact, no float accumulation)."""
-    confusion = confusion.cpu()
-    correct, total = int(confusion.diag().sum()), int(confusion.sum())
-    per_class_total = confusion.sum(dim=1)
-    per_class = [
-        (int(c) / int(t)) if int(t) else None
-        for c, t in zip(confusion.diag(), per_class_total, strict=True)
-    ]
-    return {
-        "accuracy": correct / total if total else 0.0,
-        "correct": correct,
-        "samples_evaluated": total,
-        "per_class_accuracy": per_class,
-        "confusion_matrix": confusion.tolist(),
-    }
+    """Classification's metrics from an int64 confusion matrix (exact, no float accumulation)."""
+    k = confusion.shape[0]
+    state = {"confusion": confusion.reshape(k * k), "loss": torch.zeros((), dtype=torch.float64)}
+    result = get_task().metrics(state, {"num_classes": k})
+    del result["loss"]
+    return result

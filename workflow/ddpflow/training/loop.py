@@ -48,7 +48,8 @@ class Loop(Resumable):
         self.micro_per_step = micro_batches_per_step(tcfg)
         self.accum = accumulation_steps(tcfg, env.world_size)
         self.steps_per_epoch = data.train.images.shape[0] // tcfg["global_batch_size"]
-        parts = build_training(run, env, device, model, self.steps_per_epoch)
+        loss_fn = data.task.loss(data.task_manifest, tcfg)
+        parts = build_training(run, env, device, model, self.steps_per_epoch, loss_fn)
         self.strategy, self.model, self.wrapped = parts.strategy, parts.model, parts.wrapped
         self.sharded_optimizer, self.fsdp = self.strategy == "zero", self.strategy == "fsdp"
         self.lr, self.optimizer, self.scheduler = parts.lr, parts.optimizer, parts.scheduler
@@ -197,19 +198,9 @@ class Loop(Resumable):
 
     def validate(self) -> dict:
         sync_buffers(self.model, self.env.world_size)
-        val = self.data.val
-        result = evaluate.evaluate_split(
-            self.model,
-            val.images,
-            val.labels,
-            self.data.num_classes,
-            self.run["eval"]["batch_size"],
-            self.data.norm,
-            self.env.rank,
-            self.env.world_size,
-            self.autocast,
-        )
-        return {"val_accuracy": result["accuracy"], "val_loss": result["loss"]}
+        scoring = self.data.scoring(self.run["eval"]["batch_size"], self.autocast)
+        result = evaluate.evaluate_split(self.model, self.data.val, scoring, self.env)
+        return self.data.task.validation(result)
 
 
 def _seed_random_draws(seed: int, device: torch.device) -> None:

@@ -13,7 +13,9 @@ import torch
 from ddpflow.cluster import distenv
 from ddpflow.data import feed
 from ddpflow.data.staged import DataError, choose_in_memory, open_split
+from ddpflow.task import Task, get_task, run_task
 from ddpflow.text import counted
+from ddpflow.training.evaluate import Scoring
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +23,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class Split:
     """One split's samples: images uint8 [n, C, H, W] (a tensor on the device, or
-    feed.StreamedImages reading the staged shards), labels int64 [n] on the device."""
+    feed.StreamedImages reading the staged shards) and their targets on the device, as the
+    task stages them (classification: int64 [n]; multilabel: uint8 [n, K]; regression:
+    float32 [n, K])."""
 
     images: torch.Tensor | feed.StreamedImages
     labels: torch.Tensor
@@ -41,6 +45,16 @@ class RankData:
     manifest: dict = field(default_factory=dict)  # the staged data's manifest.json
     in_memory: bool = True  # the splits loaded whole (else streamed)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    task: Task = field(default_factory=get_task)  # what the targets are (ddpflow.task)
+
+    @property
+    def task_manifest(self) -> dict:
+        """The manifest as the task reads it (tests' data has none: the class count only)."""
+        return {**self.manifest, "num_classes": self.num_classes}
+
+    def scoring(self, batch_size: int, autocast=None) -> Scoring:
+        """How this data's splits are scored (evaluate.evaluate_split)."""
+        return Scoring(self.task, self.task_manifest, self.norm, batch_size, autocast)
 
     @property
     def train(self) -> Split:
@@ -64,6 +78,11 @@ def load_data(run: dict, staged: str, env, device, splits=("train", "val")) -> R
         staged, verify = feed.node_local_copy(staged, loading["node_local_dir"], env), False
     opened = _open_verified(staged, splits, verify, env)
     manifest = next(iter(opened.values()))[2]
+    task = run_task(run)
+    staged_task = manifest.get("task", "classification")
+    if staged_task != task.name:
+        raise DataError(f"{staged}: staged for task {staged_task}, the run's task is "
+                        f"{task.name}; delete {staged} and restage")  # fmt: skip
     nbytes = sum(images.nbytes for images, _, _ in opened.values())
     in_memory, why = choose_in_memory(run, nbytes)
     data = RankData(
@@ -71,6 +90,7 @@ def load_data(run: dict, staged: str, env, device, splits=("train", "val")) -> R
                 for s, (images, labels, _) in opened.items()},
         norm=_norm(manifest, device), num_classes=manifest["num_classes"],
         shape=manifest["shape"], manifest=manifest, in_memory=in_memory, device=device,
+        task=task,
     )  # fmt: skip
     if "train" in opened:
         data.feed = (

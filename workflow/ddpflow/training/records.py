@@ -8,6 +8,7 @@ from __future__ import annotations
 from ddpflow import runtime
 from ddpflow.config import plugin_source, plugin_source_hash
 from ddpflow.plugins import is_plugin
+from ddpflow.task import run_task
 
 
 def evaluation_record(run, result, manifest, world_size, hosts, train, evaluated_by) -> dict:
@@ -25,6 +26,7 @@ def evaluation_record(run, result, manifest, world_size, hosts, train, evaluated
         "evaluated_by": evaluated_by,
         "train": train,
     }
+    record.update(task_fields(run))
     if record["samples_evaluated"] != record["test_size"]:
         raise RuntimeError(
             f"evaluated {record['samples_evaluated']} samples, the {split} split has "
@@ -46,10 +48,37 @@ def evaluation_record(run, result, manifest, world_size, hosts, train, evaluated
     return record
 
 
+def task_fields(run: dict) -> dict:
+    """What a train summary and an evaluation record say about a task other than
+    classification: its name and the validation metric that selects (with its direction),
+    which the report, sweeps and trackers read (ddpflow.task.selection_of). Nothing for
+    classification: its records are those written before tasks existed."""
+    if run.get("task", "classification") == "classification":
+        return {}
+    task = run_task(run)
+    selection = task.selection.record()
+    return {"task": task.name, "selection": selection, "headline": list(task.headline)}
+
+
 def published(record: dict) -> dict:
     """What the evaluate rule logs of an eval_metrics.json record."""
-    keys = ("run", "split", "accuracy", "correct", "samples_evaluated", "test_size")
-    return {k: record[k] for k in keys}
+    headline = record.get("headline", ("accuracy", "correct"))
+    keys = ("run", "split", *headline, "samples_evaluated", "test_size")
+    extra = {"headline": record["headline"]} if "headline" in record else {}
+    return {**{k: record.get(k) for k in keys}, **extra}
+
+
+def describe(record: dict) -> str:
+    """The evaluation in words: "412 of 500 samples correct, accuracy 0.8240" or the task's
+    headline metrics ("mse 0.0123, mae 0.0871, r2 0.9512 (500 samples)")."""
+    if "headline" not in record:
+        correct, total = record["correct"], record["samples_evaluated"]
+        return f"{correct} of {total} samples correct, accuracy {record['accuracy']:.4f}"
+    shown = ", ".join(
+        f"{key} {'n/a' if record.get(key) is None else format(record[key], '.4f')}"
+        for key in record["headline"]
+    )
+    return f"{shown} ({record['samples_evaluated']} samples)"
 
 
 def train_summary(run, loop, env, hosts, attempt, wall_seconds, parameters, slurm_job_id) -> dict:
@@ -88,4 +117,5 @@ def train_summary(run, loop, env, hosts, attempt, wall_seconds, parameters, slur
         "segments": loop.segments,
         "precision": run["train"]["precision"] if loop.autocast else "fp32",
         **pruned,
+        **task_fields(run),
     }

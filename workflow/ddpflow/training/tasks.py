@@ -168,6 +168,8 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         """What every rank does after an epoch: the monitor, the checkpoint, rank 0's log."""
         run, live_metrics = self.run, self.live_metrics
         pruner = MedianPruner(run, self.paths.work, env, loop.device)
+        selects = loop.data.task.selection.metric
+        shown = "val_acc" if selects == "val_accuracy" else selects
 
         def on_epoch(record: dict) -> None:
             watch.on_epoch(record)  # every rank (a collective), before the checkpoint
@@ -179,11 +181,12 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             if env.is_master:
                 runtime.append_jsonl(live_metrics, record)
                 log.info(
-                    "epoch %d/%d loss %.4f val_acc %.4f %.0f samples/s",
+                    "epoch %d/%d loss %.4f %s %.4f %.0f samples/s",
                     record["epoch"],
                     run["train"]["epochs"],
                     record["train_loss"],
-                    record["val_accuracy"],
+                    shown,
+                    record[selects],
                     record["samples_per_s"],
                 )
 
@@ -197,18 +200,8 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         publishes it. A failure here is logged and leaves the evaluation to that rule."""
         run, split = self.run, self.run["eval"]["split"]
         sync_buffers(model, env.world_size)  # score the model rank 0 saved
-        scored = data.split(split)
-        result = evaluate.evaluate_split(
-            model,
-            scored.images,
-            scored.labels,
-            data.num_classes,
-            run["eval"]["batch_size"],
-            data.norm,
-            env.rank,
-            env.world_size,
-            guard=True,
-        )
+        scoring = data.scoring(run["eval"]["batch_size"])
+        result = evaluate.evaluate_split(model, data.split(split), scoring, env, guard=True)
         if result is None:
             log.warning("the evaluation after training failed; the evaluate rule will score "
                         "the model in a job of its own")  # fmt: skip
@@ -220,10 +213,9 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             record["model_sha256"] = summary.pop("model_sha256")
             record["eval_key"] = config_hash(evaluation_fingerprint(run))
             runtime.atomic_write_json(Path(self.paths.work) / EVAL_FROM_TRAIN, record)
-            log.info("evaluated on the %s split: %d of %d correct, accuracy %.4f in %.2fs",
-                     split, result["correct"], result["samples_evaluated"], result["accuracy"],
-                     result["eval_seconds"])  # fmt: skip
-            _tensorboard_final(run, self.paths, result, summary["steps"])
+            log.info("evaluated on the %s split: %s in %.2fs", split,
+                     data.task.describe(result), result["eval_seconds"])  # fmt: skip
+            _tensorboard_final(run, self.paths, result, summary["steps"], data.task)
 
     def _write_outputs(self, model, weights, env, hosts, loop, attempt, start):
         run, paths, data = self.run, self.paths, loop.data
@@ -362,21 +354,12 @@ class EvalTask(DistributedTask):
         run, paths = self.run, self.paths
         split = run["eval"]["split"]
         data = load_data(run, paths.staged, env, device, splits=(split,))
-        scored = data.split(split)
         checkpoint = torch.load(paths.model, map_location=device, weights_only=True)
         model = build_model(checkpoint["model"], checkpoint["shape"], checkpoint["num_classes"])
         model.load_state_dict(checkpoint["state_dict"])
         model = place(model, device, uses_channels_last(run))
-        result = evaluate.evaluate_split(
-            model,
-            scored.images,
-            scored.labels,
-            data.num_classes,
-            run["eval"]["batch_size"],
-            data.norm,
-            env.rank,
-            env.world_size,
-        )
+        scoring = data.scoring(run["eval"]["batch_size"])
+        result = evaluate.evaluate_split(model, data.split(split), scoring, env)
         if not env.is_master:
             return {"rank": env.rank, "host": socket.gethostname()}
         return self._write(result, data, env, hosts)
@@ -388,11 +371,11 @@ class EvalTask(DistributedTask):
         )
         record["slurm_job_id"] = _slurm_job_id(env)
         runtime.atomic_write_json(self.paths.eval_metrics, record)
-        _tensorboard_final(self.run, self.paths, result, train.get("steps", 0))
+        _tensorboard_final(self.run, self.paths, result, train.get("steps", 0), data.task)
         return published(record)
 
 
-def _tensorboard_final(run: dict, paths: RunPaths, result: dict, step: int) -> None:
+def _tensorboard_final(run: dict, paths: RunPaths, result: dict, step: int, task) -> None:
     if run["train"]["monitor"]["tensorboard"]:
         log_dir = Path(paths.model).parent / monitor.TENSORBOARD_DIR
-        monitor.log_final_metrics(log_dir, run["eval"]["split"], result, step)
+        monitor.log_final_metrics(log_dir, run["eval"]["split"], result, step, task.headline)

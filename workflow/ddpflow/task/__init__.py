@@ -1,0 +1,116 @@
+"""What a run learns: its task (the top-level `task:` key). A task owns what a sample's target
+is and how it is staged and checked, the model's output size, the loss, the evaluation's
+metric states (sums that all-reduce exactly: int64 counts, float64 sums with their counts)
+and the metrics computed from them, and the validation metric that selects (the best run of
+a sweep, median pruning) with its direction. Everything else (the sample order, accumulation,
+ddp/zero/fsdp, precision, checkpoints, resume at any world size, trackers) does not know
+which task runs.
+
+    task: classification      # the default: one class per sample, cross-entropy, accuracy
+    task: multilabel          # 0/1 label vectors, BCE with logits, exact match and F1
+    task: regression          # float targets, MSE (or Huber), mse, mae, r2
+    task: "my_tasks:make"     # your own: a function (**task_kwargs) returning a Task
+
+The protocol (ddpflow.task.base.Task) is documented in docs/tasks.md. Not to be confused with
+ddpflow.training.tasks, the callables a rank runs. Imports no torch at module level: the
+login node resolves a task while it parses the config.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ddpflow.errors import UserError
+from ddpflow.plugins import import_factory, is_plugin
+from ddpflow.task.base import Selection, Task
+
+__all__ = [
+    "BUILT_IN_TASKS",
+    "DEFAULT_TASK",
+    "Selection",
+    "Task",
+    "TaskError",
+    "get_task",
+    "run_task",
+    "selection_of",
+]
+
+DEFAULT_TASK = "classification"
+BUILT_IN_TASKS = ("classification", "multilabel", "regression")
+
+
+class TaskError(UserError):
+    """A task that cannot run: an unknown name, bad task_kwargs, a plug-in's broken return."""
+
+
+def get_task(name: str = DEFAULT_TASK, kwargs: dict | None = None) -> Task:
+    """The task named by `task:` with `task_kwargs:` (checked: a TaskError names the key)."""
+    return _get_task(name, _frozen(kwargs or {}))
+
+
+@functools.cache
+def _get_task(name: str, frozen: tuple) -> Task:
+    kwargs = dict(frozen)
+    if name == "classification":
+        from ddpflow.task.classification import Classification
+
+        return Classification.from_kwargs(kwargs)
+    if name == "multilabel":
+        from ddpflow.task.multilabel import Multilabel
+
+        return Multilabel.from_kwargs(kwargs)
+    if name == "regression":
+        from ddpflow.task.regression import Regression
+
+        return Regression.from_kwargs(kwargs)
+    if not is_plugin(name):
+        raise TaskError(
+            f"task {name!r}: not a task; use one of {', '.join(BUILT_IN_TASKS)} "
+            "or your own, written 'package.module:function'"
+        )
+    factory = import_factory(name, "task", TaskError)
+    try:
+        task = factory(**kwargs)
+    except Exception as err:
+        raise TaskError(
+            f"task {name!r}: the function raised {type(err).__name__}: {err} "
+            f"(called with task_kwargs {kwargs})"
+        ) from err
+    missing = [attr for attr in Task.REQUIRED if not hasattr(task, attr)]
+    if missing:
+        raise TaskError(
+            f"task {name!r}: the function returned a {type(task).__name__} "
+            f"without {', '.join(missing)} (the Task protocol: docs/tasks.md)"
+        )
+    return task
+
+
+def run_task(run: dict) -> Task:
+    """A resolved run's task (its task and task_kwargs; classification where absent)."""
+    return get_task(run.get("task", DEFAULT_TASK), run.get("task_kwargs") or {})
+
+
+def _frozen(kwargs: dict) -> tuple:
+    return tuple(sorted((k, _hashable(v)) for k, v in kwargs.items()))
+
+
+def _hashable(value):
+    if isinstance(value, dict):
+        return _frozen(value)
+    if isinstance(value, list):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
+def selection_of(record: dict | None) -> Selection:
+    """The validation metric that selects a run (an epoch record key) and its direction, as
+    a train summary or evaluation record states it; records without one are classification's
+    (every run trained before tasks existed)."""
+    chosen = (record or {}).get("selection")
+    if isinstance(chosen, dict) and "metric" in chosen:
+        return Selection(
+            str(chosen["metric"]),
+            bool(chosen.get("higher_is_better", True)),
+            str(chosen.get("label", chosen["metric"])),
+        )
+    return Selection("val_accuracy", True, "validation accuracy")

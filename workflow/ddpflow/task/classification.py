@@ -1,0 +1,72 @@
+"""task: classification (the default): one integer class 0..K-1 per sample, cross-entropy,
+accuracy, per-class accuracy and the confusion matrix from one int64 count matrix."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ddpflow.data.raw import check_labels, one_class_per_sample
+from ddpflow.task.base import Selection, Task
+
+
+class Classification(Task):
+    name = "classification"
+    selection = Selection("val_accuracy", True, "validation accuracy")
+    headline = ("accuracy",)
+
+    def stage_targets(self, labels: np.ndarray, names, where: str):
+        labels = check_labels(one_class_per_sample(np.asarray(labels), where), where)
+        top = int(labels.max()) if len(labels) else 0
+        return labels, list(names) if names is not None else [str(k) for k in range(top + 1)]
+
+    def strata(self, targets: np.ndarray) -> np.ndarray:
+        return targets
+
+    def loss(self, manifest: dict, train_cfg: dict):
+        from torch import nn
+
+        return nn.CrossEntropyLoss(label_smoothing=train_cfg["label_smoothing"])
+
+    def new_state(self, manifest: dict, device) -> dict:
+        import torch
+
+        k = int(manifest["num_classes"])
+        return {
+            "confusion": torch.zeros(k * k, dtype=torch.int64, device=device),
+            "loss": torch.zeros((), dtype=torch.float64, device=device),
+        }
+
+    def update(self, state: dict, outputs, targets) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        k = int(state["confusion"].numel() ** 0.5)
+        state["loss"] += F.cross_entropy(outputs.float(), targets, reduction="sum").double()
+        state["confusion"] += torch.bincount(targets * k + outputs.argmax(dim=1), minlength=k * k)
+
+    def metrics(self, state: dict, manifest: dict) -> dict:
+        k = int(state["confusion"].numel() ** 0.5)
+        confusion = state["confusion"].cpu().view(k, k)
+        correct, total = int(confusion.diag().sum()), int(confusion.sum())
+        per_class_total = confusion.sum(dim=1)
+        per_class = [
+            (int(c) / int(t)) if int(t) else None
+            for c, t in zip(confusion.diag(), per_class_total, strict=True)
+        ]
+        return {
+            "accuracy": correct / total if total else 0.0,
+            "correct": correct,
+            "samples_evaluated": total,
+            "per_class_accuracy": per_class,
+            "confusion_matrix": confusion.tolist(),
+            "loss": float(state["loss"]) / total if total else 0.0,
+        }
+
+    def describe(self, metrics: dict) -> str:
+        return (
+            f"{metrics['correct']} of {metrics['samples_evaluated']} correct, accuracy "
+            f"{metrics['accuracy']:.4f}"
+        )
+
+    def validation(self, metrics: dict) -> dict:
+        return {"val_accuracy": metrics["accuracy"], "val_loss": metrics["loss"]}
