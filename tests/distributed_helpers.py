@@ -171,3 +171,44 @@ def make_data(n_train: int, n_val: int, num_classes: int = 4, seed: int = 0, dev
         shape=[1, 8, 8],
         device=device,
     )
+
+
+def make_task_data(task: str, n_train: int, n_val: int, seed: int = 0):
+    """make_data's images with a multilabel or regression task's targets, as load_data returns
+    them: multilabel, which of the 4 quadrants are lit (uint8 [n, 4]; 10% of the entries
+    flipped, so the metrics are not all 1); regression, the lit quadrants' brightness plus
+    noise (float32 [n, 2]), with the train split's mean and std in the manifest."""
+    from ddpflow.task import get_task
+    from ddpflow.training.rankdata import RankData, Split
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def split(n):
+        lit = torch.rand(n, 4, generator=gen) < 0.5
+        images = torch.randint(0, 120, (n, 1, 8, 8), generator=gen)
+        for q in range(4):
+            row, col = divmod(q, 2)
+            images[lit[:, q], :, 4 * row : 4 * row + 4, 4 * col : 4 * col + 4] += 120
+        if task == "multilabel":
+            flipped = lit ^ (torch.rand(n, 4, generator=gen) < 0.1)
+            return images.to(torch.uint8), flipped.to(torch.uint8)
+        mean = images.float().mean(dim=(1, 2, 3))
+        targets = torch.stack([mean / 10.0, mean / 20.0 + 3.0], dim=1)
+        targets += 0.3 * torch.randn(n, 2, generator=gen)
+        return images.to(torch.uint8), targets.float()
+
+    train_x, train_y = split(n_train)
+    val_x, val_y = split(n_val)
+    scaled = train_x.float() / 255.0
+    manifest = {"task": task}
+    if task == "regression":
+        manifest.update(target_mean=train_y.double().mean(0).tolist(),
+                        target_std=train_y.double().std(0, unbiased=False).tolist())  # fmt: skip
+    return RankData(
+        splits={"train": Split(train_x, train_y), "val": Split(val_x, val_y)},
+        norm=(scaled.mean().view(1, 1, 1, 1), scaled.std().view(1, 1, 1, 1)),
+        num_classes=4 if task == "multilabel" else 2,
+        shape=[1, 8, 8],
+        manifest=manifest,
+        task=get_task(task),
+    )

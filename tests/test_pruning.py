@@ -142,7 +142,7 @@ def test_no_collective_where_pruning_is_off_and_a_failed_check_never_fails_the_r
     monkeypatch.setattr(pruning, "agree", no_collective)
     for run in (make_run(), _sweep()):  # hand-written; a sweep without prune
         assert pruning.MedianPruner(run, "w", env, CPU).on_epoch({"epoch": 3}) is None
-    monkeypatch.setattr(pruning, "agree", lambda pruned, env, device: pruned)
+    monkeypatch.setattr(pruning, "agree", lambda pruned, env, device, metric: pruned)
     broken = _sweep(prune=PRUNE)
     broken["sweep"]["peers"] = None  # whatever goes wrong reading the peers
     record = {"epoch": 3, "val_accuracy": 0.1}

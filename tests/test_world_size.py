@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ddpflow.training import evaluate
 from ddpflow.training.checkpoint import Checkpointer
 from ddpflow.training.loop import Loop, fit
 from ddpflow.training.models import build_model, mlp, place
-from distributed_helpers import make_data, run_group
+from distributed_helpers import make_data, make_task_data, run_group
 from torch import nn
 from workflow_helpers import make_run
 
@@ -41,6 +42,8 @@ CASES = {
     "mlp_dropout": ({"name": "mlp", "mlp_hidden": [32]}, {}),
 }  # fmt: skip
 STRATEGIES = ("ddp", "zero", "fsdp")
+# the other tasks on the same groups (ddpflow.task): an MLP on make_task_data's targets
+TASKS = ("multilabel", "regression")
 CHECKPOINT_STEP = 5  # epoch 2, after its first step: mid-epoch
 
 
@@ -59,9 +62,20 @@ def _model(run: dict, data: dict) -> nn.Module:
     return place(model, CPU, run["train"]["channels_last"] and run["train"]["strategy"] != "fsdp")
 
 
+def _task_run(env, task: str) -> dict:
+    return make_run(
+        task=task, data={"source": "npz", "path": "targets.npz"}, train=TRAIN,
+        model={"name": "mlp", "mlp_hidden": [32]},
+        machine={"cpu_ranks_per_node": env.world_size},
+    )  # fmt: skip
+
+
 def _train_case(env, case: str) -> dict:
-    model_cfg, train = CASES[case]
-    run, data = _run(env, model_cfg, train), make_data(128, 32)
+    if case in TASKS:
+        run, data = _task_run(env, case), make_task_data(case, 128, 32)
+    else:
+        model_cfg, train = CASES[case]
+        run, data = _run(env, model_cfg, train), make_data(128, 32)
     loop = Loop(run, data, env, CPU, _model(run, data))
     losses = []
 
@@ -119,11 +133,47 @@ def _resumed(env, work_root: str) -> dict:
     return out
 
 
+def _task_scores(env) -> dict:
+    """Each task's metric state of one fixed model over the val split, summed over the ranks:
+    the same totals at any world size (counts exactly, float64 sums to rounding)."""
+    out = {}
+    for task in TASKS:
+        run, data = _task_run(env, task), make_task_data(task, 128, 61)  # 61: uneven shards
+        model = _model(run, data)
+        scoring = data.scoring(batch_size=5)
+        out[task] = evaluate.evaluate_split(model, data.val, scoring, env)
+    return out
+
+
+def _task_checkpoints(env, work_root: str, resume: bool) -> dict:
+    """Each task trained with a mid-epoch checkpoint (resume=False), or continued from it."""
+    out = {}
+    for task in TASKS:
+        run, data = _task_run(env, task), make_task_data(task, 128, 32)
+        loop = Loop(run, data, env, CPU, _model(run, data))
+        ckpt = Checkpointer(run, f"{work_root}/{task}", env)
+        if resume:
+            state = ckpt.restore(loop)
+            out[f"{task} position"] = (state["world_size"], loop.epoch, loop.epoch_step)
+        else:
+            loop.on_step = lambda lp, ckpt=ckpt: (
+                ckpt.save(lp, "test") if lp.scheduler.last_epoch == CHECKPOINT_STEP else None
+            )
+        fit(loop, lambda record: None)
+        out[task] = {**_weights(loop), "history": loop.history[-1]}
+    return out
+
+
 def _at_world_size(env, work_root: str) -> dict:
-    cases = {case: _train_case(env, case) for case in CASES}
+    cases = {case: _train_case(env, case) for case in (*CASES, *TASKS)}
+    scores = _task_scores(env)
     if env.world_size == 4:
-        return {"cases": cases, "strategies": _with_checkpoint(env, f"{work_root}/at4")}
-    out = {"cases": cases, "strategies": _resumed(env, f"{work_root}/at4")}
+        tasks = _task_checkpoints(env, f"{work_root}/tasks", resume=False)
+        strategies = _with_checkpoint(env, f"{work_root}/at4")
+        return {"cases": cases, "strategies": strategies, "scores": scores, "tasks": tasks}
+    tasks = _task_checkpoints(env, f"{work_root}/tasks", resume=env.world_size == 2)
+    strategies = _resumed(env, f"{work_root}/at4")
+    out = {"cases": cases, "strategies": strategies, "scores": scores, "tasks": tasks}
     if env.world_size == 1:  # and the other way: checkpoints written on one rank
         out["uninterrupted"] = _with_checkpoint(env, f"{work_root}/at1")
     return out
@@ -154,7 +204,7 @@ def _assert_close_weights(got: dict, expected: dict, what: str) -> None:
                                    msg=lambda m, k=key: f"{what}: {k}: {m}")  # fmt: skip
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, *TASKS])
 def test_per_step_losses_agree_at_one_two_and_four_ranks(worlds, case):
     reference = worlds[1]["cases"][case]
     assert len(reference["losses"]) == 12  # 4 steps x 3 epochs, the same at every size
@@ -207,3 +257,39 @@ def test_a_checkpoint_written_on_one_rank_continues_on_two(worlds, strategy):
     assert resumed["position"] == (1, 1, 1, CHECKPOINT_STEP)
     expected = worlds[1]["uninterrupted"][strategy]
     _assert_close_weights(resumed["params"], expected["params"], f"{strategy} 1 -> 2")
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_a_tasks_metric_sums_are_the_same_at_one_two_and_four_ranks(worlds, task):
+    """Every sample of the val split (61: shards of 16, 15, 15, 15 at 4 ranks) scored once;
+    the integer counts equal, the float64 sums equal to rounding, at 1, 2 and 4 ranks. (A
+    sample's float32 output may differ in its last bit with the batch it is computed in,
+    which the shards cut differently: float32 rounding, measured up to 1e-9 relative in the
+    metrics, hence 1e-7; the sums themselves are float64.)"""
+    one = worlds[1]["scores"][task]
+    assert one["samples_evaluated"] == 61
+    counts = ("true_positives", "false_positives", "false_negatives", "exact_matches")
+    sums = ("f1_micro", "f1_macro", "exact_match") if task == "multilabel" else ("mse", "mae", "r2")
+    for world in (2, 4):
+        got = worlds[world]["scores"][task]
+        assert got["samples_evaluated"] == 61
+        if task == "multilabel":
+            assert {k: got[k] for k in counts} == {k: one[k] for k in counts}
+        else:
+            assert got["predicted_vs_true"]["counts"] == one["predicted_vs_true"]["counts"]
+        for key in (*sums, "loss"):
+            assert got[key] == pytest.approx(one[key], rel=1e-7), (task, world, key)
+    if task == "multilabel":  # the model is untrained: neither all right nor all wrong
+        assert sum(one["true_positives"]) > 0 and sum(one["false_positives"]) > 0
+    else:
+        assert one["r2"] is not None and one["mse"] > 0
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_a_tasks_checkpoint_written_at_four_ranks_continues_at_two(worlds, task):
+    assert worlds[2]["tasks"][f"{task} position"] == (4, 1, 1)
+    expected, resumed = worlds[4]["tasks"][task], worlds[2]["tasks"][task]
+    _assert_close_weights(resumed["params"], expected["params"], f"{task} 4 -> 2")
+    for key, value in expected["history"].items():
+        if key.startswith("val_"):
+            assert resumed["history"][key] == pytest.approx(value, rel=1e-5), key

@@ -38,6 +38,7 @@ from ddpflow.paths import (
 )
 from ddpflow.progress import EpochProgress
 from ddpflow.report import outcome
+from ddpflow.task import selection_of
 from ddpflow.text import counted
 from ddpflow.tracking.live import LiveStream
 from ddpflow.training import workspace
@@ -190,7 +191,7 @@ def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
         ", ".join(sorted(set(summary["hosts"]))),
     )
     if summary.get("pruned"):  # a sweep's median pruning stopped it: an ordinary end
-        log.warning("%s", pruned_line(run["name"], summary["pruned"]))
+        log.warning("%s", pruned_line(run["name"], summary["pruned"], selection_of(summary)))
     return summary
 
 

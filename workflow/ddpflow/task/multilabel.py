@@ -116,9 +116,10 @@ class Multilabel(Task):
         logits = outputs.float()
         truth = targets.bool()
         predicted = logits.sigmoid() >= self.threshold
+        # in float64: a float32 sum would depend on how the shards cut the batches
         state["loss"] += F.binary_cross_entropy_with_logits(
-            logits, truth.float(), reduction="sum"
-        ).double()
+            logits.double(), truth.double(), reduction="sum"
+        )
         state["tp"] += (predicted & truth).sum(dim=0)
         state["fp"] += (predicted & ~truth).sum(dim=0)
         state["fn"] += (~predicted & truth).sum(dim=0)

@@ -35,10 +35,12 @@ from pathlib import Path
 
 from ddpflow import paths
 from ddpflow.config import training_fingerprint
+from ddpflow.task import Selection, run_task
 from ddpflow.text import counted
 
 log = logging.getLogger(__name__)
 
+ACCURACY = Selection("val_accuracy", True, "validation accuracy")  # classification's
 DEFAULT_MIN_RUNS = 3  # this run and 2 others must have reached the epoch
 
 
@@ -48,21 +50,26 @@ def prune_settings(run: dict) -> dict | None:
     return sweep.get("prune") or None
 
 
-def decide(own: float, others: list[float], epoch: int, min_runs: int) -> dict | None:
-    """The median rule at one epoch: {"epoch", "val_accuracy", "median", "runs", "prune"}
-    over this run's accuracy and the others' (non-finite values do not count); None when
-    fewer than min_runs runs (this one included) reached the epoch."""
+def decide(
+    own: float, others: list[float], epoch: int, min_runs: int, selection: Selection = ACCURACY
+) -> dict | None:
+    """The median rule at one epoch: {"epoch", <the selection metric>, "median", "runs",
+    "prune"} over this run's validation metric and the others' (non-finite values do not
+    count); prune where it is worse than the median in the metric's direction (below it for
+    accuracy, above it for an MSE). None when fewer than min_runs runs (this one included)
+    reached the epoch."""
     values = [own, *(v for v in others if math.isfinite(v))]
     if not math.isfinite(own) or len(values) < min_runs:
         return None
     median = float(statistics.median(values))
-    return {"epoch": epoch, "val_accuracy": own, "median": median, "runs": len(values),
-            "prune": own < median}  # fmt: skip
+    prune = selection.worse_than(own, median)
+    return {"epoch": epoch, selection.metric: own, "median": median, "runs": len(values),
+            "prune": prune}  # fmt: skip
 
 
-def accuracy_at(metrics: Path, epoch: int) -> float | None:
-    """The val accuracy recorded for `epoch` in a metrics.jsonl (the last such line; a line
-    still being written does not parse and is skipped), or None."""
+def accuracy_at(metrics: Path, epoch: int, key: str = "val_accuracy") -> float | None:
+    """The validation metric `key` recorded for `epoch` in a metrics.jsonl (the last such
+    line; a line still being written does not parse and is skipped), or None."""
     try:
         lines = Path(metrics).read_text(errors="replace").splitlines()
     except OSError:
@@ -74,7 +81,7 @@ def accuracy_at(metrics: Path, epoch: int) -> float | None:
         except ValueError:
             continue
         if isinstance(record, dict) and record.get("epoch") == epoch:
-            value = record.get("val_accuracy")
+            value = record.get(key)
             if isinstance(value, (int, float)) and math.isfinite(value):
                 found = float(value)
     return found
@@ -110,26 +117,30 @@ def records_are_current(run: dict, peer_work: Path) -> bool:
     return expected == theirs
 
 
-def peer_accuracies(run: dict, work: str | Path, epoch: int) -> dict[str, float]:
-    """Each other peer's val accuracy at `epoch`, for those that reached it with records of
-    their current config. Work folders are siblings: results/work/<run>."""
+def peer_accuracies(
+    run: dict, work: str | Path, epoch: int, key: str = "val_accuracy"
+) -> dict[str, float]:
+    """Each other peer's validation metric `key` at `epoch`, for those that reached it with
+    records of their current config. Work folders are siblings: results/work/<run>."""
     results = Path(work).resolve().parent.parent
     found = {}
     for name in run["sweep"]["peers"]:
         peer_work = paths.work_dir(results, name)
         if name == run["name"] or not records_are_current(run, peer_work):
             continue
-        value = accuracy_at(peer_work / paths.LIVE_METRICS, epoch)
+        value = accuracy_at(peer_work / paths.LIVE_METRICS, epoch, key)
         if value is not None:
             found[name] = value
     return found
 
 
-def pruned_line(name: str, pruned: dict) -> str:
+def pruned_line(name: str, pruned: dict, selection: Selection = ACCURACY) -> str:
     """What the terminal and the rank log say of a pruned run."""
+    label = selection.label.replace("validation", "val")
+    where = "below" if selection.higher_is_better else "above"
     return (
-        f"run {name!r} PRUNED after epoch {pruned['epoch']}: val accuracy "
-        f"{pruned['val_accuracy']:.4f} is below the median {pruned['median']:.4f} of the "
+        f"run {name!r} PRUNED after epoch {pruned['epoch']}: {label} "
+        f"{pruned[selection.metric]:.4f} is {where} the median {pruned['median']:.4f} of the "
         f"{pruned['runs']} runs of its sweep that reached epoch {pruned['epoch']}; it stops "
         "here and keeps its last model (not a failure: a rerun does not retrain it)"
     )
@@ -141,6 +152,7 @@ class MedianPruner:
     def __init__(self, run: dict, work: str | Path, env, device):
         self.run, self.work, self.env, self.device = run, work, env, device
         self.settings = prune_settings(run)
+        self.selection = run_task(run).selection
 
     def due(self, epoch: int) -> bool:
         """Whether epoch's end is a pruning point (the same answer on every rank)."""
@@ -157,21 +169,22 @@ class MedianPruner:
         pruned = None
         if self.env.is_master:
             try:
-                pruned = self._decide(epoch, record["val_accuracy"])
+                pruned = self._decide(epoch, record[self.selection.metric])
             except Exception as exc:  # noqa: BLE001 - an optimisation: never fails a run,
                 # and rank 0 must reach the broadcast the other ranks wait in
                 log.warning("pruning at epoch %d skipped: %s: %s", epoch,
                             type(exc).__name__, exc)  # fmt: skip
-        pruned = agree(pruned, self.env, self.device)
+        pruned = agree(pruned, self.env, self.device, self.selection.metric)
         if pruned is not None:
             record["pruned"] = pruned
         return pruned
 
     def _decide(self, epoch: int, own: float) -> dict | None:
         """Rank 0: the pruning record if this run is pruned now, else None (logged)."""
-        peers = peer_accuracies(self.run, self.work, epoch)
+        selection = self.selection
+        peers = peer_accuracies(self.run, self.work, epoch, selection.metric)
         min_runs = self.settings.get("min_runs", DEFAULT_MIN_RUNS)
-        decision = decide(own, list(peers.values()), epoch, min_runs)
+        decision = decide(own, list(peers.values()), epoch, min_runs, selection)
         seen = ", ".join(f"{name} {value:.4f}" for name, value in sorted(peers.items()))
         if decision is None:
             log.info("pruning at epoch %d: %s of the sweep reached it (%s), pruning needs %d "
@@ -179,15 +192,15 @@ class MedianPruner:
                      seen or "none", min_runs)  # fmt: skip
             return None
         if not decision.pop("prune"):
-            log.info("pruning at epoch %d: val accuracy %.4f, median %.4f of %d runs (%s): "
-                     "continuing", epoch, own, decision["median"], decision["runs"],
-                     seen)  # fmt: skip
+            log.info("pruning at epoch %d: %s %.4f, median %.4f of %d runs (%s): "
+                     "continuing", epoch, selection.label.replace("validation", "val"), own,
+                     decision["median"], decision["runs"], seen)  # fmt: skip
             return None
-        log.warning("%s (others: %s)", pruned_line(self.run["name"], decision), seen)
+        log.warning("%s (others: %s)", pruned_line(self.run["name"], decision, selection), seen)
         return decision
 
 
-def agree(pruned: dict | None, env, device) -> dict | None:
+def agree(pruned: dict | None, env, device, metric: str = "val_accuracy") -> dict | None:
     """Collective: rank 0's decision on every rank, by one broadcast of 5 numbers (on the
     device: nccl broadcasts GPU tensors only)."""
     if env.world_size == 1:
@@ -195,11 +208,11 @@ def agree(pruned: dict | None, env, device) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    fields = ("epoch", "val_accuracy", "median", "runs")
+    fields = ("epoch", metric, "median", "runs")
     values = [1.0, *(float(pruned[f]) for f in fields)] if pruned else [0.0] * 5
     message = torch.tensor(values, dtype=torch.float64, device=device)
     dist.broadcast(message, src=0)
     if env.is_master or message[0].item() == 0.0:
         return pruned
-    epoch, accuracy, median, runs = message[1:].tolist()
-    return {"epoch": int(epoch), "val_accuracy": accuracy, "median": median, "runs": int(runs)}
+    epoch, value, median, runs = message[1:].tolist()
+    return {"epoch": int(epoch), metric: value, "median": median, "runs": int(runs)}
