@@ -27,7 +27,11 @@ from submitit.core.utils import DelayedSubmission, pickle_load
 
 GOLDEN = Path(__file__).parent / "golden" / "jobs"
 PACKAGE = Path(ddpflow.__file__).parent
-LAYERS = {"cluster", "config", "data", "monitoring", "report", "tracking", "training", "tutorial"}
+LAYERS = {"cluster", "config", "data", "monitoring", "report", "task", "tracking", "training",
+          "tutorial"}  # fmt: skip
+# `# fmt: skip` comments in the package: each holds a hand-made shape (often a long argument
+# list) in place; the count may only go down (lower it here when you remove some)
+FMT_SKIPS = 170
 
 
 def _node_side(folder: Path, job_id: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -171,3 +175,11 @@ def test_no_text_counts_with_an_s_in_brackets():
             if isinstance(text, str) and re.search(r"[A-Za-z]\(s\)", text):
                 found.append(f"{path.relative_to(PACKAGE.parents[1])}:{node.lineno}")
     assert not found, found
+
+
+def test_the_fmt_skip_count_only_goes_down():
+    found = sum(path.read_text().count("# fmt: skip") for path in PACKAGE.rglob("*.py"))
+    assert found <= FMT_SKIPS, (
+        f"{found} `# fmt: skip` in the package, {FMT_SKIPS} allowed: let the formatter shape "
+        "new code (fewer, typed arguments instead of long lists)"
+    )

@@ -17,19 +17,48 @@ from ddpflow.data.raw import (
     RawSource,
     check_labels,
     one_class_per_sample,
-    staging_task,
-    task_targets,
 )
+from ddpflow.task import data_task, task_targets
 
 
 def load_plugin(cfg: dict) -> RawSource:
     """data.source "package.module:function", called with data.kwargs. It returns the train
     data, or a dict {"train": ..., "test": ... (optional), "class_names": [...] (optional)};
     each is a map-style Dataset of (image, label) pairs (a PIL image, or a uint8 or 0..1
-    float tensor/array [C, H, W] or [H, W]) or a pair (images, labels) of arrays."""
+    float tensor/array [C, H, W] or [H, W]) or a pair (images, labels) of arrays. Under a
+    task other than classification a label is the sample's target, which the task checks."""
+    spec = cfg["source"]
+    parts = _call_plugin(spec, cfg)
+    # PIL images are fitted to image_size: the small ones as data.on_small says
+    small = SmallImages(cfg, f"data.source {spec!r}") if cfg["image_size"] is not None else None
+    task = data_task(cfg)
+    own = task.name != "classification"  # the task stages the targets (ddpflow.task)
+    names = parts.get("class_names")
+    names = [str(n) for n in names] if names is not None else None
+    where = f"data.source {spec!r} train"
+    train_x, train_y = _plugin_split(parts["train"], where, cfg, small, "train", own)
+    if own:
+        train_y, names = task_targets(task, train_y, names, f"{where} targets", len(train_x))
+    test_x = test_y = None
+    if parts.get("test") is not None:
+        where = f"data.source {spec!r} test"
+        test_x, test_y = _plugin_split(parts["test"], where, cfg, small, "test", own)
+        if own:
+            test_y, _ = task_targets(task, test_y, names, f"{where} targets", len(test_x))
+        _same_shapes(spec, train_x, train_y, test_x, test_y)
+    if not own:
+        names = _class_names(spec, train_y, test_y, names)
+    if small is not None:
+        small.tell()
+    notes = {"small": small} if small is not None else None
+    return RawSource(train_x, train_y, test_x, test_y, names, notes)
+
+
+def _call_plugin(spec: str, cfg: dict) -> dict:
+    """The plug-in's return as {"train": ..., "test": ..., "class_names": ...}."""
     from ddpflow.plugins import import_factory
 
-    spec, kwargs = cfg["source"], dict(cfg["kwargs"])
+    kwargs = dict(cfg["kwargs"])
     factory = import_factory(spec, "data.source", DataError)
     try:
         out = factory(**kwargs)
@@ -44,48 +73,31 @@ def load_plugin(cfg: dict) -> RawSource:
             f"data.source {spec!r}: returned a dict without 'train' (keys: "
             f"{sorted(parts)}); return {{'train': ..., 'test': ...}} or the train data"
         )
-    # PIL images are fitted to image_size: the small ones as data.on_small says
-    small = SmallImages(cfg, f"data.source {spec!r}") if cfg["image_size"] is not None else None
-    task = staging_task(cfg)
-    own = task.name != "classification"  # the task stages the targets (ddpflow.task)
-    names = parts.get("class_names")
-    names = [str(n) for n in names] if names is not None else None
-    where = f"data.source {spec!r} train"
-    train_x, train_y = _plugin_split(parts["train"], where, cfg, small, "train", own)
-    if own:
-        train_y, names = task_targets(task, train_y, names, f"{where} targets", len(train_x))
-    test_x = test_y = None
-    if parts.get("test") is not None:
-        where = f"data.source {spec!r} test"
-        test_x, test_y = _plugin_split(parts["test"], where, cfg, small, "test", own)
-        if own:
-            test_y, _ = task_targets(task, test_y, names, f"{where} targets", len(test_x))
-        if test_x.shape[1:] != train_x.shape[1:]:
-            raise DataError(
-                f"data.source {spec!r}: test images are {list(test_x.shape[1:])}, "
-                f"train images {list(train_x.shape[1:])} (C, H, W)"
-            )
-        if test_y.shape[1:] != train_y.shape[1:]:
-            raise DataError(
-                f"data.source {spec!r}: test targets are {list(test_y.shape[1:])} per "
-                f"sample, train targets {list(train_y.shape[1:])}"
-            )
-    if own:
-        if small is not None:
-            small.tell()
-        notes = {"small": small} if small is not None else None
-        return RawSource(train_x, train_y, test_x, test_y, names, notes)
+    return parts
+
+
+def _same_shapes(spec: str, train_x, train_y, test_x, test_y) -> None:
+    if test_x.shape[1:] != train_x.shape[1:]:
+        raise DataError(
+            f"data.source {spec!r}: test images are {list(test_x.shape[1:])}, "
+            f"train images {list(train_x.shape[1:])} (C, H, W)"
+        )
+    if test_y.shape[1:] != train_y.shape[1:]:
+        raise DataError(
+            f"data.source {spec!r}: test targets are {list(test_y.shape[1:])} per "
+            f"sample, train targets {list(train_y.shape[1:])}"
+        )
+
+
+def _class_names(spec: str, train_y, test_y, names) -> list[str]:
     top = int(max(train_y.max(), test_y.max() if test_y is not None else 0))
-    names = [str(n) for n in parts.get("class_names") or range(top + 1)]
+    names = names or [str(n) for n in range(top + 1)]
     if top >= len(names):
         raise DataError(
             f"data.source {spec!r}: label {top} but only {len(names)} class_names; "
             "labels are 0..K-1 for K class names"
         )
-    if small is not None:
-        small.tell()
-    notes = {"small": small} if small is not None else None
-    return RawSource(train_x, train_y, test_x, test_y, names, notes)
+    return names
 
 
 def _plugin_split(
@@ -93,18 +105,11 @@ def _plugin_split(
 ) -> tuple[np.ndarray, ...]:
     """(images uint8 [n, C, H, W], labels): int64 class labels, checked; targets=True: the
     targets as given, for the task to check (task_targets)."""
-    arrays = isinstance(data, (tuple, list)) and len(data) == 2
-    if arrays and all(isinstance(a, np.ndarray) or hasattr(a, "detach") for a in data):
+    pair = isinstance(data, (tuple, list)) and len(data) == 2
+    if pair and all(isinstance(a, np.ndarray) or hasattr(a, "detach") for a in data):
         images, labels = (_as_numpy(a) for a in data)
-        if images.ndim in (3, 4) and targets:
-            x = np.stack([_pixels(img, f"{where} image {i}", cfg) for i, img in enumerate(images)])
-            return x, labels
         if images.ndim in (3, 4):
-            labels = one_class_per_sample(labels, where)
-            if len(images) != len(labels):
-                raise DataError(f"{where}: {len(images)} images but {len(labels)} labels")
-            x = np.stack([_pixels(img, f"{where} image {i}", cfg) for i, img in enumerate(images)])
-            return x, check_labels(labels, where)
+            return _arrays(images, labels, where, cfg, targets)
     if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
         raise DataError(
             f"{where}: got a {type(data).__name__}; expected a map-style Dataset of "
@@ -112,6 +117,29 @@ def _plugin_split(
         )
     if len(data) == 0:
         raise DataError(f"{where}: the dataset is empty")
+    images, labels = _items(data, where, cfg, small, part, targets)
+    if not images:
+        raise DataError(
+            f"{where}: all {len(data)} images were smaller than data.image_size and skipped "
+            "(data.on_small: skip); lower data.image_size or set data.on_small: upscale"
+        )
+    if targets:
+        return np.stack(images), _stacked(labels, where)
+    return np.stack(images), check_labels(np.concatenate(labels), where)
+
+
+def _arrays(images, labels, where: str, cfg: dict, targets: bool):
+    """A pair (images, labels) of arrays."""
+    if not targets:
+        labels = one_class_per_sample(labels, where)
+        if len(images) != len(labels):
+            raise DataError(f"{where}: {len(images)} images but {len(labels)} labels")
+    x = np.stack([_pixels(img, f"{where} image {i}", cfg) for i, img in enumerate(images)])
+    return x, (labels if targets else check_labels(labels, where))
+
+
+def _items(data, where: str, cfg: dict, small, part: str, targets: bool):
+    """A Dataset's (image, label) pairs: the images kept (on_small) and their labels."""
     images, labels = [], []
     for i in range(len(data)):
         item = data[i]
@@ -130,23 +158,13 @@ def _plugin_split(
             )
         images.append(pixels)
         label = _as_numpy(item[1])
-        if targets:
-            labels.append(label)
-            continue
-        if label.size != 1:  # never cut to its first value: that trains on another target
+        if not targets and label.size != 1:  # never cut to its first value
             raise DataError(
                 f"{where}: item {i}'s label has shape {list(label.shape)} ({label.size} "
                 f"values); {ONE_CLASS}"
             )
-        labels.append(label.reshape(1))
-    if not images:
-        raise DataError(
-            f"{where}: all {len(data)} images were smaller than data.image_size and skipped "
-            "(data.on_small: skip); lower data.image_size or set data.on_small: upscale"
-        )
-    if targets:
-        return np.stack(images), _stacked(labels, where)
-    return np.stack(images), check_labels(np.concatenate(labels), where)
+        labels.append(label if targets else label.reshape(1))
+    return images, labels
 
 
 def _stacked(labels: list[np.ndarray], where: str) -> np.ndarray:

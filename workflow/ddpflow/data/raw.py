@@ -59,19 +59,3 @@ def one_class_per_sample(labels: np.ndarray, where: str) -> np.ndarray:
     )
     hint = "; they look one-hot: give labels.argmax(axis=1)" if one_hot else ""
     raise DataError(f"{where}: labels have shape {list(labels.shape)}; {ONE_CLASS}{hint}")
-
-
-def staging_task(data_cfg: dict):
-    """The task a data section is staged for (ddpflow.config.runs puts a task other than
-    classification into the run's data section; absent: classification)."""
-    from ddpflow.task import get_task
-
-    return get_task(data_cfg.get("task", "classification"), data_cfg.get("task_kwargs") or {})
-
-
-def task_targets(task, labels: np.ndarray, names, where: str, n: int):
-    """A source's targets as `task` stages them, checked: one per image."""
-    targets, names = task.stage_targets(labels, names, where)
-    if len(targets) != n:
-        raise DataError(f"{where} has {len(targets)} entries but there are {n} images")
-    return targets, names

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ddpflow.data.raw import DataError, RawSource, staging_task
+from ddpflow.data.raw import DataError, RawSource
 from ddpflow.data.sources import load_source
 from ddpflow.data.staged import FORMAT_VERSION, MANIFEST, TARGET_LAYOUTS, sha256_file
 from ddpflow.runtime import fsync_dir, replace_dir
+from ddpflow.task import data_task
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def stage_dataset(
     the dataset's size."""
     out_dir = Path(out_dir)
     raw = load_source(data_cfg, seed)
-    task = staging_task(data_cfg)
+    task = data_task(data_cfg)
     plan = split_indices(raw, data_cfg, seed, task.strata(raw.train_y))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))

@@ -90,6 +90,22 @@ def run_task(run: dict) -> Task:
     return get_task(run.get("task", DEFAULT_TASK), run.get("task_kwargs") or {})
 
 
+def data_task(data_cfg: dict) -> Task:
+    """The task a data section is staged for: ddpflow.config.runs puts a task other than
+    classification (and a plug-in task's kwargs) into the run's data section."""
+    return get_task(data_cfg.get("task", DEFAULT_TASK), data_cfg.get("task_kwargs") or {})
+
+
+def task_targets(task: Task, labels, names, where: str, n: int):
+    """A source's targets as `task` stages them (checked), one per image, and their names."""
+    from ddpflow.data.raw import DataError
+
+    targets, names = task.stage_targets(labels, names, where)
+    if len(targets) != n:
+        raise DataError(f"{where} has {len(targets)} entries but there are {n} images")
+    return targets, names
+
+
 def _frozen(kwargs: dict) -> tuple:
     return tuple(sorted((k, _hashable(v)) for k, v in kwargs.items()))
 
