@@ -121,3 +121,20 @@ def test_a_sweep_of_100_runs_reads_in_the_browser(tmp_path):
     assert width <= 1280, width
     assert ranking == 21  # header + the top 20; the other 80 folded below
     assert (shots / "sweep-100-top.png").stat().st_size > 10_000
+
+
+def test_a_report_of_every_task_reads_in_the_browser(tmp_path):
+    """A classification, a multilabel and a regression run: every image (the heatmap of
+    predicted against true values included) decodes and the page fits the window."""
+    from test_report_tasks import classification_eval, multilabel_eval, regression_eval, write_run
+
+    runs = [
+        write_run(tmp_path, "cls", classification_eval("cls")),
+        write_run(tmp_path, "ml", multilabel_eval("ml")),
+        write_run(tmp_path, "reg", regression_eval("reg", 0.2)),
+    ]
+    paths = build_report(runs, tmp_path / "out")
+    result = browse(paths["html"])
+    assert "plot_predicted_vs_true_reg" in paths
+    assert result["images"] == len([k for k in paths if k.startswith("plot_")]), result
+    assert result["undecoded"] == [] and result["broken"] == [], result

@@ -458,3 +458,77 @@ def test_the_deprecated_mlflow_file_store_is_refused():
     for uri in ("mlruns", "file:///tmp/mlruns"):
         with pytest.raises(ConfigError, match="sqlite:///"):
             ddpconfig.load(None, {"tracking": {"mlflow": {"uri": uri}}})
+
+
+# -- what a tracker receives of a run of each task (tracking.record), without a tracker -------
+
+
+def _recorded(tmp_path: Path, name: str, evaluation: dict):
+    """record.collect of a run whose results/runs/<name>/ holds the evaluation given."""
+    from types import SimpleNamespace
+
+    from ddpflow.tracking.record import collect
+    from test_report_tasks import write_run
+
+    evaluation["provenance"]["config"] = {
+        "dataset_id": "d1",
+        "train": {"strategy": "ddp", "precision": "fp32", "epochs": 4},
+    }
+    files = write_run(tmp_path / "results", name, evaluation)
+    model = files["eval_metrics"].parent / "model.pt"
+    model.write_bytes(b"weights")
+    paths = SimpleNamespace(
+        model=model,
+        train_metrics=files["train_metrics"],
+        train_summary=files["eval_metrics"].parent / "train_summary.json",
+        eval_metrics=files["eval_metrics"],
+    )
+    return collect({"name": name, "dataset_id": "d1"}, paths, tmp_path / "tracked" / name)
+
+
+def test_a_regression_run_logs_its_errors_and_predicted_vs_true_not_a_confusion(tmp_path):
+    from test_report_tasks import regression_eval
+
+    evaluation = regression_eval("reg", 0.2, r2=None)
+    record = _recorded(tmp_path, "reg", evaluation)
+    assert record.final == {"test_mse": 0.2, "test_mae": 0.1, "test_loss": 0.05}  # r2: none
+    keys = {key for key, _, _ in record.metrics}
+    assert {"val_mse", "val_mae", "val_r2", "val_loss", "train_loss", "lr"} <= keys
+    assert "val_accuracy" not in keys
+    r2 = [(value, step) for key, value, step in record.metrics if key == "val_r2"]
+    assert [step for _, step in r2] == [1, 2, 3]  # undefined in epoch 0: not logged
+    names = {path.name for path in record.artifacts}
+    assert {"val_mse.png", "predicted_vs_true.png", "loss.png", "lr.png"} <= names
+    assert "confusion_matrix.json" not in names and "confusion_matrix.png" not in names
+    assert record.tags["task"] == "regression"
+    for path in record.artifacts:
+        assert path.is_file()
+
+
+def test_a_multilabel_run_logs_exact_match_and_f1(tmp_path):
+    from test_report_tasks import multilabel_eval
+
+    evaluation = multilabel_eval("ml")
+    record = _recorded(tmp_path, "ml", evaluation)
+    assert record.final == {
+        "test_exact_match": 0.62,
+        "test_f1_micro": evaluation["f1_micro"],
+        "test_f1_macro": evaluation["f1_macro"],
+        "test_loss": 0.21,
+    }
+    keys = {key for key, _, _ in record.metrics}
+    assert {"val_f1_micro", "val_f1_macro", "val_exact_match", "val_loss"} <= keys
+    names = {path.name for path in record.artifacts}
+    assert "val_f1_micro.png" in names and not any("confusion" in n for n in names)
+
+
+def test_a_classification_run_logs_accuracy_and_its_confusion_matrix_as_before(tmp_path):
+    from test_report_tasks import classification_eval
+
+    record = _recorded(tmp_path, "cls", classification_eval("cls"))
+    assert record.final == {"test_accuracy": 0.91}  # the fixture's record has no loss
+    assert "task" not in record.tags
+    names = {path.name for path in record.artifacts}
+    assert {"confusion_matrix.json", "confusion_matrix.png", "val_accuracy.png"} <= names
+    keys = {key for key, _, _ in record.metrics}
+    assert {"val_accuracy", "val_loss", "train_loss", "lr", "samples_per_s"} <= keys

@@ -11,6 +11,11 @@ All inputs are loaded and validated, and every file is rendered in memory, befor
 write; each file is then replaced atomically and report.md/.html come last, so a bad input or
 a crash never leaves a half-written report (a stale but whole one at most).
 The Markdown and HTML are rendered by render.py, from the same blocks.
+
+Each run is shown with its task's metrics (ddpflow.report.metrics): classification's accuracy,
+multilabel's exact match and F1, regression's MSE, MAE and R². Runs of different tasks are
+never compared: each task has its own best run, chosen by the task's selection metric in its
+direction (a lower MSE wins).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from pathlib import Path
 from ddpflow.config import VOLATILE_TRAIN_KEYS
 from ddpflow.data.staged import sha256_file
 from ddpflow.paths import REPORT_FILES
-from ddpflow.report import insight, plots, sweep, sweep_plots
+from ddpflow.report import insight, metrics, plots, sweep, sweep_plots
 from ddpflow.report.inputs import load_eval_metrics, load_runs, load_train_metrics, unrenderable
 from ddpflow.report.render import PHASES, document, to_html, to_markdown
 from ddpflow.runtime import atomic_write_bytes
@@ -65,15 +70,19 @@ def _tracker_rows(runs: list[dict], tracking_failures=()) -> list[list[str]]:
 
 
 def _summary_row(name: str, epochs: list[dict], ev: dict) -> dict:
-    train = ev["train"]
+    """A run's row: its task's headline metrics (classification: accuracy), the final epoch's
+    selection metric (final_val_accuracy, final_val_mse, ...), what trained it and how fast."""
+    train, task, chosen = ev["train"], metrics.task_of(ev), metrics.selection(ev)
+    own = {} if task == metrics.CLASSIFICATION else {"task": task}
     row = {
-        "run": name, "accuracy": ev["accuracy"], "samples_evaluated": ev["samples_evaluated"],
+        "run": name, **own, **{key: ev.get(key) for key in metrics.headline(ev)},
+        "samples_evaluated": ev["samples_evaluated"],
         "test_size": ev["test_size"], "world_size": train["world_size"], "nodes": train["nodes"],
         "hosts": train["hosts"], "train_samples_per_s": train["samples_per_s"],
         "train_wall_seconds": train["wall_seconds"], "epochs": train["epochs"],
         "attempts": train["attempts"], "eval_seconds": ev["eval_seconds"],
         "eval_world_size": ev["world_size"], "final_train_loss": epochs[-1]["train_loss"],
-        "final_val_accuracy": epochs[-1]["val_accuracy"],
+        f"final_{chosen.metric}": epochs[-1][chosen.metric],
         "git_commit": ev["provenance"]["git_commit"],
         # device name and precision: written since the GPU path ran (older files: cpu/cuda)
         "device": train.get("device_name", str(train.get("device", "cpu")).split(":")[0])
@@ -82,7 +91,7 @@ def _summary_row(name: str, epochs: list[dict], ev: dict) -> dict:
         # what was trained (older metrics files lack some: shown as "?")
         "model": _model_name(ev["provenance"]["config"]), "parameters": train.get("parameters"),
         "global_batch": train.get("global_batch"), "lr": train.get("lr"),
-        "science": _science(ev["provenance"]["config"]),
+        "science": _science(ev["provenance"]["config"], task),
         "split": ev.get("split", "test"),
         # the training job (one allocation per run) or a job of its own; older files: own
         "evaluated_by": ev.get("evaluated_by", "evaluate job"),
@@ -98,10 +107,11 @@ def _model_name(config: dict) -> str:
     return str(model.get("name", "?")) if isinstance(model, dict) else str(model or "?")
 
 
-def _science(config: dict) -> str:
+def _science(config: dict, task: str = "classification") -> str:
     """What a run trained, apart from the machine shape: data, model, training settings (less
-    those that cannot change a result) and CPU vs GPU. Runs that agree on it form a scaling
-    study; runs that differ in it are not compared by speedup."""
+    those that cannot change a result), CPU vs GPU and a task other than classification. Runs
+    that agree on it form a scaling study; runs that differ in it are not compared by
+    speedup."""
     train = config.get("train")
     if isinstance(train, dict):
         train = {k: v for k, v in train.items() if k not in VOLATILE_TRAIN_KEYS}
@@ -112,6 +122,8 @@ def _science(config: dict) -> str:
         "train": train,
         "gpu": bool(machine.get("gpus_per_node")),
     }
+    if task != metrics.CLASSIFICATION:  # its data section names it too (config.runs)
+        science["task"] = task
     return json.dumps(science, sort_keys=True, default=str)
 
 
@@ -141,18 +153,29 @@ def _add_scaling(rows: list[dict]) -> tuple[int, float, list[str]] | None:
     return plotted
 
 
+def _with_task(rows: list[dict]) -> list[dict]:
+    """Where any run is not classification, every row names its task (after its name)."""
+    if all("task" not in row for row in rows):
+        return rows
+    return [{"run": r["run"], "task": r.get("task", metrics.CLASSIFICATION), **r} for r in rows]
+
+
 def _summary_csv(rows: list[dict]) -> str:
     if not rows:
         return "run\n"
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
+    columns = list(dict.fromkeys(key for row in rows for key in row))  # tasks differ in keys
+    writer = csv.DictWriter(buffer, fieldnames=columns, restval="", lineterminator="\n")
     writer.writeheader()
     writer.writerows({**row, "hosts": " ".join(map(str, row["hosts"]))} for row in rows)
     return buffer.getvalue()
 
 
 def _summary(loaded, rows, baseline, generated: str, unfinished) -> dict:
-    best = next((row["run"] for row in rows if row["best"]), None)
+    # the best run of the first listed run's task (each task's: best_by_task)
+    task = rows[0].get("task") if rows else None
+    best = next((row["run"] for row in rows if row["best"] and row.get("task") == task), None)
+    classified = [(n, ev) for n, _, ev in loaded if metrics.task_of(ev) == metrics.CLASSIFICATION]
     return {
         "generated": generated, "best_run": best, "runs": rows,
         # without the sweep point an entry may carry: summary.json's sweep has the ranking
@@ -161,10 +184,45 @@ def _summary(loaded, rows, baseline, generated: str, unfinished) -> dict:
                              "runs": baseline[2]} if baseline else None,
         "per_class_accuracy": {
             name: dict(zip(map(str, ev["class_names"]), ev["per_class_accuracy"], strict=True))
-            for name, _, ev in loaded
+            for name, ev in classified
         },
+        **_task_summary(loaded, rows),
         "provenance": {name: ev["provenance"] for name, _, ev in loaded},
     }  # fmt: skip
+
+
+def _task_summary(loaded, rows: list[dict]) -> dict:
+    """summary.json's keys of tasks other than classification (none without such a run): the
+    best run of each task, each multilabel run's per-label F1 and counts, each regression
+    run's per-target errors."""
+    if all("task" not in row for row in rows):
+        return {}
+    out = {"best_by_task": {}, "selected_by": {}}
+    for row in rows:
+        if row["best"]:
+            out["best_by_task"][row["task"]] = row["run"]
+    for name, _, ev in loaded:
+        chosen = metrics.selection(ev)
+        out["selected_by"].setdefault(metrics.task_of(ev), chosen.record())
+        names = list(map(str, ev["class_names"]))
+        if metrics.task_of(ev) == "multilabel":
+            out.setdefault("per_label", {})[name] = {
+                label: {
+                    "f1": ev["per_label_f1"][i],
+                    "true_positives": ev["true_positives"][i],
+                    "false_positives": ev["false_positives"][i],
+                    "false_negatives": ev["false_negatives"][i],
+                    "support": ev["true_positives"][i] + ev["false_negatives"][i],
+                }
+                for i, label in enumerate(names)
+            }
+        elif metrics.task_of(ev) == "regression":
+            errors = ev["per_target"]
+            out.setdefault("per_target", {})[name] = {
+                target: {key: errors[key][i] for key in ("mse", "mae", "r2")}
+                for i, target in enumerate(names)
+            }
+    return out
 
 
 def _summary_extras(view, bad_nodes, found, trackers) -> dict:
@@ -189,6 +247,8 @@ def _write_all(out_dir: Path, figures: dict, texts: dict) -> dict[str, Path]:
         atomic_write_bytes(paths[f"plot_{key}"], png)
     # plots and a ranking left by an earlier set of runs would mislead
     stale = [plots_dir / "scaling.png", *plots_dir.glob("sweep_*.png"), out_dir / sweep.CSV_NAME]
+    # a task's per-epoch and predicted-vs-true plots (runs of another task now)
+    stale += [*plots_dir.glob("val_*.png"), *plots_dir.glob("predicted_vs_true_*.png")]
     for path in stale:
         if path.stem not in figures and not (path.name == sweep.CSV_NAME and "sweep_csv" in texts):
             path.unlink(missing_ok=True)
@@ -214,35 +274,63 @@ def _texts(summary: dict, rows: list[dict], blocks: list, view) -> dict[str, tup
     }
 
 
-def _best(rows: list[dict], view: dict | None) -> dict | None:
-    """The best run: with a sweep, the best validation accuracy (selecting on the test set
-    would flatter the winner's test figure), a tie to the sweep's own pick; otherwise, as
-    before sweeps, the best evaluation accuracy. Then the faster run; then the first listed."""
-    if not view:
-        return max(rows, key=lambda r: (r["accuracy"], r["train_samples_per_s"]), default=None)
-    pick = (sweep.selected(view) or {}).get("run")
-    return max(
-        rows,
-        default=None,
-        key=lambda r: (r["final_val_accuracy"], r["run"] == pick, r["train_samples_per_s"]),
-    )
-
-
-def _mark_best(rows: list[dict], view: dict | None) -> dict | None:
-    best = _best(rows, view)
+def _by_task(rows: list[dict]) -> dict[str, list[dict]]:
+    """The rows of each task, the tasks in the order of their first run."""
+    groups: dict[str, list[dict]] = {}
     for row in rows:
-        row["best"] = row is best
+        groups.setdefault(row.get("task", metrics.CLASSIFICATION), []).append(row)
+    return groups
+
+
+def _best(rows: list[dict], view: dict | None, selections: dict) -> list[dict]:
+    """The best run of each task, by the task's selection metric in its direction: with a
+    sweep, its final validation figure (selecting on the test set would flatter the
+    winner's test figure), a tie to the sweep's own pick; otherwise, as before sweeps, the
+    evaluation's figure of the same metric (accuracy, mse). Then the faster run; then the
+    first listed. Runs of different tasks are never compared."""
+    pick = (sweep.selected(view) or {}).get("run") if view else None
+    best = []
+    for group in _by_task(rows).values():
+        chosen = selections[group[0]["run"]]
+        key = f"final_{chosen.metric}" if view else metrics.eval_key(chosen)
+        if not all(key in row for row in group):  # a task that does not head with it
+            key = f"final_{chosen.metric}"
+        best.append(min(group, key=_ranking(chosen, key, pick)))
     return best
 
 
-def _focus(rows: list[dict]) -> list[str] | None:
-    """With more than MANY_RUNS runs, the FOCUS_RUNS best by validation accuracy, best first:
+def _ranking(chosen, key: str, pick: str | None = None):
+    """A sort key of rows (best first): the key's value in the selection's direction, then
+    the sweep's pick, then the faster run."""
+    return lambda r: (metrics.score(chosen, r[key]), r["run"] != pick, -r["train_samples_per_s"])
+
+
+def _mark_best(rows: list[dict], view: dict | None, selections: dict) -> list[dict]:
+    best = _best(rows, view, selections)
+    for row in rows:
+        row["best"] = any(row is b for b in best)
+    return best
+
+
+def _focus(rows: list[dict], selections: dict) -> list[str] | None:
+    """With more than MANY_RUNS runs, the FOCUS_RUNS best by validation accuracy (another
+    task: its selection metric; several tasks: the best of each task first), best first:
     the runs named in the per-epoch plots and given a confusion matrix and per-class column
     (100 legend entries, matrices and columns made the report unreadable). None: every run."""
     if len(rows) <= MANY_RUNS:
         return None
-    ranked = sorted(rows, key=lambda r: (-r["final_val_accuracy"], not r["best"], r["run"]))
+    place = {}
+    for group in _by_task(rows).values():
+        chosen = selections[group[0]["run"]]
+        final = f"final_{chosen.metric}"
+        ranked = sorted(group, key=lambda r, c=chosen, f=final: _focus_key(c, r, f))
+        place.update({row["run"]: number for number, row in enumerate(ranked)})
+    ranked = sorted(rows, key=lambda r: (place[r["run"]], not r["best"], r["run"]))
     return [row["run"] for row in ranked[:FOCUS_RUNS]]
+
+
+def _focus_key(chosen, row: dict, final: str) -> tuple:
+    return (metrics.score(chosen, row[final]), not row["best"], row["run"])
 
 
 def _renderable(runs: list[dict], loaded, unreadable) -> tuple[list, list[dict]]:
@@ -271,6 +359,7 @@ def _render_alone(run: dict, item: tuple) -> None:
     """Every table and text of the report for one run alone: raises what its records raise."""
     name, epochs, ev = item
     row = _summary_row(name, epochs, ev)
+    _summary_csv([row])
     _add_scaling([row])
     row["best"] = True
     view = sweep.collect([run], [item])
@@ -291,10 +380,11 @@ def build_report(
 
     runs: [{"name", "train_metrics", "eval_metrics"}, ...], each with an optional "sweep" (the
     run's sweep block, ddpflow.report.sweep: the report then ranks the sweep's runs by
-    validation accuracy, selects on it, and writes sweep.csv); unfinished: runs that did not
-    finish, [{"run", "stage", "cause", "detail", "log"}, ...] (ddpflow.report.outcome), named in a
-    section of their own; bad_nodes: the bad-node ledger's entries (ddpflow.cluster.nodes), a
-    section of their own where there are any. A run's optional "tracking" (its
+    validation accuracy (another task: its selection metric), selects on it, and writes
+    sweep.csv); unfinished: runs that did not finish, [{"run", "stage", "cause", "detail",
+    "log"}, ...] (ddpflow.report.outcome), named in a section of their own; bad_nodes: the
+    bad-node ledger's entries (ddpflow.cluster.nodes), a section of their own where there are
+    any. A run's optional "tracking" (its
     tracking.json) and tracking_failures ([{"run", "trackers", "cause", "log"}]) make the
     section of experiment trackers. Returns {key: path}, with keys markdown,
     html, summary_json, summary_csv, sweep_csv (with a sweep) and plot_<stem> for every
@@ -306,11 +396,12 @@ def build_report(
     loaded, unreadable = _renderable(runs, *load_runs(runs, unfinished))
     shown = {name for name, _, _ in loaded}
     runs, unfinished = [r for r in runs if str(r["name"]) in shown], [*unfinished, *unreadable]
-    rows = [_summary_row(name, epochs, ev) for name, epochs, ev in loaded]
+    rows = _with_task([_summary_row(name, epochs, ev) for name, epochs, ev in loaded])
     baseline = _add_scaling(rows)
     view = sweep.collect(runs, loaded, unfinished)
-    best = _mark_best(rows, view)
-    focus = _focus(rows)
+    selections = {name: metrics.selection(ev) for name, _, ev in loaded}
+    best = _mark_best(rows, view, selections)
+    focus = _focus(rows, selections)
     figures = plots.render_figures(loaded, rows, baseline, focus) if rows else {}
     swept = sweep_plots.render(view) if view else {}
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -323,10 +414,10 @@ def build_report(
     summary.update(_summary_extras(view, bad_nodes, found, trackers))
     paths = _write_all(Path(out_dir), {**figures, **swept}, _texts(summary, rows, blocks, view))
     log.info(
-        "report: %s%s, best %r -> %s",
+        "report: %s%s, best %s -> %s",
         counted(len(rows), "run"),
         f", {len(unfinished)} unfinished" if unfinished else "",
-        best and best["run"],
+        ", ".join(row["run"] for row in best) or None,
         out_dir,
     )
     return paths

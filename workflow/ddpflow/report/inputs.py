@@ -1,7 +1,11 @@
 """The report's inputs: every run's train_metrics.jsonl and eval_metrics.json, read and
-checked for every key and type the report reads. A run whose files cannot be read is not an
-error of the report: load_runs returns it as an unfinished-runs entry naming the run, the file
-and what is wrong, and the report is written without it.
+checked for every key and type the report reads, for the run's task (its eval_metrics.json
+names it; classification where it names none): classification's accuracy, per-class accuracy
+and confusion matrix, multilabel's F1 and per-label counts, regression's errors per target
+and predicted-vs-true histogram, and for any other task its headline metrics. A run whose
+files cannot be read is not an error of the report: load_runs returns it as an
+unfinished-runs entry naming the run, the file and what is wrong, and the report is written
+without it.
 
     loaded, unreadable = load_runs([{"name", "train_metrics", "eval_metrics"}, ...])
 """
@@ -13,6 +17,7 @@ import logging
 from pathlib import Path
 
 from ddpflow.errors import ReportInputError
+from ddpflow.report import metrics
 from ddpflow.report.render import PHASES
 
 log = logging.getLogger(__name__)
@@ -36,6 +41,34 @@ _EVAL_SPEC = {
         "created": str,
     },
 }  # fmt: skip
+_OPTIONAL = (int, float, type(None))  # a metric a task may leave undefined (r2 of a constant)
+# each task's epoch keys in place of classification's val_accuracy (its val_loss stays)
+_TASK_EPOCH = {
+    "multilabel": {"val_f1_micro": _NUM, "val_f1_macro": _NUM, "val_exact_match": _NUM},
+    "regression": {"val_mse": _NUM, "val_mae": _NUM, "val_r2": _OPTIONAL},
+}
+# what a task other than classification records about itself (training.records.task_fields)
+_TASK_SPEC = {
+    "task": str,
+    "headline": list,
+    "selection": {"metric": str, "higher_is_better": bool, "label": str},
+}
+_CLASSES_ONLY = ("accuracy", "per_class_accuracy", "confusion_matrix")
+_COMMON_EVAL = {key: kind for key, kind in _EVAL_SPEC.items() if key not in _CLASSES_ONLY}
+_TASK_EVAL = {
+    "multilabel": {
+        **dict.fromkeys(("exact_match", "f1_micro", "f1_macro"), _NUM),
+        **dict.fromkeys(("per_label_f1", "true_positives", "false_positives"), list),
+        "false_negatives": list,
+    },
+    "regression": {
+        "mse": _NUM,
+        "mae": _NUM,
+        "r2": _OPTIONAL,
+        "per_target": dict.fromkeys(("mse", "mae", "r2"), list),
+        "predicted_vs_true": {"bins": int, "range": list, "counts": list},
+    },
+}
 
 
 def _check(obj: dict, spec: dict, where: str, prefix: str = "") -> None:
@@ -44,7 +77,7 @@ def _check(obj: dict, spec: dict, where: str, prefix: str = "") -> None:
             raise ReportInputError(f"{where}: missing key {prefix + key!r}")
         value, expected = obj[key], dict if isinstance(kind, dict) else kind
         # bool is an int subclass; a JSON true where a count belongs is a producer bug
-        if isinstance(value, bool) or not isinstance(value, expected):
+        if (isinstance(value, bool) and expected is not bool) or not isinstance(value, expected):
             raise ReportInputError(f"{where}: key {prefix + key!r} has type {type(value).__name__}")
         if isinstance(kind, dict):
             _check(value, kind, where, f"{prefix}{key}.")
@@ -57,9 +90,26 @@ def _read_text(path, where: str) -> str:
         raise ReportInputError(f"{where}: cannot read file ({err})") from err
 
 
-def load_train_metrics(name: str, path) -> list[dict]:
-    """Per-epoch records sorted by epoch; a resumed attempt re-does epochs, the last one wins."""
+def _train_spec(evaluation: dict | None) -> dict:
+    """The keys of an epoch record of the run's task: classification's val_accuracy, another
+    task's val_* keys (one it does not know: its selection metric)."""
+    task = metrics.task_of(evaluation or {})
+    if task == metrics.CLASSIFICATION:
+        return _TRAIN_SPEC
+    chosen = metrics.selection(evaluation)
+    own = _TASK_EPOCH.get(task, {chosen.metric: _NUM})
+    spec = {}
+    for key, kind in _TRAIN_SPEC.items():
+        spec.update(own if key == "val_accuracy" else {key: kind})
+    return spec
+
+
+def load_train_metrics(name: str, path, evaluation: dict | None = None) -> list[dict]:
+    """Per-epoch records sorted by epoch; a resumed attempt re-does epochs, the last one wins.
+    evaluation: the run's eval_metrics.json record, which names its task (None:
+    classification's epoch keys)."""
     where = f"run {name!r}: train_metrics {path}"
+    spec = _train_spec(evaluation)
     by_epoch: dict[int, dict] = {}
     for number, line in enumerate(_read_text(path, where).splitlines(), start=1):
         if not line.strip():
@@ -70,7 +120,7 @@ def load_train_metrics(name: str, path) -> list[dict]:
             raise ReportInputError(f"{where}: line {number} is not JSON ({err.msg})") from err
         if not isinstance(record, dict):
             raise ReportInputError(f"{where}: line {number} is not a JSON object")
-        _check(record, _TRAIN_SPEC, f"{where} line {number}")
+        _check(record, spec, f"{where} line {number}")
         by_epoch[record["epoch"]] = record
     if not by_epoch:
         raise ReportInputError(f"{where}: no epochs recorded")
@@ -86,6 +136,10 @@ def load_eval_metrics(name: str, path) -> dict:
         raise ReportInputError(f"{where}: not JSON ({err.msg})") from err
     if not isinstance(data, dict):
         raise ReportInputError(f"{where}: not a JSON object")
+    if "task" in data and not isinstance(data["task"], str):
+        raise ReportInputError(f"{where}: key 'task' has type {type(data['task']).__name__}")
+    if metrics.task_of(data) != metrics.CLASSIFICATION:
+        return _task_eval(data, where)
     _check(data, _EVAL_SPEC, where)
     n, matrix = len(data["class_names"]), data["confusion_matrix"]
     if not n:
@@ -108,6 +162,71 @@ def load_eval_metrics(name: str, path) -> dict:
     return data
 
 
+def _task_eval(data: dict, where: str) -> dict:
+    """The evaluation record of a task other than classification, checked as its task writes it."""
+    task = data["task"]
+    _check(data, {**_COMMON_EVAL, **_TASK_SPEC, **_TASK_EVAL.get(task, {})}, where)
+    n = len(data["class_names"])
+    if not n:
+        what = {"multilabel": "label", "regression": "target"}.get(task, "class")
+        raise ReportInputError(f"{where}: no {what} (class_names is empty)")
+    for key in data["headline"]:
+        value = data.get(key, False)
+        if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, _OPTIONAL):
+            raise ReportInputError(f"{where}: headline metric {key!r} is not a number")
+    if task == "multilabel":
+        _multilabel(data, n, where)
+    elif task == "regression":
+        _regression(data, n, where)
+    if data["samples_evaluated"] != data["test_size"]:
+        evaluated, size = data["samples_evaluated"], data["test_size"]
+        log.warning("%s: %d samples evaluated, test size %d", where, evaluated, size)
+    return data
+
+
+def _numbers(values: list, n: int, what: str, where: str, kinds=_OPTIONAL) -> None:
+    """n values, each of kinds (never a bool)."""
+    if len(values) != n:
+        raise ReportInputError(f"{where}: {what} has {len(values)} entries for {n} names")
+    if any(isinstance(v, bool) or not isinstance(v, kinds) for v in values):
+        kind = "count" if kinds is int else "number"
+        raise ReportInputError(f"{where}: {what} holds a value that is not a {kind}")
+
+
+def _multilabel(data: dict, n: int, where: str) -> None:
+    _numbers(data["per_label_f1"], n, "per_label_f1", where)
+    for key in ("true_positives", "false_positives", "false_negatives"):
+        _numbers(data[key], n, key, where, int)
+
+
+def _regression(data: dict, n: int, where: str) -> None:
+    for key in ("mse", "mae", "r2"):
+        values = data["per_target"][key]
+        _numbers(values, n, f"per_target.{key}", where, _OPTIONAL if key == "r2" else _NUM)
+    histogram = data["predicted_vs_true"]
+    bins, ranges, counts = histogram["bins"], histogram["range"], histogram["counts"]
+    if bins < 1 or len(ranges) != len(counts) or len(counts) > n:
+        raise ReportInputError(
+            f"{where}: predicted_vs_true has {bins} bins, {len(ranges)} ranges and "
+            f"{len(counts)} histograms for {n} targets"
+        )
+    for span in ranges:
+        if (
+            not isinstance(span, list)
+            or len(span) != 2
+            or any(isinstance(v, bool) or not isinstance(v, _NUM) for v in span)
+            or not span[0] < span[1]
+        ):
+            raise ReportInputError(f"{where}: predicted_vs_true.range holds {span!r}: no [lo, hi]")
+    for grid in counts:
+        if not isinstance(grid, list) or len(grid) != bins:
+            raise ReportInputError(f"{where}: predicted_vs_true.counts is not {bins}x{bins}")
+        if any(not isinstance(row, list) or len(row) != bins for row in grid):
+            raise ReportInputError(f"{where}: predicted_vs_true.counts is not {bins}x{bins}")
+        for row in grid:
+            _numbers(row, bins, "predicted_vs_true.counts", where, int)
+
+
 def load_runs(runs: list[dict], unfinished=()) -> tuple[list[tuple], list[dict]]:
     """The runs whose records can be read, and one unfinished entry per run whose records
     cannot (missing, cut short, a key or type the report needs is not there): the report is
@@ -125,7 +244,8 @@ def load_runs(runs: list[dict], unfinished=()) -> tuple[list[tuple], list[dict]]
         names.add(name)
         try:
             evals = load_eval_metrics(name, run["eval_metrics"])
-            loaded.append((name, load_train_metrics(name, run["train_metrics"]), evals))
+            epochs = load_train_metrics(name, run["train_metrics"], evals)
+            loaded.append((name, epochs, evals))
         except ReportInputError as err:
             log.warning("report: %s", err)
             unreadable.append(unrenderable(name, str(err), run.get("sweep")))

@@ -9,6 +9,7 @@ there is no figure left open to leak between calls.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import re
@@ -16,14 +17,18 @@ import uuid
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import FormatStrFormatter, FuncFormatter, MaxNLocator, ScalarFormatter
 
+from ddpflow.report import metrics
 from ddpflow.text import counted
 
 __all__ = [
     "plot_confusion",
     "plot_per_epoch",
+    "plot_predicted_vs_true",
+    "predicted_vs_true_figure",
     "plot_scaling",
     "plot_throughput",
     "render_figures",
@@ -180,6 +185,52 @@ def plot_confusion(
     return _png(fig)
 
 
+def plot_predicted_vs_true(
+    name: str, histogram: dict, targets: list[str], split: str = "test"
+) -> bytes:
+    return _png(predicted_vs_true_figure(name, histogram, targets, split))
+
+
+def predicted_vs_true_figure(
+    name: str, histogram: dict, targets: list[str], split: str = "test"
+) -> Figure:
+    """A regression run's predicted against true values: one panel per plotted target, the
+    evaluation's 2-D histogram (histogram["counts"][t][i][j]: samples whose true value fell
+    in bin i and prediction in bin j, over histogram["range"][t] in the target's units; a
+    value beyond the range counts in the edge bin) on a log colour scale, with the diagonal
+    where predicted = true."""
+    grids, spans = histogram["counts"], histogram["range"]
+    if not grids:
+        raise ValueError("no target was binned")
+    fig = _new_figure(1.2 + 3.6 * len(grids), 4.0)
+    axes = fig.subplots(1, len(grids), squeeze=False)[0]
+    peak = max(max(max(row) for row in grid) for grid in grids)
+    norm = LogNorm(vmin=1, vmax=max(peak, 10))
+    for ax, grid, (low, high), target in zip(axes, grids, spans, targets, strict=False):
+        counts = np.asarray(grid, dtype=float).T  # x: true (rows), y: predicted (columns)
+        image = ax.imshow(
+            np.ma.masked_less(counts, 1),
+            origin="lower",
+            extent=(low, high, low, high),
+            cmap="viridis",
+            norm=norm,
+            interpolation="nearest",
+            aspect="equal",
+        )
+        ax.plot([low, high], [low, high], "--", color="tab:red", lw=1, label="predicted = true")
+        ax.set_xlim(low, high)
+        ax.set_ylim(low, high)
+        ax.set_xlabel(f"true {text_label(target)}")
+        ax.set_ylabel(f"predicted {text_label(target)}")
+        ax.set_title(text_label(target), fontsize="medium")
+        ax.grid(alpha=0.2)
+    axes[0].legend(fontsize="small", loc="upper left")
+    fig.colorbar(image, ax=list(axes), label="samples (log scale)")
+    label = {"val": "validation", "train": "training"}.get(split, split)
+    fig.suptitle(f"{text_label(name)}: predicted against true ({label} split)")
+    return fig
+
+
 def safe_name(name: str) -> str:
     """A file-name-safe form of a run name; a hash suffix keeps altered names distinct."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
@@ -192,7 +243,9 @@ def render_figures(loaded, rows: list[dict], baseline, focus=None) -> dict[str, 
     loaded: [(run name, per-epoch records, eval metrics)]; rows: report summary rows;
     baseline: (ranks, samples/s, run names) of the plotted scaling study, or None; focus:
     with many runs, the best ones (by validation accuracy), named in the per-epoch plots and
-    the only ones with a confusion matrix (None: every run). A figure its numbers cannot
+    the only ones with a confusion matrix or a predicted-vs-true plot (None: every run).
+    Each task's selection metric has a per-epoch plot of its runs (val_accuracy,
+    val_f1_micro, val_mse). A figure its numbers cannot
     draw (an infinite throughput, say) is (caption saying so and why, None): the report
     says so in its place and is written.
     """
@@ -208,12 +261,20 @@ def render_figures(loaded, rows: list[dict], baseline, focus=None) -> dict[str, 
 
 def _figure_plan(loaded, rows: list[dict], baseline, focus) -> list[tuple]:
     """[(key, caption, a function drawing the PNG)] of every figure of the report."""
-    keys = ("train_loss", "val_loss", "val_accuracy", "lr", "samples_per_s")
+    keys = ("train_loss", "val_loss", "lr", "samples_per_s")
     per_epoch = {key: {name: [(e["epoch"], e[key]) for e in epochs] for name, epochs, _ in loaded}
                  for key in keys}  # fmt: skip
+    chosen = {}  # each selection metric: its selection and its runs' series
+    for name, history, ev in loaded:
+        selection = metrics.selection(ev)
+        chosen.setdefault(selection.metric, (selection, {}))[1][name] = [
+            (e["epoch"], e[selection.metric]) for e in history
+        ]
+    per_epoch.update({metric: series for metric, (_, series) in chosen.items()})
 
     def epochs(key, ylabel, title, log_if_wide=False):
-        return lambda: plot_per_epoch(per_epoch[key], ylabel, title, log_if_wide, focus)
+        shown = focus if focus is None else [n for n in focus if n in per_epoch[key]]
+        return lambda: plot_per_epoch(per_epoch[key], ylabel, title, log_if_wide, shown)
 
     names, rates = [row["run"] for row in rows], [row["train_samples_per_s"] for row in rows]
     plan = [
@@ -221,8 +282,7 @@ def _figure_plan(loaded, rows: list[dict], baseline, focus) -> list[tuple]:
                                                    True)),
         ("val_loss", "Validation loss per epoch", epochs("val_loss", "validation loss",
                                                          "Validation loss", True)),
-        ("val_accuracy", "Validation accuracy per epoch", epochs(
-            "val_accuracy", "validation accuracy", "Validation accuracy")),
+        *_selection_plans(chosen, epochs),
         ("lr", "Learning rate at the end of each epoch (warmup, then the schedule)",
          epochs("lr", "learning rate", "Learning rate")),
         ("throughput_epochs", "Training throughput per epoch (all ranks)", epochs(
@@ -237,9 +297,33 @@ def _figure_plan(loaded, rows: list[dict], baseline, focus) -> list[tuple]:
         plan.append(("scaling", caption, lambda: plot_scaling(points, base_ranks, base_rate)))
     for name, _, ev in loaded:
         if focus is None or name in focus:
-            caption = f"Confusion matrix: {name}"
-            plan.append((f"confusion_{safe_name(name)}", caption, _confusion(name, ev)))
+            plan += _evaluation_plans(name, ev)
     return plan
+
+
+def _selection_plans(chosen: dict, epochs) -> list[tuple]:
+    """A per-epoch plot of each selection metric (classification's: val_accuracy)."""
+    plans = []
+    for metric, (selection, _) in chosen.items():
+        title = selection.label[:1].upper() + selection.label[1:]
+        caption = f"{title} per epoch{metrics.direction(selection)}"
+        wide = not selection.higher_is_better  # an error spanning decades: a log axis
+        plans.append((metric, caption, epochs(metric, selection.label, title, wide)))
+    return plans
+
+
+def _evaluation_plans(name: str, ev: dict) -> list[tuple]:
+    """A run's evaluation figure: classification's confusion matrix, regression's predicted
+    against true values; none for other tasks (their tables say it)."""
+    task = metrics.task_of(ev)
+    if task == metrics.CLASSIFICATION:
+        return [(f"confusion_{safe_name(name)}", f"Confusion matrix: {name}", _confusion(name, ev))]
+    if task == "regression" and ev["predicted_vs_true"]["counts"]:
+        histogram, targets, split = ev["predicted_vs_true"], ev["class_names"], ev.get("split")
+        caption = f"Predicted against true values: {name} (the red diagonal: predicted = true)"
+        draw = functools.partial(plot_predicted_vs_true, name, histogram, targets, split or "test")
+        return [(f"predicted_vs_true_{safe_name(name)}", caption, draw)]
+    return []
 
 
 def _confusion(name: str, ev: dict):

@@ -1,7 +1,8 @@
 """Report rendering: run rows, figures and provenance -> report.md and report.html text.
 
 report.py loads and validates the runs and computes the rows; here they become a list of
-format-neutral blocks, ("h2", text), ("p", text), ("table", headers, body, best_index),
+format-neutral blocks, ("h2", text), ("p", text), ("table", headers, body, best_index)
+(best_index: a row index, a tuple of them (each task's best run) or None),
 ("img", caption, path, png), ("details", summary, code), ("fold", summary, block, note) (a
 block folded away in the HTML, the note in its place in the Markdown), so that both formats
 show the same content and a new section is written once. Pure: nothing here touches the file system.
@@ -18,6 +19,7 @@ import re
 
 import yaml
 
+from ddpflow.report import metrics
 from ddpflow.runtime import PHASES
 from ddpflow.text import counted
 
@@ -54,22 +56,36 @@ def split_label(rows: list[dict]) -> str:
     return {"val": "validation", "train": "training"}.get(splits.pop(), "test")
 
 
-def _runs_table(rows: list[dict], scaling: bool) -> tuple:
-    """What each run trained and how well: one row per run."""
+def _runs_table(rows: list[dict], scaling: bool, heads: dict | None = None) -> tuple:
+    """What each run trained and how well: one row per run, with its task's headline metrics
+    (heads: run -> metric keys; classification's accuracy where None). Runs of one task get a
+    column per metric; runs of several tasks one column of each run's own metrics. A Task
+    column wherever a run is not classification."""
     label = split_label(rows)
-    headers = ["Run", f"{label.capitalize()} accuracy", f"Evaluated / {label} size", "Model",
-               "Parameters",
+    heads = heads or {row["run"]: ["accuracy"] for row in rows}
+    shared = len({row.get("task") for row in rows}) == 1
+    keys = heads[rows[0]["run"]] if shared else []
+    scores = [f"{label.capitalize()} {metrics.label(key)}" for key in keys]
+    headers = ["Run", *(["Task"] if "task" in rows[0] else []),
+               *(scores if shared else [f"{label.capitalize()} metrics"]),
+               f"Evaluated / {label} size", "Model", "Parameters",
                "Epochs", "Global batch", "LR (effective)", "Precision"]  # fmt: skip
-    body, best = [], None
+    body, best = [], []
     for index, row in enumerate(rows):
-        cells = [row["run"] + (" ★ best" if row["best"] else ""), f"{row['accuracy']:.2%}",
+        task = [row["task"]] if "task" in row else []
+        if shared:
+            shown = [metrics.shown(key, row.get(key)) for key in keys]
+        else:
+            own = heads[row["run"]]
+            shown = [", ".join(f"{metrics.label(k)} {metrics.shown(k, row.get(k))}" for k in own)]
+        cells = [row["run"] + (" ★ best" if row["best"] else ""), *task, *shown,
                  f"{row['samples_evaluated']} / {row['test_size']}", row["model"],
                  _number(row["parameters"], ","), str(row["epochs"]),
                  _number(row["global_batch"], "d"), _number(row["lr"], ".4g"),
                  row["precision"]]  # fmt: skip
         body.append(cells)
-        best = index if row["best"] else best
-    return ("table", headers, body, best)
+        best += [index] if row["best"] else []
+    return ("table", headers, body, best[0] if len(best) == 1 else tuple(best) or None)
 
 
 def _machine_table(rows: list[dict], scaling: bool) -> tuple:
@@ -143,6 +159,81 @@ def _class_cell(ev: dict, index: int) -> str:
     if accuracy is None or not support:
         return "n/a (0 samples)"
     return f"{accuracy:.2%} ({support})"
+
+
+def _label_tables(loaded, focus=None) -> list[tuple]:
+    """Each multilabel run's labels: F1, true and false positives, false negatives and the
+    support (true positives + false negatives: the samples that carry the label)."""
+    out = []
+    headers = ["Label", "F1", "True positives", "False positives", "False negatives", "Support"]
+    for name, _, ev in loaded:
+        if metrics.task_of(ev) != "multilabel" or (focus is not None and name not in focus):
+            continue
+        body = []
+        for i, label in enumerate(ev["class_names"]):
+            tp, fp, fn = (
+                ev[k][i] for k in ("true_positives", "false_positives", "false_negatives")
+            )
+            f1 = ev["per_label_f1"][i]
+            f1 = "n/a (never present, never predicted)" if f1 is None else f"{f1:.4f}"
+            body.append([str(label), f1, str(tp), str(fp), str(fn), str(tp + fn)])
+        overall = _overall(ev, ("exact_match", "f1_micro", "f1_macro"))
+        if isinstance(ev.get("exact_matches"), int):
+            overall += f" ({ev['exact_matches']} of {ev['samples_evaluated']} samples exact)"
+        if isinstance(ev.get("threshold"), int | float):
+            overall += f"; a label is predicted at probability ≥ {ev['threshold']:g}"
+        out += [("h3", name), ("p", overall + "."), ("table", headers, body, None)]
+    return out
+
+
+def _target_tables(loaded, focus=None) -> list[tuple]:
+    """Each regression run's targets: MSE, MAE and R² in the targets' own units."""
+    out = []
+    for name, _, ev in loaded:
+        if metrics.task_of(ev) != "regression" or (focus is not None and name not in focus):
+            continue
+        errors = ev["per_target"]
+        keys = ("mse", "mae", "r2")
+        body = [
+            [str(target), *(metrics.shown(k, errors[k][i]) for k in keys)]
+            for i, target in enumerate(ev["class_names"])
+        ]
+        overall = _overall(ev, keys)
+        if len(body) > 1:
+            overall += " (the mean over the targets)"
+        if isinstance(ev.get("loss_name"), str):
+            overall += f"; trained with {ev['loss_name']} loss"
+        table = ("table", ["Target", "MSE", "MAE", "R²"], body, None)
+        out += [("h3", name), ("p", overall + "."), table]
+    return out
+
+
+def _overall(ev: dict, keys) -> str:
+    """The run's metrics in words: "MSE 0.0123, MAE 0.0871, R² 0.9512"."""
+    return ", ".join(f"{metrics.label(k)} {metrics.shown(k, ev.get(k))}" for k in keys)
+
+
+def _task_sections(loaded, rows: list[dict], focus, note: list) -> list[tuple]:
+    """The per-label tables of multilabel runs and per-target tables of regression runs."""
+    blocks = []
+    for task, heading, tables in (
+        ("multilabel", "Per-label {} F1 and counts", _label_tables),
+        ("regression", "Per-target {} errors", _target_tables),
+    ):
+        members = [item for item in loaded if metrics.task_of(item[2]) == task]
+        if not members:
+            continue
+        label = split_label([r for r in rows if r.get("task") == task])
+        blocks += [("h2", heading.format(label)), *note, *tables(members, focus)]
+        if task == "regression":
+            blocks.append(("p", _TARGET_NOTE))
+    return blocks
+
+
+_TARGET_NOTE = (
+    "MSE and MAE are in the targets' units (MSE squared); R² is 1 - MSE / the variance of "
+    "the evaluated split's targets: n/a where that target is constant."
+)
 
 
 def _provenance_blocks(loaded) -> list[tuple]:
@@ -239,8 +330,9 @@ def document(
     sweep=(), focus=None,
 ) -> list[tuple]:  # fmt: skip
     """The report's blocks; sweep: the sweep section (ddpflow.report.sweep), which makes the
-    headline's best run the one selected on validation accuracy; focus: with many runs, the
-    best ones, the only ones given a per-class column and a confusion matrix."""
+    headline's best run the one selected on validation accuracy (another task: on its
+    selection metric); focus: with many runs, the best ones, the only ones given a per-class
+    column and a confusion matrix (per-label and per-target tables likewise)."""
     blocks = [("p", f"Generated {generated}.")]
     if unfinished:
         blocks += _unfinished_blocks(unfinished, len(rows))
@@ -248,14 +340,20 @@ def document(
         blocks += _bad_node_blocks(bad_nodes)
     if not rows:
         return blocks + (_tracker_blocks(trackers) if trackers else [])
-    best = next(row["run"] for row in rows if row["best"])
+    selections = {name: metrics.selection(ev) for name, _, ev in loaded}
+    heads = {name: metrics.headline(ev) for name, _, ev in loaded}
+    best = [row["run"] for row in rows if row["best"]]
     scaling = any(row["speedup"] is not None for row in rows)
     label = "validation" if sweep else split_label(rows)
-    blocks[0] = (
-        "p",
-        f"Generated {generated}. {counted(len(rows), 'run')}; best {label} accuracy: {best}.",
-    )
-    blocks += [*sweep, ("h2", "Runs"), _runs_table(rows, scaling)]
+    bests = "; ".join(f"best {label} {metrics.metric_name(selections[n])}: {n}" for n in best)
+    blocks[0] = ("p", f"Generated {generated}. {counted(len(rows), 'run')}; {bests}.")
+    if len(best) > 1:
+        blocks[0] = (
+            "p",
+            blocks[0][1] + " Runs of different tasks are not compared: each task's best run "
+            "(by its own selection metric, a lower MSE or a higher accuracy) is marked ★.",
+        )
+    blocks += [*sweep, ("h2", "Runs"), _runs_table(rows, scaling, heads)]
     blocks += [("h2", "Machine and speed"), _machine_table(rows, scaling)]
     if scaling:
         blocks.append(("p", "Speedup and efficiency compare only runs that differ in machine "
@@ -275,8 +373,11 @@ def document(
     blocks += [("h2", "Time per phase (sum over epochs, share of epoch time)"), _phase_table(rows)]
     # ddpflow.report.insight: ranks, stragglers, profiles, cluster efficiency
     blocks += list(inside)
-    note = [("p", _focus_note(focus, len(rows)))] if focus is not None else []
-    blocks += [("h2", f"Per-class {label} accuracy"), *note, *_class_tables(loaded, focus)]
+    note = [("p", _focus_note(focus, len(rows), selections))] if focus is not None else []
+    classified = [item for item in loaded if metrics.task_of(item[2]) == metrics.CLASSIFICATION]
+    if classified:
+        blocks += [("h2", f"Per-class {label} accuracy"), *note, *_class_tables(classified, focus)]
+    blocks += _task_sections(loaded, rows, focus, note)
     blocks += [("h2", "Plots"), *note]
     blocks += [
         ("img", caption, f"plots/{key}.png", png) if png else ("p", caption)
@@ -285,8 +386,10 @@ def document(
     return blocks + [("h2", "Provenance"), *_provenance_blocks(loaded)]
 
 
-def _focus_note(focus, runs: int) -> str:
-    return (f"{runs} runs: the {len(focus)} with the best validation accuracy are shown here "
+def _focus_note(focus, runs: int, selections: dict | None = None) -> str:
+    chosen = {s.label for s in (selections or {}).values()} or {"validation accuracy"}
+    what = chosen.pop() if len(chosen) == 1 else "validation figure of each task"
+    return (f"{runs} runs: the {len(focus)} with the best {what} are shown here "
             f"({', '.join(focus)}); summary.json and summary.csv hold every run.")  # fmt: skip
 
 
@@ -306,7 +409,7 @@ def to_markdown(title: str, blocks: list[tuple]) -> str:
             case ("table", headers, body, best):
                 lines = ["| " + " | ".join(map(_md, headers)) + " |", "|---" * len(headers) + "|"]
                 for index, cells in enumerate(body):
-                    cells = [f"**{_md(c)}**" if index == best else _md(c) for c in cells]
+                    cells = [f"**{_md(c)}**" if _is_best(index, best) else _md(c) for c in cells]
                     lines.append("| " + " | ".join(cells) + " |")
                 out.append("\n".join(lines))
             case ("img", caption, path, _):
@@ -332,6 +435,11 @@ pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; }
 """
 
 
+def _is_best(index: int, best) -> bool:
+    """A table's best row: best is an index, a tuple of them (each task's best) or None."""
+    return index in best if isinstance(best, tuple) else index == best
+
+
 def _html_block(block: tuple) -> str:
     esc = html.escape
     match block:
@@ -339,7 +447,7 @@ def _html_block(block: tuple) -> str:
             return f"<{tag}>{esc(str(text))}</{tag}>"
         case ("table", headers, body, best):
             head = "".join(f"<th>{esc(h)}</th>" for h in headers)
-            trs = [("<tr class='best'>" if index == best else "<tr>")
+            trs = [("<tr class='best'>" if _is_best(index, best) else "<tr>")
                    + "".join(f"<td>{esc(c)}</td>" for c in cells) + "</tr>"
                    for index, cells in enumerate(body)]  # fmt: skip
             return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(trs)}</tbody></table>"

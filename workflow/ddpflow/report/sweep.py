@@ -1,4 +1,5 @@
-"""The report's sweep view: the runs a sweep made, ranked by validation accuracy.
+"""The report's sweep view: the runs a sweep made, ranked by validation accuracy (another
+task: by its selection metric in its direction, a lower validation MSE first).
 
 A run made by a sweep carries `run["sweep"]` (ddpflow.config: its point's `values`, every
 swept `keys`, the `log_keys` drawn log-uniform, its `origin`, the sweep's `peers` and
@@ -6,7 +7,12 @@ swept `keys`, the `log_keys` drawn log-uniform, its `origin`, the sweep's `peers
 ranked by the validation accuracy of the model they kept (the last epoch's: a pruned run
 keeps its last model too), never by test accuracy: selecting on the test set would make the
 test figure of the winner an optimistic one. The selected run's test accuracy is then the
-held-out figure of the selection. Pure and matplotlib-free: the Snakefile imports `slim`.
+held-out figure of the selection. A run of another task (ddpflow.task) is ranked the same
+way on its task's selection metric (ddpflow.task.selection_of: val_f1_micro, val_mse), its
+evaluation's figure of the same metric (f1_micro, mse) the held-out one; the rows, sweep.csv
+and summary.json name the metric (val_mse, test_mse). A sweep's runs share their task; a run
+of another task than the sweep's first finished run is listed unranked ("other task").
+Pure and matplotlib-free: the Snakefile imports `slim`.
 
     view = collect(runs, loaded, unfinished)   # None without a sweep run
     csv_text(view); blocks(view, figures)
@@ -22,6 +28,8 @@ import math
 from pathlib import Path
 
 from ddpflow.paths import RUN_FILES
+from ddpflow.report import metrics
+from ddpflow.task import selection_of
 from ddpflow.text import counted
 
 __all__ = ["CSV_NAME", "TOP_IN_TABLE", "blocks", "collect", "csv_text", "slim"]
@@ -63,21 +71,30 @@ def _pruned(entry: dict, ev: dict) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
-def _finished_row(entry: dict, epochs: list[dict], ev: dict, block: dict) -> dict:
+def held_out(chosen) -> str:
+    """The row key of the evaluation's figure of the selection metric: test_accuracy,
+    test_mse (named test whatever eval.split scored, as sweep.csv always named it)."""
+    return f"test_{metrics.eval_key(chosen)}"
+
+
+def _finished_row(entry: dict, epochs: list[dict], ev: dict, block: dict, chosen) -> dict:
     pruned = _pruned(entry, ev)
+    own = metrics.selection(ev).metric == chosen.metric  # else a run of another task
+    val, test = chosen.metric, held_out(chosen)
+    status = ("pruned" if pruned else "finished") if own else "other task"
     return {
         "run": str(entry["name"]), "values": dict(block["values"]),
-        "val_accuracy": epochs[-1]["val_accuracy"], "val_loss": epochs[-1].get("val_loss"),
-        "test_accuracy": ev["accuracy"],
+        val: epochs[-1][val] if own else None, "val_loss": epochs[-1].get("val_loss"),
+        test: ev.get(metrics.eval_key(chosen)) if own else None,
         "split": ev.get("split", "test"), "epochs": len(epochs),
-        "status": "pruned" if pruned else "finished", "pruned": pruned, "rank": None,
+        "status": status, "pruned": pruned, "rank": None,
     }  # fmt: skip
 
 
-def _unfinished_row(entry: dict, block: dict) -> dict:
+def _unfinished_row(entry: dict, block: dict, chosen) -> dict:
     return {
-        "run": str(entry["run"]), "values": dict(block["values"]), "val_accuracy": None,
-        "test_accuracy": None, "split": None, "epochs": None,
+        "run": str(entry["run"]), "values": dict(block["values"]), chosen.metric: None,
+        held_out(chosen): None, "split": None, "epochs": None,
         # a failure record names its log; a run that never ran (a step it needs failed) has none
         "status": "failed" if entry.get("log") else "unfinished", "pruned": None, "rank": None,
     }  # fmt: skip
@@ -95,16 +112,20 @@ def collect(runs: list[dict], loaded, unfinished=()) -> dict | None:
 
     runs: build_report's run entries ({"name", "train_metrics", ..., optional "sweep"}),
     loaded: [(name, epochs, eval metrics)] in the same order, unfinished: outcome's entries
-    (optional "sweep"). Ranked rows first (best first), then those without a result."""
+    (optional "sweep"). Ranked rows first (best first), then those without a result. The
+    view's "selection" is the runs' (the first finished sweep run's: classification's
+    validation accuracy where none finished)."""
     entries = {str(entry["name"]): entry for entry in runs}
+    finished = [(entries[name], epochs, ev) for name, epochs, ev in loaded]
+    finished = [(*item, block) for item in finished if (block := _block(item[0], item[2]))]
+    chosen = metrics.selection(finished[0][2]) if finished else selection_of(None)
     rows, blocks_seen = [], []
-    for name, epochs, ev in loaded:
-        if (block := _block(entries[name], ev)) is not None:
-            rows.append(_finished_row(entries[name], epochs, ev, block))
-            blocks_seen.append(block)
+    for entry, epochs, ev, block in finished:
+        rows.append(_finished_row(entry, epochs, ev, block, chosen))
+        blocks_seen.append(block)
     for entry in unfinished:
         if (block := _block(entry, None)) is not None:
-            rows.append(_unfinished_row(entry, block))
+            rows.append(_unfinished_row(entry, block, chosen))
             blocks_seen.append(block)
     if not rows:
         return None
@@ -115,30 +136,38 @@ def collect(runs: list[dict], loaded, unfinished=()) -> dict | None:
         "keys": keys, "log_keys": [k for k in log_keys if k in keys],
         "origins": _ordered_union([b.get("origin")] for b in blocks_seen if b.get("origin")),
         "prune": next((b["prune"] for b in blocks_seen if b.get("prune")), None),
-        "rows": _ranked(rows),
+        "selection": chosen, "rows": _ranked(rows, chosen),
     }  # fmt: skip
 
 
-def _ranked(rows: list[dict]) -> list[dict]:
-    """Best validation accuracy first; a tie goes to the lower validation loss (still the
-    validation split: small validation sets tie often), then to the run that finished (over
-    a pruned one), then by name, so the order never depends on the order runs are listed in."""
-    scored = [r for r in rows if r["val_accuracy"] is not None]
+def _ranked(rows: list[dict], chosen=None) -> list[dict]:
+    """Best validation accuracy first (chosen: the selection, another task's metric and
+    direction: a lower validation MSE first); a tie goes to the lower validation loss (still
+    the validation split: small validation sets tie often), then to the run that finished
+    (over a pruned one), then by name, so the order never depends on the order runs are
+    listed in. A value that is not finite (a diverged run) ranks last."""
+    chosen = chosen or selection_of(None)
+    metric = chosen.metric
+    scored = [r for r in rows if r.get(metric) is not None]
 
     def key(r: dict) -> tuple:
         loss = r.get("val_loss")
         loss = loss if isinstance(loss, int | float) and math.isfinite(loss) else math.inf
-        return (-r["val_accuracy"], loss, r["status"] != "finished", r["run"])
+        return (metrics.score(chosen, r[metric]), loss, r["status"] != "finished", r["run"])
 
     scored.sort(key=key)
     for rank, row in enumerate(scored, start=1):
         row["rank"] = rank
-    rest = sorted((r for r in rows if r["val_accuracy"] is None), key=lambda r: r["run"])
+    rest = sorted((r for r in rows if r.get(metric) is None), key=lambda r: r["run"])
     return scored + rest
 
 
+def _selection(view: dict):
+    return view.get("selection") or selection_of(None)
+
+
 def selected(view: dict | None) -> dict | None:
-    """The run the sweep selects: rank 1 (by validation accuracy), None if none finished."""
+    """The run the sweep selects: rank 1 (by its selection metric), None if none finished."""
     return next((row for row in view["rows"] if row["rank"] == 1), None) if view else None
 
 
@@ -151,26 +180,31 @@ def _cell(value) -> str:
 
 
 def csv_text(view: dict) -> str:
-    """sweep.csv: one row per sweep run, best first (rank empty for runs without a result)."""
+    """sweep.csv: one row per sweep run, best first (rank empty for runs without a result);
+    its metric columns name the selection metric (val_accuracy, test_accuracy; val_mse,
+    test_mse)."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["run", *view["keys"], "val_accuracy", "test_accuracy", "epochs", "status",
+    val, test = _selection(view).metric, held_out(_selection(view))
+    writer.writerow(["run", *view["keys"], val, test, "epochs", "status",
                      "rank"])  # fmt: skip
     for row in view["rows"]:
         writer.writerow([row["run"], *(_cell(row["values"].get(k)) for k in view["keys"]),
-                         _cell(row["val_accuracy"]), _cell(row["test_accuracy"]),
+                         _cell(row.get(val)), _cell(row.get(test)),
                          _cell(row["epochs"]), row["status"], _cell(row["rank"])])  # fmt: skip
     return buffer.getvalue()
 
 
 def summary(view: dict) -> dict:
-    """summary.json's `sweep`: the keys and the ranking (no per-run configs)."""
-    best = selected(view)
+    """summary.json's `sweep`: the keys and the ranking (no per-run configs); selected_by
+    names the selection metric, and higher_is_better: false says where lower wins."""
+    best, chosen = selected(view), _selection(view)
+    direction = {} if chosen.higher_is_better else {"higher_is_better": False}
     return {
         "keys": view["keys"], "log_keys": view["log_keys"], "origins": view["origins"],
-        "selected_run": best and best["run"], "selected_by": "val_accuracy",
-        "ranking": [{k: row[k] for k in ("run", "rank", "status", "val_accuracy",
-                                         "test_accuracy", "epochs", "values")}
+        "selected_run": best and best["run"], "selected_by": chosen.metric, **direction,
+        "ranking": [{k: row.get(k) for k in ("run", "rank", "status", chosen.metric,
+                                             held_out(chosen), "epochs", "values")}
                     for row in view["rows"]],
     }  # fmt: skip
 
@@ -189,13 +223,17 @@ def _status(row: dict) -> str:
     return "pruned" + (f" after epoch {epoch}" if epoch is not None else "")
 
 
+def _figure(key: str, value) -> str:
+    return "–" if value is None else metrics.shown(key, value)
+
+
 def _table(view: dict, rows: list[dict]) -> tuple:
-    split = _split_label(view)
-    headers = ["Rank", "Run", *view["keys"], "Validation accuracy",
-               f"{split.capitalize()} accuracy", "Epochs", "Status"]  # fmt: skip
+    split, chosen = _split_label(view), _selection(view)
+    val, test, name = chosen.metric, held_out(chosen), metrics.metric_name(chosen)
+    headers = ["Rank", "Run", *view["keys"], f"Validation {name}",
+               f"{split.capitalize()} {name}", "Epochs", "Status"]  # fmt: skip
     body = [[_value(r["rank"]), r["run"], *(_value(r["values"].get(k)) for k in view["keys"]),
-             "–" if r["val_accuracy"] is None else f"{r['val_accuracy']:.2%}",
-             "–" if r["test_accuracy"] is None else f"{r['test_accuracy']:.2%}",
+             _figure(val, r.get(val)), _figure(test, r.get(test)),
              _value(r["epochs"]), _status(r)] for r in rows]  # fmt: skip
     best = 0 if rows and rows[0]["rank"] == 1 else None
     return ("table", headers, body, best)
@@ -211,30 +249,37 @@ def _split_label(view: dict) -> str:
 
 def _headline(view: dict) -> str:
     counts = {s: sum(r["status"] == s for r in view["rows"]) for s in
-              ("finished", "pruned", "failed", "unfinished")}  # fmt: skip
+              ("finished", "pruned", "failed", "unfinished", "other task")}  # fmt: skip
     done = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     origins = ", ".join(view["origins"]) or "sweep"
+    chosen = _selection(view)
     text = (f"{counted(len(view['rows']), 'run')} of a sweep ({origins}) "
-            f"over {', '.join(view['keys'])}: {done}. Ranked by validation accuracy (of the model "
+            f"over {', '.join(view['keys'])}: {done}. Ranked by {chosen.label}"
+            f"{metrics.direction(chosen)} (of the model "
             "each run kept: its last epoch's); the test set is never used to select.")  # fmt: skip
+    if counts["other task"]:
+        text += f" A run of another task than the sweep's ({chosen.metric}) is not ranked."
     best = selected(view)
     if best is None:
         return text + " No run finished: nothing to select."
-    split = _split_label(view)
-    held_out = "held-out figure" if split == "test" else f"{split} figure (eval.split)"
-    return text + (f" Selected: {best['run']} (validation accuracy {best['val_accuracy']:.2%}); "
-                   f"its {split} accuracy, {best['test_accuracy']:.2%}, is the selection's "
-                   f"{held_out}.")  # fmt: skip
+    split, name = _split_label(view), metrics.metric_name(chosen)
+    val = metrics.shown(chosen.metric, best[chosen.metric])
+    test = metrics.shown(chosen.metric, best.get(held_out(chosen)))
+    where = "held-out figure" if split == "test" else f"{split} figure (eval.split)"
+    return text + (f" Selected: {best['run']} ({chosen.label} {val}); "
+                   f"its {split} {name}, {test}, is the selection's "
+                   f"{where}.")  # fmt: skip
 
 
 def blocks(view: dict, figures: dict[str, tuple[str, bytes]]) -> list[tuple]:
     """The sweep section: headline, ranking (the top TOP_IN_TABLE, all of it folded in the
     HTML; the Markdown points to sweep.csv), then the figures (plots/sweep_*.png)."""
-    rows = view["rows"]
-    out = [("h2", "Sweep: runs ranked by validation accuracy"), ("p", _headline(view))]
+    rows, chosen = view["rows"], _selection(view)
+    out = [("h2", f"Sweep: runs ranked by {chosen.label}"), ("p", _headline(view))]
     if view["prune"]:
-        out.append(("p", f"Median pruning ({_cell(view['prune'])}): a pruned run stopped below "
-                         "the median validation accuracy of the runs that had reached the same "
+        where = "below" if chosen.higher_is_better else "above"
+        out.append(("p", f"Median pruning ({_cell(view['prune'])}): a pruned run stopped {where} "
+                         f"the median {chosen.label} of the runs that had reached the same "
                          "epoch; it kept its last model and is ranked on it. Which runs are "
                          "pruned depends on the order in which runs finish."))  # fmt: skip
     out.append(_table(view, rows[:TOP_IN_TABLE]))

@@ -1,9 +1,10 @@
-"""The sweep view's figures (ddpflow.report.sweep): the swept keys against validation accuracy.
+"""The sweep view's figures (ddpflow.report.sweep): the swept keys against validation accuracy
+(another task: its selection metric, such as validation MSE, lower better).
 
 Each axis is one of three kinds: numeric (linear), numeric drawn log-uniform (a log axis:
 1e-5 to 1e-2 read evenly, as they were drawn) and categorical (any key with a value that is
 no number: its distinct values at evenly spaced positions, labelled). Runs without a result
-(failed, unfinished) have no validation accuracy and are not drawn; pruned runs are drawn
+(failed, unfinished) have no validation figure and are not drawn; pruned runs are drawn
 dashed / as crosses, the selected run in red on top.
 
     figures = render(view)   # {"sweep_parallel": (caption, png), "sweep_<key>": ...}
@@ -19,12 +20,15 @@ from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
+from ddpflow.report import metrics
 from ddpflow.report.plots import _new_figure, _png, safe_name, text_label
+from ddpflow.task import Selection, selection_of
 from ddpflow.text import counted
 
 __all__ = ["key_figure", "parallel_figure", "plot_key", "plot_parallel", "render"]
 
 _PICK = "tab:red"
+ACCURACY: Selection = selection_of(None)  # classification's: validation accuracy, higher better
 
 
 def _numeric(value) -> bool:
@@ -77,23 +81,31 @@ def _unit(axis: dict) -> tuple[list[float], list[tuple[float, str]]]:
     return list(unit), [(tick_at(v) if hi > lo else 0.5, f"{v:.3g}") for v in shown]
 
 
-def plot_parallel(keys: list[str], log_keys: list[str], points: list[dict], pick) -> bytes:
-    return _png(parallel_figure(keys, log_keys, points, pick))
+def plot_parallel(
+    keys: list[str], log_keys: list[str], points: list[dict], pick, chosen: Selection = ACCURACY
+) -> bytes:
+    return _png(parallel_figure(keys, log_keys, points, pick, chosen))
 
 
-def parallel_figure(keys: list[str], log_keys: list[str], points: list[dict], pick) -> Figure:
-    """Parallel coordinates: one vertical axis per swept key and one for validation accuracy,
-    one line per run coloured by its validation accuracy (best drawn last, on top)."""
-    accuracy = [p["val_accuracy"] for p in points]
+def parallel_figure(
+    keys: list[str], log_keys: list[str], points: list[dict], pick, chosen: Selection = ACCURACY
+) -> Figure:
+    """Parallel coordinates: one vertical axis per swept key and one for the selection metric
+    (chosen: validation accuracy unless another task's), one line per run coloured by it
+    (the best bright, drawn last, on top, whichever the metric's direction)."""
+    accuracy = [p[chosen.metric] for p in points]
     columns = [_unit(_axis([p["values"].get(k) for p in points], k in log_keys)) for k in keys]
     columns.append(_unit({"kind": "linear", "pos": accuracy}))
-    names = [*keys, "validation accuracy"]
+    names = [*keys, chosen.label]
     fig = _new_figure(max(7.0, 1.9 * len(names)), 4.8)
     ax = fig.add_subplot()
     norm = Normalize(min(accuracy), max(accuracy) if max(accuracy) > min(accuracy) else 1.0)
-    cmap = colormaps["viridis"]
+    cmap = colormaps["viridis" if chosen.higher_is_better else "viridis_r"]
     alpha = 0.9 if len(points) <= 20 else max(0.25, 20 / len(points))
-    for i in sorted(range(len(points)), key=lambda i: (points[i]["run"] == pick, accuracy[i])):
+    drawn = sorted(
+        range(len(points)), key=lambda i: (points[i]["run"] == pick, -chosen.key(accuracy[i]))
+    )
+    for i in drawn:
         ys = [column[0][i] for column in columns]
         if points[i]["run"] == pick:
             ax.plot(range(len(names)), ys, color=_PICK, lw=2.6, zorder=3,
@@ -111,8 +123,8 @@ def parallel_figure(keys: list[str], log_keys: list[str], points: list[dict], pi
     ax.set_xlim(-0.1, len(names) - 0.6)
     ax.set_ylim(-0.05, 1.05)
     ax.set_yticks([])
-    ax.set_title(f"Swept keys against validation accuracy ({counted(len(points), 'run')})")
-    fig.colorbar(ScalarMappable(norm, cmap), ax=ax, label="validation accuracy", pad=0.01)
+    ax.set_title(f"Swept keys against {chosen.label} ({counted(len(points), 'run')})")
+    fig.colorbar(ScalarMappable(norm, cmap), ax=ax, label=chosen.label, pad=0.01)
     if pick is not None:
         fig.legend(fontsize="small", loc="outside lower center")
     return fig
@@ -130,25 +142,30 @@ def _wrap(key: str, width: int = 16) -> str:
     return "\n".join(lines)
 
 
-def plot_key(key: str, log: bool, points: list[dict], pick: str | None) -> bytes:
-    return _png(key_figure(key, log, points, pick))
+def plot_key(
+    key: str, log: bool, points: list[dict], pick: str | None, chosen: Selection = ACCURACY
+) -> bytes:
+    return _png(key_figure(key, log, points, pick, chosen))
 
 
-def key_figure(key: str, log: bool, points: list[dict], pick: str | None) -> Figure:
-    """Validation accuracy against one key's value: a dot per run (a cross if pruned), the
-    best run per value joined by a line, the selected run in red."""
+def key_figure(
+    key: str, log: bool, points: list[dict], pick: str | None, chosen: Selection = ACCURACY
+) -> Figure:
+    """The selection metric (validation accuracy unless chosen is another task's) against
+    one key's value: a dot per run (a cross if pruned), the best run per value joined by a
+    line, the selected run in red."""
     axis = _axis([p["values"].get(key) for p in points], log)
     fig = _new_figure(6.4, 3.8)
     ax = fig.add_subplot()
     xs = np.array([np.nan if p is None else p for p in axis["pos"]], dtype=float)
-    ys = np.array([p["val_accuracy"] for p in points], dtype=float)
+    ys = np.array([p[chosen.metric] for p in points], dtype=float)
     if axis["kind"] == "categorical":  # spread equal values a little, deterministically
         xs = xs + (((np.arange(len(xs)) * 0.618) % 1.0) - 0.5) * 0.25
     pruned = np.array([p["status"] == "pruned" for p in points])
     ax.scatter(xs[~pruned], ys[~pruned], s=22, alpha=0.8, label="finished")
     if pruned.any():
         ax.scatter(xs[pruned], ys[pruned], s=26, marker="x", color="gray", label="pruned")
-    _best_per_value(ax, axis, ys)
+    _best_per_value(ax, axis, ys, chosen.higher_is_better)
     if pick is not None:
         at = [i for i, p in enumerate(points) if p["run"] == pick]
         ax.scatter(xs[at], ys[at], s=160, marker="*", color=_PICK, zorder=3,
@@ -159,20 +176,25 @@ def key_figure(key: str, log: bool, points: list[dict], pick: str | None) -> Fig
         ax.set_xticks(range(len(axis["categories"])), map(text_label, axis["categories"]),
                       rotation=30 if len(axis["categories"]) > 4 else 0, ha="right")  # fmt: skip
     ax.set_xlabel(text_label(key) + (" (log scale: drawn log-uniform)" if log else ""))
-    ax.set_ylabel("validation accuracy")
-    ax.set_title(f"Validation accuracy against {text_label(key)}")
+    ax.set_ylabel(chosen.label + metrics.direction(chosen))
+    ax.set_title(f"{_capital(chosen.label)} against {text_label(key)}")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize="small")
     return fig
 
 
-def _best_per_value(ax, axis: dict, ys) -> None:
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _best_per_value(ax, axis: dict, ys, higher: bool = True) -> None:
     """A grid's few values: the best run at each, joined, shows the trend through the noise."""
     xs = np.array([np.nan if p is None else p for p in axis["pos"]], dtype=float)
     distinct = sorted(set(xs[~np.isnan(xs)]))
     if not 2 <= len(distinct) <= 20:
         return
-    best = [np.nanmax(np.where(xs == x, ys, np.nan)) for x in distinct]
+    best_of = np.nanmax if higher else np.nanmin
+    best = [best_of(np.where(xs == x, ys, np.nan)) for x in distinct]
     if axis["kind"] == "categorical":  # no line between categories: they have no order
         ax.scatter(distinct, best, marker="_", s=500, color="gray", label="best at each value")
     else:
@@ -181,18 +203,19 @@ def _best_per_value(ax, axis: dict, ys) -> None:
 
 def render(view: dict) -> dict[str, tuple[str, bytes]]:
     """The sweep figures as {file stem: (caption, PNG bytes)}; none if no run finished."""
-    points = [row for row in view["rows"] if row["val_accuracy"] is not None]
+    chosen = view.get("selection") or ACCURACY
+    points = [row for row in view["rows"] if row.get(chosen.metric) is not None]
     if not points:
         return {}
     pick = next((row["run"] for row in points if row["rank"] == 1), None)
-    keys, log_keys = view["keys"], view["log_keys"]
+    keys, log_keys, label = view["keys"], view["log_keys"], chosen.label
     figures = {"sweep_parallel": (
-        "Parallel coordinates: each line a run, across its swept values to its validation "
-        "accuracy (colour: validation accuracy; dashed: pruned; red: the selected run)",
-        plot_parallel(keys, log_keys, points, pick))}  # fmt: skip
+        f"Parallel coordinates: each line a run, across its swept values to its {label}"
+        f"{metrics.direction(chosen)} (colour: {label}; dashed: pruned; red: the selected run)",
+        plot_parallel(keys, log_keys, points, pick, chosen))}  # fmt: skip
     for key in keys:
         figures[f"sweep_{safe_name(key)}"] = (
-            f"Validation accuracy against {key}" + (" (log axis)" if key in log_keys else ""),
-            plot_key(key, key in log_keys, points, pick),
+            f"{_capital(label)} against {key}" + (" (log axis)" if key in log_keys else ""),
+            plot_key(key, key in log_keys, points, pick, chosen),
         )
     return figures

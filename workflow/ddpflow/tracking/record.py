@@ -6,8 +6,13 @@
 Params are the run's resolved config (as eval_metrics.json records it), flattened to dotted
 keys (ddpflow.config.fingerprint.flatten); a run made by a sweep carries its swept keys
 like any other key. Metrics are one point per epoch (step = epoch) per figure: training and
-validation loss, validation accuracy, learning rate, samples/s, the seconds of each phase
-and each rank's own figures (rank<r>.<figure>); the final test figures have step 0.
+validation loss, the task's validation figures (classification's val_accuracy; multilabel's
+val_f1_micro, val_f1_macro, val_exact_match; regression's val_mse, val_mae, val_r2: every
+val_* key of the epoch record), learning rate, samples/s, the seconds of each phase and each
+rank's own figures (rank<r>.<figure>); the final test figures (the task's headline metrics,
+test_accuracy or test_mse, test_mae, test_r2, and the loss) have step 0. Artifacts: the
+run's files, its plots (the selection metric per epoch; classification's confusion matrix,
+regression's predicted against true values) and, for classification, confusion_matrix.json.
 """
 
 from __future__ import annotations
@@ -18,9 +23,12 @@ from pathlib import Path
 
 from ddpflow.config.fingerprint import flatten
 from ddpflow.data.staged import sha256_file
+from ddpflow.task import selection_of
 
-# per-epoch figures of train_metrics.jsonl logged as they are
+# per-epoch figures of train_metrics.jsonl logged as they are (and every other val_* key: a
+# task's validation figures)
 EPOCH_FIGURES = ("train_loss", "val_loss", "val_accuracy", "lr", "samples_per_s")
+CLASSIFICATION = "classification"
 
 
 @dataclass
@@ -64,6 +72,7 @@ def epoch_metrics(lines: list[dict]) -> list[tuple[str, float, int]]:
     out = []
     for epoch, line in sorted(by_epoch.items()):
         figures = {key: line.get(key) for key in EPOCH_FIGURES}
+        figures.update({k: v for k, v in line.items() if k.startswith("val_")})
         figures.update({f"seconds.{k}": v for k, v in (line.get("seconds") or {}).items()})
         for rank in line.get("ranks") or []:
             figures.update(
@@ -78,10 +87,14 @@ def epoch_metrics(lines: list[dict]) -> list[tuple[str, float, int]]:
 
 
 def _plots(name: str, lines: list[dict], evaluation: dict, out_dir: Path) -> list[Path]:
-    """The run's own plots (the report's, for this run alone)."""
+    """The run's own plots (the report's, for this run alone): the losses, the task's
+    selection metric per epoch (val_accuracy.png, val_mse.png, ...), the learning rate, and
+    classification's confusion matrix or regression's predicted against true values."""
     from ddpflow.report import plots  # matplotlib: only when a tracker is fed
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    chosen = selection_of(evaluation)
+    split = evaluation.get("split", "test")
     figures = {
         "loss": plots.plot_per_epoch(
             {name: [(e["epoch"], e["train_loss"]) for e in lines]},
@@ -89,22 +102,29 @@ def _plots(name: str, lines: list[dict], evaluation: dict, out_dir: Path) -> lis
             "Training loss",
             log_if_wide=True,
         ),
-        "val_accuracy": plots.plot_per_epoch(
-            {name: [(e["epoch"], e["val_accuracy"]) for e in lines]},
-            "validation accuracy",
-            "Validation accuracy",
+        chosen.metric: plots.plot_per_epoch(
+            {name: [(e["epoch"], e.get(chosen.metric)) for e in lines]},
+            chosen.label,
+            chosen.label[:1].upper() + chosen.label[1:],
+            log_if_wide=not chosen.higher_is_better,
         ),
         "lr": plots.plot_per_epoch(
             {name: [(e["epoch"], e["lr"]) for e in lines]}, "learning rate", "Learning rate"
         ),
-        "confusion_matrix": plots.plot_confusion(
+    }
+    task = evaluation.get("task", CLASSIFICATION)
+    if task == CLASSIFICATION:
+        figures["confusion_matrix"] = plots.plot_confusion(
             name,
             evaluation["confusion_matrix"],
             evaluation["class_names"],
             evaluation["accuracy"],
-            evaluation.get("split", "test"),
-        ),
-    }
+            split,
+        )
+    elif task == "regression" and (evaluation.get("predicted_vs_true") or {}).get("counts"):
+        figures["predicted_vs_true"] = plots.plot_predicted_vs_true(
+            name, evaluation["predicted_vs_true"], evaluation["class_names"], split
+        )
     written = []
     for key, png in figures.items():
         (out_dir / f"{key}.png").write_bytes(png)
@@ -113,9 +133,12 @@ def _plots(name: str, lines: list[dict], evaluation: dict, out_dir: Path) -> lis
 
 
 def _tags(run: dict, config: dict, evaluation: dict, summary: dict) -> dict[str, str]:
-    """What a tracker filters runs by: commit, dataset, machine shape, strategy, precision."""
+    """What a tracker filters runs by: commit, dataset, machine shape, strategy, precision
+    (and a task other than classification)."""
     hosts = sorted(set(summary.get("hosts") or evaluation["provenance"].get("hostnames") or []))
+    task = evaluation.get("task", CLASSIFICATION)
     return {
+        **({} if task == CLASSIFICATION else {"task": str(task)}),
         "ddpflow.run": run["name"],
         "git_commit": str(evaluation["provenance"].get("git_commit")),
         "dataset_id": str(config.get("dataset_id", run["dataset_id"])),
@@ -126,8 +149,28 @@ def _tags(run: dict, config: dict, evaluation: dict, summary: dict) -> dict[str,
     }
 
 
+def final_metrics(evaluation: dict) -> dict[str, float]:
+    """The evaluation's figures as step-0 metrics named by the split: classification's
+    test_accuracy, another task's headline metrics (test_mse, test_mae, test_r2; one that is
+    undefined, an r2 of a constant target, is left out), then the loss."""
+    split = evaluation.get("split", "test")
+    if evaluation.get("task", CLASSIFICATION) == CLASSIFICATION:
+        final = {f"{split}_accuracy": float(evaluation["accuracy"])}
+    else:
+        final = {
+            f"{split}_{key}": float(evaluation[key])
+            for key in evaluation.get("headline") or ()
+            if isinstance(evaluation.get(key), int | float)
+            and not isinstance(evaluation.get(key), bool)
+        }
+    if isinstance(evaluation.get("loss"), int | float):
+        final[f"{split}_loss"] = float(evaluation["loss"])
+    return final
+
+
 def collect(run: dict, paths, out_dir: str | Path) -> RunRecord:
-    """The run's record, its plots and confusion matrix written into out_dir (artifacts)."""
+    """The run's record, its plots and (classification) its confusion matrix written into
+    out_dir (artifacts)."""
     out_dir = Path(out_dir)
     lines = [
         json.loads(line)
@@ -137,27 +180,26 @@ def collect(run: dict, paths, out_dir: str | Path) -> RunRecord:
     evaluation = json.loads(Path(paths.eval_metrics).read_text())
     summary = json.loads(Path(paths.train_summary).read_text())
     config = evaluation["provenance"]["config"]
-    split = evaluation.get("split", "test")
-    final = {f"{split}_accuracy": float(evaluation["accuracy"])}
-    if isinstance(evaluation.get("loss"), int | float):
-        final[f"{split}_loss"] = float(evaluation["loss"])
+    final = final_metrics(evaluation)
     tags = _tags(run, config, evaluation, summary)
-    matrix = out_dir / "confusion_matrix.json"
     out_dir.mkdir(parents=True, exist_ok=True)
-    matrix.write_text(
-        json.dumps(
-            {
-                "class_names": evaluation["class_names"],
-                "confusion_matrix": evaluation["confusion_matrix"],
-            }
+    matrix = []
+    if evaluation.get("task", CLASSIFICATION) == CLASSIFICATION:
+        matrix = [out_dir / "confusion_matrix.json"]
+        matrix[0].write_text(
+            json.dumps(
+                {
+                    "class_names": evaluation["class_names"],
+                    "confusion_matrix": evaluation["confusion_matrix"],
+                }
+            )
+            + "\n"
         )
-        + "\n"
-    )
     artifacts = [
         Path(paths.eval_metrics),
         Path(paths.train_metrics),
         Path(paths.train_summary),
-        matrix,
+        *matrix,
         *_plots(run["name"], lines, evaluation, out_dir / "plots"),
     ]
     return RunRecord(
