@@ -98,7 +98,7 @@ def test_pages_have_no_dated_narrative():
 PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 FENCE = re.compile(r"^( *)```(\w*)[^\n]*\n(.*?)^\1```", flags=re.M | re.S)
 # the keys a `runs:` entry may override: a fragment of only these is a run of its own
-RUN_SECTIONS = {"data", "model", "train", "eval", "machine"}
+RUN_SECTIONS = {"data", "model", "train", "eval", "machine", "task", "task_kwargs"}
 
 
 def _fences(page: Path):
@@ -145,7 +145,7 @@ def docs_folder(tmp_path_factory) -> Path:
     """A user's folder holding what the examples name: the plug-ins (copied, as the pages
     say), an image folder, an npz and the sweep table printed on docs/sweeps.md."""
     folder = tmp_path_factory.mktemp("docs_examples")
-    for module in ("my_data.py", "my_model.py"):
+    for module in ("my_data.py", "my_model.py", "my_task.py"):
         shutil.copy(ROOT / "config/examples" / module, folder / module)
     make_folder(folder / "my_images", per_class=(4, 2))
     rng = np.random.default_rng(0)

@@ -33,7 +33,7 @@ rule report:
         # `python -m ddpflow report` passes the same to the same function (build_report)
         runs=list(RUNS),
         # each run's sweep point (None for a `runs:` entry), without the list of its peers:
-        # the report ranks a sweep's runs by validation accuracy (ddpflow.report.sweep)
+        # the report ranks a sweep's runs by their task's validation metric (ddpflow.report.sweep)
         sweeps=[ddpsweep.slim(run.get("sweep")) for run in RUNS.values()],
     script:
         "../../scripts/report.py"
