@@ -5,7 +5,8 @@ format-neutral blocks, ("h2", text), ("p", text), ("table", headers, body, best_
 (best_index: a row index, a tuple of them (each task's best run) or None),
 ("img", caption, path, png), ("details", summary, code), ("fold", summary, block, note) (a
 block folded away in the HTML, the note in its place in the Markdown), so that both formats
-show the same content and a new section is written once. Pure: nothing here touches the file system.
+show the same content and a new section is written once. The per-class, per-label and
+per-target tables come from tables.py. Pure: nothing here touches the file system.
 
     blocks = document(loaded, rows, figures, "2025-01-01 00:00 UTC")
     markdown, page = to_markdown("ddpflow report", blocks), to_html("ddpflow report", blocks)
@@ -20,6 +21,7 @@ import re
 import yaml
 
 from ddpflow.report import metrics
+from ddpflow.report.tables import class_tables, split_label, task_sections
 from ddpflow.runtime import PHASES
 from ddpflow.text import counted
 
@@ -46,14 +48,6 @@ def _hosts(hosts: list) -> str:
 
 def _number(value, fmt: str) -> str:
     return "?" if value is None else format(value, fmt)
-
-
-def split_label(rows: list[dict]) -> str:
-    """What the accuracy was measured on: eval.split: val is validation, not test."""
-    splits = {row.get("split", "test") for row in rows}
-    if len(splits) > 1:
-        return "evaluation"
-    return {"val": "validation", "train": "training"}.get(splits.pop(), "test")
 
 
 def _runs_table(rows: list[dict], scaling: bool, heads: dict | None = None) -> tuple:
@@ -136,104 +130,6 @@ def _phase_table(rows: list[dict]) -> tuple:
                   for p in PHASES]  # fmt: skip
         body.append([row["run"], *shares, _seconds(row["epoch_seconds"])])
     return ("table", ["Run", *PHASES, "epochs total"], body, None)
-
-
-def _class_tables(loaded, focus=None) -> list[tuple]:
-    """One table per distinct class list (runs on the same dataset share a table), a column
-    per run: with many runs, only the focus runs' (summary.json has every run's)."""
-    groups: dict[tuple, list] = {}
-    for name, _, ev in loaded:
-        if focus is not None and name not in focus:
-            continue
-        groups.setdefault(tuple(map(str, ev["class_names"])), []).append((name, ev))
-    tables = []
-    for classes, members in groups.items():
-        body = [[cls, *(_class_cell(ev, i) for _, ev in members)] for i, cls in enumerate(classes)]
-        tables.append(("table", ["Class", *(name for name, _ in members)], body, None))
-    return tables
-
-
-def _class_cell(ev: dict, index: int) -> str:
-    """A class's accuracy and support; a class with no sample in the split: n/a."""
-    accuracy, support = ev["per_class_accuracy"][index], sum(ev["confusion_matrix"][index])
-    if accuracy is None or not support:
-        return "n/a (0 samples)"
-    return f"{accuracy:.2%} ({support})"
-
-
-def _label_tables(loaded, focus=None) -> list[tuple]:
-    """Each multilabel run's labels: F1, true and false positives, false negatives and the
-    support (true positives + false negatives: the samples that carry the label)."""
-    out = []
-    headers = ["Label", "F1", "True positives", "False positives", "False negatives", "Support"]
-    for name, _, ev in loaded:
-        if metrics.task_of(ev) != "multilabel" or (focus is not None and name not in focus):
-            continue
-        body = []
-        for i, label in enumerate(ev["class_names"]):
-            tp, fp, fn = (
-                ev[k][i] for k in ("true_positives", "false_positives", "false_negatives")
-            )
-            f1 = ev["per_label_f1"][i]
-            f1 = "n/a (never present, never predicted)" if f1 is None else f"{f1:.4f}"
-            body.append([str(label), f1, str(tp), str(fp), str(fn), str(tp + fn)])
-        overall = _overall(ev, ("exact_match", "f1_micro", "f1_macro"))
-        if isinstance(ev.get("exact_matches"), int):
-            overall += f" ({ev['exact_matches']} of {ev['samples_evaluated']} samples exact)"
-        if isinstance(ev.get("threshold"), int | float):
-            overall += f"; a label is predicted at probability ≥ {ev['threshold']:g}"
-        out += [("h3", name), ("p", overall + "."), ("table", headers, body, None)]
-    return out
-
-
-def _target_tables(loaded, focus=None) -> list[tuple]:
-    """Each regression run's targets: MSE, MAE and R² in the targets' own units."""
-    out = []
-    for name, _, ev in loaded:
-        if metrics.task_of(ev) != "regression" or (focus is not None and name not in focus):
-            continue
-        errors = ev["per_target"]
-        keys = ("mse", "mae", "r2")
-        body = [
-            [str(target), *(metrics.shown(k, errors[k][i]) for k in keys)]
-            for i, target in enumerate(ev["class_names"])
-        ]
-        overall = _overall(ev, keys)
-        if len(body) > 1:
-            overall += " (the mean over the targets)"
-        if isinstance(ev.get("loss_name"), str):
-            overall += f"; trained with {ev['loss_name']} loss"
-        table = ("table", ["Target", "MSE", "MAE", "R²"], body, None)
-        out += [("h3", name), ("p", overall + "."), table]
-    return out
-
-
-def _overall(ev: dict, keys) -> str:
-    """The run's metrics in words: "MSE 0.0123, MAE 0.0871, R² 0.9512"."""
-    return ", ".join(f"{metrics.label(k)} {metrics.shown(k, ev.get(k))}" for k in keys)
-
-
-def _task_sections(loaded, rows: list[dict], focus, note: list) -> list[tuple]:
-    """The per-label tables of multilabel runs and per-target tables of regression runs."""
-    blocks = []
-    for task, heading, tables in (
-        ("multilabel", "Per-label {} F1 and counts", _label_tables),
-        ("regression", "Per-target {} errors", _target_tables),
-    ):
-        members = [item for item in loaded if metrics.task_of(item[2]) == task]
-        if not members:
-            continue
-        label = split_label([r for r in rows if r.get("task") == task])
-        blocks += [("h2", heading.format(label)), *note, *tables(members, focus)]
-        if task == "regression":
-            blocks.append(("p", _TARGET_NOTE))
-    return blocks
-
-
-_TARGET_NOTE = (
-    "MSE and MAE are in the targets' units (MSE squared); R² is 1 - MSE / the variance of "
-    "the evaluated split's targets: n/a where that target is constant."
-)
 
 
 def _provenance_blocks(loaded) -> list[tuple]:
@@ -342,19 +238,37 @@ def document(
         return blocks + (_tracker_blocks(trackers) if trackers else [])
     selections = {name: metrics.selection(ev) for name, _, ev in loaded}
     heads = {name: metrics.headline(ev) for name, _, ev in loaded}
-    best = [row["run"] for row in rows if row["best"]]
     scaling = any(row["speedup"] is not None for row in rows)
     label = "validation" if sweep else split_label(rows)
-    bests = "; ".join(f"best {label} {metrics.metric_name(selections[n])}: {n}" for n in best)
-    blocks[0] = ("p", f"Generated {generated}. {counted(len(rows), 'run')}; {bests}.")
-    if len(best) > 1:
-        blocks[0] = (
-            "p",
-            blocks[0][1] + " Runs of different tasks are not compared: each task's best run "
-            "(by its own selection metric, a lower MSE or a higher accuracy) is marked ★.",
-        )
+    blocks[0] = _headline(generated, rows, selections, label)
     blocks += [*sweep, ("h2", "Runs"), _runs_table(rows, scaling, heads)]
-    blocks += [("h2", "Machine and speed"), _machine_table(rows, scaling)]
+    blocks += _machine_blocks(loaded, rows, scaling)
+    if trackers:
+        blocks += _tracker_blocks(trackers)
+    blocks += [("h2", "Time per phase (sum over epochs, share of epoch time)"), _phase_table(rows)]
+    # ddpflow.report.insight: ranks, stragglers, profiles, cluster efficiency
+    blocks += list(inside)
+    blocks += _result_blocks(loaded, rows, figures, label, focus, selections)
+    return blocks + [("h2", "Provenance"), *_provenance_blocks(loaded)]
+
+
+def _headline(generated: str, rows: list[dict], selections: dict, label: str) -> tuple:
+    """The report's first paragraph: when, how many runs, and each task's best run."""
+    best = [row["run"] for row in rows if row["best"]]
+    bests = "; ".join(f"best {label} {metrics.metric_name(selections[n])}: {n}" for n in best)
+    text = f"Generated {generated}. {counted(len(rows), 'run')}; {bests}."
+    if len(best) > 1:
+        text += (
+            " Runs of different tasks are not compared: each task's best run "
+            "(by its own selection metric, a lower MSE or a higher accuracy) is marked ★."
+        )
+    return ("p", text)
+
+
+def _machine_blocks(loaded, rows: list[dict], scaling: bool) -> list[tuple]:
+    """Where and how fast each run trained: the machine table, what its speedup compares and
+    the segments of runs continued on another allocation."""
+    blocks = [("h2", "Machine and speed"), _machine_table(rows, scaling)]
     if scaling:
         blocks.append(("p", "Speedup and efficiency compare only runs that differ in machine "
                             "shape alone (same data, model and training settings, the global "
@@ -368,22 +282,24 @@ def document(
                          "the previous one left, at its own world size; the steps are the "
                          "same training at any size (the global batch and the data order are "
                          "the recipe's).")]  # fmt: skip
-    if trackers:
-        blocks += _tracker_blocks(trackers)
-    blocks += [("h2", "Time per phase (sum over epochs, share of epoch time)"), _phase_table(rows)]
-    # ddpflow.report.insight: ranks, stragglers, profiles, cluster efficiency
-    blocks += list(inside)
+    return blocks
+
+
+def _result_blocks(loaded, rows, figures, label: str, focus, selections: dict) -> list[tuple]:
+    """Each task's tables (per-class accuracy, per-label F1, per-target errors), then the
+    plots; with many runs, a note that only the focus runs are shown."""
     note = [("p", _focus_note(focus, len(rows), selections))] if focus is not None else []
     classified = [item for item in loaded if metrics.task_of(item[2]) == metrics.CLASSIFICATION]
+    blocks = []
     if classified:
-        blocks += [("h2", f"Per-class {label} accuracy"), *note, *_class_tables(classified, focus)]
-    blocks += _task_sections(loaded, rows, focus, note)
+        blocks += [("h2", f"Per-class {label} accuracy"), *note, *class_tables(classified, focus)]
+    blocks += task_sections(loaded, rows, focus, note)
     blocks += [("h2", "Plots"), *note]
     blocks += [
         ("img", caption, f"plots/{key}.png", png) if png else ("p", caption)
         for key, (caption, png) in figures.items()
     ]  # a plot not drawn: why, in its place
-    return blocks + [("h2", "Provenance"), *_provenance_blocks(loaded)]
+    return blocks
 
 
 def _focus_note(focus, runs: int, selections: dict | None = None) -> str:

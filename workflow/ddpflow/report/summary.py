@@ -1,0 +1,161 @@
+"""The report's summary: each run's row (what trained it, how well, how fast), from which the
+report's tables are drawn, and the content of summary.json and summary.csv. Pure: the report
+stage (build.py) writes them.
+
+    rows = with_task([summary_row(name, epochs, ev) for name, epochs, ev in loaded])
+    text = summary_csv(rows)
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+from ddpflow.config import VOLATILE_TRAIN_KEYS
+from ddpflow.report import metrics, sweep
+from ddpflow.runtime import PHASES
+
+__all__ = ["summary_csv", "summary_extras", "summary_json", "summary_row", "with_task"]
+
+
+def summary_row(name: str, epochs: list[dict], ev: dict) -> dict:
+    """A run's row: its task's headline metrics (classification: accuracy), the final epoch's
+    selection metric (final_val_accuracy, final_val_mse, ...), what trained it and how fast."""
+    train, task, chosen = ev["train"], metrics.task_of(ev), metrics.selection(ev)
+    own = {} if task == metrics.CLASSIFICATION else {"task": task}
+    row = {
+        "run": name, **own, **{key: ev.get(key) for key in metrics.headline(ev)},
+        "samples_evaluated": ev["samples_evaluated"],
+        "test_size": ev["test_size"], "world_size": train["world_size"], "nodes": train["nodes"],
+        "hosts": train["hosts"], "train_samples_per_s": train["samples_per_s"],
+        "train_wall_seconds": train["wall_seconds"], "epochs": train["epochs"],
+        "attempts": train["attempts"], "eval_seconds": ev["eval_seconds"],
+        "eval_world_size": ev["world_size"], "final_train_loss": epochs[-1]["train_loss"],
+        f"final_{chosen.metric}": epochs[-1][chosen.metric],
+        "git_commit": ev["provenance"]["git_commit"],
+        # device name and precision: written since the GPU path ran (older files: cpu/cuda)
+        "device": train.get("device_name", str(train.get("device", "cpu")).split(":")[0])
+        + (", data streamed" if train.get("data_in_memory") is False else ""),
+        "precision": train.get("precision", "fp32"),
+        # what was trained (older metrics files lack some: shown as "?")
+        "model": _model_name(ev["provenance"]["config"]), "parameters": train.get("parameters"),
+        "global_batch": train.get("global_batch"), "lr": train.get("lr"),
+        "science": _science(ev["provenance"]["config"], task),
+        "split": ev.get("split", "test"),
+        # the training job (one allocation per run) or a job of its own; older files: own
+        "evaluated_by": ev.get("evaluated_by", "evaluate job"),
+    }  # fmt: skip
+    # Summed over the kept (deduplicated) epochs: the time of the final, complete history.
+    for phase in (*PHASES, "epoch"):
+        row[f"{phase}_seconds"] = sum(e["seconds"][phase] for e in epochs)
+    return row
+
+
+def _model_name(config: dict) -> str:
+    model = config.get("model")
+    return str(model.get("name", "?")) if isinstance(model, dict) else str(model or "?")
+
+
+def _science(config: dict, task: str = "classification") -> str:
+    """What a run trained, apart from the machine shape: data, model, training settings (less
+    those that cannot change a result), CPU vs GPU and a task other than classification. Runs
+    that agree on it form a scaling study; runs that differ in it are not compared by
+    speedup."""
+    train = config.get("train")
+    if isinstance(train, dict):
+        train = {k: v for k, v in train.items() if k not in VOLATILE_TRAIN_KEYS}
+    machine = config.get("machine") if isinstance(config.get("machine"), dict) else {}
+    science = {
+        "data": config.get("data"),
+        "model": config.get("model"),
+        "train": train,
+        "gpu": bool(machine.get("gpus_per_node")),
+    }
+    if task != metrics.CLASSIFICATION:  # its data section names it too (config.runs)
+        science["task"] = task
+    return json.dumps(science, sort_keys=True, default=str)
+
+
+def with_task(rows: list[dict]) -> list[dict]:
+    """Where any run is not classification, every row names its task (after its name)."""
+    if all("task" not in row for row in rows):
+        return rows
+    return [{"run": r["run"], "task": r.get("task", metrics.CLASSIFICATION), **r} for r in rows]
+
+
+def summary_csv(rows: list[dict]) -> str:
+    if not rows:
+        return "run\n"
+    buffer = io.StringIO()
+    columns = list(dict.fromkeys(key for row in rows for key in row))  # tasks differ in keys
+    writer = csv.DictWriter(buffer, fieldnames=columns, restval="", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({**row, "hosts": " ".join(map(str, row["hosts"]))} for row in rows)
+    return buffer.getvalue()
+
+
+def summary_json(loaded, rows, baseline, generated: str, unfinished) -> dict:
+    """summary.json's content, but for summary_extras' keys: the runs' rows, the best run, the
+    unfinished runs, the scaling baseline, per-class figures and each run's provenance."""
+    # the best run of the first listed run's task (each task's: best_by_task)
+    task = rows[0].get("task") if rows else None
+    best = next((row["run"] for row in rows if row["best"] and row.get("task") == task), None)
+    classified = [(n, ev) for n, _, ev in loaded if metrics.task_of(ev) == metrics.CLASSIFICATION]
+    return {
+        "generated": generated, "best_run": best, "runs": rows,
+        # without the sweep point an entry may carry: summary.json's sweep has the ranking
+        "unfinished": [{k: v for k, v in u.items() if k != "sweep"} for u in unfinished],
+        "scaling_baseline": {"world_size": baseline[0], "samples_per_s": baseline[1],
+                             "runs": baseline[2]} if baseline else None,
+        "per_class_accuracy": {
+            name: dict(zip(map(str, ev["class_names"]), ev["per_class_accuracy"], strict=True))
+            for name, ev in classified
+        },
+        **_task_summary(loaded, rows),
+        "provenance": {name: ev["provenance"] for name, _, ev in loaded},
+    }  # fmt: skip
+
+
+def _task_summary(loaded, rows: list[dict]) -> dict:
+    """summary.json's keys of tasks other than classification (none without such a run): the
+    best run of each task, each multilabel run's per-label F1 and counts, each regression
+    run's per-target errors."""
+    if all("task" not in row for row in rows):
+        return {}
+    out = {"best_by_task": {}, "selected_by": {}}
+    for row in rows:
+        if row["best"]:
+            out["best_by_task"][row["task"]] = row["run"]
+    for name, _, ev in loaded:
+        chosen = metrics.selection(ev)
+        out["selected_by"].setdefault(metrics.task_of(ev), chosen.record())
+        names = list(map(str, ev["class_names"]))
+        if metrics.task_of(ev) == "multilabel":
+            out.setdefault("per_label", {})[name] = {
+                label: {
+                    "f1": ev["per_label_f1"][i],
+                    "true_positives": ev["true_positives"][i],
+                    "false_positives": ev["false_positives"][i],
+                    "false_negatives": ev["false_negatives"][i],
+                    "support": ev["true_positives"][i] + ev["false_negatives"][i],
+                }
+                for i, label in enumerate(names)
+            }
+        elif metrics.task_of(ev) == "regression":
+            errors = ev["per_target"]
+            out.setdefault("per_target", {})[name] = {
+                target: {key: errors[key][i] for key in ("mse", "mae", "r2")}
+                for i, target in enumerate(names)
+            }
+    return out
+
+
+def summary_extras(view, bad_nodes, found, trackers) -> dict:
+    """summary.json's sweep (where there is one), bad nodes, insight and tracker runs."""
+    extras = {"sweep": sweep.summary(view)} if view else {}
+    return {
+        **extras, "bad_nodes": list(bad_nodes), "insight": found,
+        "trackers": [dict(zip(("run", "tracker", "run_id", "where"), row, strict=True))
+                     for row in trackers],
+    }  # fmt: skip
