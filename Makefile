@@ -10,7 +10,8 @@ DOCS_STAMP := $(VENV)/.ddpflow-docs-installed
 TRACKING_STAMP := $(VENV)/.ddpflow-tracking-installed
 TRACKING_TEST_STAMP := $(VENV)/.ddpflow-tracking-server-installed
 
-.PHONY: run test test-fast lint bench clean profile docs docs-build docs-reference tracking
+.PHONY: run test test-fast lint bench clean profile docs docs-build docs-reference tracking \
+	typed-config
 
 run: $(STAMP) profile
 	$(BIN)/snakemake
@@ -73,6 +74,12 @@ $(TRACKING_TEST_STAMP): envs/tracking-server.txt envs/tracking.txt $(STAMP)
 # fails when the committed file is stale)
 docs-reference: $(STAMP)
 	$(BIN)/python -m ddpflow.config.reference > docs/reference/config.md
+
+# the typed run the ranks read, generated from the schema (tests/test_typed_config.py fails
+# when the committed file is stale)
+typed-config: $(STAMP)
+	$(BIN)/python -m ddpflow.config.typed_gen | $(BIN)/ruff format --stdin-filename \
+	  workflow/ddpflow/config/typed.py - > workflow/ddpflow/config/typed.py
 
 # torch and torchvision are pinned together in envs/requirements.txt (a bare torch pulls
 # another multi-GB build); the package is installed editable so submitit's ranks import it.
