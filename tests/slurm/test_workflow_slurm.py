@@ -448,4 +448,4 @@ def test_the_shipped_config_plans_on_two_nodes(slurm_cluster, tmp_path):
     dry = named_profile_snakemake(tmp_path, write_config(tmp_path / "c.yaml", shipped), "-n")
     output = dry.stdout + dry.stderr
     assert dry.returncode == 0, output[-3000:]
-    assert "localrule train:" in output and "configuration error" not in output, output[-3000:]
+    assert "rule train:" in output and "configuration error" not in output, output[-3000:]
