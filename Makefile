@@ -43,6 +43,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/snakefmt --check Snakefile workflow/rules
 	$(BIN)/snakemake --lint
+	$(BIN)/mypy -p ddpflow.training -p ddpflow.data -p ddpflow.task
 
 bench: $(STAMP)
 	bench/run

@@ -24,6 +24,7 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -114,7 +115,8 @@ class MemoryFeed:
     def __init__(self, images: torch.Tensor):
         self.images = images
 
-    def epoch(self, batches: list[torch.Tensor], start: int):
+    def epoch(self, batches: torch.Tensor, start: int) -> Iterator[torch.Tensor]:
+        """The uint8 batches of rows start.. of batches (a micro-batch's indices per row)."""
         for index in range(start, len(batches)):
             yield self.images.index_select(0, batches[index])
 
@@ -130,7 +132,7 @@ class StreamFeed:
     def __init__(self, staged: StagedImages, device, workers: int, prefetch: int):
         self.device = torch.device(device)
         self.sampler = _EpochBatches()
-        self.loader = torch.utils.data.DataLoader(
+        self.loader: torch.utils.data.DataLoader | None = torch.utils.data.DataLoader(
             _Batches(staged),
             batch_size=None,  # each sampled item is a whole batch
             sampler=self.sampler,
@@ -140,7 +142,8 @@ class StreamFeed:
             persistent_workers=workers > 0,
         )
 
-    def epoch(self, batches: list[torch.Tensor], start: int):
+    def epoch(self, batches: torch.Tensor, start: int) -> Iterator[torch.Tensor]:
+        assert self.loader is not None, "the feed was closed"
         self.sampler.batches = [b.cpu().numpy() for b in batches[start:]]
         for x in self.loader:
             yield x.to(self.device, non_blocking=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import unicodedata
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +40,7 @@ def load_image_folder(cfg: dict) -> RawSource:
     train_dir, test_dir = root / "train", root / "test"
     extensions = {ext.lower() for ext in Image.registered_extensions()}
     problems = FolderProblems(root, cfg)
-    notes = {"skipped_corrupt": [], "ignored_files": 0, "small": SmallImages(cfg),
+    notes: dict[str, Any] = {"skipped_corrupt": [], "ignored_files": 0, "small": SmallImages(cfg),
              "problems": problems}  # fmt: skip
     folders = {"train": _classes(train_dir, problems)}
     if test_dir.is_dir():
@@ -65,7 +66,8 @@ def load_image_folder(cfg: dict) -> RawSource:
             root,
         )  # fmt: skip
     train_files, train_y = listed["train"]
-    test_x, test_y = None, None
+    test_x: ImageFiles | None = None
+    test_y: np.ndarray | None = None
     if "test" in listed:
         test_x, test_y = ImageFiles(listed["test"][0], cfg, notes), listed["test"][1]
     return RawSource(ImageFiles(train_files, cfg, notes), train_y, test_x, test_y, classes, notes)
@@ -146,13 +148,19 @@ def _list_split(
 DECODE_CHUNK = 256  # images per task of the staging processes
 
 
-def _decode_all(paths: list[Path], height: int, width: int, mode: str, upscale: bool) -> list:
+# an image's decoding: (its pixels or None, its (width, height) or why it did not decode)
+Decoded = tuple[np.ndarray | None, tuple[int, int] | str]
+
+
+def _decode_all(
+    paths: list[Path], height: int, width: int, mode: str, upscale: bool
+) -> list[Decoded]:
     """Each image as (pixels fitted to height x width in mode, or None, (width, height)); a
     small one is fitted only if upscale, else (None, size); one that does not decode,
     (None, detail), a string: it crosses processes."""
     from PIL import Image, UnidentifiedImageError
 
-    results = []
+    results: list[Decoded] = []
     for path in paths:
         try:
             with Image.open(path) as image:

@@ -8,6 +8,8 @@ any training job is submitted.
 
 from __future__ import annotations
 
+from typing import overload
+
 import numpy as np
 
 from ddpflow.data.image_size import SmallImages, fit_image
@@ -48,6 +50,7 @@ def load_plugin(cfg: dict) -> RawSource:
         _same_shapes(spec, train_x, train_y, test_x, test_y)
     if not own:
         names = _class_names(spec, train_y, test_y, names)
+    assert names is not None  # the task's names, or _class_names's
     if small is not None:
         small.tell()
     notes = {"small": small} if small is not None else None
@@ -140,7 +143,8 @@ def _arrays(images, labels, where: str, cfg: dict, targets: bool):
 
 def _items(data, where: str, cfg: dict, small, part: str, targets: bool):
     """A Dataset's (image, label) pairs: the images kept (on_small) and their labels."""
-    images, labels = [], []
+    images: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
     for i in range(len(data)):
         item = data[i]
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
@@ -179,6 +183,16 @@ def _as_numpy(value) -> np.ndarray:
     if hasattr(value, "detach"):  # a torch tensor
         value = value.detach().cpu().numpy()
     return np.asarray(value)
+
+
+@overload
+def _pixels(image, where: str, cfg: dict) -> np.ndarray: ...  # without small: never None
+
+
+@overload
+def _pixels(
+    image, where: str, cfg: dict, small: SmallImages | None, part: str
+) -> np.ndarray | None: ...
 
 
 def _pixels(image, where: str, cfg: dict, small=None, part="train") -> np.ndarray | None:

@@ -112,7 +112,9 @@ def make_synthetic(cfg: dict, seed: int) -> RawSource:
     return RawSource(*splits[0], *splits[1], names)
 
 
-def _sample_from_prototypes(rng, prototypes: np.ndarray, n: int, noise: float):
+def _sample_from_prototypes(
+    rng, prototypes: np.ndarray, n: int, noise: float
+) -> tuple[np.ndarray, np.ndarray]:
     # Balanced labels (n // K or n // K + 1 per class) in a seeded order.
     labels = rng.permutation(np.arange(n) % len(prototypes)).astype(np.int64)
     x = prototypes[labels] + noise * rng.standard_normal((n, *prototypes.shape[1:]))

@@ -173,7 +173,7 @@ class StagedImages:
         return {**self.__dict__, "_fds": None}
 
     def _pread(self, shard: int, first: int, out: np.ndarray) -> None:
-        view = memoryview(out).cast("B")
+        view = out.data.cast("B")  # the array's buffer (memoryview(out)), as bytes
         offset = self.paths[shard][1] + first * self.sample_bytes
         done = 0
         while done < len(view):  # pread may return less than asked

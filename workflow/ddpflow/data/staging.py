@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -135,6 +136,7 @@ def split_indices(raw: RawSource, data_cfg: dict, seed: int, strata=_LABELS) -> 
         test_plan = ("train", test)
         base, y = rest, y[rest]
     else:
+        assert raw.test_y is not None  # an official test split comes with its labels
         test_plan = ("test", np.arange(len(raw.test_y)))
     train, val = stratified_split(y, round(data_cfg["val_fraction"] * len(y)), _rng(seed, 2))
     cap = data_cfg.get("max_train_samples")
@@ -158,8 +160,8 @@ def stratified_split(labels: np.ndarray, n_take: int, rng) -> tuple[np.ndarray, 
     leftover = n_take - int(per_class.sum())
     per_class[np.argsort(-(quota - per_class), kind="stable")[:leftover]] += 1
     pairs = zip(classes, per_class, strict=True)
-    take = [rng.permutation(np.flatnonzero(labels == c))[:k] for c, k in pairs]
-    take = np.sort(np.concatenate(take)) if take else np.zeros(0, np.int64)
+    parts = [rng.permutation(np.flatnonzero(labels == c))[:k] for c, k in pairs]
+    take = np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
     keep = np.setdiff1d(np.arange(len(labels)), take)
     return keep, take
 
@@ -208,7 +210,7 @@ def _base_manifest(raw: RawSource, written: dict, data_cfg: dict, seed: int, tas
 
 def manifest_notes(notes: dict) -> dict:
     """What a reader of your own data skipped, ignored or upscaled, for the manifest."""
-    out = {}
+    out: dict[str, Any] = {}
     if "skipped_corrupt" in notes:  # an image folder
         out.update(
             skipped_corrupt=len(notes["skipped_corrupt"]),
@@ -226,14 +228,16 @@ def _write_splits(directory: Path, raw: RawSource, plan: dict, threads: int, sha
     pools = {"train": (raw.train_x, raw.train_y), "test": (raw.test_x, raw.test_y)}
     shape = tuple(int(d) for d in raw.train_x.shape[1:])
     per_shard = max(1, shard_bytes // int(np.prod(shape)))
-    written = {"shape": shape, "shards": {}, "files": {}, "labels": {}}
-    sums = [np.zeros(shape[0], np.int64), np.zeros(shape[0], np.int64), 0]
+    written: dict[str, Any] = {"shape": shape, "shards": {}, "files": {}, "labels": {}}
+    # the train split's per-channel pixel sums and sums of squares, and its pixel count
+    sums: list[Any] = [np.zeros(shape[0], np.int64), np.zeros(shape[0], np.int64), 0]
     # processes, not threads: most of decoding an image is Python holding the GIL (with 2
     # threads staging was slower than with 1; bench/data.py)
     pool = ProcessPoolExecutor(threads, mp_context=_fork()) if threads > 1 else None
     try:
         for split, (source, indices) in plan.items():
             images, labels = pools[source]
+            assert images is not None and labels is not None  # test: planned where raw has it
             shards, kept = [], []
             for number, start in enumerate(range(0, max(len(indices), 1), per_shard)):
                 chunk = indices[start : start + per_shard]

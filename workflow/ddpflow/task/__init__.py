@@ -19,10 +19,14 @@ login node resolves a task while it parses the config.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 from ddpflow.errors import UserError
 from ddpflow.plugins import import_factory, is_plugin
 from ddpflow.task.base import Selection, Task
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = [
     "BUILT_IN_TASKS",
@@ -96,7 +100,9 @@ def data_task(data_cfg: dict) -> Task:
     return get_task(data_cfg.get("task", DEFAULT_TASK), data_cfg.get("task_kwargs") or {})
 
 
-def task_targets(task: Task, labels, names, where: str, n: int):
+def task_targets(
+    task: Task, labels, names: list[str] | None, where: str, n: int
+) -> tuple[np.ndarray, list[str]]:
     """A source's targets as `task` stages them (checked), one per image, and their names."""
     from ddpflow.data.raw import DataError
 

@@ -29,9 +29,13 @@ Nothing else in ddpflow knows which task runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+
+if TYPE_CHECKING:  # the login node resolves a task without importing torch
+    import torch
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,23 @@ class Task:
     name: str = "task"
     selection: Selection
     headline: tuple[str, ...] = ()  # the metrics' scalar keys, in the order logs show them
+
+    if TYPE_CHECKING:
+        # the protocol's methods without a default, declared for the type checker only: a
+        # task lacking one still fails get_task's check of REQUIRED
+        def stage_targets(
+            self, labels: Any, names: Any, where: str
+        ) -> tuple[np.ndarray, list[str]]: ...
+
+        def loss(self, manifest: dict, train_cfg: dict) -> nn.Module: ...
+
+        def new_state(self, manifest: dict, device: Any) -> dict[str, torch.Tensor]: ...
+
+        def update(self, state: dict, outputs: torch.Tensor, targets: torch.Tensor) -> None: ...
+
+        def metrics(self, state: dict, manifest: dict) -> dict: ...
+
+        def validation(self, metrics: dict) -> dict: ...
 
     def describe(self, metrics: dict) -> str:
         """One line for the log: the headline metrics and the count scored."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -89,7 +90,8 @@ def _wrap(model: nn.Module, strategy: str, env, device, tcfg: dict):
     if tcfg["compile"]:
         # the DDP module is compiled (not the model inside): dynamo then splits the graph
         # at DDP's bucket boundaries, so the all-reduce still overlaps the backward
-        wrapped = torch.compile(wrapped)
+        # a compiled module is an nn.Module (OptimizedModule); the stubs say a callable
+        wrapped = cast(nn.Module, torch.compile(wrapped))
     return model, wrapped
 
 
@@ -103,6 +105,7 @@ def make_optimizer(
     # the default per-tensor loop was 3-5x slower per step (bench/throughput.py, MLP/CNN)
     fast = {"foreach": True} if dtensors else {"fused": True}
     kwargs = {"lr": lr, "weight_decay": opt_cfg["weight_decay"], **fast}
+    cls: type[torch.optim.Optimizer]
     if opt_cfg["name"] == "sgd":
         cls = torch.optim.SGD
         kwargs.update(momentum=opt_cfg["momentum"],

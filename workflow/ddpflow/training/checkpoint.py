@@ -18,7 +18,10 @@ import hashlib
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import torch
 
@@ -123,6 +126,9 @@ class Preempted(Exception):
 
 class Checkpointer:
     """When to save and how to resume one run's training (every rank holds one)."""
+
+    # the SIGUSR2 handler stop_on_signal replaced (submitit's), handed the job at a stop
+    submitit_handler: Callable[[int, FrameType | None], Any] | int | None
 
     def __init__(self, run: dict, work: str | Path, env, stop_check_steps: int = 10):
         cfg = run["train"]["checkpoint"]

@@ -19,10 +19,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpflow.config import accumulation_steps, micro_batches_per_step
 from ddpflow.data import feed
@@ -43,6 +45,7 @@ class Loop(Resumable):
     def __init__(self, run: dict, data: RankData, env, device: torch.device, model: nn.Module):
         self.run, self.data, self.env, self.device = run, data, env, device
         if data.feed is None:  # tensors given directly (tests, benchmarks)
+            assert isinstance(data.train.images, torch.Tensor)  # load_data makes the feeds
             data.feed = feed.MemoryFeed(data.train.images)
         self.tcfg = tcfg = run["train"]
         self.micro_per_step = micro_batches_per_step(tcfg)
@@ -93,6 +96,7 @@ class Loop(Resumable):
         )  # fmt: skip
         mine = rank_micro_batches(batches, env.world_size, env.rank)
         feed_ = self.data.feed
+        assert feed_ is not None  # __init__ made one
         device_batches = mine.to(self.device)
         start = self.epoch_step * accum
         images = feed_.epoch(device_batches if not feed_.streamed else mine, start)
@@ -169,10 +173,13 @@ class Loop(Resumable):
             x = evaluate.normalize(x, *self.data.norm)
             y = self.data.train.labels.index_select(0, batch)
         # no_sync(): skip the gradient all-reduce on all but the last micro-step
-        skip_sync = contextlib.nullcontext()
+        skip_sync: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if not last_micro and self.env.world_size > 1:
+            # not FSDP: wrapped is DDP, or DDP compiled (which forwards no_sync to it)
             skip_sync = (
-                sharding.no_gradient_sync(self.model) if self.fsdp else self.wrapped.no_sync()
+                sharding.no_gradient_sync(self.model)
+                if self.fsdp
+                else cast(DDP, self.wrapped).no_sync()
             )
         with skip_sync:
             with (
@@ -200,6 +207,7 @@ class Loop(Resumable):
         sync_buffers(self.model, self.env.world_size)
         scoring = self.data.scoring(self.run["eval"]["batch_size"], self.autocast)
         result = evaluate.evaluate_split(self.model, self.data.val, scoring, self.env)
+        assert result is not None  # without guard a failed evaluation raises
         return self.data.task.validation(result)
 
 

@@ -87,11 +87,19 @@ def _adapt_input_channels(model: nn.Module, channels: int) -> None:
         for child_name, child in parent.named_children():
             if isinstance(child, nn.Conv2d):
                 if child.in_channels != channels:
+                    pad = child.padding
                     setattr(parent, child_name, nn.Conv2d(
-                        channels, child.out_channels, child.kernel_size, child.stride,
-                        child.padding, child.dilation, child.groups, child.bias is not None,
+                        channels, child.out_channels, _pair(child.kernel_size),
+                        _pair(child.stride), pad if isinstance(pad, str) else _pair(pad),
+                        _pair(child.dilation), child.groups, child.bias is not None,
                     ))  # fmt: skip
                 return
+
+
+def _pair(size: tuple[int, ...]) -> tuple[int, int]:
+    """A Conv2d's stored size: always two ints (its stubs say a tuple of any length)."""
+    height, width = size
+    return height, width
 
 
 def check_model(

@@ -182,6 +182,7 @@ class MedianPruner:
     def _decide(self, epoch: int, own: float) -> dict | None:
         """Rank 0: the pruning record if this run is pruned now, else None (logged)."""
         selection = self.selection
+        assert self.settings is not None  # due(epoch) held: pruning is configured
         peers = peer_accuracies(self.run, self.work, epoch, selection.metric)
         min_runs = self.settings.get("min_runs", DEFAULT_MIN_RUNS)
         decision = decide(own, list(peers.values()), epoch, min_runs, selection)

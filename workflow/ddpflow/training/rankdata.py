@@ -93,8 +93,9 @@ def load_data(run: dict, staged: str, env, device, splits=("train", "val")) -> R
         task=task,
     )  # fmt: skip
     if "train" in opened:
+        train = data.train.images
         data.feed = (
-            feed.MemoryFeed(data.train.images) if in_memory else feed.StreamFeed(
+            feed.MemoryFeed(train) if isinstance(train, torch.Tensor) else feed.StreamFeed(
                 opened["train"][0], device, loading["workers"], loading["prefetch"]
             )
         )  # fmt: skip
@@ -126,6 +127,7 @@ def _open_verified(staged: str, splits, verify: bool, env) -> dict:
 
 
 def _split(images, labels, in_memory: bool, device) -> Split:
+    x: torch.Tensor | feed.StreamedImages
     if in_memory:
         x = torch.from_numpy(images.load()).to(device)
         images.close()

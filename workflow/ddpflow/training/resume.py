@@ -4,18 +4,53 @@ and how a loaded state is put back (at any world size, under any strategy)."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpflow.data import feed
 from ddpflow.training import evaluate, sharding
 
+if TYPE_CHECKING:
+    from ddpflow.cluster.distenv import DistEnv
+    from ddpflow.runtime import PhaseClock
+    from ddpflow.training.rankdata import RankData
+
 
 class Resumable:
     """Loop's state_dict / load_state_dict and the collectives around them (a mix-in: it
     reads the Loop's model, optimizer, schedule and position)."""
+
+    # what it reads and sets of the Loop (Loop.__init__ assigns them)
+    env: DistEnv
+    device: torch.device
+    data: RankData
+    tcfg: dict
+    model: nn.Module
+    wrapped: nn.Module
+    sharded_optimizer: bool
+    fsdp: bool
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler
+    autocast: Callable | None
+    loss_fn: nn.Module
+    clock: PhaseClock
+    epoch: int
+    epoch_step: int
+    step_losses: torch.Tensor
+    _global_step_losses: torch.Tensor | None
+    epoch_seconds: dict[str, float]
+    history: list[dict]
+    segments: list[dict]
+
+    if TYPE_CHECKING:
+
+        def global_step_losses(self) -> torch.Tensor: ...
 
     def gather_state(self) -> None:
         """Collective, before rank 0 takes state_dict(): ZeRO's optimizer state lives in
@@ -23,6 +58,9 @@ class Resumable:
         run resumes under either strategy and at any world size's sharding); the epoch's
         step losses so far are summed over the ranks (a checkpoint holds the global sums)."""
         if self.sharded_optimizer:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            assert isinstance(self.optimizer, ZeroRedundancyOptimizer)
             self.optimizer.consolidate_state_dict(to=0)
         self._global_step_losses = self.global_step_losses()
 
@@ -70,6 +108,7 @@ class Resumable:
         DCP directory next to the checkpoint at path."""
         kernels = _kernel_choices(self.optimizer)
         if "sharded" in state:
+            assert path is not None, "a sharded checkpoint is read from beside its path"
             sharding.load(self.model, self.optimizer, path, state["sharded"])
         else:
             self.model.load_state_dict(state["model"])

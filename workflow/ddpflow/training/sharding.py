@@ -18,10 +18,14 @@ import hashlib
 import logging
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 log = logging.getLogger(__name__)
 
@@ -113,11 +117,12 @@ def is_sharded(model: nn.Module) -> bool:
 @contextlib.contextmanager
 def no_gradient_sync(model: nn.Module):
     """Accumulation micro-steps: keep gradients unreduced (FSDP's no_sync)."""
-    model.set_requires_gradient_sync(False)
+    sharded = cast("FSDPModule", model)  # shard() made it one (strategy fsdp only)
+    sharded.set_requires_gradient_sync(False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        sharded.set_requires_gradient_sync(True)
 
 
 def full_model_state(model: nn.Module) -> dict:
@@ -196,7 +201,7 @@ def load(model: nn.Module, optimizer, pt: Path, sharded: dict) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
+    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     with _single_process_quiet(dist.is_initialized()):
         dcp.load(state, checkpoint_id=pt.with_name(sharded["dir"]))
     set_state_dict(

@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import submitit
 import torch
@@ -70,9 +71,9 @@ def rank_context(run: dict, rendezvous_dir: str | None):
 
 
 def gather_hosts(env) -> list[str]:
-    hosts = [socket.gethostname()]
+    hosts: list[Any] = [socket.gethostname()]
     if env.world_size > 1:
-        hosts = [None] * env.world_size
+        hosts = [None] * env.world_size  # all_gather_object fills in every rank's name
         dist.all_gather_object(hosts, socket.gethostname())
     return hosts
 
@@ -162,6 +163,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
                 raise
             finally:
                 watch.close()
+                assert loop.data.feed is not None  # Loop made one where load_data did not
                 loop.data.feed.close()  # streamed: the DataLoader workers end here
 
     def _on_epoch(self, loop: Loop, ckpt: Checkpointer, watch, env):
@@ -323,7 +325,8 @@ class LineProgress:
         self.total, self.desc, self.interval = total, desc, interval
         self.done = 0
         self.start = self.last = time.monotonic()
-        self.first = None  # steps done when counting began (a resumed epoch starts mid-way)
+        # steps done when counting began (a resumed epoch starts mid-way)
+        self.first: int | None = None
 
     def update(self, n: int = 1) -> None:
         self.done += n
