@@ -64,8 +64,7 @@ class EpochProgress:
         eta = mean * (epochs - epoch)
         selection = run_task(self.run).selection
         log.info(
-            "run %r epoch %d/%d: train loss %.4f, %s %.4f, %.0f samples/s, "
-            "%.1f s per epoch%s",
+            "run %r epoch %d/%d: train loss %.4f, %s %.4f, %.0f samples/s, %.1f s per epoch%s",
             self.run["name"],
             epoch,
             epochs,
@@ -89,4 +88,3 @@ class EpochProgress:
                     f["reason"],
                 )
         self.stragglers = {f["rank"] for f in flagged}
-

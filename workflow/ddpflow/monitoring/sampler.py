@@ -214,8 +214,11 @@ class TensorBoardLog:
         scalars = {
             "train/loss": record["train_loss"],
             # the task's validation metrics (classification: val/loss, val/accuracy)
-            **{f"val/{key[4:]}": value for key, value in record.items()
-               if key.startswith("val_") and isinstance(value, (int, float))},
+            **{
+                f"val/{key[4:]}": value
+                for key, value in record.items()
+                if key.startswith("val_") and isinstance(value, (int, float))
+            },
             "train/lr": record["lr"],
             "train/samples_per_s": record["samples_per_s"],
             **{f"seconds/{phase}": v for phase, v in record["seconds"].items()},
