@@ -169,7 +169,7 @@ def ddpflow_epoch(cfg: dict, run: dict, images, labels, norm, env: DistEnv, devi
     loop = Loop(run, data, env, device, model)
     # what TrainTask runs after every optimizer step (checkpoint and stop-signal checks);
     # the shipped config checkpoints per epoch, outside train_epoch(), so nothing is written
-    loop.on_step = Checkpointer(run, cfg["work"], env).on_step
+    loop.watch_steps(Checkpointer(run, cfg["work"], env).on_step)
     if cfg.get("compile"):
         loop.wrapped = torch.compile(loop.wrapped)
     return (lambda: loop.train_epoch()), loop

@@ -59,7 +59,7 @@ def _uninterrupted(env) -> dict:
             torch.save({**loop.state_dict(), "rng": torch.get_rng_state()}, buffer)
             saved["checkpoint"] = buffer.getvalue()
 
-    compiled.on_step = on_step
+    compiled.watch_steps(on_step)
     fit(compiled, lambda record: None)
     return {
         "eager": _weights(eager),

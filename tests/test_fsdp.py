@@ -60,7 +60,7 @@ def _trained(env, work: str) -> dict:
     total = sum(p.numel() for p in loop.model.parameters())
     ckpt = Checkpointer(_run(), work, env)
     ckpt.restore(loop)
-    loop.on_step = ckpt.on_step
+    loop.watch_steps(ckpt.on_step)
     fit(loop, lambda record: ckpt.on_epoch(loop))
     dist.barrier()
     # the sharded model scores an uneven split (31 samples, 3 ranks, batch 4: 3 forwards on

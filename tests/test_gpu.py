@@ -154,7 +154,7 @@ def _scaler_skips_inf(env):
     scale_before = loop.scaler.get_scale()
     before = _parameters(loop)
     batches = torch.arange(16, device=loop.device)
-    images = loop.data.feed.epoch([batches, batches], 0)  # the epoch's two steps of 1 micro-batch
+    images = loop.feed.epoch([batches, batches], 0)  # the epoch's two steps of 1 micro-batch
     loop._micro_step(batches, images, last_micro=True, step=0, micro=0)
     skipped = {
         "unchanged": all(torch.equal(before[k], v) for k, v in _parameters(loop).items()),
@@ -266,7 +266,7 @@ def _uninterrupted(env, work: str):
             if lp.scheduler.last_epoch == AT_STEP:
                 ckpt.save(lp, "test")
 
-        loop.on_step = on_step
+        loop.watch_steps(on_step)
         fit(loop, lambda record: None)
         out[case] = {"weights": _weights(loop), "losses": [r["train_loss"] for r in loop.history]}
     return out

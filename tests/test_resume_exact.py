@@ -134,7 +134,7 @@ def _uninterrupted(env) -> dict:
                     torch.save({**lp.state_dict(), "rng": rng}, buffer)
                     saved["checkpoint"] = buffer.getvalue()
 
-        loop.on_step = on_step
+        loop.watch_steps(on_step)
         fit(loop, lambda record: None)
         out[case] = {**_result(loop), "checkpoint": saved["checkpoint"] if env.rank == 0 else None}
     return out

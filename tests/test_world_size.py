@@ -82,7 +82,7 @@ def _train_case(env, case: str) -> dict:
     def on_step(lp):  # the whole step's mean loss, over every rank's micro-batches
         losses.append(float(lp.global_step_losses()[lp.epoch_step - 1]) / lp.micro_per_step)
 
-    loop.on_step = on_step
+    loop.watch_steps(on_step)
     fit(loop, lambda record: None)
     return {"losses": losses, **_weights(loop), "history": [r["train_loss"] for r in loop.history]}
 
@@ -114,7 +114,7 @@ def _with_checkpoint(env, work_root: str) -> dict:
             if lp.scheduler.last_epoch == CHECKPOINT_STEP:
                 ckpt.save(lp, "test")
 
-        loop.on_step = on_step
+        loop.watch_steps(on_step)
         fit(loop, lambda record: None)
         out[strategy] = _weights(loop)
     return out
@@ -156,8 +156,10 @@ def _task_checkpoints(env, work_root: str, resume: bool) -> dict:
             state = ckpt.restore(loop)
             out[f"{task} position"] = (state["world_size"], loop.epoch, loop.epoch_step)
         else:
-            loop.on_step = lambda lp, ckpt=ckpt: (
-                ckpt.save(lp, "test") if lp.scheduler.last_epoch == CHECKPOINT_STEP else None
+            loop.watch_steps(
+                lambda lp, ckpt=ckpt: (
+                    ckpt.save(lp, "test") if lp.scheduler.last_epoch == CHECKPOINT_STEP else None
+                )
             )
         fit(loop, lambda record: None)
         out[task] = {**_weights(loop), "history": loop.history[-1]}

@@ -12,7 +12,7 @@ torch.profiler records a few steps (results/runs/<run>/profile: a Chrome/Perfett
 profiled rank and its top operators by self time).
 
     watch = RunMonitor(run, run_dir, env, device, hosts, resumed_step)
-    loop.on_step = watch.wrap_step(ckpt.on_step)
+    loop.watch_steps(watch.wrap_step(ckpt.on_step))
     ... on_epoch: watch.on_epoch(record) ... finally: watch.close()
 """
 

@@ -192,8 +192,7 @@ class Checkpointer:
                 loop.model, loop.optimizer, checkpoint_path(self.directory, step),
                 self.env.is_master, self.env.world_size,
             )  # fmt: skip
-        if loop.segments:  # the steps this world size has trained, as far as they are saved
-            loop.segments[-1]["end_step"] = step
+        loop.close_segment(step)  # the steps this world size has trained, as far as saved
         if self.env.is_master:
             state = {
                 **loop.state_dict(),

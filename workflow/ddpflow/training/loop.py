@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -44,9 +45,14 @@ class Loop(Resumable):
 
     def __init__(self, run: dict, data: RankData, env, device: torch.device, model: nn.Module):
         self.run, self.data, self.env, self.device = run, data, env, device
-        if data.feed is None:  # tensors given directly (tests, benchmarks)
-            assert isinstance(data.train.images, torch.Tensor)  # load_data makes the feeds
-            data.feed = feed.MemoryFeed(data.train.images)
+        # the training batches: load_data's feed, or, for tensors given directly (tests,
+        # benchmarks), one over the train images in memory; the Loop's own from here on
+        self.feed: feed.MemoryFeed | feed.StreamFeed
+        if data.feed is not None:
+            self.feed = data.feed
+        else:
+            assert isinstance(data.train.images, torch.Tensor)  # load_data streams its own
+            self.feed = feed.MemoryFeed(data.train.images)
         self.tcfg = tcfg = run["train"]
         self.micro_per_step = micro_batches_per_step(tcfg)
         self.accum = accumulation_steps(tcfg, env.world_size)
@@ -70,10 +76,27 @@ class Loop(Resumable):
         self.segments: list[dict] = []  # [{world_size, hosts, attempt, start_step, end_step}]
         self.epoch_seconds = dict.fromkeys(PHASES, 0.0)
         self.history: list[dict] = []
-        self.on_step = None  # called after every optimizer step (checkpoint / stop checks)
+        # called after every optimizer step (checkpoint / stop checks): watch_steps sets it
+        self._on_step: Callable[[Loop], None] | None = None
         self.last_loss: torch.Tensor | None = None  # the last micro-step's, on the device
         watched = None if self.fsdp else output_parameter(self.model)
         self.nonfinite = NonfiniteWatch(run, self.lr, device, env.world_size, watched, self.scaler)
+
+    def watch_steps(self, callback: Callable[[Loop], None] | None) -> None:
+        """callback(loop) after every optimizer step (the checkpointer and the monitor's)."""
+        self._on_step = callback
+
+    def begin_segment(self, hosts: list[str], attempt: int) -> None:
+        """A stretch of training on this allocation starts at the current step."""
+        step = self.scheduler.last_epoch
+        world_size = self.env.world_size
+        segment = {"world_size": world_size, "hosts": list(hosts), "attempt": attempt}
+        self.segments.append({**segment, "start_step": step, "end_step": step})
+
+    def close_segment(self, step: int | None = None) -> None:
+        """The current stretch has trained (and saved) up to `step` (default: the current)."""
+        if self.segments:
+            self.segments[-1]["end_step"] = self.scheduler.last_epoch if step is None else step
 
     @property
     def pruned(self) -> dict | None:
@@ -95,7 +118,7 @@ class Loop(Resumable):
             tcfg["micro_batch_size"], tcfg["seed"], self.epoch,
         )  # fmt: skip
         mine = rank_micro_batches(batches, env.world_size, env.rank)
-        feed_ = self.data.feed
+        feed_ = self.feed
         assert feed_ is not None  # __init__ made one
         device_batches = mine.to(self.device)
         start = self.epoch_step * accum
@@ -110,8 +133,8 @@ class Loop(Resumable):
                 progress.update(1)
             if within == accum - 1:
                 self.epoch_step = step + 1
-                if self.on_step is not None:
-                    self.on_step(self)
+                if self._on_step is not None:
+                    self._on_step(self)
         self.nonfinite.read(None)  # the epoch's last step (the host syncs here anyway)
         # One host sync per epoch, not per step (the tutorials' .item() every step stalls).
         self.clock.settle()

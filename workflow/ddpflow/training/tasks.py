@@ -144,17 +144,14 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         run monitor; a stop signal saves and hands the job over to submitit's requeue."""
         run, resumed = self.run, ckpt.restore(loop)
         ckpt.attempt = _next_attempt(Path(self.paths.work), resumed is not None, env)
-        loop.segments.append({
-            "world_size": env.world_size, "hosts": list(hosts), "attempt": ckpt.attempt,
-            "start_step": loop.scheduler.last_epoch, "end_step": loop.scheduler.last_epoch,
-        })  # fmt: skip
+        loop.begin_segment(hosts, ckpt.attempt)
         if env.is_master:
             _start_log(run, loop.model, loop, resumed, ckpt.attempt, self.live_metrics)
         watch = monitor.RunMonitor(
             run, Path(self.paths.model).parent, env, loop.device, hosts,
             resumed["step"] if resumed else None,
         )  # fmt: skip
-        loop.on_step = watch.wrap_step(ckpt.on_step)
+        loop.watch_steps(watch.wrap_step(ckpt.on_step))
         with stop_on_signal(ckpt):
             try:
                 fit(loop, self._on_epoch(loop, ckpt, watch, env), _progress_bar(run, env))
@@ -163,8 +160,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
                 raise
             finally:
                 watch.close()
-                assert loop.data.feed is not None  # Loop made one where load_data did not
-                loop.data.feed.close()  # streamed: the DataLoader workers end here
+                loop.feed.close()  # streamed: the DataLoader workers end here
 
     def _on_epoch(self, loop: Loop, ckpt: Checkpointer, watch, env):
         """What every rank does after an epoch: the monitor, the checkpoint, rank 0's log."""
@@ -230,7 +226,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             },
             paths.model,
         )
-        loop.segments[-1]["end_step"] = loop.scheduler.last_epoch
+        loop.close_segment()
         summary = train_summary(
             run, loop, env, hosts, attempt, time.perf_counter() - start,
             count_parameters(model), _slurm_job_id(env),
