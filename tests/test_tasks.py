@@ -121,23 +121,30 @@ def test_a_task_that_cannot_run_is_refused_while_the_config_is_read(config, expe
         ddpconfig.load(None, config)
 
 
+def _fingerprints(run: dict) -> dict:
+    return json.loads(json.dumps({
+        "training": ddpconfig.training_fingerprint(run),
+        "evaluation": ddpconfig.evaluation_fingerprint(run),
+        "dataset_id": run["dataset_id"],
+        "stage_params": ddpconfig.stage_params(run["data"]),
+    }, default=str))  # fmt: skip
+
+
 def test_classification_keeps_the_fingerprints_of_the_runs_trained_before_tasks():
-    """The shipped configs' staged-data ids, stage params, training and evaluation
-    fingerprints, as the main before tasks computed them (tests/golden/fingerprints.json):
-    a finished run plans nothing after the upgrade."""
+    """The shipped configs' and own data's staged-data ids, stage params, training and
+    evaluation fingerprints, as the main before tasks computed them (tests/golden/
+    fingerprints.json): a finished run plans nothing after the upgrade."""
     golden = json.loads(GOLDEN.read_text())
     now = {}
-    for key in golden:
+    for key in golden["shipped"]:
         path, name = key.rsplit(":", 1)
         config = ddpconfig.load(REPO / path, {"launcher": "slurm"})
         run = next(r for r in ddpconfig.resolve_runs(config) if r["name"] == name)
-        now[key] = json.loads(json.dumps({
-            "training": ddpconfig.training_fingerprint(run),
-            "evaluation": ddpconfig.evaluation_fingerprint(run),
-            "dataset_id": run["dataset_id"],
-            "stage_params": ddpconfig.stage_params(run["data"]),
-        }, default=str))  # fmt: skip
-    assert now == golden
+        now[key] = _fingerprints(run)
+    assert now == golden["shipped"]
+    for data in golden["own_data"]:  # files that do not exist: a listing of "missing"
+        run = make_run(data=json.loads(data))
+        assert _fingerprints(run) == golden["own_data"][data], data
 
 
 def test_what_of_a_task_redoes_what():
@@ -201,3 +208,76 @@ def test_a_plug_in_task_that_breaks_its_protocol_is_named(my_task):
                        r"object without name, selection, stage_targets"):  # fmt: skip
         get_task("bad_task:make")
     sys.modules.pop("bad_task", None)
+
+
+# --- an image folder with a labels table (data.labels_csv) ---------------------------------
+
+
+def _labelled_folder(tmp_path, rows: int = 30) -> tuple[Path, list[str]]:
+    """my_images/train/NNN.png (and 6 under test/): each image's red and blue halves on or
+    off, which a table of labels (red, blue) or targets (brightness) describes."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(rows + 6):
+        split = "test" if i >= rows else "train"
+        red, blue = rng.random(2) < 0.5
+        pixels = rng.integers(0, 60, (24, 24, 3), dtype=np.uint8)
+        pixels[:, :12, 0] += np.uint8(180 * red)
+        pixels[:, 12:, 2] += np.uint8(180 * blue)
+        (tmp_path / "my_images" / split).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(pixels).save(tmp_path / "my_images" / split / f"{i:03d}.png")
+        lines.append((f"{split}/{i:03d}.png", int(red), int(blue), float(pixels.mean())))
+    return tmp_path / "my_images", lines
+
+
+def _table(path: Path, header: str, rows) -> Path:
+    path.write_text(header + "\n" + "".join(",".join(map(str, r)) + "\n" for r in rows))
+    return path
+
+
+def _folder_run(tmp_path, task: str, table: Path) -> dict:
+    data = {"source": "image_folder", "root": str(tmp_path / "my_images"),
+            "image_size": [16, 16], "labels_csv": str(table)}  # fmt: skip
+    return make_run(task=task, data=data)
+
+
+def test_an_image_folder_with_a_labels_table_stages_labels_or_targets(tmp_path):
+    root, lines = _labelled_folder(tmp_path)
+    labels = _table(tmp_path / "labels.csv", "path,red,blue", [r[:3] for r in lines])
+    run = _folder_run(tmp_path, "multilabel", labels)
+    manifest = stage_dataset(run["data"], tmp_path / "tags", seed=0)
+    assert manifest["class_names"] == ["red", "blue"] and manifest["sizes"]["test"] == 6
+    _, y, _ = load_split(tmp_path / "tags", "test")  # the official test split, in order
+    assert y.tolist() == [[r[1], r[2]] for r in lines[-6:]]
+    targets = _table(tmp_path / "targets.csv", "path,brightness", [(r[0], r[3]) for r in lines])
+    run = _folder_run(tmp_path, "regression", targets)
+    manifest = stage_dataset(run["data"], tmp_path / "values", seed=0)
+    _, y, _ = load_split(tmp_path / "values", "test")
+    assert y[:, 0].tolist() == pytest.approx([r[3] for r in lines[-6:]])
+    before = run["dataset_id"]
+    _table(targets, "path,brightness", [(r[0], r[3] + 1) for r in lines])  # edited targets
+    assert _folder_run(tmp_path, "regression", targets)["dataset_id"] != before
+
+
+def test_every_problem_of_a_labels_table_is_named_at_once(tmp_path):
+    _, lines = _labelled_folder(tmp_path, rows=4)
+    rows = [r[:3] for r in lines] + [("train/missing.png", 1, 0), (lines[0][0], 0, 0),
+                                     ("train/new.png", "x", 1), ("train/002.png", 1)]  # fmt: skip
+    table = _table(tmp_path / "labels.csv", "path,red,blue", rows)
+    with pytest.raises(DataError) as err:
+        stage_dataset(_folder_run(tmp_path, "multilabel", table)["data"], tmp_path / "s", 0)
+    text = str(err.value)
+    assert "4 problems, nothing was staged" in text
+    assert "labels.csv:12: " in text and "missing.png does not exist" in text
+    assert f"labels.csv:13: {lines[0][0]} again (first on line 2)" in text
+    assert "labels.csv:14: a value that is not a number" in text
+    assert "labels.csv:15: 2 columns, the header has 3" in text
+
+
+def test_a_labels_table_under_classification_is_refused_at_parse(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.labels_csv 'l.csv' gives an image folder's "
+                       r"targets under task multilabel or regression \(here: task "
+                       r"classification"):  # fmt: skip
+        make_run(data={"source": "image_folder", "root": "x", "labels_csv": "l.csv"})

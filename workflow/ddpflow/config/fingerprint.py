@@ -34,7 +34,10 @@ NO_CONV_MODELS = ("mlp",)
 
 # data keys only your own data reads (image_folder, npz): left out of the other sources'
 # fingerprints, so their staged datasets and trained models keep their identity
-OWN_DATA_KEYS = ("path", "image_size", "channels", "on_corrupt", "kwargs")
+OWN_DATA_KEYS = ("path", "image_size", "channels", "on_corrupt", "kwargs", "labels_csv")
+# own-data keys added after runs were trained: left out of ids, params and fingerprints at
+# their default (what every run trained before them had), so those runs keep their identity
+LATER_DATA_DEFAULTS = {"labels_csv": None}
 
 
 def is_own_data(source: str) -> bool:
@@ -79,7 +82,12 @@ def data_keys(data: dict) -> dict:
     skip = DATA_RUNTIME_KEYS if is_own_data(data["source"]) else DATA_RUNTIME_KEYS + OWN_DATA_KEYS
     if not _on_small_acts(data):
         skip += ("on_small",)
+    skip += _at_later_default(data)
     return {k: v for k, v in data.items() if k not in skip}
+
+
+def _at_later_default(data: dict) -> tuple[str, ...]:
+    return tuple(k for k, v in LATER_DATA_DEFAULTS.items() if data.get(k, v) == v)
 
 
 def stage_params(data: dict) -> dict:
@@ -88,6 +96,7 @@ def stage_params(data: dict) -> dict:
     nothing. (The keys a built-in source ignores stay, as they always were: removing them
     would change every staged dataset's params, and restage it, once.)"""
     skip = DATA_RUNTIME_KEYS if _on_small_acts(data) else DATA_RUNTIME_KEYS + ("on_small",)
+    skip += _at_later_default(data)
     # in the schema's order, not the config file's: Snakemake compares a dict param by its
     # text, so moving a key in config.yaml would otherwise restage (and retrain) the data
     order = {key: index for index, key in enumerate(_schema_data_keys())}
@@ -113,6 +122,11 @@ def data_settings(data: dict) -> dict:
         settings["plugin_sha256"] = plugin_source_hash(data["source"])
     else:
         settings["files"] = own_data_listing(data)
+    if data.get("labels_csv"):  # the table's content: an edited target restages
+        table = Path(data["labels_csv"])
+        settings["labels_sha256"] = (
+            hashlib.sha256(table.read_bytes()).hexdigest() if table.is_file() else "missing"
+        )
     if is_plugin(data.get("task", "")):  # a plug-in task's code stages the targets
         settings["task_sha256"] = plugin_source_hash(data["task"])
     return settings

@@ -113,15 +113,22 @@ def _resolve_task(run: dict, where: str) -> None:
             get_task(name, run["task_kwargs"])
         except TaskError as err:
             raise ConfigError(f"{where}: {err}") from err
-    source = run["data"]["source"]
-    if name != DEFAULT_TASK and source != "npz" and not is_plugin(source):
+    source, table = run["data"]["source"], run["data"]["labels_csv"]
+    if table and (source != "image_folder" or name in (DEFAULT_TASK,)):
+        raise ConfigError(
+            f"{where}: data.labels_csv {table!r} gives an image folder's targets under task "
+            f"multilabel or regression (here: task {name}, data.source {source}); remove it, "
+            "or set the task (docs/tasks.md)"
+        )
+    labelled = source == "image_folder" and table
+    if name != DEFAULT_TASK and source != "npz" and not is_plugin(source) and not labelled:
         held = "class folders: one class per image"
         if source != "image_folder":
             held = f"one class per image (the built-in {source})"
         raise ConfigError(
             f"{where}: task {name!r} on data.source {source}, which holds {held}; give the "
-            "targets in an npz (data.source: npz) or a data plug-in (docs/tasks.md), or set "
-            "task: classification"
+            "targets in an npz (data.source: npz), a data plug-in or, for an image folder, "
+            "data.labels_csv (docs/tasks.md), or set task: classification"
         )
     if name != DEFAULT_TASK:
         run["data"]["task"] = name

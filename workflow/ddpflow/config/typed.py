@@ -113,6 +113,11 @@ class DataSpec(_Section):
     #: npz: the .npz file (keys train_images, train_labels; optional test_images, test_labels,
     #: class_names)
     path: str | None = None
+    #: image_folder under task multilabel or regression: a CSV table of each image's targets,
+    #: relative to the working directory; its header is `path` (the image's path under data.root;
+    #: those under test/ form the test split) and one column per label (0/1) or target (a
+    #: number), named by the header (docs/tasks.md). null: class folders
+    labels_csv: str | None = None
     #: image_folder: [height, width] every image is resized to (shorter side first, then centre-
     #: cropped); required for image_folder
     image_size: tuple[int, ...] | None = None

@@ -73,13 +73,17 @@ def load_image_folder(cfg: dict) -> RawSource:
     return RawSource(ImageFiles(train_files, cfg, notes), train_y, test_x, test_y, classes, notes)
 
 
-def _checked_root(cfg: dict) -> Path:
-    root = Path(cfg["root"])
+def checked_size(cfg: dict) -> None:
     if cfg["image_size"] is None:
         raise DataError(
             "data.image_size is required for data.source image_folder: the size "
             "[height, width] every image is resized to, e.g. [32, 32]"
         )
+
+
+def _checked_root(cfg: dict) -> Path:
+    root = Path(cfg["root"])
+    checked_size(cfg)
     if not (root / "train").is_dir():
         raise DataError(
             f"data.root {root}: no train/ folder; image_folder expects "
