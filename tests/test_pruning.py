@@ -16,6 +16,7 @@ from datafixtures import make_folder
 from ddpflow import paths as ddpaths
 from ddpflow.config import dataset_id, training_fingerprint
 from ddpflow.paths import RunPaths
+from ddpflow.task import get_task
 from ddpflow.training import pruning
 from ddpflow.training.tasks import TrainTask
 from distributed_helpers import run_group
@@ -64,6 +65,20 @@ def test_below_the_median_prunes_at_or_above_continues():
     assert not pruning.decide(0.5, [0.9, 0.5, 0.1], 3, 3)["prune"]  # equal to the median
     assert not pruning.decide(0.9, [0.1, 0.2], 3, 3)["prune"]
     assert not pruning.decide(0.1, [0.1, 0.1, 0.1], 3, 3)["prune"]  # all at chance: a tie
+
+
+def test_a_task_whose_metric_is_lower_better_prunes_above_the_median(tmp_path):
+    """Regression selects by val_mse (lower is better): the run above the median stops, with
+    its metric under its own key; the peers' values are read from that key too."""
+    mse = get_task("regression").selection
+    pruned = pruning.decide(4.0, [1.0, 2.0, 3.0], epoch=2, min_runs=3, selection=mse)
+    assert pruned == {"epoch": 2, "val_mse": 4.0, "median": 2.5, "runs": 4, "prune": True}
+    assert not pruning.decide(1.0, [2.0, 3.0, 4.0], 2, 3, mse)["prune"]
+    line = pruning.pruned_line("lr-1", pruned, mse)
+    assert "val MSE 4.0000 is above the median 2.5000" in line
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"epoch": 2, "val_mse": 1.5, "val_accuracy": 0.1}) + "\n")
+    assert pruning.accuracy_at(metrics, 2, "val_mse") == 1.5
 
 
 def test_too_few_runs_never_prune():

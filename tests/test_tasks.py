@@ -281,3 +281,20 @@ def test_a_labels_table_under_classification_is_refused_at_parse(tmp_path):
                        r"targets under task multilabel or regression \(here: task "
                        r"classification"):  # fmt: skip
         make_run(data={"source": "image_folder", "root": "x", "labels_csv": "l.csv"})
+
+
+def test_each_task_says_what_a_prediction_is():
+    """The form a prediction takes (a later `snakemake predict` writes it): a class name and
+    its probability with the top classes; the labels over the threshold; a target's value."""
+    outputs = torch.tensor([[2.0, 0.0, -1.0], [-3.0, 1.0, 4.0]])
+    names = {"class_names": ["a", "b", "c"]}
+    first, second = get_task("classification").predictions(outputs, names)
+    assert first["prediction"] == "a" and second["prediction"] == "c"
+    assert first["score"] == pytest.approx(outputs[0].softmax(0)[0].item())
+    assert [name for name, _ in first["top_k"]] == ["a", "b", "c"]
+    tags = get_task("multilabel", {"threshold": 0.6}).predictions(outputs, names)
+    assert [t["prediction"] for t in tags] == [["a"], ["b", "c"]]  # sigmoid(0) = 0.5 < 0.6
+    assert tags[0]["score"] == pytest.approx(0.5)  # the least certain label: p 0.5
+    stats = {"target_mean": [10.0], "target_std": [2.0]}
+    values = get_task("regression").predictions(torch.tensor([[1.5], [-0.5]]), stats)
+    assert [v["prediction"] for v in values] == [13.0, 9.0]

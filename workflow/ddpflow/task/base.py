@@ -22,6 +22,9 @@ A task is an object with these attributes (subclass Task to inherit the defaults
         # the final metrics from the summed state; holds "samples_evaluated" and "loss"
     validation(metrics) -> dict  # the epoch record's val_* keys (selection.metric among them)
     headline: tuple of metric keys   # the scalars logs, trackers and TensorBoard show
+    predictions(outputs, manifest) -> [{"prediction": ..., "score": ...}, ...]
+        # optional: the form of a prediction, one dict per sample (a class name and its
+        # probability; a list of label names; a target's value)
 
 Nothing else in ddpflow knows which task runs.
 """
@@ -116,6 +119,10 @@ class Task:
 
     def manifest_fields(self, targets: dict[str, np.ndarray], names: list[str]) -> dict:
         return {}
+
+    def predictions(self, outputs, manifest: dict) -> list[dict]:
+        """One sample's prediction per row of outputs: {"prediction", "score", ...}."""
+        raise NotImplementedError(f"task {self.name} does not say what a prediction is")
 
     def outputs(self, manifest: dict) -> int:
         return int(manifest["num_classes"])

@@ -62,6 +62,20 @@ class Classification(Task):
             "loss": float(state["loss"]) / total if total else 0.0,
         }
 
+    def predictions(self, outputs, manifest: dict, top: int = 5) -> list[dict]:
+        """The most probable class (softmax), its probability and the top classes."""
+        names = manifest["class_names"]
+        probs = outputs.float().softmax(dim=1)
+        best = probs.topk(min(top, probs.shape[1]), dim=1)
+        return [
+            {
+                "prediction": names[int(i[0])],
+                "score": float(p[0]),
+                "top_k": [(names[int(c)], float(q)) for c, q in zip(i, p, strict=True)],
+            }
+            for p, i in zip(best.values, best.indices, strict=True)
+        ]
+
     def describe(self, metrics: dict) -> str:
         return (
             f"{metrics['correct']} of {metrics['samples_evaluated']} correct, accuracy "

@@ -98,6 +98,21 @@ class Multilabel(Task):
 
         return MultilabelBCE()
 
+    def predictions(self, outputs, manifest: dict) -> list[dict]:
+        """The labels predicted at the threshold, and the least certain decision's
+        probability of being right (max(p, 1 - p) over the labels)."""
+        names = manifest["class_names"]
+        probs = outputs.float().sigmoid()
+        sure = _least_certain(probs)
+        return [
+            {
+                "prediction": [n for n, p in zip(names, row, strict=True) if p >= self.threshold],
+                "score": float(s),
+                "probabilities": [float(p) for p in row],
+            }
+            for row, s in zip(probs, sure, strict=True)
+        ]
+
     def new_state(self, manifest: dict, device) -> dict:
         import torch
 
@@ -158,3 +173,8 @@ class Multilabel(Task):
 def _f1(tp: int, fp: int, fn: int) -> float | None:
     denominator = 2 * tp + fp + fn
     return 2 * tp / denominator if denominator else None
+
+
+def _least_certain(probs):
+    """Per sample, the least certain label decision: min over labels of max(p, 1 - p)."""
+    return probs.where(probs >= 0.5, 1 - probs).min(dim=1).values

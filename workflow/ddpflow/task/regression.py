@@ -105,6 +105,16 @@ class Regression(Task):
     def loss(self, manifest: dict, train_cfg: dict):
         return StandardisedLoss(manifest, self.loss_name, self.huber_delta)
 
+    def predictions(self, outputs, manifest: dict) -> list[dict]:
+        """The predicted targets in their own units (one value, or one per target)."""
+        import torch
+
+        mean = torch.tensor(manifest["target_mean"], dtype=torch.float64)
+        std = torch.tensor(manifest["target_std"], dtype=torch.float64)
+        values = outputs.double().cpu() * std + mean
+        one = values.shape[1] == 1
+        return [{"prediction": float(v[0]) if one else v.tolist(), "score": None} for v in values]
+
     def new_state(self, manifest: dict, device) -> dict:
         import torch
 
