@@ -53,9 +53,8 @@ def test_a_failed_job_forgets_its_record_so_a_retry_submits_anew(tmp_path):
     paths = RunPaths.for_run(run["results_dir"], run)
     record = tmp_path / "train-job.json"
     with pytest.raises(launch.LaunchError, match="does not exist"):
-        launch.launch(
-            TrainTask(run, paths), "local", run["machine"], tmp_path / "logs", "t", record, "f"
-        )
+        request = launch.JobRequest("local", run["machine"], tmp_path / "logs", "t")
+        launch.launch(TrainTask(run, paths), request, launch.JobWatch(record, "f"))
     assert not record.exists()
 
 

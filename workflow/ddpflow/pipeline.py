@@ -85,27 +85,27 @@ def _distributed(
     """Submit the stage's job for `run` (as placed: _placed) and wait for its ranks."""
     folder = Path(logs_dir).resolve() / "submitit" / run["name"] / stage_name
     start = time.perf_counter()
-    results = launch.launch(
-        task_cls(run, paths),
+    # what the job computes: a rerun reattaches to a job of the same fingerprint and
+    # cancels one of an edited config (launch.reattach)
+    fingerprint = training_fingerprint(run)
+    if stage_name == "evaluate":
+        fingerprint = {**fingerprint, **evaluation_fingerprint(run)}
+    request = launch.JobRequest(
         run["launcher"],
         run["machine"],
         folder,
-        job_name=f"ddpflow-{stage_name}-{run['name']}",
-        record=_job_record(paths, stage_name),
-        # what the job computes: a rerun reattaches to a job of the same fingerprint and
-        # cancels one of an edited config (launch.reattach)
-        fingerprint=config_hash(
-            {**training_fingerprint(run), **evaluation_fingerprint(run)}
-            if stage_name == "evaluate"
-            else training_fingerprint(run)
-        ),
+        f"ddpflow-{stage_name}-{run['name']}",
         max_requeues=run["train"]["max_requeues"],
-        on_poll=EpochProgress(run, Path(paths.work) / LIVE_METRICS, stream)
-        if stage_name == "train"
-        else None,
-        exclude=exclude,
+        exclude=tuple(exclude),
+    )
+    progress = EpochProgress(run, Path(paths.work) / LIVE_METRICS, stream)
+    watch = launch.JobWatch(
+        record=Path(_job_record(paths, stage_name)),
+        fingerprint=config_hash(fingerprint),
+        on_poll=progress if stage_name == "train" else None,
         ledger=nodes.ledger_beside(paths.work),
     )
+    results = launch.launch(task_cls(run, paths), request, watch)
     log.info(
         "%s of run %r: %s done in %.1fs",
         stage_name,

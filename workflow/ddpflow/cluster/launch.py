@@ -13,7 +13,10 @@ import logging
 import os
 import subprocess
 import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import submitit
 
@@ -106,62 +109,75 @@ def clean_slurm_environment():
         yield
 
 
-def launch(
-    task,
-    launcher: str,
-    machine: dict,
-    folder: str | Path,
-    job_name: str,
-    record: str | Path | None = None,
-    fingerprint: str = "",
-    max_requeues: int = 3,
-    on_poll=None,
-    exclude=(),
-    ledger: str | Path | None = None,
-) -> list:
+@dataclass(frozen=True, slots=True)
+class JobRequest:
+    """What a job asks for: the launcher (local or slurm), the run's machine section, the
+    folder of its submitit files and logs, its name, the requeues it may take after a time
+    limit, and the nodes it must avoid."""
+
+    launcher: str
+    machine: Mapping[str, Any]
+    folder: Path
+    job_name: str
+    max_requeues: int = 3
+    exclude: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class JobWatch:
+    """How a job is followed: its record (a later Snakemake reattaches to the job it names, if
+    the fingerprint of what it computes is the same), a callback at every status poll (live
+    progress) and the bad-node ledger a Slurm job's node failures are written to."""
+
+    record: Path | None = None
+    fingerprint: str = ""
+    on_poll: Callable[[], None] | None = None
+    ledger: Path | None = None
+
+
+def launch(task, request: JobRequest, watch: JobWatch | None = None) -> list:
     """Submit `task` with one process per rank (or reattach to the same job if a previous
-    Snakemake was stopped while it ran), wait, and return every rank's result. `on_poll()`
-    runs at every status poll while the job runs (live progress) and once at its end.
-    exclude: nodes the Slurm job must avoid. ledger: the bad-node ledger (ddpflow.cluster.nodes): a
-    Slurm job that fails, or is requeued, because of a node records the node there."""
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    cancel = launcher == "local" or machine["cancel_on_interrupt"]
+    Snakemake was stopped while it ran), wait, and return every rank's result. watch.on_poll()
+    runs at every status poll while the job runs and once at its end; a Slurm job that fails,
+    or is requeued, because of a node records the node in watch.ledger (ddpflow.cluster.nodes)."""
+    watch = watch or JobWatch()
+    Path(request.folder).mkdir(parents=True, exist_ok=True)
+    cancel = request.launcher == "local" or request.machine["cancel_on_interrupt"]
     job = None
     try:
         # SIGTERM (Snakemake, ddpflow.cluster.interrupts) or Ctrl-C from here on cancels the job
         with terminate_as_interrupt():
-            job = reattach(record, launcher, folder, fingerprint, world_size(machine))
+            size = world_size(dict(request.machine))
+            job = reattach(watch.record, request.launcher, request.folder, watch.fingerprint, size)
             if job is None:
-                job = submit(
-                    task, launcher, machine, folder, job_name, record, fingerprint, max_requeues,
-                    exclude,
-                )  # fmt: skip
-            results = _results(job, task, launcher, job_name, record, on_poll, ledger)
+                job = submit(task, request, watch)
+            results = _results(job, task, request, watch)
     except KeyboardInterrupt:
         if job is not None:
             with ignore_stop_signals():  # a second Ctrl-C must not abandon the cancel
                 _interrupted(job, cancel)
         raise
-    if record:
-        Path(record).unlink(missing_ok=True)
+    if watch.record:
+        Path(watch.record).unlink(missing_ok=True)
     return results
 
 
-def _results(job, task, launcher: str, job_name: str, record, on_poll, ledger) -> list:
+def _results(job, task, request: JobRequest, watch: JobWatch) -> list:
     """Wait for the job and return every rank's result. A failed job's record is forgotten;
     a Slurm job with a ledger is watched for node failures and blames the nodes it failed on.
     A Slurm job's state comes from the workflow's shared status (ddpflow.cluster.poll: one
     sacct per interval for all its jobs, beside the ledger; without one, the job's folder)."""
+    job_name, record, on_poll, ledger = request.job_name, watch.record, watch.on_poll, watch.ledger
     run_name = getattr(task, "run", {}).get("name", job_name)
-    if launcher != "slurm":  # a poll stats result files
+    if request.launcher != "slurm":  # a poll stats result files
         return _wait_and_blame(job, job_name, record, on_poll, 0.2, run_name)
     status = poll.status_for(ledger, job.paths.folder)
     with poll.attached(job, status):
-        watch = None
+        lost = None  # the nodes the job runs on, watched for failures
         if ledger is not None:
-            watch = nodes.NodeFailureWatch(job.job_id, every_s=0.0,
-                                           source=lambda: status.instances(job.job_id))  # fmt: skip
-        return _wait_and_blame(job, job_name, record, on_poll, 2.0, run_name, watch, ledger)
+            lost = nodes.NodeFailureWatch(job.job_id, every_s=0.0,
+                                          source=lambda: status.instances(job.job_id))  # fmt: skip
+        return _wait_and_blame(job, job_name, record, on_poll, 2.0, run_name, lost, ledger)
 
 
 def _wait_and_blame(job, job_name, record, on_poll, poll_s, run_name, watch=None, ledger=None):
@@ -194,12 +210,14 @@ def _blame_nodes(err: LaunchError, job, ledger, run_name: str):
     raise LaunchError(f"{first}\n{err}") from err
 
 
-def submit(
-    task, launcher, machine, folder, job_name, record, fingerprint, max_requeues, exclude=()
-):
+def submit(task, request: JobRequest, watch: JobWatch):
     """Submit one job with one task per rank and record its id and placement (for a later
     reattach)."""
-    executor = make_executor(launcher, machine, folder, job_name, max_requeues, exclude)
+    launcher, machine, folder = request.launcher, request.machine, request.folder
+    job_name, exclude, record = request.job_name, request.exclude, watch.record
+    executor = make_executor(
+        launcher, dict(machine), folder, job_name, request.max_requeues, exclude
+    )
     with clean_slurm_environment(), controller_output(launcher, folder):
         job = executor.submit(task)
     log.info(
@@ -217,7 +235,7 @@ def submit(
                 "job_id": job.job_id,
                 "launcher": launcher,
                 "folder": str(folder),
-                "fingerprint": fingerprint,
+                "fingerprint": watch.fingerprint,
                 "num_tasks": job.num_tasks,
                 "nodes": machine["nodes"],
                 "exclude": list(exclude),
