@@ -15,6 +15,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from ddpflow.cluster.distenv import DistEnv
+
 log = logging.getLogger(__name__)
 
 
@@ -82,7 +84,7 @@ def _ping_pong(tensor: torch.Tensor, rank: int, peer: int, iters: int, sync) -> 
     return (time.perf_counter() - start) / (2 * iters)
 
 
-def run_preflight(cfg: dict, env, device, hosts: list[str]) -> dict:
+def run_preflight(cfg: dict, env: DistEnv, device, hosts: list[str]) -> dict:
     """All ranks call this; returns the measurements (rank 0 decides and raises)."""
     if env.world_size == 1:
         return {}

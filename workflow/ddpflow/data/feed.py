@@ -26,12 +26,16 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ddpflow.data.staged import MANIFEST, DataError, StagedImages, read_manifest, verify_staged
 from ddpflow.runtime import replace_dir
+
+if TYPE_CHECKING:  # the rank's environment; imported where it runs (node_local_copy)
+    from ddpflow.cluster.distenv import DistEnv
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +186,7 @@ def augment(x: torch.Tensor, cfg: dict, draws: int):
     return padded.flatten(2).gather(2, flat).view(n, x.shape[1], height, width)
 
 
-def node_local_copy(staged: str, target_root: str, env) -> str:
+def node_local_copy(staged: str, target_root: str, env: DistEnv) -> str:
     """The staged directory copied to target_root (expanded on this node) by local rank 0 of
     each node, verified shard by shard; a verified copy already there is reused. Every rank
     returns the copy's path once every node has one (collective: all ranks call it)."""

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ddpflow import runtime
+from ddpflow.cluster.distenv import DistEnv
 from ddpflow.monitoring.rankstats import MEAN_KEYS, rank_summary, stragglers
 
 log = logging.getLogger(__name__)
@@ -318,7 +319,7 @@ def top_operators(averages, cuda: bool, limit: int = 15) -> dict:
 class RunMonitor:
     """Everything above for one training attempt on one rank."""
 
-    def __init__(self, run, run_dir, env, device, hosts, resumed_step: int | None):
+    def __init__(self, run, run_dir, env: DistEnv, device, hosts, resumed_step: int | None):
         cfg, profile = run["train"]["monitor"], run["train"]["profile"]
         self.env, self.margin, self.hosts = env, cfg["straggler_margin"], hosts
         run_dir = Path(run_dir)

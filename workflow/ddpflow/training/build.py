@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import trains_sharded, uses_channels_last
 from ddpflow.text import counted
 from ddpflow.training import sharding
@@ -48,7 +49,9 @@ def placed_model(run: dict, shape, num_classes: int, device: torch.device) -> nn
     return place(model, device, uses_channels_last(run), move=not trains_sharded(run))
 
 
-def build_training(run: dict, env, device: torch.device, model, steps_per_epoch: int, loss_fn):
+def build_training(
+    run: dict, env: DistEnv, device: torch.device, model, steps_per_epoch: int, loss_fn
+):
     """The strategy's wrapper around model, and the optimizer, schedule and precision of
     run's train section, with the task's loss on the device (a TrainingParts)."""
     tcfg = run["train"]
@@ -75,7 +78,7 @@ def build_training(run: dict, env, device: torch.device, model, steps_per_epoch:
     )
 
 
-def _wrap(model: nn.Module, strategy: str, env, device, tcfg: dict):
+def _wrap(model: nn.Module, strategy: str, env: DistEnv, device, tcfg: dict):
     """(the model, what the forward runs): activation checkpointing, then FSDP's sharding
     or DDP's wrapper (several ranks), then torch.compile."""
     if tcfg["activation_checkpointing"]:  # before sharding: FSDP's hooks wrap it

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ddpflow.cluster.distenv import any_rank, barrier
+from ddpflow.cluster.distenv import DistEnv, any_rank, barrier
 from ddpflow.config import config_hash, training_fingerprint
 from ddpflow.runtime import atomic_torch_save, atomic_write_bytes, atomic_write_json
 from ddpflow.text import counted
@@ -130,7 +130,7 @@ class Checkpointer:
     # the SIGUSR2 handler stop_on_signal replaced (submitit's), handed the job at a stop
     submitit_handler: Callable[[int, FrameType | None], Any] | int | None
 
-    def __init__(self, run: dict, work: str | Path, env, stop_check_steps: int = 10):
+    def __init__(self, run: dict, work: str | Path, env: DistEnv, stop_check_steps: int = 10):
         cfg = run["train"]["checkpoint"]
         self.every_steps, self.every_epochs, self.keep = (
             cfg["every_steps"],
@@ -246,7 +246,7 @@ def resumed_line(state: dict, world_size: int) -> str:
     return f"resumed at {where} on {ranks}; the checkpoint was written on {written}"
 
 
-def _gather_rng(env) -> list[dict]:
+def _gather_rng(env: DistEnv) -> list[dict]:
     local = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         local["cuda"] = torch.cuda.get_rng_state()
@@ -281,7 +281,7 @@ def stop_on_signal(ckpt: Checkpointer):
         signal.signal(signal.SIGUSR2, previous)
 
 
-def hand_over_to_requeue(env, handler) -> None:
+def hand_over_to_requeue(env: DistEnv, handler) -> None:
     """After the checkpoint: rank 0 lets submitit requeue the job (scontrol requeue, then it
     exits); the other ranks wait to be stopped by that requeue instead of failing the step.
     Without submitit (plain srun) the Preempted error ends the step; a rerun resumes."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ddpflow.cluster.distenv import any_rank
+from ddpflow.cluster.distenv import DistEnv, any_rank
 from ddpflow.task import Task, get_task
 from ddpflow.training import sharding
 
@@ -90,7 +90,9 @@ def shard_counts(
     return state["confusion"].view(num_classes, num_classes), state["loss"]
 
 
-def evaluate_split(model, split, scoring: Scoring, env, guard: bool = False) -> dict | None:
+def evaluate_split(
+    model, split, scoring: Scoring, env: DistEnv, guard: bool = False
+) -> dict | None:
     """Score env.rank's unpadded shard of `split` (a rankdata.Split), then sum the task's
     counts and sums over the ranks (one all_reduce per state tensor: int64 counts exactly,
     float64 sums), and compute the task's metrics from the totals.

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import accumulation_steps, micro_batches_per_step
 from ddpflow.data import feed
 from ddpflow.runtime import PHASES, PhaseClock
@@ -43,7 +44,9 @@ log = logging.getLogger(__name__)
 class Loop(Resumable):
     """One run's training state and its epoch loop (state is what a checkpoint holds)."""
 
-    def __init__(self, run: dict, data: RankData, env, device: torch.device, model: nn.Module):
+    def __init__(
+        self, run: dict, data: RankData, env: DistEnv, device: torch.device, model: nn.Module
+    ):
         self.run, self.data, self.env, self.device = run, data, env, device
         # the training batches: load_data's feed, or, for tensors given directly (tests,
         # benchmarks), one over the train images in memory; the Loop's own from here on

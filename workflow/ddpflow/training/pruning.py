@@ -34,6 +34,7 @@ import statistics
 from pathlib import Path
 
 from ddpflow import paths
+from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import training_fingerprint
 from ddpflow.task import Selection, run_task
 from ddpflow.text import counted
@@ -149,7 +150,7 @@ def pruned_line(name: str, pruned: dict, selection: Selection = ACCURACY) -> str
 class MedianPruner:
     """The per-epoch pruning check of one run's training (every rank holds one)."""
 
-    def __init__(self, run: dict, work: str | Path, env, device):
+    def __init__(self, run: dict, work: str | Path, env: DistEnv, device):
         self.run, self.work, self.env, self.device = run, work, env, device
         self.settings = prune_settings(run)
         self.selection = run_task(run).selection
@@ -201,7 +202,7 @@ class MedianPruner:
         return decision
 
 
-def agree(pruned: dict | None, env, device, metric: str = "val_accuracy") -> dict | None:
+def agree(pruned: dict | None, env: DistEnv, device, metric: str = "val_accuracy") -> dict | None:
     """Collective: rank 0's decision on every rank, by one broadcast of 5 numbers (on the
     device: nccl broadcasts GPU tensors only)."""
     if env.world_size == 1:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ddpflow.cluster import distenv
+from ddpflow.cluster.distenv import DistEnv
 from ddpflow.data import feed
 from ddpflow.data.staged import DataError, choose_in_memory, open_split
 from ddpflow.task import Task, get_task, run_task
@@ -68,7 +69,7 @@ class RankData:
         return self.splits[name]
 
 
-def load_data(run: dict, staged: str, env, device, splits=("train", "val")) -> RankData:
+def load_data(run: dict, staged: str, env: DistEnv, device, splits=("train", "val")) -> RankData:
     """The splits this job uses, in memory or streamed (data.loading; feed.py), each checked
     against the manifest first (sha256 of every file: bad data fails before the work).
     data.loading.node_local_dir: read from a per-node copy (one rank per node copies it)."""
@@ -108,7 +109,7 @@ def load_data(run: dict, staged: str, env, device, splits=("train", "val")) -> R
     return data
 
 
-def _open_verified(staged: str, splits, verify: bool, env) -> dict:
+def _open_verified(staged: str, splits, verify: bool, env: DistEnv) -> dict:
     """Each split once (eval.split may be val), opened and checked; a check that failed on
     any rank fails every rank (no rank trains on bad data)."""
     opened, failed = {}, None

@@ -6,6 +6,7 @@ node's rules read these too."""
 from __future__ import annotations
 
 from ddpflow import runtime
+from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import plugin_source, plugin_source_hash
 from ddpflow.plugins import is_plugin
 from ddpflow.task import run_task
@@ -81,7 +82,9 @@ def describe(record: dict) -> str:
     return f"{shown} ({record['samples_evaluated']} samples)"
 
 
-def train_summary(run, loop, env, hosts, attempt, wall_seconds, parameters, slurm_job_id) -> dict:
+def train_summary(
+    run, loop, env: DistEnv, hosts, attempt, wall_seconds, parameters, slurm_job_id
+) -> dict:
     """train_summary.json's content, from the finished Loop's epoch records (rank 0)."""
     records, data = loop.history, loop.data
     pruned = {"pruned": loop.pruned} if loop.pruned is not None else {}  # sweep pruning

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ddpflow import runtime
 from ddpflow.cluster import distenv
+from ddpflow.cluster.distenv import DistEnv
 from ddpflow.cluster.preflight import run_preflight
 from ddpflow.config import config_hash, evaluation_fingerprint, uses_channels_last
 from ddpflow.monitoring import sampler as monitor
@@ -70,7 +71,7 @@ def rank_context(run: dict, rendezvous_dir: str | None):
     return env, device
 
 
-def gather_hosts(env) -> list[str]:
+def gather_hosts(env: DistEnv) -> list[str]:
     hosts: list[Any] = [socket.gethostname()]
     if env.world_size > 1:
         hosts = [None] * env.world_size  # all_gather_object fills in every rank's name
@@ -102,7 +103,7 @@ class DistributedTask:
         finally:
             distenv.leave_together(env, wait=done)
 
-    def work(self, env, device, hosts) -> dict:
+    def work(self, env: DistEnv, device, hosts) -> dict:
         raise NotImplementedError
 
 
@@ -111,7 +112,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
     ranks agree on a step, rank 0 saves and calls submitit's USR2 handler, which requeues the
     pickled cluster.jobs.TrainJob (its checkpoint(), never this class's); the new job resumes."""
 
-    def work(self, env, device, hosts) -> dict:
+    def work(self, env: DistEnv, device, hosts) -> dict:
         run, paths = self.run, self.paths
         start = time.perf_counter()
         if run["machine"]["preflight"]["enabled"]:
@@ -139,7 +140,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         """The epoch records so far (rank 0 appends one per epoch)."""
         return Path(self.paths.work) / LIVE_METRICS
 
-    def _train(self, loop: Loop, ckpt: Checkpointer, env, hosts) -> None:
+    def _train(self, loop: Loop, ckpt: Checkpointer, env: DistEnv, hosts) -> None:
         """Resume from the newest valid checkpoint, then train the remaining epochs under the
         run monitor; a stop signal saves and hands the job over to submitit's requeue."""
         run, resumed = self.run, ckpt.restore(loop)
@@ -162,7 +163,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
                 watch.close()
                 loop.feed.close()  # streamed: the DataLoader workers end here
 
-    def _on_epoch(self, loop: Loop, ckpt: Checkpointer, watch, env):
+    def _on_epoch(self, loop: Loop, ckpt: Checkpointer, watch, env: DistEnv):
         """What every rank does after an epoch: the monitor, the checkpoint, rank 0's log."""
         run, live_metrics = self.run, self.live_metrics
         pruner = MedianPruner(run, self.paths.work, env, loop.device)
@@ -190,7 +191,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
 
         return on_epoch
 
-    def _evaluate(self, model, data, env, hosts, summary) -> None:
+    def _evaluate(self, model, data, env: DistEnv, hosts, summary) -> None:
         """Score the final model before the ranks are released (one allocation per run):
         the same exact evaluation as the evaluate job's, on the bare module (no autocast),
         so the counts are those a job of its own would get. Rank 0 keeps the result in the
@@ -215,7 +216,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
                      data.task.describe(result), result["eval_seconds"])  # fmt: skip
             _tensorboard_final(run, self.paths, result, summary["steps"], data.task)
 
-    def _write_outputs(self, model, weights, env, hosts, loop, attempt, start):
+    def _write_outputs(self, model, weights, env: DistEnv, hosts, loop, attempt, start):
         run, paths, data = self.run, self.paths, loop.data
         sha256 = runtime.atomic_torch_save(
             {
@@ -236,7 +237,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         return {**summary, "model_sha256": sha256}
 
 
-def _warn_about_settings(run: dict, data: RankData, env, device) -> None:
+def _warn_about_settings(run: dict, data: RankData, env: DistEnv, device) -> None:
     """Settings that train, but likely not as meant on this data or machine."""
     augment = run["train"]["augment"]
     if env.is_master and augment["enabled"] and augment["crop_padding"] * 4 > min(data.shape[1:]):
@@ -258,12 +259,12 @@ def _warn_about_settings(run: dict, data: RankData, env, device) -> None:
         )  # fmt: skip
 
 
-def _slurm_job_id(env) -> str | None:
+def _slurm_job_id(env: DistEnv) -> str | None:
     """This job's id when Slurm runs it (the report asks sacct about it)."""
     return os.environ.get("SLURM_JOB_ID") if env.launcher == "slurm" else None
 
 
-def _next_attempt(work: Path, resumed: bool, env) -> int:
+def _next_attempt(work: Path, resumed: bool, env: DistEnv) -> int:
     """Attempts of this run's training: counted across requeues and reruns, reset when no
     checkpoint exists (a fresh start). Every rank computes it; rank 0 records it."""
     counter = work / "attempts"
@@ -294,7 +295,7 @@ def _start_log(run, model, loop, resumed, attempt, live_metrics: Path) -> None:
                  resumed_line(resumed, loop.env.world_size))  # fmt: skip
 
 
-def _progress_bar(run: dict, env):
+def _progress_bar(run: dict, env: DistEnv):
     """Rank 0's progress within an epoch: a tqdm bar on a terminal; in a log file (a
     submitit or Slurm rank log is never a terminal) whole lines instead, since a bar's
     carriage returns would glue the next log line onto it."""
@@ -349,7 +350,7 @@ class LineProgress:
 
 
 class EvalTask(DistributedTask):
-    def work(self, env, device, hosts) -> dict:
+    def work(self, env: DistEnv, device, hosts) -> dict:
         run, paths = self.run, self.paths
         split = run["eval"]["split"]
         data = load_data(run, paths.staged, env, device, splits=(split,))
@@ -363,7 +364,7 @@ class EvalTask(DistributedTask):
             return {"rank": env.rank, "host": socket.gethostname()}
         return self._write(result, data, env, hosts)
 
-    def _write(self, result, data, env, hosts) -> dict:
+    def _write(self, result, data, env: DistEnv, hosts) -> dict:
         train = json.loads(Path(self.paths.train_summary).read_text())
         record = evaluation_record(
             self.run, result, data.manifest, env.world_size, hosts, train, "evaluate job"
