@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpflow.plugins import is_plugin
+from ddpflow.task import DEFAULT_TASK
 
 # train keys that cannot change a run's result: changing them retrains nothing. strategy:
 # zero trains bitwise the same weights as ddp and its checkpoints hold the whole optimizer
@@ -257,8 +258,8 @@ def task_settings(run: dict, training: bool) -> dict[str, Any]:
     before tasks existed keeps its fingerprints). Training: what of the task changes the
     weights (a regression's loss; a plug-in task's code and kwargs); the task's name is the
     data's (data.task). Evaluation: the task and all its kwargs (a threshold)."""
-    name = run.get("task", "classification")
-    if name == "classification":
+    name = run.get("task", DEFAULT_TASK)
+    if name == DEFAULT_TASK:
         return {}
     if not training:
         return flatten({"task": name, "task_kwargs": run.get("task_kwargs") or {}})

@@ -14,9 +14,9 @@ from ddpflow.config.schema import ConfigError, deep_merge, validate
 from ddpflow.config.sweep import has_sweep, sweep_entries
 from ddpflow.config.yamlfile import read_config_file
 from ddpflow.plugins import is_plugin
+from ddpflow.task import DEFAULT_TASK
 
 SECTIONS = ("data", "model", "train", "eval", "machine")
-DEFAULT_TASK = "classification"
 
 
 def load(path: str | Path | None = None, overrides: dict | None = None) -> dict:
@@ -114,7 +114,7 @@ def _resolve_task(run: dict, where: str) -> None:
         except TaskError as err:
             raise ConfigError(f"{where}: {err}") from err
     source, table = run["data"]["source"], run["data"]["labels_csv"]
-    if table and (source != "image_folder" or name in (DEFAULT_TASK,)):
+    if table and (source != "image_folder" or name == DEFAULT_TASK):
         raise ConfigError(
             f"{where}: data.labels_csv {table!r} gives an image folder's targets under task "
             f"multilabel or regression (here: task {name}, data.source {source}); remove it, "

@@ -19,7 +19,7 @@ from ddpflow.data.raw import (
     check_labels,
     one_class_per_sample,
 )
-from ddpflow.task import data_task, task_targets
+from ddpflow.task import run_task, task_targets
 
 NPZ_KEYS = ("train_images", "train_labels", "test_images", "test_labels", "class_names")
 
@@ -53,7 +53,7 @@ def load_npz(cfg: dict) -> RawSource:
             )
         train_x = _npz_images(arrays, "train_images", path)
         names = [str(n) for n in arrays["class_names"]] if "class_names" in keys else None
-        task = data_task(cfg)
+        task = run_task(cfg)
         if task.name != "classification":  # the task stages the targets (ddpflow.task)
             return _task_npz(task, arrays, keys, path, train_x, names)
         train_y = _npz_labels(arrays, "train_labels", path, len(train_x))

@@ -20,7 +20,7 @@ from ddpflow.data.raw import (
     check_labels,
     one_class_per_sample,
 )
-from ddpflow.task import data_task, task_targets
+from ddpflow.task import run_task, task_targets
 
 
 def load_plugin(cfg: dict) -> RawSource:
@@ -33,7 +33,7 @@ def load_plugin(cfg: dict) -> RawSource:
     parts = _call_plugin(spec, cfg)
     # PIL images are fitted to image_size: the small ones as data.on_small says
     small = SmallImages(cfg, f"data.source {spec!r}") if cfg["image_size"] is not None else None
-    task = data_task(cfg)
+    task = run_task(cfg)
     own = task.name != "classification"  # the task stages the targets (ddpflow.task)
     names = parts.get("class_names")
     names = [str(n) for n in names] if names is not None else None

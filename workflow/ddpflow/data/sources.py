@@ -42,9 +42,9 @@ def load_source(data_cfg: dict, seed: int) -> RawSource:
         return load_torchvision(source, Path(data_cfg["root"]), bool(data_cfg["download"]))
     if source == "image_folder" and data_cfg.get("labels_csv"):
         from ddpflow.data.labels_table import load_labelled_folder
-        from ddpflow.task import data_task
+        from ddpflow.task import run_task
 
-        return load_labelled_folder(data_cfg, data_task(data_cfg))
+        return load_labelled_folder(data_cfg, run_task(data_cfg))
     if source == "image_folder":
         from ddpflow.data.image_folder import load_image_folder
 

@@ -26,7 +26,7 @@ from ddpflow.data.raw import DataError, RawSource
 from ddpflow.data.sources import load_source
 from ddpflow.data.staged import FORMAT_VERSION, MANIFEST, TARGET_LAYOUTS, sha256_file
 from ddpflow.runtime import fsync_dir, replace_dir
-from ddpflow.task import data_task
+from ddpflow.task import run_task
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def stage_dataset(
     the dataset's size."""
     out_dir = Path(out_dir)
     raw = load_source(data_cfg, seed)
-    task = data_task(data_cfg)
+    task = run_task(data_cfg)
     plan = split_indices(raw, data_cfg, seed, task.strata(raw.train_y))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
@@ -176,7 +176,12 @@ def _base_manifest(raw: RawSource, written: dict, data_cfg: dict, seed: int, tas
     mean = total / max(count, 1)
     std = np.sqrt(np.maximum(squares / max(count, 1) - mean * mean, 0.0))
     labels = written["labels"]
-    if task.name != "classification":  # the task's own record of its targets
+    if task.name == "classification":  # its manifest is the one written before tasks
+        counts = {
+            name: np.bincount(y, minlength=num_classes).tolist() for name, y in labels.items()
+        }
+        targets: dict[str, Any] = {"class_counts": counts}
+    else:  # the task's own record of its targets
         targets = {"task": task.name, **task.manifest_fields(labels, raw.class_names)}
         sample = labels["train"]
         if task.name not in TARGET_LAYOUTS:  # a plug-in task: how its targets are stored
@@ -188,16 +193,7 @@ def _base_manifest(raw: RawSource, written: dict, data_cfg: dict, seed: int, tas
         "class_names": raw.class_names,
         "shape": list(written["shape"]),
         "sizes": {name: len(y) for name, y in labels.items()},
-        **(
-            targets
-            if task.name != "classification"
-            else {
-                "class_counts": {
-                    name: np.bincount(y, minlength=num_classes).tolist()
-                    for name, y in labels.items()
-                }
-            }
-        ),
+        **targets,
         "mean": (mean / 255.0).tolist(),
         "std": (std / 255.0).tolist(),
         "seed": seed,

@@ -89,15 +89,11 @@ def _get_task(name: str, frozen: tuple) -> Task:
     return task
 
 
-def run_task(run: dict) -> Task:
-    """A resolved run's task (its task and task_kwargs; classification where absent)."""
-    return get_task(run.get("task", DEFAULT_TASK), run.get("task_kwargs") or {})
-
-
-def data_task(data_cfg: dict) -> Task:
-    """The task a data section is staged for: ddpflow.config.runs puts a task other than
-    classification (and a plug-in task's kwargs) into the run's data section."""
-    return get_task(data_cfg.get("task", DEFAULT_TASK), data_cfg.get("task_kwargs") or {})
+def run_task(section: dict) -> Task:
+    """The task of a resolved run, or of its data section (ddpflow.config.runs puts a task
+    other than classification, and a plug-in task's kwargs, there: what staging reads): its
+    task and task_kwargs, classification where absent."""
+    return get_task(section.get("task", DEFAULT_TASK), section.get("task_kwargs") or {})
 
 
 def task_targets(
@@ -135,4 +131,4 @@ def selection_of(record: dict | None) -> Selection:
             bool(chosen.get("higher_is_better", True)),
             str(chosen.get("label", chosen["metric"])),
         )
-    return Selection("val_accuracy", True, "validation accuracy")
+    return get_task(DEFAULT_TASK).selection

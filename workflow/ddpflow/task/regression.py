@@ -129,14 +129,15 @@ class Regression(Task):
             "samples": torch.zeros((), dtype=torch.int64, device=device),
             "loss": torch.zeros((), dtype=torch.float64, device=device),
             "hist": torch.zeros(plotted * BINS * BINS, dtype=torch.int64, device=device),
-            # a constant (its key starts with _: not summed over the ranks)
-            "_stats": (manifest["target_mean"], manifest["target_std"]),
+            # constants (their keys start with _: not summed over the ranks), made once
+            "_mean": torch.tensor(manifest["target_mean"], dtype=torch.float64, device=device),
+            "_std": torch.tensor(manifest["target_std"], dtype=torch.float64, device=device),
         }
 
     def update(self, state: dict, outputs, targets) -> None:
         import torch
 
-        mean, std = _stats(state, outputs.device)
+        mean, std = state["_mean"], state["_std"]
         standard = outputs.double()
         predicted = standard * std + mean
         truth = targets.double().reshape(predicted.shape)
@@ -147,7 +148,9 @@ class Regression(Task):
         state["y"] += centred.sum(dim=0)
         state["y2"] += (centred * centred).sum(dim=0)
         state["samples"] += truth.shape[0]
-        state["loss"] += _loss_sum(self, standard, (truth - mean) / std)
+        state["loss"] += _loss(
+            self.loss_name, self.huber_delta, standard, (truth - mean) / std, "sum"
+        )
         plotted = state["hist"].numel() // (BINS * BINS)
         for j in range(plotted):
             cells = _bin(truth[:, j], mean[j], std[j]) * BINS + _bin(
@@ -193,18 +196,6 @@ class Regression(Task):
         }
 
 
-def _stats(state: dict, device):
-    import torch
-
-    cached = state.get("_stats")
-    if cached is None:
-        raise RuntimeError("regression state without the train statistics (use new_state)")
-    return (
-        torch.tensor(cached[0], dtype=torch.float64, device=device),
-        torch.tensor(cached[1], dtype=torch.float64, device=device),
-    )
-
-
 def _bin(values, mean, std):
     import torch
 
@@ -212,12 +203,13 @@ def _bin(values, mean, std):
     return torch.clamp(((values - low) / width).floor().long(), 0, BINS - 1)
 
 
-def _loss_sum(task: Regression, standard, target):
+def _loss(name: str, delta: float, standard, target, reduction: str = "mean"):
+    """The regression loss on standardised values: training's mean, evaluation's sum."""
     import torch.nn.functional as F
 
-    if task.loss_name == "huber":
-        return F.huber_loss(standard, target, reduction="sum", delta=task.huber_delta)
-    return F.mse_loss(standard, target, reduction="sum")
+    if name == "huber":
+        return F.huber_loss(standard, target, reduction=reduction, delta=delta)
+    return F.mse_loss(standard, target, reduction=reduction)
 
 
 def StandardisedLoss(manifest: dict, loss_name: str, huber_delta: float):  # noqa: N802
@@ -233,8 +225,6 @@ def StandardisedLoss(manifest: dict, loss_name: str, huber_delta: float):  # noq
 
         def forward(self, outputs, targets):
             target = ((targets.reshape(outputs.shape) - self.mean) / self.std).to(outputs.dtype)
-            if loss_name == "huber":
-                return nn.functional.huber_loss(outputs, target, delta=huber_delta)
-            return nn.functional.mse_loss(outputs, target)
+            return _loss(loss_name, huber_delta, outputs, target)
 
     return _Loss()

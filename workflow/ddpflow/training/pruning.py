@@ -36,12 +36,12 @@ from pathlib import Path
 from ddpflow import paths
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import training_fingerprint
-from ddpflow.task import Selection, run_task
+from ddpflow.task import Selection, get_task, run_task
 from ddpflow.text import counted
 
 log = logging.getLogger(__name__)
 
-ACCURACY = Selection("val_accuracy", True, "validation accuracy")  # classification's
+ACCURACY = get_task().selection  # classification's
 DEFAULT_MIN_RUNS = 3  # this run and 2 others must have reached the epoch
 
 

@@ -14,7 +14,7 @@ from ddpflow.cluster import distenv
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.data import feed
 from ddpflow.data.staged import DataError, choose_in_memory, open_split
-from ddpflow.task import Task, get_task, run_task
+from ddpflow.task import DEFAULT_TASK, Task, get_task, run_task
 from ddpflow.text import counted
 from ddpflow.training.evaluate import Scoring
 
@@ -80,7 +80,7 @@ def load_data(run: dict, staged: str, env: DistEnv, device, splits=("train", "va
     opened = _open_verified(staged, splits, verify, env)
     manifest = next(iter(opened.values()))[2]
     task = run_task(run)
-    staged_task = manifest.get("task", "classification")
+    staged_task = manifest.get("task", DEFAULT_TASK)
     if staged_task != task.name:
         raise DataError(f"{staged}: staged for task {staged_task}, the run's task is "
                         f"{task.name}; delete {staged} and restage")  # fmt: skip

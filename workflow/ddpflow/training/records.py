@@ -9,7 +9,7 @@ from ddpflow import runtime
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import plugin_source, plugin_source_hash
 from ddpflow.plugins import is_plugin
-from ddpflow.task import run_task
+from ddpflow.task import DEFAULT_TASK, run_task
 
 
 def evaluation_record(run, result, manifest, world_size, hosts, train, evaluated_by) -> dict:
@@ -54,7 +54,7 @@ def task_fields(run: dict) -> dict:
     classification: its name and the validation metric that selects (with its direction),
     which the report, sweeps and trackers read (ddpflow.task.selection_of). Nothing for
     classification: its records are those written before tasks existed."""
-    if run.get("task", "classification") == "classification":
+    if run.get("task", DEFAULT_TASK) == DEFAULT_TASK:
         return {}
     task = run_task(run)
     selection = task.selection.record()
