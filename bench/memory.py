@@ -38,6 +38,7 @@ to ddp.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -52,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torchvision
 from ddpflow import runtime
+from ddpflow.config.typed import OptimizerSpec, TrainDdpSpec, TrainFsdpSpec
 from ddpflow.training import sharding
 from ddpflow.training.build import make_optimizer, wrap_ddp
 from ddpflow.training.models import build_model as ddpflow_model
@@ -73,17 +75,6 @@ OPTIMIZERS = {
 }  # fmt: skip
 STATE_TENSORS = {"adamw": 2, "sgd": 1}
 STRATEGIES = ("ddp", "zero", "fsdp")
-# config/schema.yaml's train.fsdp defaults (fp32 on CPU: no mixed precision policy)
-FSDP_TRAIN = {"precision": "fp32",
-              "fsdp": {"reshard_after_forward": True, "reduce_dtype": "fp32",
-                       "cpu_offload": False}}  # fmt: skip
-# config/schema.yaml's train.ddp defaults, as Loop passes them to wrap_ddp
-DDP_DEFAULTS = {
-    "bucket_cap_mb": 25,
-    "gradient_as_bucket_view": True,
-    "static_graph": False,
-    "comm_hook": "none",
-}
 MB = 1e6
 WORKER_TIMEOUT_S = 1800
 
@@ -169,12 +160,17 @@ def train_and_measure(cfg: dict, rank: int, world: int) -> dict:
     model = build_model(cfg["model"])
     zero, fsdp = cfg["strategy"] == "zero", cfg["strategy"] == "fsdp" and world > 1
     if fsdp:
-        net = model = sharding.shard(model, device, FSDP_TRAIN)
+        net = model = sharding.shard(model, device, TrainFsdpSpec(), "fp32")
     else:
-        net = wrap_ddp(model, device, DDP_DEFAULTS) if world > 1 else model
+        net = wrap_ddp(model, device, TrainDdpSpec()) if world > 1 else model
     opt_cfg = OPTIMIZERS[cfg["optimizer"]]
     opt = make_optimizer(
-        model.parameters(), opt_cfg, opt_cfg["lr"], device, sharded=zero, dtensors=fsdp
+        model.parameters(),
+        OptimizerSpec.from_dict(opt_cfg),
+        opt_cfg["lr"],
+        device,
+        sharded=zero,
+        dtensors=fsdp,
     )
     setup_peak = peak_rss()  # the model built whole, wrapped or sharded, no step yet
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -434,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             "strategies": args.strategies,
             "world_sizes": args.world_sizes,
             "ddp": "ddpflow.training.build.wrap_ddp when world > 1, settings: "
-            + json.dumps(DDP_DEFAULTS),
+            + json.dumps(dataclasses.asdict(TrainDdpSpec())),
             "world_1": "no DDP wrapper (as Loop); zero at world 1 is a ZeroRedundancyOptimizer "
             "on a 1-rank group (Loop itself trains plain at 1 rank)",
             "steps": args.steps,

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from ddpflow import config as ddpconfig
 from ddpflow import runtime
 from ddpflow.cluster.distenv import DistEnv
+from ddpflow.config.typed import RunSpec
 from ddpflow.training.checkpoint import Checkpointer
 from ddpflow.training.loop import Loop
 from ddpflow.training.models import build_model, place
@@ -166,10 +167,10 @@ def ddpflow_epoch(cfg: dict, run: dict, images, labels, norm, env: DistEnv, devi
     )
     torch.manual_seed(run["train"]["seed"])
     model = place(build_model(run["model"], data.shape, NUM_CLASSES), device, True)
-    loop = Loop(run, data, env, device, model)
+    loop = Loop(RunSpec.from_run(run), data, env, device, model)
     # what TrainTask runs after every optimizer step (checkpoint and stop-signal checks);
     # the shipped config checkpoints per epoch, outside train_epoch(), so nothing is written
-    loop.watch_steps(Checkpointer(run, cfg["work"], env).on_step)
+    loop.watch_steps(Checkpointer(RunSpec.from_run(run), cfg["work"], env).on_step)
     if cfg.get("compile"):
         loop.wrapped = torch.compile(loop.wrapped)
     return (lambda: loop.train_epoch()), loop

@@ -11,6 +11,7 @@ import pytest
 import torch
 from ddpflow import config as ddpconfig
 from ddpflow.cluster.distenv import DistEnv
+from ddpflow.config.typed import RunSpec
 from ddpflow.training import sharding
 from ddpflow.training.loop import Loop, fit
 from ddpflow.training.models import build_model
@@ -36,7 +37,7 @@ def _trained(env, model_cfg: dict, strategy: str, checkpointing: bool) -> dict:
     )  # fmt: skip
     data = make_data(48, 8)
     torch.manual_seed(0)
-    loop = Loop(run, data, env, CPU, build_model(run["model"], data.shape, 4))
+    loop = Loop(RunSpec.from_run(run), data, env, CPU, build_model(run["model"], data.shape, 4))
     fit(loop, lambda record: None)
     return {k: v.clone() for k, v in loop.full_model_state().items()}
 

@@ -11,6 +11,7 @@ import types
 import pytest
 import torch
 from ddpflow import config as ddpconfig
+from ddpflow.config.typed import RunSpec
 from ddpflow.training import checkpoint
 
 
@@ -145,7 +146,7 @@ def _restore_where_only_rank_0_sees_another_config(env, work_dirs, policy):
     work = work_dirs[env.rank]
     if env.rank == 0:
         checkpoint.save(_state(5, config_hash="another"), checkpoint.checkpoint_dir(work), 5, 3)
-    ckpt = Checkpointer(run, work, env)
+    ckpt = Checkpointer(RunSpec.from_run(run), work, env)
     try:
         # no loop is loaded into here: neither rank may resume another config's state
         nothing = types.SimpleNamespace(device=torch.device("cpu"))

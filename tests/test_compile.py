@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 import torch
+from ddpflow.config.typed import RunSpec
 from ddpflow.training.loop import Loop, fit
 from ddpflow.training.models import build_model
 from distributed_helpers import make_data, run_group
@@ -39,7 +40,13 @@ def _loop(env, compiled: bool) -> Loop:
     )  # fmt: skip
     data = make_data(128, 32)
     torch.manual_seed(0)
-    return Loop(run, data, env, CPU, build_model(run["model"], data.shape, data.num_classes))
+    return Loop(
+        RunSpec.from_run(run),
+        data,
+        env,
+        CPU,
+        build_model(run["model"], data.shape, data.num_classes),
+    )
 
 
 def _weights(loop: Loop) -> dict:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from ddpflow import config as ddpconfig
 from ddpflow.cluster.distenv import discover
+from ddpflow.config.typed import RunSpec
 from ddpflow.training import evaluate, sharding
 from ddpflow.training.checkpoint import Checkpointer
 from ddpflow.training.loop import Loop, fit
@@ -49,7 +50,7 @@ def _run() -> dict:
 def _loop(env) -> Loop:
     run, data = _run(), make_data(120, 31)
     torch.manual_seed(0)
-    return Loop(run, data, env, CPU, build_model(run["model"], data.shape, 4))
+    return Loop(RunSpec.from_run(run), data, env, CPU, build_model(run["model"], data.shape, 4))
 
 
 def _trained(env, work: str) -> dict:
@@ -58,7 +59,7 @@ def _trained(env, work: str) -> dict:
     loop = _loop(env)
     local = sum(p.to_local().numel() for p in loop.model.parameters())
     total = sum(p.numel() for p in loop.model.parameters())
-    ckpt = Checkpointer(_run(), work, env)
+    ckpt = Checkpointer(RunSpec.from_run(_run()), work, env)
     ckpt.restore(loop)
     loop.watch_steps(ckpt.on_step)
     fit(loop, lambda record: ckpt.on_epoch(loop))

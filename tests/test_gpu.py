@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ddpflow import runtime
 from ddpflow.cluster.distenv import discover
 from ddpflow.cluster.preflight import _timed_all_reduce
+from ddpflow.config.typed import RunSpec
 from ddpflow.training import evaluate
 from ddpflow.training.checkpoint import Checkpointer
 from ddpflow.training.evaluate import Scoring
@@ -54,7 +55,7 @@ def _loop(env, run, n_train=256, n_val=64) -> Loop:
     data = make_data(n_train, n_val, device=device)
     torch.manual_seed(run["train"]["seed"])
     model = place(build_model(run["model"], data.shape, data.num_classes), device, True)
-    return Loop(run, data, env, device, model)
+    return Loop(RunSpec.from_run(run), data, env, device, model)
 
 
 def _weights(loop: Loop) -> dict:
@@ -260,7 +261,7 @@ def _uninterrupted(env, work: str):
     out = {}
     for case in RESUME_CASES:
         loop = _loop(env, _resume_run(case))
-        ckpt = Checkpointer(_resume_run(case), f"{work}/{case}", env)
+        ckpt = Checkpointer(RunSpec.from_run(_resume_run(case)), f"{work}/{case}", env)
 
         def on_step(lp, ckpt=ckpt):
             if lp.scheduler.last_epoch == AT_STEP:
@@ -276,7 +277,9 @@ def _resumed(env, work: str):
     out = {}
     for case in RESUME_CASES:
         loop = _loop(env, _resume_run(case))
-        state = Checkpointer(_resume_run(case), f"{work}/{case}", env).restore(loop)
+        state = Checkpointer(RunSpec.from_run(_resume_run(case)), f"{work}/{case}", env).restore(
+            loop
+        )
         position = (state["step"], state["epoch"], state["epoch_step"])
         fit(loop, lambda record: None)
         out[case] = {

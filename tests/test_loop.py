@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ddpflow.cluster.distenv import DistEnv
+from ddpflow.config.typed import OptimizerSpec, RunSpec, TrainSpec
 from ddpflow.training.build import make_optimizer
 from ddpflow.training.divergence import Diverged
 from ddpflow.training.loop import Loop, fit
@@ -92,9 +93,11 @@ def test_effective_lr_scales_with_the_global_batch_not_the_world_size():
     lr = train["optimizer"]["lr"]
     expected = {"none": lr, "linear": lr * 4.0, "sqrt": lr * 2.0}  # global 256 = 4 x 64
     for scaling, value in expected.items():
-        assert effective_lr({**train, "lr_scaling": scaling}) == pytest.approx(value)
+        assert effective_lr(TrainSpec.from_dict({**train, "lr_scaling": scaling})) == pytest.approx(
+            value
+        )
     at_base = {**train, "global_batch_size": 64, "lr_scaling": "linear"}
-    assert effective_lr(at_base) == pytest.approx(lr)
+    assert effective_lr(TrainSpec.from_dict(at_base)) == pytest.approx(lr)
 
 
 def test_lr_schedule_warmup_then_cosine_to_zero():
@@ -126,7 +129,7 @@ def test_lr_schedule_constant_and_no_warmup():
 def test_make_optimizer(opt, cls):
     cfg = make_run(train={"optimizer": opt})["train"]["optimizer"]
     params = list(mlp(4, [3], 2).parameters())
-    optimizer = make_optimizer(params, cfg, lr=0.123, device=CPU)
+    optimizer = make_optimizer(params, OptimizerSpec.from_dict(cfg), lr=0.123, device=CPU)
     assert type(optimizer) is cls
     group = optimizer.param_groups[0]
     assert group["lr"] == 0.123 and group["weight_decay"] == cfg["weight_decay"]
@@ -156,7 +159,7 @@ def test_single_rank_loop_learns():
         machine={"cpu_ranks_per_node": 1},
     )
     data = make_data(n_train=200, n_val=100)
-    loop = Loop(run, data, SINGLE, CPU, mlp(64, [32], 4))
+    loop = Loop(RunSpec.from_run(run), data, SINGLE, CPU, mlp(64, [32], 4))
     assert loop.wrapped is loop.model  # one rank: no DDP wrapper
     records = []
     fit(loop, records.append)
@@ -190,7 +193,9 @@ def _huge_lr_run(on_nonfinite: str, world: int = 1) -> dict:
 
 def test_a_huge_lr_stops_training_with_run_epoch_and_step():
     torch.manual_seed(0)
-    loop = Loop(_huge_lr_run("fail"), make_data(200, 50), SINGLE, CPU, mlp(64, [32], 4))
+    loop = Loop(
+        RunSpec.from_run(_huge_lr_run("fail")), make_data(200, 50), SINGLE, CPU, mlp(64, [32], 4)
+    )
     with pytest.raises(Diverged) as info:
         fit(loop, lambda record: None)
     message = str(info.value)
@@ -206,7 +211,9 @@ def test_a_huge_lr_stops_training_with_run_epoch_and_step():
 
 def test_on_nonfinite_warn_trains_on_and_says_so_once(caplog):
     torch.manual_seed(0)
-    loop = Loop(_huge_lr_run("warn"), make_data(200, 50), SINGLE, CPU, mlp(64, [32], 4))
+    loop = Loop(
+        RunSpec.from_run(_huge_lr_run("warn")), make_data(200, 50), SINGLE, CPU, mlp(64, [32], 4)
+    )
     with caplog.at_level("WARNING", logger="ddpflow.training.loop"):
         fit(loop, lambda record: None)
     assert len(loop.history) == 3
@@ -223,7 +230,7 @@ def _poisoned_rank(env):
     torch.manual_seed(0)
     run = _huge_lr_run("fail", world=2)
     run["train"]["optimizer"]["lr"] = 0.01
-    loop = Loop(run, data, env, CPU, mlp(64, [32], 4))
+    loop = Loop(RunSpec.from_run(run), data, env, CPU, mlp(64, [32], 4))
     try:
         fit(loop, lambda record: None)
     except Diverged as exc:
@@ -262,7 +269,7 @@ def _one_epoch(env, data, global_batch, micro) -> tuple[torch.Tensor, int]:
         machine={"cpu_ranks_per_node": env.world_size},
     )
     torch.manual_seed(0)  # the same initial weights on every rank and in every case
-    loop = Loop(run, data, env, CPU, mlp(64, [16], 4))
+    loop = Loop(RunSpec.from_run(run), data, env, CPU, mlp(64, [16], 4))
     entered = []
     no_sync = loop.wrapped.no_sync if env.world_size > 1 else None
     if no_sync is not None:
@@ -353,7 +360,7 @@ def _cnn_epoch(env, data, channels_last: bool):
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loop = Loop(run, data, env, CPU, model)
+        loop = Loop(RunSpec.from_run(run), data, env, CPU, model)
         loop.train_epoch()
     return {
         "weight_nhwc": conv.weight.is_contiguous(memory_format=torch.channels_last),
@@ -394,7 +401,7 @@ def _bf16_epochs(env, data, precision: str):
     conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
     dtypes = set()
     conv.register_forward_hook(lambda m, i, out: dtypes.add(out.dtype) if m.training else None)
-    loop = Loop(run, data, env, CPU, model)
+    loop = Loop(RunSpec.from_run(run), data, env, CPU, model)
     records = []
     fit(loop, records.append)
     return {
@@ -440,8 +447,8 @@ def test_rank_zeros_progress_counts_its_micro_batches(caplog, monkeypatch):
         train={"epochs": 1, "global_batch_size": 32, "micro_batch_size": 8, "progress": True},
         machine={"cpu_ranks_per_node": 1},
     )
-    loop = Loop(run, make_data(200, 20), SINGLE, CPU, mlp(64, [16], 4))
+    loop = Loop(RunSpec.from_run(run), make_data(200, 20), SINGLE, CPU, mlp(64, [16], 4))
     with caplog.at_level(logging.INFO, logger="ddpflow.training.tasks"):
-        fit(loop, lambda record: None, tasks._progress_bar(run, SINGLE))
+        fit(loop, lambda record: None, tasks._progress_bar(loop.run, SINGLE))
     lines = [r.getMessage() for r in caplog.records if r.name == "ddpflow.training.tasks"]
     assert lines and lines[-1].startswith("epoch 1: step 23/24 "), lines

@@ -15,6 +15,7 @@ import torch
 from datafixtures import make_folder
 from ddpflow import paths as ddpaths
 from ddpflow.config import dataset_id, training_fingerprint
+from ddpflow.config.typed import RunSpec
 from ddpflow.paths import RunPaths
 from ddpflow.task import get_task
 from ddpflow.training import pruning
@@ -140,9 +141,15 @@ def test_peers_of_a_sweep_over_a_data_key_count(tmp_path, own_data):
 
 def test_pruning_is_due_only_when_set_from_after_epochs_to_before_the_last():
     env = type("Env", (), {"world_size": 1, "is_master": True})()
-    assert not pruning.MedianPruner(make_run(), "w", env, CPU).due(3)  # hand-written run
-    assert not pruning.MedianPruner(_sweep(), "w", env, CPU).due(3)  # a sweep, prune off
-    due = pruning.MedianPruner(_sweep(prune={"after_epochs": 2}), "w", env, CPU).due
+    assert not pruning.MedianPruner(RunSpec.from_run(make_run()), "w", env, CPU).due(
+        3
+    )  # hand-written run
+    assert not pruning.MedianPruner(RunSpec.from_run(_sweep()), "w", env, CPU).due(
+        3
+    )  # a sweep, prune off
+    due = pruning.MedianPruner(
+        RunSpec.from_run(_sweep(prune={"after_epochs": 2})), "w", env, CPU
+    ).due
     assert [due(e) for e in range(1, 6)] == [False, True, True, True, False]
 
 
@@ -156,13 +163,18 @@ def test_no_collective_where_pruning_is_off_and_a_failed_check_never_fails_the_r
 
     monkeypatch.setattr(pruning, "agree", no_collective)
     for run in (make_run(), _sweep()):  # hand-written; a sweep without prune
-        assert pruning.MedianPruner(run, "w", env, CPU).on_epoch({"epoch": 3}) is None
+        assert (
+            pruning.MedianPruner(RunSpec.from_run(run), "w", env, CPU).on_epoch({"epoch": 3})
+            is None
+        )
     monkeypatch.setattr(pruning, "agree", lambda pruned, env, device, metric: pruned)
     broken = _sweep(prune=PRUNE)
     broken["sweep"]["peers"] = None  # whatever goes wrong reading the peers
     record = {"epoch": 3, "val_accuracy": 0.1}
     with caplog.at_level("WARNING", logger="ddpflow.training.pruning"):
-        assert pruning.MedianPruner(broken, "w", env, CPU).on_epoch(record) is None
+        assert (
+            pruning.MedianPruner(RunSpec.from_run(broken), "w", env, CPU).on_epoch(record) is None
+        )
     assert "pruning at epoch 3 skipped: TypeError" in caplog.text and "pruned" not in record
 
 
@@ -195,7 +207,8 @@ def _train_all(env, runs: list[dict]) -> list:
     for run in runs:
         task = _Recorded(run, RunPaths.for_run(run["results_dir"], run))
         torch.manual_seed(run["train"]["seed"])  # as DistributedTask's process would be
-        result = task.work(env, CPU, [socket.gethostname()] * env.world_size)
+        hosts = [socket.gethostname()] * env.world_size
+        result = task.work(RunSpec.from_run(run), env, CPU, hosts)
         out.append((result, task.ended_at))
     return out
 

@@ -17,6 +17,7 @@ import io
 
 import pytest
 import torch
+from ddpflow.config.typed import RunSpec
 from ddpflow.training.loop import Loop, fit
 from ddpflow.training.models import build_model, place
 from distributed_helpers import make_data, run_group
@@ -89,7 +90,9 @@ def _loop(env, case: str) -> Loop:
     run, data = _run(case), make_data(120, 30)
     torch.manual_seed(run["train"]["seed"])  # as TrainTask.work
     model = build_model(run["model"], data.shape, data.num_classes)
-    return Loop(run, data, env, CPU, place(model, CPU, run["train"]["channels_last"]))
+    return Loop(
+        RunSpec.from_run(run), data, env, CPU, place(model, CPU, run["train"]["channels_last"])
+    )
 
 
 def _result(loop: Loop) -> dict:

@@ -5,28 +5,31 @@ none of the loading keys retrains or restages anything."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 import torch
 from datafixtures import make_folder
+from ddpflow.config.typed import TrainAugmentSpec
 from ddpflow.data import feed
 from ddpflow.data import staged as ddata
 from workflow_helpers import jobs_planned, make_run, snakemake, write_config
 
 AUGMENT = {"enabled": True, "crop_padding": 2, "horizontal_flip": True}
+AUGMENTED = TrainAugmentSpec.from_dict(AUGMENT)
 
 
 def test_augmentation_is_a_padded_crop_then_a_flip_drawn_from_seed_epoch_step_micro_batch():
     from ddpflow.training.schedule import micro_batch_seed
 
     x = torch.randint(0, 256, (64, 3, 8, 10), dtype=torch.uint8)
-    out = feed.augment(x, AUGMENT, micro_batch_seed(0, 1, 2, 3))
-    assert torch.equal(out, feed.augment(x, AUGMENT, micro_batch_seed(0, 1, 2, 3)))  # again
+    out = feed.augment(x, AUGMENTED, micro_batch_seed(0, 1, 2, 3))
+    assert torch.equal(out, feed.augment(x, AUGMENTED, micro_batch_seed(0, 1, 2, 3)))  # again
     assert out.stride() == (240, 80, 10, 1)  # plain NCHW: the convolutions see no layout change
     for other in ((1, 1, 2, 3), (0, 2, 2, 3), (0, 1, 3, 3), (0, 1, 2, 4)):
-        assert not torch.equal(out, feed.augment(x, AUGMENT, micro_batch_seed(*other))), other
+        assert not torch.equal(out, feed.augment(x, AUGMENTED, micro_batch_seed(*other))), other
     # each sample is a crop of the zero-padded image, flipped or not: torchvision's
     # RandomCrop(padding=2) then RandomHorizontalFlip, one sample at a time
     padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
@@ -40,7 +43,7 @@ def test_augmentation_is_a_padded_crop_then_a_flip_drawn_from_seed_epoch_step_mi
         assert plain or mirrored, i
         flipped += mirrored and not plain
     assert 16 < flipped < 48  # about half
-    off = {**AUGMENT, "enabled": False}
+    off = dataclasses.replace(AUGMENTED, enabled=False)
     assert feed.augment(x, off, micro_batch_seed(0, 1, 2, 3)) is x
 
 

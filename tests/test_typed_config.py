@@ -97,3 +97,12 @@ def test_a_typed_run_is_frozen_and_names_a_key_it_does_not_know():
     run["train"]["optimiser"] = {"lr": 0.1}
     with pytest.raises(KeyError, match=r"train: optimiser not in the typed run \(TrainSpec\)"):
         typed.RunSpec.from_run(run)
+
+
+def test_a_typed_run_is_slotted_and_reads_as_the_dict_did_for_shared_helpers():
+    spec = typed.RunSpec.from_run(make_run())
+    assert not hasattr(spec.train, "__dict__") and not hasattr(spec, "__dict__")
+    assert spec.train["optimizer"]["lr"] == spec.train.optimizer.lr
+    assert spec.train.get("no_such_key", 7) == 7 and "epochs" in spec.train
+    with pytest.raises(KeyError, match="epoch"):
+        spec.train["epoch"]  # noqa: B018 (a typo fails as the dict's lookup did)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ddpflow.config.typed import RunSpec
 from ddpflow.training import evaluate
 from ddpflow.training.checkpoint import Checkpointer
 from ddpflow.training.loop import Loop, fit
@@ -76,7 +77,7 @@ def _train_case(env, case: str) -> dict:
     else:
         model_cfg, train = CASES[case]
         run, data = _run(env, model_cfg, train), make_data(128, 32)
-    loop = Loop(run, data, env, CPU, _model(run, data))
+    loop = Loop(RunSpec.from_run(run), data, env, CPU, _model(run, data))
     losses = []
 
     def on_step(lp):  # the whole step's mean loss, over every rank's micro-batches
@@ -107,8 +108,8 @@ def _with_checkpoint(env, work_root: str) -> dict:
     out = {}
     for strategy in STRATEGIES:
         run, data = _strategy_run(env, strategy), make_data(128, 32)
-        loop = Loop(run, data, env, CPU, _model(run, data))
-        ckpt = Checkpointer(run, f"{work_root}/{strategy}", env)
+        loop = Loop(RunSpec.from_run(run), data, env, CPU, _model(run, data))
+        ckpt = Checkpointer(RunSpec.from_run(run), f"{work_root}/{strategy}", env)
 
         def on_step(lp, ckpt=ckpt):
             if lp.scheduler.last_epoch == CHECKPOINT_STEP:
@@ -125,8 +126,8 @@ def _resumed(env, work_root: str) -> dict:
     out = {}
     for strategy in STRATEGIES:
         run, data = _strategy_run(env, strategy), make_data(128, 32)
-        loop = Loop(run, data, env, CPU, _model(run, data))
-        state = Checkpointer(run, f"{work_root}/{strategy}", env).restore(loop)
+        loop = Loop(RunSpec.from_run(run), data, env, CPU, _model(run, data))
+        state = Checkpointer(RunSpec.from_run(run), f"{work_root}/{strategy}", env).restore(loop)
         position = (state["world_size"], loop.epoch, loop.epoch_step, loop.scheduler.last_epoch)
         fit(loop, lambda record: None)
         out[strategy] = {**_weights(loop), "position": position}
@@ -150,8 +151,8 @@ def _task_checkpoints(env, work_root: str, resume: bool) -> dict:
     out = {}
     for task in TASKS:
         run, data = _task_run(env, task), make_task_data(task, 128, 32)
-        loop = Loop(run, data, env, CPU, _model(run, data))
-        ckpt = Checkpointer(run, f"{work_root}/{task}", env)
+        loop = Loop(RunSpec.from_run(run), data, env, CPU, _model(run, data))
+        ckpt = Checkpointer(RunSpec.from_run(run), f"{work_root}/{task}", env)
         if resume:
             state = ckpt.restore(loop)
             out[f"{task} position"] = (state["world_size"], loop.epoch, loop.epoch_step)

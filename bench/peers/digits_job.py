@@ -131,9 +131,10 @@ def build(job: dict, images: torch.Tensor) -> torch.nn.Module:
 
 def optimizer_and_schedule(job: dict, params, steps_per_epoch: int):
     """SGD at ddpflow's effective lr and the LambdaLR to step after every optimizer step."""
+    from ddpflow.config.typed import TrainSpec
     from ddpflow.training.schedule import effective_lr
 
-    lr = effective_lr(job["train"])
+    lr = effective_lr(TrainSpec.from_dict(job["train"]))
     return sgd_schedule(job["train"], params, lr, steps_per_epoch)
 
 

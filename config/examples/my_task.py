@@ -48,7 +48,7 @@ class TopK(Task):
         return targets  # val and test stratified by class, as classification does
 
     # --- ranks: the model's loss, and the evaluation's sums ----------------------------
-    def loss(self, manifest, train_cfg):
+    def loss(self, manifest, train):
         from torch import nn
 
         return nn.CrossEntropyLoss()

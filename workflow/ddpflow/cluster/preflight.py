@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ddpflow.cluster.distenv import DistEnv
+from ddpflow.config.typed import SectionView
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def _ping_pong(tensor: torch.Tensor, rank: int, peer: int, iters: int, sync) -> 
     return (time.perf_counter() - start) / (2 * iters)
 
 
-def run_preflight(cfg: dict, env: DistEnv, device, hosts: list[str]) -> dict:
+def run_preflight(cfg: SectionView, env: DistEnv, device, hosts: list[str]) -> dict:
     """All ranks call this; returns the measurements (rank 0 decides and raises)."""
     if env.world_size == 1:
         return {}

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ddpflow.config.typed import RunView, SectionView
 
 
-def ranks_per_node(machine: dict) -> int:
+def ranks_per_node(machine: SectionView) -> int:
     """One rank per GPU; without GPUs, cpu_ranks_per_node CPU ranks (Slurm: tasks per node)."""
     return machine["gpus_per_node"] or machine["cpu_ranks_per_node"]
 
@@ -18,13 +22,13 @@ def world_size(machine: dict) -> int:
     return machine["nodes"] * ranks_per_node(machine)
 
 
-def accumulation_steps(train: dict, world: int) -> int:
+def accumulation_steps(train: SectionView, world: int) -> int:
     """Micro-batches each rank computes per optimizer step: global / (micro x world),
     derived (check_world_size has made sure it divides)."""
     return train["global_batch_size"] // (train["micro_batch_size"] * world)
 
 
-def micro_batches_per_step(train: dict) -> int:
+def micro_batches_per_step(train: SectionView) -> int:
     return train["global_batch_size"] // train["micro_batch_size"]
 
 
@@ -57,12 +61,12 @@ def memory_mb(machine: dict) -> int:
     return int(machine["mem_gb"] * 1024)
 
 
-def trains_sharded(run: dict) -> bool:
+def trains_sharded(run: RunView) -> bool:
     """Whether the run trains under fsdp (a 1-rank run trains as ddp)."""
     return run["train"]["strategy"] == "fsdp" and run["world_size"] > 1
 
 
-def uses_channels_last(run: dict) -> bool:
+def uses_channels_last(run: RunView) -> bool:
     """train.channels_last, except under fsdp (at any world size, so that the layout does
     not change with it): FSDP2 shards contiguous parameters only. Training and both
     evaluations lay the model out alike, so that they score alike."""

@@ -12,8 +12,9 @@ queue. The login node keeps the dicts where fingerprints are made.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, ClassVar, Literal
 
@@ -27,9 +28,31 @@ def _frozen(value: Any) -> Any:
     return value
 
 
-class _Section:
+class _Readable:
+    """A section also reads as its dict did (`spec["lr"]`, `spec.get("lr")`), for the few
+    helpers the login node shares with the ranks (config.machine's) and for plug-ins written
+    against the dict; a key that is not a field raises KeyError. The ranks' own code reads
+    attributes, which the type checker sees."""
+
+    __slots__ = ()
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        names = {f.name for f in fields(self)}  # type: ignore[arg-type]
+        return isinstance(key, str) and key in names
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key) if key in self else default
+
+
+class _Section(_Readable):
     """from_dict for the generated sections: nested sections built, the rest frozen."""
 
+    __slots__ = ()
     NESTED: ClassVar[dict[str, Any]] = {}
 
     @classmethod
@@ -42,6 +65,8 @@ class _Section:
         for key, value in values.items():
             nested = cls.NESTED.get(key)
             built[key] = nested.from_dict(value, f"{where}.{key}") if nested else _frozen(value)
+        for key, nested in cls.NESTED.items():  # a run resolved before the section existed
+            built.setdefault(key, nested.from_dict({}, f"{where}.{key}"))
         return cls(**built)
 
 
@@ -84,8 +109,6 @@ class DataSpec(_Section):
 
     NESTED: ClassVar[dict[str, Any]] = {"loading": DataLoadingSpec, "synthetic": DataSyntheticSpec}
 
-    #: plug-in sources: keyword arguments of the function
-    kwargs: Mapping[str, Any]
     #: how ranks read the staged data. Changes no trained weight (both paths give every rank the
     #: same samples in the same order): editing it retrains nothing
     loading: DataLoadingSpec
@@ -107,6 +130,8 @@ class DataSpec(_Section):
         ]
         | str
     ) = "digits"
+    #: plug-in sources: keyword arguments of the function
+    kwargs: Mapping[str, Any] = field(default_factory=lambda: _frozen({}))
     #: directory with torchvision's own on-disk files (mnist, cifar), or your image folder
     #: (image_folder)
     root: str = "data/raw"
@@ -157,14 +182,14 @@ class DataSpec(_Section):
 class ModelSpec(_Section):
     """model: the schema's `model` section."""
 
-    #: keyword arguments for a torchvision model (torchvision.models.get_model) or a plug-in
-    #: factory, e.g. {image_size: 32} for vit_b_16
-    kwargs: Mapping[str, Any]
     #: a built-in model (mlp, cnn, resnet18, resnet34), any torchvision classification model by
     #: name (random initialisation, nothing downloaded, e.g. resnet50, mobilenet_v3_small,
     #: vit_b_16), or a plug-in "package.module:function" called with (input_shape [C, H, W],
     #: num_classes, **model.kwargs) that returns an nn.Module
     name: str = "cnn"
+    #: keyword arguments for a torchvision model (torchvision.models.get_model) or a plug-in
+    #: factory, e.g. {image_size: 32} for vit_b_16
+    kwargs: Mapping[str, Any] = field(default_factory=lambda: _frozen({}))
     #: torchvision ResNet-family models: a 3x3 stride-1 first convolution and no max-pool (the
     #: CIFAR stem), since the ImageNet stem shrinks a small image 4x before the first block; the
     #: built-in resnet18/34 always have it
@@ -409,8 +434,6 @@ class MachineSpec(_Section):
 
     NESTED: ClassVar[dict[str, Any]] = {"preflight": MachinePreflightSpec}
 
-    #: extra sbatch options, e.g. {reservation: myres, exclusive: true}
-    sbatch_extra: Mapping[str, Any]
     #: Before training, benchmark all_reduce on the allocated ranks (and rank 0's link to every
     #: rank) and fail the run, naming slow ranks and hosts, below the threshold
     preflight: MachinePreflightSpec
@@ -433,6 +456,8 @@ class MachineSpec(_Section):
     account: str | None = None
     qos: str | None = None
     constraint: str | None = None
+    #: extra sbatch options, e.g. {reservation: myres, exclusive: true}
+    sbatch_extra: Mapping[str, Any] = field(default_factory=lambda: _frozen({}))
     #: shell lines run before the ranks start (module load ..., source venv)
     setup: tuple[str, ...] = ()
     #: Snakemake stopped (Ctrl-C, SIGTERM) cancels the running Slurm job; false leaves it running
@@ -443,7 +468,7 @@ class MachineSpec(_Section):
 
 
 @dataclass(frozen=True, slots=True)
-class RunSpec:
+class RunSpec(_Readable):
     """A resolved run: its name, task, sections and what config.runs derived."""
 
     name: str
@@ -459,10 +484,15 @@ class RunSpec:
     train: TrainSpec
     eval: EvalSpec
     machine: MachineSpec
-    # how train.micro_batch_size was resolved: {size, auto, max} (config.checks)
-    micro_batch: Mapping[str, Any]
-    tracking: Mapping[str, Any]
+    # how train.micro_batch_size was resolved: {size, auto, max} (config.checks); absent
+    # from a run resolved before micro_batch_size auto existed (a job pickled then)
+    micro_batch: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    tracking: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     sweep: Mapping[str, Any] | None = None  # a sweep point's block (config.runs)
+    # the resolved run dict itself (a deep copy), read only where a rank makes a fingerprint
+    # (the checkpoint's training hash, the pruner's peers, the evaluation key) or records
+    # the config in provenance: fingerprints are made from dicts, as on the login node
+    resolved: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_run(cls, run: Mapping[str, Any]) -> RunSpec:
@@ -482,4 +512,10 @@ class RunSpec:
         built.setdefault("task", "classification")
         built.setdefault("task_kwargs", MappingProxyType({}))
         built.setdefault("tracking", MappingProxyType({}))
-        return cls(**built)
+        return cls(**built, resolved=copy.deepcopy(dict(run)))
+
+
+#: a run as the login node holds it (the resolved dict) or as the ranks do (RunSpec), and a
+#: section likewise: for the few helpers both share, which read them with [] and .get
+RunView = Mapping[str, Any] | RunSpec
+SectionView = Mapping[str, Any] | _Readable

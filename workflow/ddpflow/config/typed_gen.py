@@ -52,8 +52,9 @@ queue. The login node keeps the dicts where fingerprints are made.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, ClassVar, Literal
 
@@ -67,9 +68,31 @@ def _frozen(value: Any) -> Any:
     return value
 
 
-class _Section:
+class _Readable:
+    """A section also reads as its dict did (`spec["lr"]`, `spec.get("lr")`), for the few
+    helpers the login node shares with the ranks (config.machine's) and for plug-ins written
+    against the dict; a key that is not a field raises KeyError. The ranks' own code reads
+    attributes, which the type checker sees."""
+
+    __slots__ = ()
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        names = {f.name for f in fields(self)}  # type: ignore[arg-type]
+        return isinstance(key, str) and key in names
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key) if key in self else default
+
+
+class _Section(_Readable):
     """from_dict for the generated sections: nested sections built, the rest frozen."""
 
+    __slots__ = ()
     NESTED: ClassVar[dict[str, Any]] = {}
 
     @classmethod
@@ -82,13 +105,15 @@ class _Section:
         for key, value in values.items():
             nested = cls.NESTED.get(key)
             built[key] = nested.from_dict(value, f"{where}.{key}") if nested else _frozen(value)
+        for key, nested in cls.NESTED.items():  # a run resolved before the section existed
+            built.setdefault(key, nested.from_dict({}, f"{where}.{key}"))
         return cls(**built)
 '''
 
 FOOTER = '''
 
 @dataclass(frozen=True, slots=True)
-class RunSpec:
+class RunSpec(_Readable):
     """A resolved run: its name, task, sections and what config.runs derived."""
 
     name: str
@@ -104,10 +129,15 @@ class RunSpec:
     train: TrainSpec
     eval: EvalSpec
     machine: MachineSpec
-    # how train.micro_batch_size was resolved: {size, auto, max} (config.checks)
-    micro_batch: Mapping[str, Any]
-    tracking: Mapping[str, Any]
+    # how train.micro_batch_size was resolved: {size, auto, max} (config.checks); absent
+    # from a run resolved before micro_batch_size auto existed (a job pickled then)
+    micro_batch: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    tracking: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     sweep: Mapping[str, Any] | None = None  # a sweep point's block (config.runs)
+    # the resolved run dict itself (a deep copy), read only where a rank makes a fingerprint
+    # (the checkpoint's training hash, the pruner's peers, the evaluation key) or records
+    # the config in provenance: fingerprints are made from dicts, as on the login node
+    resolved: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_run(cls, run: Mapping[str, Any]) -> RunSpec:
@@ -124,7 +154,13 @@ class RunSpec:
         built.setdefault("task", "classification")
         built.setdefault("task_kwargs", MappingProxyType({}))
         built.setdefault("tracking", MappingProxyType({}))
-        return cls(**built)
+        return cls(**built, resolved=copy.deepcopy(dict(run)))
+
+
+#: a run as the login node holds it (the resolved dict) or as the ranks do (RunSpec), and a
+#: section likewise: for the few helpers both share, which read them with [] and .get
+RunView = Mapping[str, Any] | RunSpec
+SectionView = Mapping[str, Any] | _Readable
 '''
 
 
@@ -169,7 +205,11 @@ def _object(node: dict, schema: dict, path: tuple[str, ...], classes: list) -> s
         if "default" in prop and not annotation.endswith("Spec"):
             value = prop["default"]
             value = tuple(value) if isinstance(value, list) else value
-            default = "" if isinstance(value, dict) else f" = {value!r}"
+            default = (
+                f" = field(default_factory=lambda: _frozen({value!r}))"
+                if isinstance(value, dict)
+                else f" = {value!r}"
+            )
         lines.append(f"    {key}: {annotation}{default}")
     for key, annotation, default, doc in EXTRAS.get(path[0], []) if len(path) == 1 else []:
         lines += _doc(doc)

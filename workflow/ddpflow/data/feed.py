@@ -36,6 +36,7 @@ from ddpflow.runtime import replace_dir
 
 if TYPE_CHECKING:  # the rank's environment; imported where it runs (node_local_copy)
     from ddpflow.cluster.distenv import DistEnv
+    from ddpflow.config.typed import TrainAugmentSpec
 
 log = logging.getLogger(__name__)
 
@@ -157,19 +158,19 @@ class StreamFeed:
         self.loader = None
 
 
-def augment(x: torch.Tensor, cfg: dict, draws: int):
-    """Random crop (zero padding cfg["crop_padding"] each side, then a crop back to size) and
+def augment(x: torch.Tensor, cfg: TrainAugmentSpec, draws: int):
+    """Random crop (zero padding cfg.crop_padding each side, then a crop back to size) and
     horizontal flip of a uint8 [B, C, H, W] batch, in one gather on its device. The draws
     come from the micro-batch's seed `draws` alone (schedule.micro_batch_seed: seed, epoch,
     step, micro-batch): a resumed run, or one at another world size, draws what the
     uninterrupted one drew, on any path and device."""
-    if not cfg["enabled"] or x.shape[0] == 0:
+    if not cfg.enabled or x.shape[0] == 0:
         return x
     n, _, height, width = x.shape
-    pad = cfg["crop_padding"]
+    pad = cfg.crop_padding
     generator = torch.Generator().manual_seed(draws)
     offsets = torch.randint(0, 2 * pad + 1, (n, 2), generator=generator)
-    if cfg["horizontal_flip"]:
+    if cfg.horizontal_flip:
         flips = torch.rand(n, generator=generator) < 0.5
     else:
         flips = torch.zeros(n, dtype=torch.bool)

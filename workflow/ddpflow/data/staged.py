@@ -28,6 +28,8 @@ from ddpflow.data.raw import DataError
 if TYPE_CHECKING:
     import torch
 
+    from ddpflow.config.typed import RunView
+
 __all__ = ["DataError", "FORMAT_VERSION", "SPLITS", "StagedImages", "choose_in_memory",
            "load_split", "open_split", "read_manifest", "verify_staged"]  # fmt: skip
 
@@ -86,7 +88,7 @@ def _check_file(staged_dir: Path, manifest: dict, name: str, verify: bool) -> Pa
     return path
 
 
-def budget_bytes(run: dict) -> int:
+def budget_bytes(run: RunView) -> int:
     """Per rank: data.loading.memory_budget_gb, or half the node's memory over its ranks."""
     from ddpflow.config import ranks_per_node  # here: config imports nothing of data
 
@@ -97,7 +99,7 @@ def budget_bytes(run: dict) -> int:
     return int(budget * 2**30)
 
 
-def choose_in_memory(run: dict, nbytes: int) -> tuple[bool, str]:
+def choose_in_memory(run: RunView, nbytes: int) -> tuple[bool, str]:
     """(in memory?, why) for splits of nbytes images."""
     wanted = run["data"]["loading"]["in_memory"]
     size = _binary_size(nbytes)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ddpflow import runtime
 from ddpflow.cluster.distenv import DistEnv
+from ddpflow.config.typed import RunSpec, TrainProfileSpec
 from ddpflow.monitoring.rankstats import MEAN_KEYS, rank_summary, stragglers
 
 log = logging.getLogger(__name__)
@@ -257,7 +258,7 @@ class StepProfiler:
     trace and the top operators are written when the recorded steps end (or at close(), if
     the run ends first)."""
 
-    def __init__(self, cfg: dict, out_dir: Path, rank: int, device: torch.device):
+    def __init__(self, cfg: TrainProfileSpec, out_dir: Path, rank: int, device: torch.device):
         from torch.profiler import ProfilerActivity, profile, schedule
 
         self.out_dir, self.rank, self.done = out_dir, rank, False
@@ -265,9 +266,7 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self.prof = profile(
             activities=activities,
-            schedule=schedule(
-                wait=cfg["wait"], warmup=cfg["warmup"], active=cfg["active"], repeat=1
-            ),
+            schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1),
             on_trace_ready=self._ready,
         )
         self.prof.start()
@@ -319,29 +318,31 @@ def top_operators(averages, cuda: bool, limit: int = 15) -> dict:
 class RunMonitor:
     """Everything above for one training attempt on one rank."""
 
-    def __init__(self, run, run_dir, env: DistEnv, device, hosts, resumed_step: int | None):
-        cfg, profile = run["train"]["monitor"], run["train"]["profile"]
-        self.env, self.margin, self.hosts = env, cfg["straggler_margin"], hosts
+    def __init__(
+        self, run: RunSpec, run_dir, env: DistEnv, device, hosts, resumed_step: int | None
+    ):
+        cfg, profile = run.train.monitor, run.train.profile
+        self.env, self.margin, self.hosts = env, cfg.straggler_margin, hosts
         run_dir = Path(run_dir)
         series = None
-        if cfg["system_interval_s"] > 0:
+        if cfg.system_interval_s > 0:
             (run_dir / SYSTEM_DIR).mkdir(parents=True, exist_ok=True)
             series = run_dir / SYSTEM_DIR / f"rank-{env.rank}.jsonl"
             if resumed_step is None:
                 series.unlink(missing_ok=True)
-        self.system = SystemSampler(device, cfg["system_interval_s"], env.rank, series)
+        self.system = SystemSampler(device, cfg.system_interval_s, env.rank, series)
         self.tensorboard = None
-        if env.is_master and cfg["tensorboard"]:
+        if env.is_master and cfg.tensorboard:
             self.tensorboard = TensorBoardLog(
                 run_dir / TENSORBOARD_DIR,
-                cfg["log_every_steps"],
+                cfg.log_every_steps,
                 resumed_step,
-                flush_every=run["train"]["checkpoint"]["every_steps"],
+                flush_every=run.train.checkpoint.every_steps,
             )
         self.profiler = None
         if env.is_master and resumed_step is None:  # a fresh start: no earlier run's trace
             shutil.rmtree(run_dir / PROFILE_DIR, ignore_errors=True)
-        if profile["enabled"] and (env.is_master or profile["ranks"] == "all"):
+        if profile.enabled and (env.is_master or profile.ranks == "all"):
             self.profiler = StepProfiler(profile, run_dir / PROFILE_DIR, env.rank, device)
         self._flagged: set[int] = set()
 

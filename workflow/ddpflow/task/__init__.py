@@ -28,6 +28,8 @@ from ddpflow.task.base import Selection, Task
 if TYPE_CHECKING:
     import numpy as np
 
+    from ddpflow.config.typed import RunView, SectionView
+
 __all__ = [
     "BUILT_IN_TASKS",
     "DEFAULT_TASK",
@@ -89,7 +91,7 @@ def _get_task(name: str, frozen: tuple) -> Task:
     return task
 
 
-def run_task(section: dict) -> Task:
+def run_task(section: RunView | SectionView) -> Task:
     """The task of a resolved run, or of its data section (ddpflow.config.runs puts a task
     other than classification, and a plug-in task's kwargs, there: what staging reads): its
     task and task_kwargs, classification where absent."""

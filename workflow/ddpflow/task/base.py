@@ -12,7 +12,9 @@ A task is an object with these attributes (subclass Task to inherit the defaults
     manifest_fields(targets_by_split, names) -> dict
         # what the manifest records about the targets (counts, statistics)
     outputs(manifest) -> int   # the model's output size
-    loss(manifest, train_cfg) -> callable(outputs, targets) -> scalar tensor (a mean)
+    loss(manifest, train) -> callable(outputs, targets) -> scalar tensor (a mean)
+        # train: the run's train section, typed (config.typed.TrainSpec:
+        # train.label_smoothing; it reads as a dict too)
     new_state(manifest, device) -> dict[str, tensor]
         # the evaluation's metric state: int64 counts and float64 sums only (all-reduced
         # with SUM, so the totals are the same at any world size); a key starting with "_"
@@ -39,6 +41,8 @@ import numpy as np
 if TYPE_CHECKING:  # the login node resolves a task without importing torch
     import torch
     from torch import nn
+
+    from ddpflow.config.typed import TrainSpec
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,7 @@ class Task:
             self, labels: Any, names: Any, where: str
         ) -> tuple[np.ndarray, list[str]]: ...
 
-        def loss(self, manifest: dict, train_cfg: dict) -> nn.Module: ...
+        def loss(self, manifest: dict, train: TrainSpec) -> nn.Module: ...
 
         def new_state(self, manifest: dict, device: Any) -> dict[str, torch.Tensor]: ...
 

@@ -3,10 +3,15 @@ accuracy, per-class accuracy and the confusion matrix from one int64 count matri
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ddpflow.data.raw import check_labels, one_class_per_sample
 from ddpflow.task.base import Selection, Task
+
+if TYPE_CHECKING:
+    from ddpflow.config.typed import TrainSpec
 
 
 class Classification(Task):
@@ -22,10 +27,10 @@ class Classification(Task):
     def strata(self, targets: np.ndarray) -> np.ndarray:
         return targets
 
-    def loss(self, manifest: dict, train_cfg: dict):
+    def loss(self, manifest: dict, train: TrainSpec):
         from torch import nn
 
-        return nn.CrossEntropyLoss(label_smoothing=train_cfg["label_smoothing"])
+        return nn.CrossEntropyLoss(label_smoothing=train.label_smoothing)
 
     def new_state(self, manifest: dict, device) -> dict:
         import torch

@@ -13,10 +13,15 @@ The validation f1_micro selects (higher is better)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ddpflow.data.raw import DataError
 from ddpflow.task.base import Selection, Task
+
+if TYPE_CHECKING:
+    from ddpflow.config.typed import TrainSpec
 
 THRESHOLD = 0.5
 
@@ -89,7 +94,7 @@ class Multilabel(Task):
             }
         }
 
-    def loss(self, manifest: dict, train_cfg: dict):
+    def loss(self, manifest: dict, train: TrainSpec):
         from torch import nn
 
         class MultilabelBCE(nn.BCEWithLogitsLoss):

@@ -15,10 +15,15 @@ predicted-vs-true plot."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ddpflow.data.raw import DataError
 from ddpflow.task.base import Selection, Task
+
+if TYPE_CHECKING:
+    from ddpflow.config.typed import TrainSpec
 
 LOSSES = ("mse", "huber")
 BINS = 40  # the predicted-vs-true histogram's bins per axis
@@ -102,7 +107,7 @@ class Regression(Task):
             },
         }
 
-    def loss(self, manifest: dict, train_cfg: dict):
+    def loss(self, manifest: dict, train: TrainSpec):
         return StandardisedLoss(manifest, self.loss_name, self.huber_delta)
 
     def predictions(self, outputs, manifest: dict) -> list[dict]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import trains_sharded, uses_channels_last
+from ddpflow.config.typed import OptimizerSpec, RunSpec, TrainDdpSpec, TrainSpec
 from ddpflow.text import counted
 from ddpflow.training import sharding
 from ddpflow.training.models import build_model, place
@@ -41,36 +42,36 @@ class TrainingParts:
     loss_fn: nn.Module
 
 
-def placed_model(run: dict, shape, num_classes: int, device: torch.device) -> nn.Module:
+def placed_model(run: RunSpec, shape, num_classes: int, device: torch.device) -> nn.Module:
     """The run's model with the same initial weights on every rank (DDP also broadcasts),
     on its device and memory layout; FSDP moves the shards itself (sharding.shard)."""
-    torch.manual_seed(run["train"]["seed"])
-    model = build_model(run["model"], shape, num_classes)
+    torch.manual_seed(run.train.seed)
+    model = build_model(run.resolved["model"], shape, num_classes)  # a plug-in's kwargs as written
     return place(model, device, uses_channels_last(run), move=not trains_sharded(run))
 
 
 def build_training(
-    run: dict, env: DistEnv, device: torch.device, model, steps_per_epoch: int, loss_fn
+    run: RunSpec, env: DistEnv, device: torch.device, model, steps_per_epoch: int, loss_fn
 ):
     """The strategy's wrapper around model, and the optimizer, schedule and precision of
     run's train section, with the task's loss on the device (a TrainingParts)."""
-    tcfg = run["train"]
+    tcfg = run.train
     # one rank: nothing to shard, every strategy is plain training
-    strategy = tcfg["strategy"] if env.world_size > 1 else "ddp"
+    strategy = tcfg.strategy if env.world_size > 1 else "ddp"
     model, wrapped = _wrap(model, strategy, env, device, tcfg)
     lr = effective_lr(tcfg)
     optimizer = make_optimizer(
-        model.parameters(), tcfg["optimizer"], lr, device, strategy == "zero",
+        model.parameters(), tcfg.optimizer, lr, device, strategy == "zero",
         dtensors=strategy == "fsdp",
     )  # fmt: skip
-    total = steps_per_epoch * tcfg["epochs"]
-    warmup = round(tcfg["warmup_epochs"] * steps_per_epoch)
+    total = steps_per_epoch * tcfg.epochs
+    warmup = round(tcfg.warmup_epochs * steps_per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_schedule(tcfg["schedule"], warmup, total)
+        optimizer, lr_schedule(tcfg.schedule, warmup, total)
     )
-    autocast = autocast_factory(tcfg["precision"], device)
+    autocast = autocast_factory(tcfg.precision, device)
     scaler = torch.amp.GradScaler(
-        "cuda", enabled=tcfg["precision"] == "fp16" and device.type == "cuda"
+        "cuda", enabled=tcfg.precision == "fp16" and device.type == "cuda"
     )
     loss_fn = loss_fn.to(device)
     return TrainingParts(
@@ -78,19 +79,19 @@ def build_training(
     )
 
 
-def _wrap(model: nn.Module, strategy: str, env: DistEnv, device, tcfg: dict):
+def _wrap(model: nn.Module, strategy: str, env: DistEnv, device, tcfg: TrainSpec):
     """(the model, what the forward runs): activation checkpointing, then FSDP's sharding
     or DDP's wrapper (several ranks), then torch.compile."""
-    if tcfg["activation_checkpointing"]:  # before sharding: FSDP's hooks wrap it
+    if tcfg.activation_checkpointing:  # before sharding: FSDP's hooks wrap it
         blocks = sharding.checkpoint_activations(model)
         if env.is_master:
             log.info("activation checkpointing: %s, each forward recomputed in the backward",
                      counted(blocks, "block"))  # fmt: skip
     if strategy == "fsdp":  # sharded in place: the model's parameters become DTensor shards
-        model = wrapped = sharding.shard(model, device, tcfg)
+        model = wrapped = sharding.shard(model, device, tcfg.fsdp, tcfg.precision)
     else:
-        wrapped = wrap_ddp(model, device, tcfg["ddp"]) if env.world_size > 1 else model
-    if tcfg["compile"]:
+        wrapped = wrap_ddp(model, device, tcfg.ddp) if env.world_size > 1 else model
+    if tcfg.compile:
         # the DDP module is compiled (not the model inside): dynamo then splits the graph
         # at DDP's bucket boundaries, so the all-reduce still overlaps the backward
         # a compiled module is an nn.Module (OptimizedModule); the stubs say a callable
@@ -99,7 +100,7 @@ def _wrap(model: nn.Module, strategy: str, env: DistEnv, device, tcfg: dict):
 
 
 def make_optimizer(
-    params, opt_cfg: dict, lr: float, device: torch.device, sharded=False, dtensors=False
+    params, opt_cfg: OptimizerSpec, lr: float, device: torch.device, sharded=False, dtensors=False
 ):
     """The configured optimizer; sharded: ZeRO stage 1 (each rank holds and updates the state
     of 1/N of the parameters, then broadcasts them: the same arithmetic per element);
@@ -107,15 +108,14 @@ def make_optimizer(
     # fused kernels (one kernel for all parameters) exist for CUDA and CPU tensors; on CPU
     # the default per-tensor loop was 3-5x slower per step (bench/throughput.py, MLP/CNN)
     fast = {"foreach": True} if dtensors else {"fused": True}
-    kwargs = {"lr": lr, "weight_decay": opt_cfg["weight_decay"], **fast}
+    kwargs: dict[str, Any] = {"lr": lr, "weight_decay": opt_cfg.weight_decay, **fast}
     cls: type[torch.optim.Optimizer]
-    if opt_cfg["name"] == "sgd":
+    if opt_cfg.name == "sgd":
         cls = torch.optim.SGD
-        kwargs.update(momentum=opt_cfg["momentum"],
-                      nesterov=opt_cfg["nesterov"] and opt_cfg["momentum"] > 0)  # fmt: skip
+        kwargs.update(momentum=opt_cfg.momentum, nesterov=opt_cfg.nesterov and opt_cfg.momentum > 0)
     else:
-        cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[opt_cfg["name"]]
-        kwargs.update(betas=tuple(opt_cfg["betas"]))
+        cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[opt_cfg.name]
+        kwargs.update(betas=tuple(opt_cfg.betas))
     if sharded:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -140,21 +140,21 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def wrap_ddp(model: nn.Module, device: torch.device, ddp_cfg: dict) -> DDP:
+def wrap_ddp(model: nn.Module, device: torch.device, ddp_cfg: TrainDdpSpec) -> DDP:
     """DDP with the configured bucket size, bucket views, static graph and compression hook."""
     ddp = DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
-        bucket_cap_mb=ddp_cfg["bucket_cap_mb"],
-        gradient_as_bucket_view=ddp_cfg["gradient_as_bucket_view"],
-        static_graph=ddp_cfg["static_graph"],
+        bucket_cap_mb=ddp_cfg.bucket_cap_mb,
+        gradient_as_bucket_view=ddp_cfg.gradient_as_bucket_view,
+        static_graph=ddp_cfg.static_graph,
     )
-    if ddp_cfg["comm_hook"] != "none":
+    if ddp_cfg.comm_hook != "none":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         hook = {
             "bf16_compress": default_hooks.bf16_compress_hook,
             "fp16_compress": default_hooks.fp16_compress_hook,
-        }[ddp_cfg["comm_hook"]]
+        }[ddp_cfg.comm_hook]
         ddp.register_comm_hook(None, hook)
     return ddp

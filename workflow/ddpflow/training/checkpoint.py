@@ -27,6 +27,7 @@ import torch
 
 from ddpflow.cluster.distenv import DistEnv, any_rank, barrier
 from ddpflow.config import config_hash, training_fingerprint
+from ddpflow.config.typed import RunSpec
 from ddpflow.runtime import atomic_torch_save, atomic_write_bytes, atomic_write_json
 from ddpflow.text import counted
 from ddpflow.training import sharding
@@ -130,17 +131,13 @@ class Checkpointer:
     # the SIGUSR2 handler stop_on_signal replaced (submitit's), handed the job at a stop
     submitit_handler: Callable[[int, FrameType | None], Any] | int | None
 
-    def __init__(self, run: dict, work: str | Path, env: DistEnv, stop_check_steps: int = 10):
-        cfg = run["train"]["checkpoint"]
-        self.every_steps, self.every_epochs, self.keep = (
-            cfg["every_steps"],
-            cfg["every_epochs"],
-            cfg["keep"],
-        )
-        self.on_config_change = cfg["on_config_change"]
-        self.epochs = run["train"]["epochs"]
+    def __init__(self, run: RunSpec, work: str | Path, env: DistEnv, stop_check_steps: int = 10):
+        cfg = run.train.checkpoint
+        self.every_steps, self.every_epochs, self.keep = cfg.every_steps, cfg.every_epochs, cfg.keep
+        self.on_config_change = cfg.on_config_change
+        self.epochs = run.train.epochs
         self.directory = checkpoint_dir(work)
-        self.hash = training_hash(run)
+        self.hash = training_hash(run.resolved)  # a fingerprint: made from the dict
         self.env, self.stop_check_steps = env, stop_check_steps
         self.stop_requested = False  # set from a signal handler
         self.watch_signal = env.launcher == "slurm"

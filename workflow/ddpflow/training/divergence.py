@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpflow.config.typed import RunSpec
+
 log = logging.getLogger(__name__)
 
 
@@ -22,7 +24,7 @@ class NonfiniteWatch:
     step_flag); on CUDA read one step late (the host never waits for the step it just
     queued), on a CPU right away."""
 
-    def __init__(self, run: dict, lr: float, device: torch.device, world_size: int,
+    def __init__(self, run: RunSpec, lr: float, device: torch.device, world_size: int,
                  watched: nn.Parameter | None, scaler: torch.amp.GradScaler):  # fmt: skip
         self.run = run  # its name and train.on_nonfinite
         self.lr, self.device, self.world_size = lr, device, world_size
@@ -75,13 +77,13 @@ class NonfiniteWatch:
         if unread is None or not float(unread[0]):
             return
         _, epoch, step = unread
-        where = f"run {self.run['name']!r}: the training loss became NaN or infinite at epoch "
+        where = f"run {self.run.name!r}: the training loss became NaN or infinite at epoch "
         where += f"{epoch + 1}, optimizer step {step} (on at least one rank)"
         advice = (
             f"Lower train.optimizer.lr (the effective lr is {self.lr:.4g}), raise "
             "train.warmup_epochs, or check the data"
         )
-        if self.run["train"]["on_nonfinite"] == "fail":
+        if self.run.train.on_nonfinite == "fail":
             raise Diverged(
                 f"{where}; every rank stopped there. {advice}; "
                 "train.on_nonfinite: warn trains on regardless"

@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import accumulation_steps, micro_batches_per_step
+from ddpflow.config.typed import RunSpec
 from ddpflow.data import feed
 from ddpflow.runtime import PHASES, PhaseClock
 from ddpflow.training import evaluate, faults, sharding
@@ -45,7 +46,7 @@ class Loop(Resumable):
     """One run's training state and its epoch loop (state is what a checkpoint holds)."""
 
     def __init__(
-        self, run: dict, data: RankData, env: DistEnv, device: torch.device, model: nn.Module
+        self, run: RunSpec, data: RankData, env: DistEnv, device: torch.device, model: nn.Module
     ):
         self.run, self.data, self.env, self.device = run, data, env, device
         # the training batches: load_data's feed, or, for tensors given directly (tests,
@@ -56,17 +57,20 @@ class Loop(Resumable):
         else:
             assert isinstance(data.train.images, torch.Tensor)  # load_data streams its own
             self.feed = feed.MemoryFeed(data.train.images)
-        self.tcfg = tcfg = run["train"]
+        self.tcfg = tcfg = run.train
+        # resolved for this world size by config.checks (never "auto" once a run is resolved)
+        assert isinstance(tcfg.micro_batch_size, int), tcfg.micro_batch_size
+        self.micro_batch_size: int = tcfg.micro_batch_size
         self.micro_per_step = micro_batches_per_step(tcfg)
         self.accum = accumulation_steps(tcfg, env.world_size)
-        self.steps_per_epoch = data.train.images.shape[0] // tcfg["global_batch_size"]
+        self.steps_per_epoch = data.train.images.shape[0] // tcfg.global_batch_size
         loss_fn = data.task.loss(data.task_manifest, tcfg)
         parts = build_training(run, env, device, model, self.steps_per_epoch, loss_fn)
         self.strategy, self.model, self.wrapped = parts.strategy, parts.model, parts.wrapped
         self.sharded_optimizer, self.fsdp = self.strategy == "zero", self.strategy == "fsdp"
         self.lr, self.optimizer, self.scheduler = parts.lr, parts.optimizer, parts.scheduler
         self.scaler, self.autocast, self.loss_fn = parts.scaler, parts.autocast, parts.loss_fn
-        self._compiling = tcfg["compile"] and env.is_master
+        self._compiling = tcfg.compile and env.is_master
         self.clock = PhaseClock(device)
         # position (global: epoch and optimizer step within it, never a rank's own index) and
         # partial-epoch accumulators: all of it goes into a checkpoint, so a resumed run
@@ -117,8 +121,8 @@ class Loop(Resumable):
         self.wrapped.train()
         tcfg, env, accum = self.tcfg, self.env, self.accum
         batches = step_micro_batches(
-            self.data.train.images.shape[0], tcfg["global_batch_size"],
-            tcfg["micro_batch_size"], tcfg["seed"], self.epoch,
+            self.data.train.images.shape[0], tcfg.global_batch_size,
+            self.micro_batch_size, tcfg.seed, self.epoch,
         )  # fmt: skip
         mine = rank_micro_batches(batches, env.world_size, env.rank)
         feed_ = self.feed
@@ -193,9 +197,9 @@ class Loop(Resumable):
             x = next(images)
             # every random draw of this micro-batch (augmentation, a model's dropout) comes
             # from (seed, epoch, step, micro), whichever rank computes it
-            draws = micro_batch_seed(self.tcfg["seed"], self.epoch, step, micro)
+            draws = micro_batch_seed(self.tcfg.seed, self.epoch, step, micro)
             _seed_random_draws(draws, self.device)
-            x = feed.augment(x, self.tcfg["augment"], draws)
+            x = feed.augment(x, self.tcfg.augment, draws)
             x = evaluate.normalize(x, *self.data.norm)
             y = self.data.train.labels.index_select(0, batch)
         # no_sync(): skip the gradient all-reduce on all but the last micro-step
@@ -231,7 +235,7 @@ class Loop(Resumable):
 
     def validate(self) -> dict:
         sync_buffers(self.model, self.env.world_size)
-        scoring = self.data.scoring(self.run["eval"]["batch_size"], self.autocast)
+        scoring = self.data.scoring(self.run.eval.batch_size, self.autocast)
         result = evaluate.evaluate_split(self.model, self.data.val, scoring, self.env)
         assert result is not None  # without guard a failed evaluation raises
         return self.data.task.validation(result)
@@ -263,7 +267,7 @@ def fit(loop: Loop, on_epoch, progress_factory=None) -> float:
     the record joined loop.history (so a checkpoint written there includes it). A record
     that on_epoch marks "pruned" ends the training after its epoch."""
     start = time.perf_counter()
-    while loop.epoch < loop.tcfg["epochs"] and loop.pruned is None:
+    while loop.epoch < loop.tcfg.epochs and loop.pruned is None:
         epoch_start = time.perf_counter()
         progress = progress_factory(loop) if progress_factory else None
         record = loop.train_epoch(progress)

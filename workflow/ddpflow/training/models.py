@@ -9,6 +9,8 @@ any torchvision classification model by name, or the user's own through a plug-i
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,8 +26,9 @@ class ModelError(UserError):
     """model.name does not give a usable model (names the cause and the fix)."""
 
 
-def build_model(model_cfg: dict, shape: list[int], num_classes: int) -> nn.Module:
-    """shape is the staged [C, H, W]; the model adapts its input layer to it."""
+def build_model(model_cfg: Mapping[str, Any], shape: list[int], num_classes: int) -> nn.Module:
+    """model_cfg is the model section as a dict (a plug-in gets its kwargs as the config wrote
+    them); shape is the staged [C, H, W]; the model adapts its input layer to it."""
     name = model_cfg["name"]
     channels, height, width = shape
     if name == "mlp":

@@ -31,11 +31,14 @@ import json
 import logging
 import math
 import statistics
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from ddpflow import paths
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import training_fingerprint
+from ddpflow.config.typed import RunSpec, RunView
 from ddpflow.task import Selection, get_task, run_task
 from ddpflow.text import counted
 
@@ -45,7 +48,7 @@ ACCURACY = get_task().selection  # classification's
 DEFAULT_MIN_RUNS = 3  # this run and 2 others must have reached the epoch
 
 
-def prune_settings(run: dict) -> dict | None:
+def prune_settings(run: RunView) -> Mapping[str, Any] | None:
     """The run's `sweep.prune` block, or None where pruning is off (no sweep, or no prune)."""
     sweep = run.get("sweep") or {}
     return sweep.get("prune") or None
@@ -150,7 +153,7 @@ def pruned_line(name: str, pruned: dict, selection: Selection = ACCURACY) -> str
 class MedianPruner:
     """The per-epoch pruning check of one run's training (every rank holds one)."""
 
-    def __init__(self, run: dict, work: str | Path, env: DistEnv, device):
+    def __init__(self, run: RunSpec, work: str | Path, env: DistEnv, device):
         self.run, self.work, self.env, self.device = run, work, env, device
         self.settings = prune_settings(run)
         self.selection = run_task(run).selection
@@ -159,7 +162,7 @@ class MedianPruner:
         """Whether epoch's end is a pruning point (the same answer on every rank)."""
         if self.settings is None:
             return False
-        return self.settings["after_epochs"] <= epoch < self.run["train"]["epochs"]
+        return self.settings["after_epochs"] <= epoch < self.run.train.epochs
 
     def on_epoch(self, record: dict) -> dict | None:
         """Collective where due: adds record["pruned"] on every rank if rank 0 decided to
@@ -184,7 +187,8 @@ class MedianPruner:
         """Rank 0: the pruning record if this run is pruned now, else None (logged)."""
         selection = self.selection
         assert self.settings is not None  # due(epoch) held: pruning is configured
-        peers = peer_accuracies(self.run, self.work, epoch, selection.metric)
+        # the peers' records are compared by fingerprint, made from the dict
+        peers = peer_accuracies(self.run.resolved, self.work, epoch, selection.metric)
         min_runs = self.settings.get("min_runs", DEFAULT_MIN_RUNS)
         decision = decide(own, list(peers.values()), epoch, min_runs, selection)
         seen = ", ".join(f"{name} {value:.4f}" for name, value in sorted(peers.items()))
@@ -198,7 +202,7 @@ class MedianPruner:
                      "continuing", epoch, selection.label.replace("validation", "val"), own,
                      decision["median"], decision["runs"], seen)  # fmt: skip
             return None
-        log.warning("%s (others: %s)", pruned_line(self.run["name"], decision, selection), seen)
+        log.warning("%s (others: %s)", pruned_line(self.run.name, decision, selection), seen)
         return decision
 
 

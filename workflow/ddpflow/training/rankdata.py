@@ -12,6 +12,7 @@ import torch
 
 from ddpflow.cluster import distenv
 from ddpflow.cluster.distenv import DistEnv
+from ddpflow.config.typed import RunSpec
 from ddpflow.data import feed
 from ddpflow.data.staged import DataError, choose_in_memory, open_split
 from ddpflow.task import DEFAULT_TASK, Task, get_task, run_task
@@ -69,14 +70,14 @@ class RankData:
         return self.splits[name]
 
 
-def load_data(run: dict, staged: str, env: DistEnv, device, splits=("train", "val")) -> RankData:
+def load_data(run: RunSpec, staged: str, env: DistEnv, device, splits=("train", "val")) -> RankData:
     """The splits this job uses, in memory or streamed (data.loading; feed.py), each checked
     against the manifest first (sha256 of every file: bad data fails before the work).
     data.loading.node_local_dir: read from a per-node copy (one rank per node copies it)."""
-    loading = run["data"]["loading"]
+    loading = run.data.loading
     verify = env.local_rank == 0  # one rank per node hashes the files, the others check sizes
-    if loading["node_local_dir"]:  # the copy was verified as it was made or reused
-        staged, verify = feed.node_local_copy(staged, loading["node_local_dir"], env), False
+    if loading.node_local_dir:  # the copy was verified as it was made or reused
+        staged, verify = feed.node_local_copy(staged, loading.node_local_dir, env), False
     opened = _open_verified(staged, splits, verify, env)
     manifest = next(iter(opened.values()))[2]
     task = run_task(run)
@@ -97,13 +98,13 @@ def load_data(run: dict, staged: str, env: DistEnv, device, splits=("train", "va
         train = data.train.images
         data.feed = (
             feed.MemoryFeed(train) if isinstance(train, torch.Tensor) else feed.StreamFeed(
-                opened["train"][0], device, loading["workers"], loading["prefetch"]
+                opened["train"][0], device, loading.workers, loading.prefetch
             )
         )  # fmt: skip
     if env.is_master:
         how = "in memory" if in_memory else (
-            f"streamed from {staged} ({counted(loading['workers'], 'DataLoader worker')} per "
-            f"rank, {counted(loading['prefetch'], 'batch', 'batches')} ahead each)"
+            f"streamed from {staged} ({counted(loading.workers, 'DataLoader worker')} per "
+            f"rank, {counted(loading.prefetch, 'batch', 'batches')} ahead each)"
         )  # fmt: skip
         log.info("data %s: %s (%s)", "+".join(opened), how, why)
     return data

@@ -8,17 +8,20 @@ from __future__ import annotations
 from ddpflow import runtime
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import plugin_source, plugin_source_hash
+from ddpflow.config.typed import RunSpec
 from ddpflow.plugins import is_plugin
 from ddpflow.task import DEFAULT_TASK, run_task
 
 
-def evaluation_record(run, result, manifest, world_size, hosts, train, evaluated_by) -> dict:
+def evaluation_record(
+    run: RunSpec, result, manifest, world_size, hosts, train, evaluated_by
+) -> dict:
     """eval_metrics.json's content: the counts, what was scored and by whom, the training
     summary and provenance. Refuses a count that is not the whole split."""
-    split = run["eval"]["split"]
+    split = run.eval.split
     record = {
         **result,
-        "run": run["name"],
+        "run": run.name,
         "split": split,
         "test_size": manifest["sizes"][split],
         "class_names": manifest["class_names"],
@@ -35,26 +38,27 @@ def evaluation_record(run, result, manifest, world_size, hosts, train, evaluated
         )
     record["provenance"] = {
         **runtime.provenance(),
-        "config": run,
+        "config": run.resolved,
         "hostnames": hosts,
         "dataset": {k: manifest[k] for k in ("source", "sizes", "source_notes") if k in manifest},
     }
-    if is_plugin(run["model"]["name"]):  # its code, which the config does not hold
-        source = plugin_source(run["model"]["name"])
+    model = run.model.name
+    if is_plugin(model):  # its code, which the config does not hold
+        source = plugin_source(model)
         record["provenance"]["model_plugin"] = {
-            "spec": run["model"]["name"],
+            "spec": model,
             "file": str(source) if source else None,
-            "sha256": plugin_source_hash(run["model"]["name"]),
+            "sha256": plugin_source_hash(model),
         }
     return record
 
 
-def task_fields(run: dict) -> dict:
+def task_fields(run: RunSpec) -> dict:
     """What a train summary and an evaluation record say about a task other than
     classification: its name and the validation metric that selects (with its direction),
     which the report, sweeps and trackers read (ddpflow.task.selection_of). Nothing for
     classification: its records are those written before tasks existed."""
-    if run.get("task", DEFAULT_TASK) == DEFAULT_TASK:
+    if run.task == DEFAULT_TASK:
         return {}
     task = run_task(run)
     selection = task.selection.record()
@@ -83,7 +87,7 @@ def describe(record: dict) -> str:
 
 
 def train_summary(
-    run, loop, env: DistEnv, hosts, attempt, wall_seconds, parameters, slurm_job_id
+    run: RunSpec, loop, env: DistEnv, hosts, attempt, wall_seconds, parameters, slurm_job_id
 ) -> dict:
     """train_summary.json's content, from the finished Loop's epoch records (rank 0)."""
     records, data = loop.history, loop.data
@@ -92,13 +96,13 @@ def train_summary(
     samples = sum(r["samples"] for r in records)  # global: every rank's
     phases = {p: sum(r["seconds"][p] for r in records) for p in records[0]["seconds"]}
     return {
-        "run": run["name"],
+        "run": run.name,
         "world_size": env.world_size,
         "nodes": env.num_nodes,
         "hosts": hosts,
         "launcher": env.launcher,
         "slurm_job_id": slurm_job_id,
-        "epochs": run["train"]["epochs"],
+        "epochs": run.train.epochs,
         "steps": loop.scheduler.last_epoch,
         "attempts": attempt,
         "train_seconds": train_seconds,
@@ -110,15 +114,15 @@ def train_summary(
         "data_in_memory": data.in_memory,
         "parameters": parameters,
         "lr": loop.lr,
-        "global_batch": run["train"]["global_batch_size"],
-        "micro_batch": run["train"]["micro_batch_size"],
+        "global_batch": run.train.global_batch_size,
+        "micro_batch": run.train.micro_batch_size,
         # chosen by train.micro_batch_size auto for this world size (config.checks)
-        "micro_batch_auto": run.get("micro_batch", {}).get("auto", False),
+        "micro_batch_auto": run.micro_batch.get("auto", False),
         "accumulation_steps": loop.accum,
         # the world size and hosts of each stretch of the training, in order (one unless
         # it was continued on another allocation)
         "segments": loop.segments,
-        "precision": run["train"]["precision"] if loop.autocast else "fp32",
+        "precision": run.train.precision if loop.autocast else "fp32",
         **pruned,
         **task_fields(run),
     }

@@ -17,6 +17,7 @@ from ddpflow.training import evaluate, sharding
 
 if TYPE_CHECKING:
     from ddpflow.cluster.distenv import DistEnv
+    from ddpflow.config.typed import TrainSpec
     from ddpflow.runtime import PhaseClock
     from ddpflow.training.rankdata import RankData
 
@@ -29,7 +30,8 @@ class Resumable:
     env: DistEnv
     device: torch.device
     data: RankData
-    tcfg: dict
+    tcfg: TrainSpec
+    micro_batch_size: int
     model: nn.Module
     wrapped: nn.Module
     sharded_optimizer: bool
@@ -99,7 +101,7 @@ class Resumable:
     def checkpoints_sharded(self) -> bool:
         """Strategy fsdp checkpoints in DCP's resharding format at every world size (on one
         rank too, where it trains unsharded), so that any world size continues them."""
-        return self.tcfg["strategy"] == "fsdp"
+        return self.tcfg.strategy == "fsdp"
 
     def load_state_dict(self, state: dict, path: Path | None = None) -> None:
         """Collective, at any world size: the position is global, the step losses are the
@@ -151,7 +153,7 @@ class Resumable:
         if iterations == 0:
             return
         train = self.data.train
-        size = min(self.tcfg["micro_batch_size"], train.images.shape[0])
+        size = min(self.micro_batch_size, train.images.shape[0])
         x = evaluate.normalize(feed.rows(train.images, 0, size), *self.data.norm)
         y = train.labels[:size]
         buffers = [b.detach().clone() for b in self.model.buffers()]  # BatchNorm statistics

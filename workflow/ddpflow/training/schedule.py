@@ -13,9 +13,13 @@ draws, and the gradient is their mean.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from ddpflow.config.typed import TrainSpec
 
 
 def step_micro_batches(n: int, global_batch: int, micro: int, seed: int, epoch: int):
@@ -43,12 +47,12 @@ def micro_batch_seed(seed: int, epoch: int, step: int, micro: int) -> int:
     return int(key[0] >> np.uint64(1))
 
 
-def effective_lr(train_cfg: dict) -> float:
+def effective_lr(train_cfg: TrainSpec) -> float:
     """The configured lr, scaled with the global batch (Goyal et al.: linear; or sqrt). The
     world size plays no part: the global batch is the recipe's."""
-    ratio = train_cfg["global_batch_size"] / train_cfg["base_batch_size"]
-    factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[train_cfg["lr_scaling"]]
-    return train_cfg["optimizer"]["lr"] * factor
+    ratio = train_cfg.global_batch_size / train_cfg.base_batch_size
+    factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[train_cfg.lr_scaling]
+    return train_cfg.optimizer.lr * factor
 
 
 def lr_schedule(schedule: str, warmup_steps: int, total_steps: int):

@@ -27,6 +27,8 @@ from torch import nn
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
+    from ddpflow.config.typed import TrainFsdpSpec
+
 log = logging.getLogger(__name__)
 
 # torchvision's repeated blocks (ResNet, ViT, ConvNeXt, MobileNet, EfficientNet, Swin, ...)
@@ -89,18 +91,18 @@ def _frozen_statistics(norms: list):
                 m.num_batches_tracked.copy_(tracked)
 
 
-def shard(model: nn.Module, device: torch.device, train_cfg: dict) -> nn.Module:
-    """fully_shard every unit, then the root (in place; returns the model)."""
+def shard(model: nn.Module, device: torch.device, cfg: TrainFsdpSpec, precision: str) -> nn.Module:
+    """fully_shard every unit, then the root (in place; returns the model), as train.fsdp
+    and train.precision say."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    cfg = train_cfg["fsdp"]
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    kwargs: dict = {"mesh": mesh, "reshard_after_forward": cfg["reshard_after_forward"]}
-    if device.type == "cuda" and train_cfg["precision"] == "bf16":
-        reduce = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg["reduce_dtype"]]
+    kwargs: dict = {"mesh": mesh, "reshard_after_forward": cfg.reshard_after_forward}
+    if device.type == "cuda" and precision == "bf16":
+        reduce = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.reduce_dtype]
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
-    if cfg["cpu_offload"]:
+    if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for unit in units(model):
         fully_shard(unit, **kwargs)

@@ -25,6 +25,7 @@ from ddpflow.cluster import distenv
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.cluster.preflight import run_preflight
 from ddpflow.config import config_hash, evaluation_fingerprint, uses_channels_last
+from ddpflow.config.typed import RunSpec
 from ddpflow.monitoring import sampler as monitor
 from ddpflow.paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
 from ddpflow.text import counted
@@ -46,16 +47,16 @@ from ddpflow.training.records import evaluation_record, published, train_summary
 log = logging.getLogger(__name__)
 
 
-def rank_context(run: dict, rendezvous_dir: str | None):
+def rank_context(spec: RunSpec, rendezvous_dir: str | None):
     """Discover the rank, then set up logging, threads, device and the process group."""
     env = distenv.discover()
     runtime.setup_logging(env.rank)
-    machine = run["machine"]
+    machine = spec.machine
     # one rank per core budget: without this every rank spawns threads for all cores
-    torch.set_num_threads(machine["cpus_per_task"])
-    if machine["gpus_per_node"]:
-        runtime.configure_cuda(run["train"]["deterministic"])
-    device = runtime.select_device(machine["gpus_per_node"], env.local_rank)
+    torch.set_num_threads(machine.cpus_per_task)
+    if machine.gpus_per_node:
+        runtime.configure_cuda(spec.train.deterministic)
+    device = runtime.select_device(machine.gpus_per_node, env.local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     log.info(
         "rank %d/%d local %d node %d via %s on %s (%s)",
@@ -67,7 +68,7 @@ def rank_context(run: dict, rendezvous_dir: str | None):
         device,
         backend,
     )
-    distenv.init_process_group(env, backend, machine["pg_timeout_s"], rendezvous_dir)
+    distenv.init_process_group(env, backend, machine.pg_timeout_s, rendezvous_dir)
     return env, device
 
 
@@ -80,7 +81,9 @@ def gather_hosts(env: DistEnv) -> list[str]:
 
 
 class DistributedTask:
-    """Base of the submitted callables: rank set-up, guaranteed teardown, rank-0 gating."""
+    """Base of the submitted callables: rank set-up, guaranteed teardown, rank-0 gating.
+    The pickled job holds the resolved run dict (`run`, what older job pickles hold too);
+    each rank builds the typed run (config.typed.RunSpec) from it once and reads only that."""
 
     def __init__(self, run: dict, paths: RunPaths, file_rendezvous: bool = True):
         # file_rendezvous: rank 0 publishes a self-bound port in the shared work folder
@@ -88,12 +91,13 @@ class DistributedTask:
         self.run, self.paths, self.file_rendezvous = run, paths, file_rendezvous
 
     def __call__(self) -> dict:
+        spec = RunSpec.from_run(self.run)  # a key it does not know fails here, at once
         Path(self.paths.work).mkdir(parents=True, exist_ok=True)
         rendezvous = self.paths.work if self.file_rendezvous else None
-        env, device = rank_context(self.run, rendezvous)
+        env, device = rank_context(spec, rendezvous)
         done = False
         try:
-            result = self.work(env, device, gather_hosts(env))
+            result = self.work(spec, env, device, gather_hosts(env))
             if env.world_size > 1:
                 # no rank tears down while another is in the last collective; the abort at
                 # exit (a teardown race) is distenv.leave_together's to prevent, not this
@@ -103,7 +107,7 @@ class DistributedTask:
         finally:
             distenv.leave_together(env, wait=done)
 
-    def work(self, env: DistEnv, device, hosts) -> dict:
+    def work(self, spec: RunSpec, env: DistEnv, device, hosts) -> dict:
         raise NotImplementedError
 
 
@@ -112,27 +116,27 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
     ranks agree on a step, rank 0 saves and calls submitit's USR2 handler, which requeues the
     pickled cluster.jobs.TrainJob (its checkpoint(), never this class's); the new job resumes."""
 
-    def work(self, env: DistEnv, device, hosts) -> dict:
-        run, paths = self.run, self.paths
+    def work(self, spec: RunSpec, env: DistEnv, device, hosts) -> dict:
+        paths = self.paths
         start = time.perf_counter()
-        if run["machine"]["preflight"]["enabled"]:
-            run_preflight(run["machine"]["preflight"], env, device, hosts)
-        in_train = run["eval"]["in_train"]
+        if spec.machine.preflight.enabled:
+            run_preflight(spec.machine.preflight, env, device, hosts)
+        in_train = spec.eval.in_train
         # the evaluation split too when this job evaluates at the end: loaded (and verified)
         # now, so that bad data fails before the training, not after it
-        splits = ("train", "val", run["eval"]["split"]) if in_train else ("train", "val")
-        data = load_data(run, paths.staged, env, device, splits)
-        _warn_about_settings(run, data, env, device)
-        model = placed_model(run, data.shape, data.num_classes, device)
-        loop = Loop(run, data, env, device, model)
-        ckpt = Checkpointer(run, paths.work, env)
+        splits = ("train", "val", spec.eval.split) if in_train else ("train", "val")
+        data = load_data(spec, paths.staged, env, device, splits)
+        _warn_about_settings(spec, data, env, device)
+        model = placed_model(spec, data.shape, data.num_classes, device)
+        loop = Loop(spec, data, env, device, model)
+        ckpt = Checkpointer(spec, paths.work, env)
         self._train(loop, ckpt, env, hosts)
         summary = None
         weights = loop.full_model_state()  # collective under FSDP; the whole model on rank 0
         if env.is_master:
             summary = self._write_outputs(model, weights, env, hosts, loop, ckpt.attempt, start)
         if in_train:
-            self._evaluate(model, data, env, hosts, summary)
+            self._evaluate(loop.run, model, data, env, hosts, summary)
         return summary or {"rank": env.rank, "host": socket.gethostname()}
 
     @property
@@ -143,7 +147,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
     def _train(self, loop: Loop, ckpt: Checkpointer, env: DistEnv, hosts) -> None:
         """Resume from the newest valid checkpoint, then train the remaining epochs under the
         run monitor; a stop signal saves and hands the job over to submitit's requeue."""
-        run, resumed = self.run, ckpt.restore(loop)
+        run, resumed = loop.run, ckpt.restore(loop)
         ckpt.attempt = _next_attempt(Path(self.paths.work), resumed is not None, env)
         loop.begin_segment(hosts, ckpt.attempt)
         if env.is_master:
@@ -165,14 +169,14 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
 
     def _on_epoch(self, loop: Loop, ckpt: Checkpointer, watch, env: DistEnv):
         """What every rank does after an epoch: the monitor, the checkpoint, rank 0's log."""
-        run, live_metrics = self.run, self.live_metrics
+        run, live_metrics = loop.run, self.live_metrics
         pruner = MedianPruner(run, self.paths.work, env, loop.device)
         selects = loop.data.task.selection.metric
         shown = "val_acc" if selects == "val_accuracy" else selects
 
         def on_epoch(record: dict) -> None:
             watch.on_epoch(record)  # every rank (a collective), before the checkpoint
-            record.update(run=run["name"], attempt=ckpt.attempt)
+            record.update(run=run.name, attempt=ckpt.attempt)
             # sweep pruning (a collective where due): its decision joins the record, and so
             # the checkpoint, and the fit loop stops after a pruned epoch
             pruner.on_epoch(record)
@@ -182,7 +186,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
                 log.info(
                     "epoch %d/%d loss %.4f %s %.4f %.0f samples/s",
                     record["epoch"],
-                    run["train"]["epochs"],
+                    run.train.epochs,
                     record["train_loss"],
                     shown,
                     record[selects],
@@ -191,15 +195,15 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
 
         return on_epoch
 
-    def _evaluate(self, model, data, env: DistEnv, hosts, summary) -> None:
+    def _evaluate(self, run: RunSpec, model, data, env: DistEnv, hosts, summary) -> None:
         """Score the final model before the ranks are released (one allocation per run):
         the same exact evaluation as the evaluate job's, on the bare module (no autocast),
         so the counts are those a job of its own would get. Rank 0 keeps the result in the
         work folder, tied to model.pt's checksum and the eval config; the evaluate rule
         publishes it. A failure here is logged and leaves the evaluation to that rule."""
-        run, split = self.run, self.run["eval"]["split"]
+        split = run.eval.split
         sync_buffers(model, env.world_size)  # score the model rank 0 saved
-        scoring = data.scoring(run["eval"]["batch_size"])
+        scoring = data.scoring(run.eval.batch_size)
         result = evaluate.evaluate_split(model, data.split(split), scoring, env, guard=True)
         if result is None:
             log.warning("the evaluation after training failed; the evaluate rule will score "
@@ -210,18 +214,18 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
                 run, result, data.manifest, env.world_size, hosts, summary, "train job"
             )
             record["model_sha256"] = summary.pop("model_sha256")
-            record["eval_key"] = config_hash(evaluation_fingerprint(run))
+            record["eval_key"] = config_hash(evaluation_fingerprint(run.resolved))
             runtime.atomic_write_json(Path(self.paths.work) / EVAL_FROM_TRAIN, record)
             log.info("evaluated on the %s split: %s in %.2fs", split,
                      data.task.describe(result), result["eval_seconds"])  # fmt: skip
             _tensorboard_final(run, self.paths, result, summary["steps"], data.task)
 
     def _write_outputs(self, model, weights, env: DistEnv, hosts, loop, attempt, start):
-        run, paths, data = self.run, self.paths, loop.data
+        run, paths, data = loop.run, self.paths, loop.data
         sha256 = runtime.atomic_torch_save(
             {
                 "state_dict": weights,
-                "model": run["model"],
+                "model": run.resolved["model"],  # a dict: model.pt loads weights_only
                 "shape": data.shape,
                 "num_classes": data.num_classes,
             },
@@ -237,19 +241,19 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         return {**summary, "model_sha256": sha256}
 
 
-def _warn_about_settings(run: dict, data: RankData, env: DistEnv, device) -> None:
+def _warn_about_settings(run: RunSpec, data: RankData, env: DistEnv, device) -> None:
     """Settings that train, but likely not as meant on this data or machine."""
-    augment = run["train"]["augment"]
-    if env.is_master and augment["enabled"] and augment["crop_padding"] * 4 > min(data.shape[1:]):
+    augment = run.train.augment
+    if env.is_master and augment.enabled and augment.crop_padding * 4 > min(data.shape[1:]):
         log.warning(
             "train.augment.crop_padding %d on %s images: a random crop can cut away up to "
             "half of an image; lower it (the CIFAR recipe pads 32x32 images by 4)",
-            augment["crop_padding"], "x".join(map(str, data.shape[1:])),
+            augment.crop_padding, "x".join(map(str, data.shape[1:])),
         )  # fmt: skip
     if (
         env.local_rank == 0
         and device.type == "cpu"
-        and run["train"]["precision"] == "bf16"
+        and run.train.precision == "bf16"
         and not cpu_has_native_bf16()
     ):
         log.warning(
@@ -278,16 +282,16 @@ def _next_attempt(work: Path, resumed: bool, env: DistEnv) -> int:
     return previous + 1
 
 
-def _start_log(run, model, loop, resumed, attempt, live_metrics: Path) -> None:
+def _start_log(run: RunSpec, model, loop, resumed, attempt, live_metrics: Path) -> None:
     # the live metrics file always equals the checkpoint's history plus what follows
     lines = "".join(json.dumps(r, sort_keys=True) + "\n" for r in loop.history)
     runtime.atomic_write_bytes(live_metrics, lines.encode())
-    train = run["train"]
+    train = run.train
     log.info(
         "model %s: %d parameters; lr %.4g (global batch %d = micro-batch %d x %s x %s); "
         "strategy %s; attempt %d",
-        run["model"]["name"], count_parameters(model), loop.lr, train["global_batch_size"],
-        train["micro_batch_size"], counted(loop.env.world_size, "rank"),
+        run.model.name, count_parameters(model), loop.lr, train.global_batch_size,
+        train.micro_batch_size, counted(loop.env.world_size, "rank"),
         counted(loop.accum, "accumulation step"), loop.strategy, attempt,
     )  # fmt: skip
     if resumed:
@@ -295,11 +299,11 @@ def _start_log(run, model, loop, resumed, attempt, live_metrics: Path) -> None:
                  resumed_line(resumed, loop.env.world_size))  # fmt: skip
 
 
-def _progress_bar(run: dict, env: DistEnv):
+def _progress_bar(run: RunSpec, env: DistEnv):
     """Rank 0's progress within an epoch: a tqdm bar on a terminal; in a log file (a
     submitit or Slurm rank log is never a terminal) whole lines instead, since a bar's
     carriage returns would glue the next log line onto it."""
-    if not (env.is_master and run["train"]["progress"]):
+    if not (env.is_master and run.train.progress):
         return None
 
     def factory(loop):
@@ -350,32 +354,32 @@ class LineProgress:
 
 
 class EvalTask(DistributedTask):
-    def work(self, env: DistEnv, device, hosts) -> dict:
-        run, paths = self.run, self.paths
-        split = run["eval"]["split"]
-        data = load_data(run, paths.staged, env, device, splits=(split,))
+    def work(self, spec: RunSpec, env: DistEnv, device, hosts) -> dict:
+        paths = self.paths
+        split = spec.eval.split
+        data = load_data(spec, paths.staged, env, device, splits=(split,))
         checkpoint = torch.load(paths.model, map_location=device, weights_only=True)
         model = build_model(checkpoint["model"], checkpoint["shape"], checkpoint["num_classes"])
         model.load_state_dict(checkpoint["state_dict"])
-        model = place(model, device, uses_channels_last(run))
-        scoring = data.scoring(run["eval"]["batch_size"])
+        model = place(model, device, uses_channels_last(spec))
+        scoring = data.scoring(spec.eval.batch_size)
         result = evaluate.evaluate_split(model, data.split(split), scoring, env)
         if not env.is_master:
             return {"rank": env.rank, "host": socket.gethostname()}
-        return self._write(result, data, env, hosts)
+        return self._write(spec, result, data, env, hosts)
 
-    def _write(self, result, data, env: DistEnv, hosts) -> dict:
+    def _write(self, spec: RunSpec, result, data, env: DistEnv, hosts) -> dict:
         train = json.loads(Path(self.paths.train_summary).read_text())
         record = evaluation_record(
-            self.run, result, data.manifest, env.world_size, hosts, train, "evaluate job"
+            spec, result, data.manifest, env.world_size, hosts, train, "evaluate job"
         )
         record["slurm_job_id"] = _slurm_job_id(env)
         runtime.atomic_write_json(self.paths.eval_metrics, record)
-        _tensorboard_final(self.run, self.paths, result, train.get("steps", 0), data.task)
+        _tensorboard_final(spec, self.paths, result, train.get("steps", 0), data.task)
         return published(record)
 
 
-def _tensorboard_final(run: dict, paths: RunPaths, result: dict, step: int, task) -> None:
-    if run["train"]["monitor"]["tensorboard"]:
+def _tensorboard_final(run: RunSpec, paths: RunPaths, result: dict, step: int, task) -> None:
+    if run.train.monitor.tensorboard:
         log_dir = Path(paths.model).parent / monitor.TENSORBOARD_DIR
-        monitor.log_final_metrics(log_dir, run["eval"]["split"], result, step, task.headline)
+        monitor.log_final_metrics(log_dir, run.eval.split, result, step, task.headline)
