@@ -1,7 +1,7 @@
-"""A regression and a multi-label run through the whole workflow at 2 ranks, as a user runs
-it (snakemake, an npz of their own): the task's metrics in eval_metrics.json and in the
-report; the same metrics scored again at 1 rank; a multi-label task on single-label data
-refused before any rank starts."""
+"""A regression sweep and a multi-label run through the whole workflow at 2 ranks, as a user
+runs it (snakemake, an npz of their own): the task's metrics in eval_metrics.json and in the
+report; the sweep ranked by validation MSE, lowest first; the same metrics scored again at
+1 rank; a multi-label task on single-label data refused before any rank starts."""
 
 from __future__ import annotations
 
@@ -53,12 +53,17 @@ def _config(ranks: int) -> dict:
         "train": {"epochs": 4, "global_batch_size": 32, "micro_batch_size": 16,
                   "optimizer": {"lr": 0.05}},
         "machine": {"cpu_ranks_per_node": ranks},
-        "runs": [
-            {"name": "reg", "task": "regression", "data": {"source": "npz", "path": "reg.npz"}},
-            {"name": "tags", "task": "multilabel",
-             "data": {"source": "npz", "path": "tags.npz"}},
-        ],
+        # the regression runs are a sweep's two points (its base is the top level): lr 0.05
+        # learns in 4 epochs, lr 0.0005 barely moves, so the sweep has a clear order
+        "task": "regression",
+        "data": {"source": "npz", "path": "reg.npz"},
+        "sweep": {"grid": {"train.optimizer.lr": [0.0005, 0.05]}},
+        "runs": [{"name": "tags", "task": "multilabel",
+                  "data": {"source": "npz", "path": "tags.npz"}}],
     }  # fmt: skip
+
+
+REG, SLOW = "lr-0.05", "lr-0.0005"  # the sweep's points
 
 
 def test_a_regression_and_a_multilabel_run_train_evaluate_and_report(workdir):
@@ -67,7 +72,7 @@ def test_a_regression_and_a_multilabel_run_train_evaluate_and_report(workdir):
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     scored = {}
-    for run, task in (("reg", "regression"), ("tags", "multilabel")):
+    for run, task in ((REG, "regression"), (SLOW, "regression"), ("tags", "multilabel")):
         record = json.loads((workdir / f"results/runs/{run}/eval_metrics.json").read_text())
         assert record["task"] == task and record["world_size"] == 2
         assert record["samples_evaluated"] == record["test_size"] == 161
@@ -75,28 +80,42 @@ def test_a_regression_and_a_multilabel_run_train_evaluate_and_report(workdir):
         scored[run] = record
         summary = json.loads((workdir / f"results/runs/{run}/train_summary.json").read_text())
         assert summary["selection"] == record["selection"]
-    assert scored["reg"]["r2"] > 0.5 and scored["reg"]["selection"]["metric"] == "val_mse"
+    assert scored[REG]["r2"] > 0.5 and scored[REG]["selection"]["metric"] == "val_mse"
     assert 0.6 < scored["tags"]["f1_micro"] < 1.0  # learned, and not trivially perfect
     positives = int(np.load(workdir / "tags.npz")["test_labels"].sum())
     tags = scored["tags"]
     assert sum(tags["true_positives"]) + sum(tags["false_negatives"]) == positives
-    assert "evaluate 'reg' on the test split: mse " in output
+    assert f"evaluate '{REG}' on the test split: mse " in output
     report = (workdir / "results/report/report.md").read_text()
     runs_table = report[report.index("## Runs") : report.index("## Machine and speed")]
     for task in ("regression", "multilabel"):
         for label in SHOWN[task]:
             assert label in runs_table, (task, label)
     assert "## Per-label test F1" in report and "| top\\_left | " in report
-    assert (workdir / "results/report/plots/predicted_vs_true_reg.png").is_file()
+    assert (workdir / f"results/report/plots/predicted_vs_true_{REG}.png").is_file()
+
+    # the sweep is ranked by the validation MSE each point kept (its last epoch's), lowest
+    # first: read from the points' own epoch records, not from the report
+    kept = {}
+    for run in (REG, SLOW):
+        epochs = (workdir / f"results/runs/{run}/train_metrics.jsonl").read_text().splitlines()
+        kept[run] = json.loads(epochs[-1])["val_mse"]
+    assert kept[REG] < kept[SLOW]
+    sweep = json.loads((workdir / "results/report/summary.json").read_text())["sweep"]
+    assert sweep["selected_by"] == "val_mse" and sweep["higher_is_better"] is False
+    ranking = [(row["run"], row["rank"], row["val_mse"]) for row in sweep["ranking"]]
+    assert ranking == [(REG, 1, kept[REG]), (SLOW, 2, kept[SLOW])]
+    assert sweep["selected_run"] == REG
+    assert "Ranked by validation MSE (lower is better)" in report
 
     # the same model scored again at 1 rank (eval_metrics.json deleted, one rank per node):
     # the counts equal, the float64 sums to rounding
-    for run in ("reg", "tags"):
+    for run in (REG, "tags"):
         (workdir / f"results/runs/{run}/eval_metrics.json").unlink()
     again = snakemake(workdir, write_config(workdir / "config.yaml", _config(1)))
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
     assert "localrule train" not in again.stdout + again.stderr  # nothing retrains
-    for run in ("reg", "tags"):
+    for run in (REG, "tags"):
         one = json.loads((workdir / f"results/runs/{run}/eval_metrics.json").read_text())
         before = scored[run]
         assert one["world_size"] == 1 and one["samples_evaluated"] == 161

@@ -8,7 +8,7 @@ from __future__ import annotations
 from ddpflow import runtime
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import plugin_source, plugin_source_hash
-from ddpflow.config.typed import RunSpec
+from ddpflow.config.typed import RunSpec, RunView
 from ddpflow.plugins import is_plugin
 from ddpflow.task import DEFAULT_TASK, run_task
 
@@ -53,12 +53,12 @@ def evaluation_record(
     return record
 
 
-def task_fields(run: RunSpec) -> dict:
+def task_fields(run: RunView) -> dict:
     """What a train summary and an evaluation record say about a task other than
     classification: its name and the validation metric that selects (with its direction),
     which the report, sweeps and trackers read (ddpflow.task.selection_of). Nothing for
     classification: its records are those written before tasks existed."""
-    if run.task == DEFAULT_TASK:
+    if run.get("task", DEFAULT_TASK) == DEFAULT_TASK:
         return {}
     task = run_task(run)
     selection = task.selection.record()
