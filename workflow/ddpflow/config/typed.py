@@ -465,6 +465,10 @@ class MachineSpec(_Section):
     cancel_on_interrupt: bool = True
     #: a rank stuck in a collective fails the job after this many seconds
     pg_timeout_s: int = 300
+    #: the network interface the ranks talk over (e.g. ib0, eth0; as GLOO_SOCKET_IFNAME and
+    #: NCCL_SOCKET_IFNAME): rank 0's store listens on its address only. null: the address the
+    #: first node's host name resolves to, which the other ranks connect to
+    network_interface: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
