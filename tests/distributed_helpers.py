@@ -55,7 +55,9 @@ def submitit_local_env(rank: int, world_size: int, job_id: str) -> dict[str, str
     }
 
 
-def _rank_main(rank, world_size, job_id, rendezvous_dir, target, args, results, backend):
+def _rank_main(
+    rank, world_size, job_id, rendezvous_dir, target, args, results, backend, interface=None
+):
     import torch.distributed as dist
     from ddpflow.cluster import distenv
 
@@ -68,7 +70,7 @@ def _rank_main(rank, world_size, job_id, rendezvous_dir, target, args, results, 
         env = distenv.discover()
         if backend == "nccl":  # one GPU per rank, chosen before NCCL creates a communicator
             torch.cuda.set_device(env.local_rank)
-        distenv.init_process_group(env, backend, PG_TIMEOUT_S, rendezvous_dir)
+        distenv.init_process_group(env, backend, PG_TIMEOUT_S, rendezvous_dir, interface)
         if backend == "nccl" and world_size == 1:  # distenv needs no group for one rank
             dist.init_process_group(
                 backend, init_method=f"file://{rendezvous_dir}/nccl-store", rank=0, world_size=1
@@ -85,10 +87,16 @@ def _rank_main(rank, world_size, job_id, rendezvous_dir, target, args, results, 
 
 
 def run_group(
-    world_size: int, target, args: tuple, rendezvous_dir: Path, backend: str = "gloo"
+    world_size: int,
+    target,
+    args: tuple,
+    rendezvous_dir: Path,
+    backend: str = "gloo",
+    interface: str | None = None,
 ) -> list:
     """Run target(env, *args) on `world_size` spawned ranks; return the results by rank.
-    backend "nccl": rank r uses GPU r (tests/test_gpu.py).
+    backend "nccl": rank r uses GPU r (tests/test_gpu.py); interface: as
+    machine.network_interface.
 
     Raises AssertionError with the failing ranks' tracebacks if any rank fails or hangs.
     """
@@ -101,7 +109,17 @@ def run_group(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, job_id, str(rendezvous_dir), target, args, results, backend),
+            args=(
+                rank,
+                world_size,
+                job_id,
+                str(rendezvous_dir),
+                target,
+                args,
+                results,
+                backend,
+                interface,
+            ),  # fmt: skip
         )
         for rank in range(world_size)
     ]
@@ -212,3 +230,35 @@ def make_task_data(task: str, n_train: int, n_val: int, seed: int = 0):
         manifest=manifest,
         task=get_task(task),
     )
+
+
+def own_listeners() -> list[tuple[str, int]]:
+    """(address, port) of every listening TCP socket this process holds, read from
+    /proc/net/tcp and tcp6 of its network namespace, matched by socket inode to
+    /proc/self/fd: what `ss -ltnp` shows for the process. "0.0.0.0" or "::" is a wildcard."""
+    import ipaddress
+    import socket
+
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or int(fields[9]) not in inodes:  # 0A: LISTEN
+                continue
+            hex_address, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_address)
+            # the kernel prints each 32-bit word in host (little-endian) order
+            words = [raw[i : i + 4][::-1] for i in range(0, len(raw), 4)]
+            packed = b"".join(words)
+            address = str(ipaddress.ip_address(packed)) if family == socket.AF_INET6 else \
+                socket.inet_ntoa(packed)  # fmt: skip
+            found.append((address, int(hex_port, 16)))
+    return sorted(found)

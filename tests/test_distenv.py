@@ -8,11 +8,12 @@ really starts two ranks.
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-from ddpflow.cluster import distenv
+from ddpflow.cluster import distenv, rendezvous
 from ddpflow.cluster.distenv import (
     PORT_BASE,
     PORT_SPAN,
@@ -21,7 +22,7 @@ from ddpflow.cluster.distenv import (
     discover,
     expand_nodelist,
 )
-from distributed_helpers import port_files, run_group, submitit_local_env
+from distributed_helpers import own_listeners, port_files, run_group, submitit_local_env
 
 # --- realistic variable sets ---------------------------------------------------------
 
@@ -303,5 +304,43 @@ def test_two_ranks_meet_through_the_rendezvous_directory(tmp_path):
     # rank 0 published the port it bound, for this job and attempt, atomically (no temp left)
     assert port_files(tmp_path) == [f"rendezvous-{job_id}-0.port"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"rendezvous-{job_id}-0.port"]
-    host, port = (tmp_path / f"rendezvous-{job_id}-0.port").read_text().split()
-    assert host and 0 < int(port) < 65536
+    host, port, address = (tmp_path / f"rendezvous-{job_id}-0.port").read_text().split()
+    assert host and 0 < int(port) < 65536 and address == "127.0.0.1"
+
+
+# --- nothing open to other users: no wildcard listener, nothing pickled on the wire ---------
+
+
+def _listeners_after_a_collective(env):
+    dist.all_reduce(torch.ones(1))  # gloo's pairs are connected: every listener is up
+    mine = f"{socket.gethostname()}-rank{env.rank}-\u00e9"  # any UTF-8
+    hosts = distenv.all_gather_text(mine, env.world_size, torch.device("cpu"))
+    dist.barrier()
+    return {"listeners": own_listeners(), "hosts": hosts,
+            "ifname": os.environ.get("GLOO_SOCKET_IFNAME")}  # fmt: skip
+
+
+def test_no_rank_listens_on_a_wildcard_address(tmp_path):
+    # the detector sees a wildcard: torch's own TCPStore binds [::] whatever host it is given
+    plain = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    assert any(a in ("0.0.0.0", "::") and p == plain.port for a, p in own_listeners())
+    del plain
+    for interface in (None, "lo"):  # the master's host name; machine.network_interface: lo
+        folder = tmp_path / str(interface)
+        results = run_group(2, _listeners_after_a_collective, (), folder, interface=interface)
+        for rank, result in enumerate(results):
+            assert result["listeners"], rank  # gloo listens on every rank
+            wildcards = [a for a in result["listeners"] if a[0] in ("0.0.0.0", "::")]
+            assert not wildcards, (interface, rank, result["listeners"])
+            assert result["hosts"] == [f"{socket.gethostname()}-rank{r}-\u00e9" for r in (0, 1)]
+            assert result["ifname"] == interface
+        # rank 0's store listens on the address it published for the other ranks
+        (port_file,) = folder.glob("rendezvous-*.port")
+        _, port, address = port_file.read_text().split()
+        assert (address, int(port)) in results[0]["listeners"]
+
+
+def test_an_interface_that_is_not_here_is_named_with_those_that_are():
+    assert rendezvous.interface_address("lo") == "127.0.0.1"
+    with pytest.raises(rendezvous.NetworkError, match=r"machine.network_interface 'ib9'.*lo"):
+        rendezvous.interface_address("ib9")

@@ -49,7 +49,9 @@ def machine() -> dict:
 @pytest.fixture
 def sbatch(machine) -> str:
     return _make_sbatch_string(
-        command=COMMAND, folder=FOLDER, **slurm_parameters(machine, "ddpflow-train-big")
+        command=COMMAND,
+        folder=FOLDER,
+        **slurm_parameters(machine, "ddpflow-train-big", folder=FOLDER),
     )
 
 
@@ -93,6 +95,9 @@ def test_sbatch_essentials(sbatch):
     assert "--kill-on-bad-exit=1" in srun.split()
     assert srun.endswith(COMMAND)
     assert sbatch.index("module load cuda/12.4") < sbatch.index("srun ")
+    # before the node loads the job's pickle: the folder must be the user's alone
+    refusal = f'if [ ! -O {FOLDER} ] || [ -n "$(find {FOLDER} -maxdepth 0 -perm /022)" ]'
+    assert sbatch.index(refusal) < sbatch.index("module load cuda/12.4")
 
 
 def test_executor_writes_the_same_script(machine, sbatch, monkeypatch):

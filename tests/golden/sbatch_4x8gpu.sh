@@ -20,6 +20,7 @@
 #SBATCH --wckey=submitit
 
 # setup
+if [ ! -O /scratch/proj/ddpflow/logs/submitit/big/train ] || [ -n "$(find /scratch/proj/ddpflow/logs/submitit/big/train -maxdepth 0 -perm /022)" ]; then echo 'ddpflow: the job folder /scratch/proj/ddpflow/logs/submitit/big/train can be written by others or is not yours: refusing to load its pickles; fix: chmod 700 /scratch/proj/ddpflow/logs/submitit/big/train' >&2; exit 1; fi
 module load cuda/12.4
 
 # command

@@ -56,5 +56,27 @@ def allreduce_main() -> int:
     return 0 if value.item() == expected else 1
 
 
+def rendezvous_listeners(folder: str) -> dict:
+    """A rank of a ddpflow job: the rendezvous through `folder` (distenv, as TrainTask), one
+    all_reduce, the host names gathered as tensors, then the listening sockets this rank
+    holds in its node's network namespace."""
+    import torch
+    import torch.distributed as dist
+    from ddpflow.cluster import distenv
+    from distributed_helpers import own_listeners
+
+    env = distenv.discover()
+    distenv.init_process_group(env, "gloo", 60, folder)
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    hosts = distenv.all_gather_text(socket.gethostname(), env.world_size, torch.device("cpu"))
+    dist.barrier()
+    listeners = own_listeners()
+    dist.barrier()
+    distenv.leave_together(env)
+    return {"rank": env.rank, "host": socket.gethostname(), "hosts": hosts,
+            "listeners": listeners, "sum": value.item()}  # fmt: skip
+
+
 if __name__ == "__main__":
     sys.exit(allreduce_main())

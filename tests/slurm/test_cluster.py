@@ -6,6 +6,7 @@ Every wait is bounded: a broken cluster fails a test, it never hangs it.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -82,10 +83,9 @@ def test_gloo_allreduce_two_nodes_two_tasks(slurm_cluster):
     assert {line.split("host=")[1].split()[0] for line in lines} == set(slurm_cluster.nodes[:2])
 
 
-def test_submitit_multinode(slurm_cluster, tmp_path):
+def _run_on_two_nodes(slurm_cluster, tmp_path, function, *args, limit_s: float = 180) -> list:
+    """function(*args) as a submitit job of 2 nodes x 2 tasks; every task's result."""
     submitit = pytest.importorskip("submitit")
-    import slurm_payloads  # on sys.path via conftest.py
-
     executor = submitit.AutoExecutor(folder=tmp_path / "submitit")
     executor.update_parameters(
         slurm_partition=slurm_cluster.partition,
@@ -94,17 +94,24 @@ def test_submitit_multinode(slurm_cluster, tmp_path):
         tasks_per_node=2,
         cpus_per_task=1,
         timeout_min=5,
-        # The function is pickled by reference: the job must import slurm_payloads.
-        slurm_setup=[f"export PYTHONPATH={HERE}${{PYTHONPATH:+:$PYTHONPATH}}"],
+        # The function is pickled by reference: the job must import slurm_payloads (and
+        # distributed_helpers, one folder up).
+        slurm_setup=[f"export PYTHONPATH={HERE}:{HERE.parent}${{PYTHONPATH:+:$PYTHONPATH}}"],
     )
-    job = executor.submit(slurm_payloads.task_info)
-    deadline = time.monotonic() + 120
+    job = executor.submit(function, *args)
+    deadline = time.monotonic() + limit_s
     while not job.done():
         if time.monotonic() > deadline:
             job.cancel(check=False)
-            pytest.fail(f"submitit job {job.job_id} not done after 120s; see {tmp_path}")
+            pytest.fail(f"submitit job {job.job_id} not done after {limit_s}s; see {tmp_path}")
         time.sleep(1)
-    results = job.results()  # result() asserts on multi-task jobs
+    return job.results()  # result() asserts on multi-task jobs
+
+
+def test_submitit_multinode(slurm_cluster, tmp_path):
+    import slurm_payloads  # on sys.path via conftest.py
+
+    results = _run_on_two_nodes(slurm_cluster, tmp_path, slurm_payloads.task_info)
     assert len(results) == 4
     assert sorted(r["SLURM_PROCID"] for r in results) == ["0", "1", "2", "3"]
     assert {r["hostname"] for r in results} == set(slurm_cluster.nodes[:2])
@@ -131,3 +138,29 @@ def test_snakemake_slurm_executor(slurm_cluster, tmp_path):
     res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stdout + res.stderr
     assert (tmp_path / "where.txt").read_text().strip() in slurm_cluster.nodes
+
+
+def test_no_rank_of_a_job_listens_on_a_wildcard_address(slurm_cluster, tmp_path):
+    """2 nodes x 2 ranks in their own network namespaces (node1 10.250.0.11, ...): rank 0's
+    store listens on node1's address only, every rank's gloo listener on its node's; none on
+    0.0.0.0 or [::] (/proc/net/tcp of the node's namespace, by the rank's socket inodes)."""
+    import slurm_payloads
+
+    folder = tmp_path / "work"
+    folder.mkdir(mode=0o700)
+    results = _run_on_two_nodes(
+        slurm_cluster, tmp_path, slurm_payloads.rendezvous_listeners, str(folder)
+    )
+    results = sorted(results, key=lambda r: r["rank"])
+    nodes = slurm_cluster.nodes[:2]
+    addresses = {node: socket.gethostbyname(node) for node in nodes}
+    assert [r["host"] for r in results] == [nodes[0], nodes[0], nodes[1], nodes[1]]
+    for result in results:
+        assert result["sum"] == 4.0 and result["hosts"] == [r["host"] for r in results]
+        assert result["listeners"], result
+        for address, _ in result["listeners"]:
+            assert address == addresses[result["host"]], result  # never 0.0.0.0 / ::
+    (port_file,) = folder.glob("rendezvous-*.port")
+    host, port, address = port_file.read_text().split()
+    assert host == nodes[0] and address == addresses[nodes[0]]
+    assert (address, int(port)) in results[0]["listeners"]

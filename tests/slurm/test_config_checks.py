@@ -10,6 +10,7 @@ Two kinds of tests live here:
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 from pathlib import Path
 
@@ -313,3 +314,42 @@ def test_real_cluster_accepts_what_fits(slurm_cluster):
     }
     sc.check_runs_against_cluster(runs_for(fits) + runs_for({}, name="defaults"))
     assert queued_jobs() == before
+
+
+# ---------------------------------------------------------------- the staging job
+
+
+def test_the_staging_job_must_fit_a_node_of_its_partition():
+    cluster = cluster_from("testbed")
+    (run,) = runs_for({"stage": {"cpus": 4, "mem_gb": 4}})
+    sc.check_stage_job(run, cluster)  # the defaults' sizes fit the testbed's nodes
+    cases = [
+        ({"cpus": 8}, "machine.stage.cpus is 8 but the nodes of partition 'debug' have at most "
+                      "4 CPUs; set machine.stage.cpus <= 4"),
+        ({"mem_gb": 9}, "machine.stage.mem_gb is 9 but partition 'debug' gives a node at most "
+                        "8000 MB; set machine.stage.mem_gb <= 7.8"),
+        ({"partition": "short", "time_min": 30}, "machine.stage.time_min is 30 but partition "
+                                                 "'short' allows at most 10 min"),
+        ({"partition": "nope"}, "machine.partition is 'nope' but the cluster has no such"),
+    ]  # fmt: skip
+    for stage, expected in cases:
+        (run,) = runs_for({"stage": stage})
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            sc.check_stage_job(run, cluster)
+
+
+def test_where_staging_runs_and_what_its_job_asks_for():
+    slurm = runs_for({"partition": "debug", "account": "ddpflow", "stage": {"cpus": 2}})
+    assert ddpconfig.stage_where(slurm, "slurm") == "job"
+    assert ddpconfig.stage_where(slurm, "local") == "login"
+    assert ddpconfig.stage_job_resources(slurm[0]) == {
+        "cpus_per_task": 2, "mem_mb": 4096, "runtime": 60, "nodes": 1, "tasks": 1,
+        "slurm_partition": "debug", "slurm_account": "ddpflow",
+    }  # fmt: skip
+    login = runs_for({"stage": {"where": "login"}})
+    assert ddpconfig.stage_where(login, "slurm") == "login"
+    with pytest.raises(ConfigError, match="machine.stage.where: job stages in a Slurm job"):
+        ddpconfig.stage_where(runs_for({"stage": {"where": "job"}}), "local")
+    mixed = [*login, *runs_for({"stage": {"where": "job"}}, name="other")]
+    with pytest.raises(ConfigError, match=r"the runs ask for \['job', 'login'\]"):
+        ddpconfig.stage_where(mixed, "slurm")

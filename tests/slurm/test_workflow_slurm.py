@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -83,6 +84,12 @@ def test_profile_runs_whole_pipeline_on_two_nodes(slurm_run):
     assert sacct_state(ids[0]) == "COMPLETED"
     assert not (workdir / "logs/submitit/cnn/evaluate").exists(), "a second job was queued"
     assert metrics["evaluated_by"] == "train job"
+    # nothing open to other users: the job's and the run's folders are the user's alone
+    job_folder, work = workdir / "logs/submitit/cnn/train", workdir / "results/work/cnn"
+    assert stat.S_IMODE(job_folder.stat().st_mode) == 0o700
+    assert stat.S_IMODE(work.stat().st_mode) == 0o700
+    assert {stat.S_IMODE(p.stat().st_mode) for p in job_folder.glob("*.pkl")} == {0o600}
+    assert stat.S_IMODE((work / "fingerprint.json").stat().st_mode) == 0o600
     # cluster efficiency from the cluster's accounting, in the report (issue 14)
     assert train["slurm_job_id"] == ids[0]
     summary = json.loads((workdir / "results/report/summary.json").read_text())
@@ -93,6 +100,25 @@ def test_profile_runs_whole_pipeline_on_two_nodes(slurm_run):
     assert job["mem_used_mib"] > 100 and job["mem_asked_mib"] == 1024, job
     report = (workdir / "results/report/report.md").read_text()
     assert "## Cluster efficiency (Slurm)" in report and f"| {ids[0]} | COMPLETED |" in report
+
+
+def test_a_work_folder_others_can_write_is_refused_before_a_job_is_queued(slurm_cluster, tmp_path):
+    configfile = write_config(
+        tmp_path / "config.yaml", {**SCIENCE, "machine": CLUSTER_MACHINE, "runs": [{"name": "cnn"}]}
+    )
+    work = tmp_path / "results/work/cnn"
+    work.mkdir(parents=True)
+    os.chmod(work, 0o777)
+    result = slurm_snakemake(tmp_path, configfile)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "results/work/cnn: its group and every user can write it (mode 0777)" in output, output[
+        -3000:
+    ]
+    assert "chmod 700" in output
+    train_jobs = tmp_path / "logs/submitit/cnn/train"
+    assert not train_jobs.exists() or not job_ids(train_jobs)  # nothing was queued
+    assert stat.S_IMODE(work.stat().st_mode) == 0o777  # refused, not changed behind the user
 
 
 def test_accuracy_equals_local_run(slurm_run, tmp_path):

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import socket
 import time
 from pathlib import Path
 
 from ddpflow import runtime
-from ddpflow.cluster import launch, nodes, placement
+from ddpflow.cluster import launch, nodes, placement, private
 from ddpflow.cluster.jobs import EvalJob, TrainJob
 from ddpflow.config import (
     BUILT_IN_MODELS,
@@ -49,6 +51,10 @@ log = logging.getLogger(__name__)
 
 
 def stage_data(data_cfg: dict, out_dir: str, threads: int = 1) -> dict:
+    job = os.environ.get("SLURM_JOB_ID")
+    where = f"in Slurm job {job} on {socket.gethostname()}" if job else "on this machine"
+    log.info("staging %s into %s %s (%s)", data_cfg["source"], out_dir, where,
+             counted(threads, "thread"))  # fmt: skip
     start = time.perf_counter()
     manifest = stage_dataset(data_cfg, out_dir, seed=data_cfg["seed"], threads=threads)
     seconds = time.perf_counter() - start
@@ -85,6 +91,8 @@ def _distributed(
     """Submit the stage's job for `run` (as placed: _placed) and wait for its ranks."""
     folder = Path(logs_dir).resolve() / "submitit" / run["name"] / stage_name
     start = time.perf_counter()
+    _refuse_an_unsafe_torch(run)
+    private.make(paths.work, "work folder")  # 0700: checkpoints and rendezvous files
     # what the job computes: a rerun reattaches to a job of the same fingerprint and
     # cancels one of an edited config (launch.reattach)
     fingerprint = training_fingerprint(run)
@@ -114,6 +122,20 @@ def _distributed(
         time.perf_counter() - start,
     )
     return results
+
+
+def _refuse_an_unsafe_torch(run: dict) -> None:
+    """The ranks load checkpoints and model.pt (weights_only): refused before anything is
+    queued where this environment's torch has known weights_only bypasses (the ranks
+    refuse too, in case machine.setup gives them another torch)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        problem = runtime.weights_only_problem(version("torch"))
+    except PackageNotFoundError:
+        return  # no torch here: the ranks' environment (machine.setup) decides, and checks
+    if problem is not None:
+        raise UserError(f"run {run['name']!r}: {problem}")
 
 
 def _check_user_model(run: dict, manifest: dict) -> None:

@@ -91,15 +91,24 @@ def configure_cuda(deterministic: bool) -> None:
     torch.backends.cudnn.benchmark = not deterministic
 
 
+def new_file_mode(path: Path) -> int:
+    """0600 for a file in a private folder (mode 0700: ddpflow.cluster.private), else 0666
+    (less the umask, as for any file)."""
+    return 0o666 if path.parent.stat().st_mode & 0o077 else 0o600
+
+
 @contextmanager
 def atomic_writer(path: str | Path) -> Iterator:
     """A binary file handle on a temporary sibling of `path`: on success it is fsynced and
-    renamed over `path`, on any error removed. Readers never see a partial file."""
+    renamed over `path`, on any error removed. Readers never see a partial file. In a
+    private folder (mode 0700: job and work folders, ddpflow.cluster.private) the file is
+    0600; elsewhere the umask decides, as for any file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "wb") as fh:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        with os.fdopen(os.open(tmp, flags, new_file_mode(path)), "wb") as fh:
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
@@ -115,6 +124,36 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 def atomic_write_json(path: str | Path, obj) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+# torch.load(weights_only=True) had known bypasses that run code from a crafted file before
+# these versions: CVE-2025-32434 (fixed in 2.6) and CVE-2026-24747 (fixed in 2.10)
+SAFE_WEIGHTS_ONLY = (2, 10)
+
+
+def weights_only_problem(version: str) -> str | None:
+    """Why torch `version` cannot be trusted to load checkpoints and weights, or None."""
+    import re
+
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found and (int(found[1]), int(found[2])) >= SAFE_WEIGHTS_ONLY:
+        return None
+    wanted = ".".join(map(str, SAFE_WEIGHTS_ONLY))
+    return (
+        f"torch {version} loads checkpoints and weights with weights_only=True, which has known "
+        f"bypasses before torch {wanted} (CVE-2025-32434, CVE-2026-24747): a crafted file could "
+        f"run code as you. Install torch>={wanted} (envs/requirements.txt pins a safe one)"
+    )
+
+
+def safe_torch_load(source, map_location=None):
+    """torch.load(weights_only=True), refused on a torch with known weights_only bypasses."""
+    import torch
+
+    problem = weights_only_problem(torch.__version__)
+    if problem is not None:
+        raise RuntimeError(problem)
+    return torch.load(source, map_location=map_location, weights_only=True)
 
 
 def atomic_torch_save(obj, path: str | Path) -> str:
@@ -134,7 +173,8 @@ def atomic_torch_save(obj, path: str | Path) -> str:
 def append_jsonl(path: str | Path, record: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, new_file_mode(path))
+    with os.fdopen(fd, "a") as fh:
         fh.write(json.dumps(record, sort_keys=True) + "\n")
         fh.flush()
         os.fsync(fh.fileno())

@@ -21,6 +21,11 @@ if workflow.is_main_process:
 RESULTS = config["results_dir"]
 LOGS = config["logs_dir"]
 RUNS = {run["name"]: run for run in resolved}
+try:
+    # where the stage rule runs: a Slurm job of its own (machine.stage) or the login node
+    STAGE_WHERE = ddpconfig.stage_where(resolved, config["launcher"])
+except ddpconfig.ConfigError as err:
+    sys.exit(f"ddpflow: configuration error: {err}")
 
 # Against the real cluster too (partition, account, nodes, GPUs, time limit), before anything
 # is queued. Only in the main process: jobs re-read this file where sacctmgr may be missing.
@@ -28,7 +33,9 @@ if config["launcher"] == "slurm" and workflow.is_main_process:
     from ddpflow.config.slurm import check_runs_against_cluster
 
     try:
-        check_runs_against_cluster(list(RUNS.values()))
+        check_runs_against_cluster(
+            list(RUNS.values()), stage_in_job=STAGE_WHERE == "job"
+        )
     except ddpconfig.ConfigError as err:
         sys.exit(f"ddpflow: configuration error: {err}")
 
@@ -112,7 +119,26 @@ def data_cfg_for(dataset):
 
 
 def stage_threads(wildcards):
-    return run_for_dataset(wildcards.dataset)["data"]["stage_threads"]
+    """A staging job's CPUs (machine.stage.cpus), or data.stage_threads on the login node."""
+    run = run_for_dataset(wildcards.dataset)
+    if STAGE_WHERE == "job":
+        return run["machine"]["stage"]["cpus"]
+    return run["data"]["stage_threads"]
+
+
+def stage_resources():
+    """The staging job's resources for the Slurm executor plugin (none on the login node)."""
+    if STAGE_WHERE != "job":
+        return {}
+    keys = ddpconfig.stage_job_resources(next(iter(RUNS.values())))
+    return {
+        key: (
+            lambda wildcards, key=key: ddpconfig.stage_job_resources(
+                run_for_dataset(wildcards.dataset)
+            )[key]
+        )
+        for key in keys
+    }
 
 
 def final_outputs():

@@ -4,10 +4,13 @@ rule stage:
         directory(f"{RESULTS}/staged/{{dataset}}"),
     log:
         f"{LOGS}/stage/{{dataset}}.log",
-    localrule: True
+    # machine.stage.where: job sends it to Slurm through the profile's executor plugin
+    localrule: STAGE_WHERE == "login"
     conda:
         "../../envs/ddpflow.yaml"
     threads: stage_threads
+    resources:
+        **stage_resources(),
     params:
         data=lambda wildcards: data_cfg_for(wildcards.dataset),
     script:

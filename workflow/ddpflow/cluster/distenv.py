@@ -13,13 +13,12 @@ import datetime
 import logging
 import os
 import re
-import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpflow.runtime import atomic_write_bytes
+from ddpflow.cluster import rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -163,15 +162,22 @@ def derive_port(job_id: str) -> int:
 
 
 def init_process_group(
-    env: DistEnv, backend: str, timeout_s: float, rendezvous_dir: str | Path | None = None
+    env: DistEnv,
+    backend: str,
+    timeout_s: float,
+    rendezvous_dir: str | Path | None = None,
+    interface: str | None = None,
 ) -> None:
-    """Initialise torch.distributed for `env` (no-op for world size 1)."""
+    """Initialise torch.distributed for `env` (no-op for world size 1). Rank 0's store
+    listens on the address the other ranks use (or `interface`'s: machine.network_interface),
+    never on a wildcard (ddpflow.cluster.rendezvous)."""
     import torch.distributed as dist
 
     if env.world_size == 1 or dist.is_initialized():
         return
+    rendezvous.use_interface(interface)
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = _make_store(env, timeout, rendezvous_dir)
+    store = _make_store(env, timeout, rendezvous_dir, interface)
     dist.init_process_group(
         backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
     )
@@ -180,33 +186,28 @@ def init_process_group(
     )
 
 
-def _make_store(env: DistEnv, timeout: datetime.timedelta, rendezvous_dir):
+def _make_store(env: DistEnv, timeout: datetime.timedelta, rendezvous_dir, interface=None):
     import torch.distributed as dist
 
-    if rendezvous_dir is None:
+    if rendezvous_dir is None:  # srun, torchrun: MASTER_ADDR:MASTER_PORT (or the job-id port)
+        if env.is_master:
+            address = rendezvous.listen_address(env.master_addr, interface)
+            return rendezvous.master_store(address, env.master_port, env.world_size, timeout)
         return dist.TCPStore(
-            env.master_addr, env.master_port, env.world_size, env.is_master, timeout=timeout
+            env.master_addr, env.master_port, env.world_size, False, timeout=timeout
         )
-    # Rank 0 lets the OS pick a free port and publishes it in the shared job folder: two jobs
-    # on one node can never collide, and a requeued attempt gets its own file.
+    # Rank 0 lets the OS pick a free port and publishes it (and the address it listens on)
+    # in the job's private work folder: two jobs on one node can never collide, and a
+    # requeued attempt gets its own file.
     port_file = Path(rendezvous_dir) / f"rendezvous-{env.job_id}-{env.restart_count}.port"
     if env.is_master:
-        store = dist.TCPStore(
-            "0.0.0.0", 0, env.world_size, True, timeout=timeout, wait_for_workers=False
-        )
-        atomic_write_bytes(port_file, f"{socket.gethostname()} {store.port}\n".encode())
+        address = rendezvous.listen_address(env.master_addr, interface)
+        store = rendezvous.master_store(address, 0, env.world_size, timeout, wait_for_workers=False)
+        rendezvous.publish(port_file, address, store.port)
         return store
-    port = _wait_for_port(port_file, timeout.total_seconds())
-    return dist.TCPStore(env.master_addr, port, env.world_size, False, timeout=timeout)
-
-
-def _wait_for_port(port_file: Path, timeout_s: float) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if port_file.exists():
-            return int(port_file.read_text().split()[1])
-        time.sleep(0.05)
-    raise TimeoutError(f"rank 0 did not publish its port in {port_file} within {timeout_s:.0f}s")
+    port, address = rendezvous.read_published(port_file, timeout.total_seconds())
+    host = address or env.master_addr
+    return dist.TCPStore(host, port, env.world_size, False, timeout=timeout)
 
 
 def barrier(env: DistEnv) -> None:
@@ -249,6 +250,29 @@ def leave_together(env: DistEnv, wait: bool = True, timeout_s: float = 10.0) -> 
             time.sleep(0.02)
     except (RuntimeError, OSError):  # the store's host (rank 0) saw everyone leave and left
         return
+
+
+TEXT_BYTES = 256  # a host name is at most 255 bytes (and 64 on Linux)
+
+
+def all_gather_text(text: str, world_size: int, device) -> list[str]:
+    """Every rank's `text` (up to 255 UTF-8 bytes: a host name), in rank order: one
+    all_gather of a uint8 tensor, nothing pickled on the wire (all_gather_object unpickles
+    what the other ranks send). `device`: the rank's (NCCL gathers GPU tensors only)."""
+    if world_size == 1:
+        return [text]
+    import torch
+    import torch.distributed as dist
+
+    data = text.encode()[: TEXT_BYTES - 1]
+    mine = torch.zeros(TEXT_BYTES, dtype=torch.uint8)
+    mine[0] = len(data)
+    mine[1 : 1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine = mine.to(device)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine)
+    rows = [bytes(t.cpu().tolist()) for t in gathered]
+    return [row[1 : 1 + row[0]].decode(errors="replace") for row in rows]
 
 
 def any_rank(world_size: int, flag: bool) -> bool:

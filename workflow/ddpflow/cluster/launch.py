@@ -20,7 +20,7 @@ from typing import Any
 
 import submitit
 
-from ddpflow.cluster import failures, nodes, poll
+from ddpflow.cluster import failures, nodes, poll, private
 from ddpflow.cluster.interrupts import (
     controller_output,
     ignore_stop_signals,
@@ -42,10 +42,11 @@ class NodeLost(LaunchError):
     """Slurm requeued the job after a node failure; the job was cancelled."""
 
 
-def slurm_parameters(machine: dict, job_name: str, exclude=()) -> dict:
+def slurm_parameters(machine: dict, job_name: str, exclude=(), folder=None) -> dict:
     """submitit SlurmExecutor parameters for a run's `machine` section; exclude: nodes the
     job must not run on (the bad-node ledger's, ddpflow.cluster.placement), added to any
-    `exclude` of machine.sbatch_extra."""
+    `exclude` of machine.sbatch_extra; folder: the job's folder, which the batch script
+    checks is private before the node loads the job's pickle from it (cluster.private)."""
     cpus = machine["cpus_per_task"]
     extra = dict(machine["sbatch_extra"])
     if exclude:
@@ -62,7 +63,7 @@ def slurm_parameters(machine: dict, job_name: str, exclude=()) -> dict:
         # Slurm >= 22.05: srun no longer inherits --cpus-per-task from the allocation, and
         # one dead rank must end the step instead of leaving the others blocked.
         "srun_args": [f"--cpus-per-task={cpus}", "--kill-on-bad-exit=1"],
-        "setup": list(machine["setup"]),
+        "setup": ([private.refusal_script(folder)] if folder else []) + list(machine["setup"]),
         "additional_parameters": extra,
         "stderr_to_stdout": False,
     }
@@ -93,7 +94,7 @@ def make_executor(
         return executor
     # max_num_timeout: requeues after hitting the time limit (preemptions are not counted)
     executor = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=max_requeues)
-    executor.update_parameters(**slurm_parameters(machine, job_name, exclude))
+    executor.update_parameters(**slurm_parameters(machine, job_name, exclude, folder))
     return executor
 
 
@@ -141,7 +142,7 @@ def launch(task, request: JobRequest, watch: JobWatch | None = None) -> list:
     runs at every status poll while the job runs and once at its end; a Slurm job that fails,
     or is requeued, because of a node records the node in watch.ledger (ddpflow.cluster.nodes)."""
     watch = watch or JobWatch()
-    Path(request.folder).mkdir(parents=True, exist_ok=True)
+    private.make(request.folder, "job folder")  # 0700: its pickles are code the node runs
     cancel = request.launcher == "local" or request.machine["cancel_on_interrupt"]
     job = None
     try:
@@ -220,6 +221,7 @@ def submit(task, request: JobRequest, watch: JobWatch):
     )
     with clean_slurm_environment(), controller_output(launcher, folder):
         job = executor.submit(task)
+    private.seal_files(folder)  # submitit's pickles: 0600 in the 0700 folder
     log.info(
         "submitted %s as %s job %s (%s); logs in %s",
         job_name,

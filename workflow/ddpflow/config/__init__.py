@@ -54,6 +54,7 @@ from ddpflow.config.machine import (
     memory_mb,
     micro_batches_per_step,
     ranks_per_node,
+    stage_job_resources,
     trains_sharded,
     uses_channels_last,
     world_size,
@@ -66,6 +67,7 @@ from ddpflow.config.runs import (
     resolve_runs,
     run_by_name,
     run_entries,
+    stage_where,
 )
 from ddpflow.config.schema import ConfigError, load_schema, validate
 
@@ -98,6 +100,8 @@ __all__ = [
     "plugin_source",
     "plugin_source_hash",
     "ranks_per_node",
+    "stage_job_resources",
+    "stage_where",
     "resolve_runs",
     "run_by_name",
     "run_entries",

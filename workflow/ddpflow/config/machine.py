@@ -61,6 +61,26 @@ def memory_mb(machine: dict) -> int:
     return int(machine["mem_gb"] * 1024)
 
 
+def stage_job_resources(run: dict) -> dict:
+    """The stage rule's resources as the Snakemake Slurm executor plugin reads them, from
+    machine.stage (partition: machine.partition where null): one node, one task."""
+    machine, stage = run["machine"], run["machine"]["stage"]
+    resources = {
+        "cpus_per_task": stage["cpus"],
+        "mem_mb": int(stage["mem_gb"] * 1024),
+        "runtime": stage["time_min"],
+        "nodes": 1,
+        "tasks": 1,
+    }
+    partition = stage["partition"] or machine["partition"]
+    for key, value in (("slurm_partition", partition), ("slurm_account", machine["account"])):
+        if value:
+            resources[key] = value
+    if machine["qos"]:
+        resources["slurm_extra"] = f"--qos={machine['qos']}"
+    return resources
+
+
 def trains_sharded(run: RunView) -> bool:
     """Whether the run trains under fsdp (a 1-rank run trains as ddp)."""
     return run["train"]["strategy"] == "fsdp" and run["world_size"] > 1

@@ -152,3 +152,25 @@ def run_by_name(config: dict, name: str) -> dict:
         if entry["name"] == name:
             return _resolve(config, entry, where)
     raise ConfigError(f"no run named {name!r}; runs: {[e['name'] for e, _ in entries]}")
+
+
+def stage_where(runs: list[dict], launcher: str) -> str:
+    """Where the stage rule runs for this config: "job" (a Slurm job of its own, through the
+    Snakemake Slurm executor plugin) or "login". machine.stage.where, by default job under
+    the Slurm launcher and login otherwise; every run must agree (it decides how the one
+    stage rule runs). A job needs the Slurm launcher (`snakemake --profile slurm`)."""
+    wanted = {run["machine"]["stage"]["where"] for run in runs}
+    chosen = {w or ("job" if launcher == "slurm" else "login") for w in wanted}
+    if len(chosen) > 1:
+        raise ConfigError(
+            f"machine.stage.where: the runs ask for {sorted(map(str, wanted))}; it decides how "
+            "the stage rule runs, so it must be one value for every run: set it at the top "
+            "level, not in runs: entries"
+        )
+    where = chosen.pop()
+    if where == "job" and launcher != "slurm":
+        raise ConfigError(
+            "machine.stage.where: job stages in a Slurm job, which needs the Slurm launcher "
+            "(snakemake --profile slurm); locally use login or leave it null"
+        )
+    return where

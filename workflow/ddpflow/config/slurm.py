@@ -111,14 +111,55 @@ def query_cluster(need_accounting: bool, timeout_s: float = QUERY_TIMEOUT_S) -> 
 # ---------------------------------------------------------------- checks (pure)
 
 
-def check_runs_against_cluster(runs: list[dict], timeout_s: float = QUERY_TIMEOUT_S) -> None:
-    """Raise ConfigError for the first run whose machine section this cluster cannot run."""
+def check_runs_against_cluster(
+    runs: list[dict], timeout_s: float = QUERY_TIMEOUT_S, stage_in_job: bool = False
+) -> None:
+    """Raise ConfigError for the first run whose machine section this cluster cannot run
+    (and, stage_in_job, whose machine.stage job it cannot run)."""
     if not runs:
         return
     need_accounting = any(run["machine"]["account"] or run["machine"]["qos"] for run in runs)
     cluster = query_cluster(need_accounting, timeout_s)
     for run in runs:
         check_run(run, cluster)
+        if stage_in_job:
+            check_stage_job(run, cluster)
+
+
+def check_stage_job(run: dict, cluster: Cluster) -> None:
+    """The staging job (machine.stage: one node, one task) fits a node of its partition."""
+    where, stage = f"runs ({run['name']!r})", run["machine"]["stage"]
+    name = stage["partition"] or run["machine"]["partition"]
+    partition = resolve_partition(where, name, cluster)
+    nodes = cluster.nodes_of(partition)
+    if not nodes:
+        raise ConfigError(f"{where}: machine.stage.partition {partition.name!r} has no nodes")
+    most_cpus = max(n.cpus for n in nodes)
+    if stage["cpus"] > most_cpus:
+        raise ConfigError(
+            f"{where}: machine.stage.cpus is {stage['cpus']} but the nodes of partition "
+            f"{partition.name!r} have at most {counted(most_cpus, 'CPU')}; set "
+            f"machine.stage.cpus <= {most_cpus}"
+        )
+    most_mb = max(n.memory_mb for n in nodes)
+    cap = partition.max_mem_per_node_mb
+    limit = cap if cap and cap < most_mb else most_mb
+    if int(stage["mem_gb"] * 1024) > limit:
+        raise ConfigError(
+            f"{where}: machine.stage.mem_gb is {stage['mem_gb']} but partition "
+            f"{partition.name!r} gives a node at most {limit} MB; set machine.stage.mem_gb <= "
+            f"{int(limit / 1024 * 10) / 10}"
+        )
+    try:
+        limit_s = parse_slurm_time(partition.max_time)
+    except ValueError:
+        return
+    if not _within_max_time(limit_s, stage["time_min"]):
+        raise ConfigError(
+            f"{where}: machine.stage.time_min is {stage['time_min']} but partition "
+            f"{partition.name!r} allows at most {limit_s // 60} min; set "
+            f"machine.stage.time_min <= {limit_s // 60}"
+        )
 
 
 def check_run(run: dict, cluster: Cluster) -> None:

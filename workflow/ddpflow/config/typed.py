@@ -429,14 +429,38 @@ class MachinePreflightSpec(_Section):
 
 
 @dataclass(frozen=True, slots=True)
+class MachineStageSpec(_Section):
+    """machine.stage: the schema's `machine.stage` section."""
+
+    #: job: a one-node Slurm job through the Snakemake Slurm executor plugin (the profile's
+    #: executor); login: on the login node. null: job under the Slurm launcher, login otherwise.
+    #: The same for every run of a config
+    where: Literal["job", "login", None] = None
+    #: the staging job's CPUs (its threads)
+    cpus: int = 4
+    #: the staging job's memory
+    mem_gb: float = 4
+    #: the staging job's time limit
+    time_min: int = 60
+    #: the staging job's partition; null takes machine.partition
+    partition: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class MachineSpec(_Section):
     """machine: the schema's `machine` section."""
 
-    NESTED: ClassVar[dict[str, Any]] = {"preflight": MachinePreflightSpec}
+    NESTED: ClassVar[dict[str, Any]] = {
+        "preflight": MachinePreflightSpec,
+        "stage": MachineStageSpec,
+    }
 
     #: Before training, benchmark all_reduce on the allocated ranks (and rank 0's link to every
     #: rank) and fail the run, naming slow ranks and hosts, below the threshold
     preflight: MachinePreflightSpec
+    #: Where the stage rule decodes the data: in a Slurm job of its own (the default under the
+    #: Slurm launcher: login nodes limit CPU time and memory) or on the login node
+    stage: MachineStageSpec
     nodes: int = 1
     #: Slurm: the fewest nodes a submission may run on when some of the partition's nodes failed
     #: (in the ledger results/work/bad_nodes.json) or are down or drained: it then runs on as
@@ -465,6 +489,10 @@ class MachineSpec(_Section):
     cancel_on_interrupt: bool = True
     #: a rank stuck in a collective fails the job after this many seconds
     pg_timeout_s: int = 300
+    #: the network interface the ranks talk over (e.g. ib0, eth0; as GLOO_SOCKET_IFNAME and
+    #: NCCL_SOCKET_IFNAME): rank 0's store listens on its address only. null: the address the
+    #: first node's host name resolves to, which the other ranks connect to
+    network_interface: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

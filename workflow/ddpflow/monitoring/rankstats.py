@@ -31,6 +31,25 @@ def rank_summary(record: dict, system: dict, rank: int, host: str) -> dict:
     }
 
 
+# the figures of a rank_summary, in the order they are packed into one float64 tensor for
+# the epoch's all_gather (rank and host are known to every rank: not sent)
+SUMMARY_FIGURES = (
+    "train_s", "compute_s", "samples_per_s", "cpu_percent", "rss_mib",
+    "gpu_util_percent", "gpu_mem_mib", "gpu_power_w", "gpu_temp_c",
+)  # fmt: skip
+
+
+def pack_summary(summary: dict) -> list[float]:
+    """A rank_summary's figures as floats in SUMMARY_FIGURES order (NaN: not measured)."""
+    return [float(summary.get(key, float("nan"))) for key in SUMMARY_FIGURES]
+
+
+def unpack_summary(values: list[float], rank: int, host: str) -> dict:
+    """pack_summary's inverse (figures that were not measured are left out)."""
+    figures = {k: v for k, v in zip(SUMMARY_FIGURES, values, strict=True) if v == v}
+    return {"rank": rank, "host": host, **figures}
+
+
 def combine_epochs(epochs: list[list[dict]]) -> list[dict]:
     """Per-rank totals over epochs (times summed, system figures averaged or maximised), for
     the report's table; epochs without per-rank data are skipped."""

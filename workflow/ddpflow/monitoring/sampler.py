@@ -3,13 +3,13 @@
 Config `train.monitor` and `train.profile` (config/config.yaml). Every rank samples its own
 CPU use, resident memory and, on a GPU, NVML's utilisation, memory, power and temperature in
 a background thread (`system_interval_s`), appending the samples to
-results/runs/<run>/system/rank-<r>.jsonl. At each epoch's end the ranks exchange one summary
-each (one all_gather_object per epoch, nothing per step): the epoch record gets a `ranks`
-list, kept in train_metrics.jsonl and in checkpoints, from which the report draws its
-per-rank table and `stragglers` flags a rank that holds the others up. Rank 0 writes
-TensorBoard scalars (results/runs/<run>/tensorboard); with `train.profile.enabled`
-torch.profiler records a few steps (results/runs/<run>/profile: a Chrome/Perfetto trace per
-profiled rank and its top operators by self time).
+results/runs/<run>/system/rank-<r>.jsonl. At each epoch's end the ranks exchange one
+summary each (one all_gather of a float64 tensor per epoch, nothing per step): the epoch
+record gets a `ranks` list, kept in train_metrics.jsonl and in checkpoints, from which the
+report draws its per-rank table and `stragglers` flags a rank that holds the others up.
+Rank 0 writes TensorBoard scalars (results/runs/<run>/tensorboard); with
+`train.profile.enabled` torch.profiler records a few steps (results/runs/<run>/profile: a
+Chrome/Perfetto trace per profiled rank and its top operators by self time).
 
     watch = RunMonitor(run, run_dir, env, device, hosts, resumed_step)
     loop.watch_steps(watch.wrap_step(ckpt.on_step))
@@ -35,7 +35,13 @@ import torch.distributed as dist
 from ddpflow import runtime
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config.typed import RunSpec, TrainProfileSpec
-from ddpflow.monitoring.rankstats import MEAN_KEYS, rank_summary, stragglers
+from ddpflow.monitoring.rankstats import (
+    MEAN_KEYS,
+    pack_summary,
+    rank_summary,
+    stragglers,
+    unpack_summary,
+)
 
 log = logging.getLogger(__name__)
 
@@ -323,6 +329,7 @@ class RunMonitor:
     ):
         cfg, profile = run.train.monitor, run.train.profile
         self.env, self.margin, self.hosts = env, cfg.straggler_margin, hosts
+        self.device = device
         run_dir = Path(run_dir)
         series = None
         if cfg.system_interval_s > 0:
@@ -361,9 +368,12 @@ class RunMonitor:
         """Every rank: add the per-rank summaries to the record (a collective)."""
         mine = rank_summary(record, self.system.take(), self.env.rank, self.hosts[self.env.rank])
         ranks = [mine]
-        if self.env.world_size > 1:
-            ranks = [None] * self.env.world_size
-            dist.all_gather_object(ranks, mine)
+        if self.env.world_size > 1:  # one float64 tensor per rank: nothing pickled
+            packed = torch.tensor(pack_summary(mine), dtype=torch.float64, device=self.device)
+            parts = [torch.empty_like(packed) for _ in range(self.env.world_size)]
+            dist.all_gather(parts, packed)
+            ranks = [unpack_summary(part.cpu().tolist(), r, self.hosts[r])
+                     for r, part in enumerate(parts)]  # fmt: skip
         record["ranks"] = ranks
         if not self.env.is_master:
             return

@@ -28,7 +28,12 @@ import torch
 from ddpflow.cluster.distenv import DistEnv, any_rank, barrier
 from ddpflow.config import config_hash, training_fingerprint
 from ddpflow.config.typed import RunSpec
-from ddpflow.runtime import atomic_torch_save, atomic_write_bytes, atomic_write_json
+from ddpflow.runtime import (
+    atomic_torch_save,
+    atomic_write_bytes,
+    atomic_write_json,
+    safe_torch_load,
+)
 from ddpflow.text import counted
 from ddpflow.training import sharding
 from ddpflow.training.workspace import (
@@ -109,7 +114,7 @@ def _load_verified(path: Path, map_location) -> dict | None:
         return None
     import io
 
-    state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    state = safe_torch_load(io.BytesIO(data), map_location)
     if state.get("format") != FORMAT:
         log.warning("skipping checkpoint %s: format %s", path.name, state.get("format"))
         return None
@@ -184,7 +189,7 @@ class Checkpointer:
         step = loop.scheduler.last_epoch
         sharded = None
         if loop.checkpoints_sharded:  # every rank writes its shards; rank 0's .pt commits them
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             sharded = sharding.save(
                 loop.model, loop.optimizer, checkpoint_path(self.directory, step),
                 self.env.is_master, self.env.world_size,
@@ -243,7 +248,10 @@ def resumed_line(state: dict, world_size: int) -> str:
     return f"resumed at {where} on {ranks}; the checkpoint was written on {written}"
 
 
-def _gather_rng(env: DistEnv) -> list[dict]:
+def _gather_rng(env: DistEnv, device: torch.device | None = None) -> list[dict]:
+    """Every rank's RNG states (CPU, and CUDA where used), as tensors gathered from every
+    rank: an all_gather of uint8 tensors, nothing pickled on the wire. The states are the
+    same size on every rank (one torch build, one generator kind)."""
     local = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         local["cuda"] = torch.cuda.get_rng_state()
@@ -251,8 +259,16 @@ def _gather_rng(env: DistEnv) -> list[dict]:
         return [local]
     import torch.distributed as dist
 
-    gathered: list = [None] * env.world_size
-    dist.all_gather_object(gathered, local)
+    if device is None:  # NCCL gathers GPU tensors only
+        nccl = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    gathered: list[dict] = [{} for _ in range(env.world_size)]
+    for key, state in local.items():
+        mine = state.to(device)
+        parts = [torch.empty_like(mine) for _ in range(env.world_size)]
+        dist.all_gather(parts, mine)
+        for rank, part in enumerate(parts):
+            gathered[rank][key] = part.cpu()
     return gathered
 
 

@@ -14,14 +14,13 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import submitit
 import torch
 import torch.distributed as dist
 
 from ddpflow import runtime
-from ddpflow.cluster import distenv
+from ddpflow.cluster import distenv, private
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.cluster.preflight import run_preflight
 from ddpflow.config import config_hash, evaluation_fingerprint, uses_channels_last
@@ -68,16 +67,15 @@ def rank_context(spec: RunSpec, rendezvous_dir: str | None):
         device,
         backend,
     )
-    distenv.init_process_group(env, backend, machine.pg_timeout_s, rendezvous_dir)
+    distenv.init_process_group(
+        env, backend, machine.pg_timeout_s, rendezvous_dir, machine.network_interface
+    )
     return env, device
 
 
-def gather_hosts(env: DistEnv) -> list[str]:
-    hosts: list[Any] = [socket.gethostname()]
-    if env.world_size > 1:
-        hosts = [None] * env.world_size  # all_gather_object fills in every rank's name
-        dist.all_gather_object(hosts, socket.gethostname())
-    return hosts
+def gather_hosts(env: DistEnv, device) -> list[str]:
+    """Every rank's host name, in rank order (a tensor all_gather: nothing pickled)."""
+    return distenv.all_gather_text(socket.gethostname(), env.world_size, device)
 
 
 class DistributedTask:
@@ -92,12 +90,13 @@ class DistributedTask:
 
     def __call__(self) -> dict:
         spec = RunSpec.from_run(self.run)  # a key it does not know fails here, at once
-        Path(self.paths.work).mkdir(parents=True, exist_ok=True)
+        # 0700, and refused where others can write it, before a checkpoint is read from it
+        private.make(self.paths.work, "work folder")
         rendezvous = self.paths.work if self.file_rendezvous else None
         env, device = rank_context(spec, rendezvous)
         done = False
         try:
-            result = self.work(spec, env, device, gather_hosts(env))
+            result = self.work(spec, env, device, gather_hosts(env, device))
             if env.world_size > 1:
                 # no rank tears down while another is in the last collective; the abort at
                 # exit (a teardown race) is distenv.leave_together's to prevent, not this
@@ -358,7 +357,7 @@ class EvalTask(DistributedTask):
         paths = self.paths
         split = spec.eval.split
         data = load_data(spec, paths.staged, env, device, splits=(split,))
-        checkpoint = torch.load(paths.model, map_location=device, weights_only=True)
+        checkpoint = runtime.safe_torch_load(paths.model, device)
         model = build_model(checkpoint["model"], checkpoint["shape"], checkpoint["num_classes"])
         model.load_state_dict(checkpoint["state_dict"])
         model = place(model, device, uses_channels_last(spec))

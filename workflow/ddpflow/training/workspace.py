@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from ddpflow import paths
+from ddpflow.cluster import private
 from ddpflow.config import describe_changes, training_fingerprint
 from ddpflow.runtime import atomic_write_json
 
@@ -80,8 +81,7 @@ def _read_json(path: Path) -> dict | None:
 def prepare(run: dict, work: str | Path) -> str:
     """Decide, before submitting, whether the ranks may resume; returns what was decided
     ("fresh", "resume", "retrain: <why>") and logs it in one line."""
-    work = Path(work)
-    work.mkdir(parents=True, exist_ok=True)
+    work = private.make(work, "work folder")  # 0700: checkpoints and the rendezvous files
     ckpts = checkpoint_dir(work)
     new = training_fingerprint(run)
     old = _read_json(work / paths.FINGERPRINT)
