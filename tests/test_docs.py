@@ -123,9 +123,15 @@ EXAMPLES = _config_examples()
 
 
 def _for_slurm(fragment: dict) -> bool:
-    """A cluster's request (several nodes, a partition or an account): the slurm launcher's."""
+    """A cluster's request (several nodes, a partition, an account or a staging job): the
+    slurm launcher's."""
     machine = fragment.get("machine") or {}
-    return machine.get("nodes", 1) > 1 or bool(machine.get("partition") or machine.get("account"))
+    staging_job = (machine.get("stage") or {}).get("where") == "job"
+    return (
+        machine.get("nodes", 1) > 1
+        or bool(machine.get("partition") or machine.get("account"))
+        or staging_job
+    )
 
 
 def _tracker_client_missing(fragment: dict) -> bool:

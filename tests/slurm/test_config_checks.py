@@ -351,5 +351,5 @@ def test_where_staging_runs_and_what_its_job_asks_for():
     with pytest.raises(ConfigError, match="machine.stage.where: job stages in a Slurm job"):
         ddpconfig.stage_where(runs_for({"stage": {"where": "job"}}), "local")
     mixed = [*login, *runs_for({"stage": {"where": "job"}}, name="other")]
-    with pytest.raises(ConfigError, match=r"the runs ask for \['job', 'login'\]"):
+    with pytest.raises(ConfigError, match=r"differs between runs \('big' login, 'other' job\)"):
         ddpconfig.stage_where(mixed, "slurm")

@@ -53,8 +53,9 @@ log = logging.getLogger(__name__)
 def stage_data(data_cfg: dict, out_dir: str, threads: int = 1) -> dict:
     job = os.environ.get("SLURM_JOB_ID")
     where = f"in Slurm job {job} on {socket.gethostname()}" if job else "on this machine"
-    log.info("staging %s into %s %s (%s)", data_cfg["source"], out_dir, where,
-             counted(threads, "thread"))  # fmt: skip
+    log.info(
+        "staging %s into %s %s (%s)", data_cfg["source"], out_dir, where, counted(threads, "thread")
+    )
     start = time.perf_counter()
     manifest = stage_dataset(data_cfg, out_dir, seed=data_cfg["seed"], threads=threads)
     seconds = time.perf_counter() - start

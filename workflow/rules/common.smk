@@ -22,7 +22,7 @@ RESULTS = config["results_dir"]
 LOGS = config["logs_dir"]
 RUNS = {run["name"]: run for run in resolved}
 try:
-    # where the stage rule runs: a Slurm job of its own (machine.stage) or the login node
+    # staging: in a Slurm job of its own (machine.stage), or on the login node
     STAGE_WHERE = ddpconfig.stage_where(resolved, config["launcher"])
 except ddpconfig.ConfigError as err:
     sys.exit(f"ddpflow: configuration error: {err}")
@@ -130,15 +130,7 @@ def stage_resources():
     """The staging job's resources for the Slurm executor plugin (none on the login node)."""
     if STAGE_WHERE != "job":
         return {}
-    keys = ddpconfig.stage_job_resources(next(iter(RUNS.values())))
-    return {
-        key: (
-            lambda wildcards, key=key: ddpconfig.stage_job_resources(
-                run_for_dataset(wildcards.dataset)
-            )[key]
-        )
-        for key in keys
-    }
+    return ddpconfig.stage_rule_resources(list(RUNS.values()), run_for_dataset)
 
 
 def final_outputs():

@@ -190,7 +190,9 @@ def _make_store(env: DistEnv, timeout: datetime.timedelta, rendezvous_dir, inter
     import torch.distributed as dist
 
     if rendezvous_dir is None:  # srun, torchrun: MASTER_ADDR:MASTER_PORT (or the job-id port)
-        if env.is_master:
+        # torchrun's agent already serves the store on MASTER_PORT: every rank is its client
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        if env.is_master and not agent_store:
             address = rendezvous.listen_address(env.master_addr, interface)
             return rendezvous.master_store(address, env.master_port, env.world_size, timeout)
         return dist.TCPStore(

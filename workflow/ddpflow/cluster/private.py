@@ -39,9 +39,10 @@ def problem(path: str | Path) -> str | None:
     writable = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
     if writable:
         who = " and ".join(
-            name for bit, name in ((stat.S_IWGRP, "its group"), (stat.S_IWOTH, "every user"))
+            name
+            for bit, name in ((stat.S_IWGRP, "its group"), (stat.S_IWOTH, "every user"))
             if writable & bit
-        )  # fmt: skip
+        )
         return f"{who} can write it (mode {stat.S_IMODE(info.st_mode):04o})"
     return None
 

@@ -102,9 +102,15 @@ def master_store(address: str, port: int, world_size: int, timeout: datetime.tim
     bound_port = listener.getsockname()[1]
     fd = listener.detach()  # the store's from here on (closed with it)
     return dist.TCPStore(
-        address, bound_port, world_size, True, timeout=timeout, master_listen_fd=fd,
-        use_libuv=True, **kw,
-    )  # fmt: skip
+        address,
+        bound_port,
+        world_size,
+        True,
+        timeout=timeout,
+        master_listen_fd=fd,
+        use_libuv=True,
+        **kw,
+    )
 
 
 def publish(port_file: Path, address: str, port: int) -> None:

@@ -81,6 +81,18 @@ def stage_job_resources(run: dict) -> dict:
     return resources
 
 
+def stage_rule_resources(runs: list[dict], run_for_dataset) -> dict:
+    """The stage rule's `resources:` for staging jobs: each a function of the rule's
+    wildcards, from the machine.stage of a run that uses the dataset (the keys are those of
+    the config's runs: machine.partition and machine.account are set for all or none)."""
+    keys = set().union(*(stage_job_resources(run) for run in runs))
+
+    def resource(key: str):
+        return lambda wildcards: stage_job_resources(run_for_dataset(wildcards.dataset))[key]
+
+    return {key: resource(key) for key in sorted(keys)}
+
+
 def trains_sharded(run: RunView) -> bool:
     """Whether the run trains under fsdp (a 1-rank run trains as ddp)."""
     return run["train"]["strategy"] == "fsdp" and run["world_size"] > 1

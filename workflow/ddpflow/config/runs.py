@@ -159,15 +159,16 @@ def stage_where(runs: list[dict], launcher: str) -> str:
     Snakemake Slurm executor plugin) or "login". machine.stage.where, by default job under
     the Slurm launcher and login otherwise; every run must agree (it decides how the one
     stage rule runs). A job needs the Slurm launcher (`snakemake --profile slurm`)."""
-    wanted = {run["machine"]["stage"]["where"] for run in runs}
-    chosen = {w or ("job" if launcher == "slurm" else "login") for w in wanted}
-    if len(chosen) > 1:
+    default = "job" if launcher == "slurm" else "login"
+    chosen = {run["name"]: run["machine"]["stage"]["where"] or default for run in runs}
+    if len(set(chosen.values())) > 1:
+        listed = ", ".join(f"{name!r} {where}" for name, where in chosen.items())
         raise ConfigError(
-            f"machine.stage.where: the runs ask for {sorted(map(str, wanted))}; it decides how "
-            "the stage rule runs, so it must be one value for every run: set it at the top "
-            "level, not in runs: entries"
+            f"machine.stage.where differs between runs ({listed}); it decides how the one "
+            "stage rule runs, so it must be one value for every run: set it at the top level, "
+            "not in runs: entries"
         )
-    where = chosen.pop()
+    where = next(iter(chosen.values()))
     if where == "job" and launcher != "slurm":
         raise ConfigError(
             "machine.stage.where: job stages in a Slurm job, which needs the Slurm launcher "

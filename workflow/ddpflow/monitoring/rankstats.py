@@ -34,9 +34,16 @@ def rank_summary(record: dict, system: dict, rank: int, host: str) -> dict:
 # the figures of a rank_summary, in the order they are packed into one float64 tensor for
 # the epoch's all_gather (rank and host are known to every rank: not sent)
 SUMMARY_FIGURES = (
-    "train_s", "compute_s", "samples_per_s", "cpu_percent", "rss_mib",
-    "gpu_util_percent", "gpu_mem_mib", "gpu_power_w", "gpu_temp_c",
-)  # fmt: skip
+    "train_s",
+    "compute_s",
+    "samples_per_s",
+    "cpu_percent",
+    "rss_mib",
+    "gpu_util_percent",
+    "gpu_mem_mib",
+    "gpu_power_w",
+    "gpu_temp_c",
+)
 
 
 def pack_summary(summary: dict) -> list[float]:

@@ -372,8 +372,10 @@ class RunMonitor:
             packed = torch.tensor(pack_summary(mine), dtype=torch.float64, device=self.device)
             parts = [torch.empty_like(packed) for _ in range(self.env.world_size)]
             dist.all_gather(parts, packed)
-            ranks = [unpack_summary(part.cpu().tolist(), r, self.hosts[r])
-                     for r, part in enumerate(parts)]  # fmt: skip
+            ranks = [
+                unpack_summary(part.cpu().tolist(), r, self.hosts[r])
+                for r, part in enumerate(parts)
+            ]
         record["ranks"] = ranks
         if not self.env.is_master:
             return
