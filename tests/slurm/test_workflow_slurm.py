@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -90,6 +91,9 @@ def test_profile_runs_whole_pipeline_on_two_nodes(slurm_run):
     assert stat.S_IMODE(work.stat().st_mode) == 0o700
     assert {stat.S_IMODE(p.stat().st_mode) for p in job_folder.glob("*.pkl")} == {0o600}
     assert stat.S_IMODE((work / "fingerprint.json").stat().st_mode) == 0o600
+    # staging ran in a Slurm job of its own (machine.stage), which its log names
+    (stage_log,) = (workdir / "logs/stage").glob("*.log")
+    assert re.search(r"in Slurm job \d+ on node\d \(4 threads\)", stage_log.read_text())
     # cluster efficiency from the cluster's accounting, in the report (issue 14)
     assert train["slurm_job_id"] == ids[0]
     summary = json.loads((workdir / "results/report/summary.json").read_text())

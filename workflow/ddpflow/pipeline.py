@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 def stage_data(data_cfg: dict, out_dir: str, threads: int = 1) -> dict:
     job = os.environ.get("SLURM_JOB_ID")
     where = f"in Slurm job {job} on {socket.gethostname()}" if job else "on this machine"
+    if job:  # a staging job decodes on every CPU it was given (Snakemake caps a rule's
+        # threads at the login node's --cores)
+        given = int(os.environ.get("SLURM_CPUS_PER_TASK") or runtime.usable_cores())
+        threads = max(threads, given)
     log.info(
         "staging %s into %s %s (%s)", data_cfg["source"], out_dir, where, counted(threads, "thread")
     )

@@ -153,6 +153,7 @@ def launch(task, request: JobRequest, watch: JobWatch | None = None) -> list:
             if job is None:
                 job = submit(task, request, watch)
             results = _results(job, task, request, watch)
+            private.seal_files(request.folder)  # the ranks' result pickles: 0600 too
     except KeyboardInterrupt:
         if job is not None:
             with ignore_stop_signals():  # a second Ctrl-C must not abandon the cancel
