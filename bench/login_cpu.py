@@ -138,6 +138,7 @@ def main() -> None:
     workdir = Path(args.tmp)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
+    started = datetime.now(UTC).isoformat(timespec="seconds")
     began = time.monotonic()
     write_images(workdir / "images", args.images)
     print(f"wrote {args.images} images in {time.monotonic() - began:.0f}s", flush=True)
@@ -157,6 +158,7 @@ def main() -> None:
     if args.out:
         result = {
             "benchmark": "login_cpu",
+            "started": started,
             "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "provenance": provenance(),
             "machine": machine_info(),

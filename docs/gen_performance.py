@@ -444,6 +444,23 @@ def render_slurm_polling(doc: dict) -> list[str]:
     return out
 
 
+def render_login_cpu(doc: dict) -> list[str]:
+    """The login node's CPU for a whole workflow on the Slurm test cluster."""
+    rows = []
+    for r in doc["rows"]:
+        top = r["largest_processes"][0] if r["largest_processes"] else {"cpu_s": 0.0}
+        staging = r.get("staging") or {}
+        train = r.get("training") or {}
+        rows.append([
+            num(r["wall_s"], 1), num(train.get("train_seconds") or 0.0, 1),
+            f"job {staging.get('job')} on {staging.get('node')}",
+            num(r["login_cpu_s"], 2), num(r["login_cpu_percent_of_wall"], 3),
+            num(top["cpu_s"], 2),
+        ])  # fmt: skip
+    head = ["wall s", "training s", "staging", "login CPU s", "% of wall", "largest process CPU s"]
+    return [table(head, rows)]
+
+
 def render_micro_batch(doc: dict) -> list[str]:
     """Test accuracy, loss and training time per micro-batch (BatchNorm's batch), over seeds."""
     bn = {r["micro_batch"]: r for r in doc["batchnorm"]}
@@ -531,6 +548,8 @@ def renderer(doc: dict):
         return render_sweep_scale
     if doc.get("benchmark") == "slurm_polling":
         return render_slurm_polling
+    if doc.get("benchmark") == "login_cpu":
+        return render_login_cpu
     return render_unknown
 
 
