@@ -19,8 +19,10 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 RUNS = 20
 FEW = 3
 POLL_S = 2.0
+# staging on the login node: these tests are about polling (the workflow tests stage in a job)
 MACHINE = {"nodes": 1, "cpu_ranks_per_node": 1, "partition": "debug", "account": "ddpflow",
-           "mem_gb": 1, "time_min": 10, "pg_timeout_s": 60}  # fmt: skip
+           "mem_gb": 1, "time_min": 10, "pg_timeout_s": 60,
+           "stage": {"where": "login"}}  # fmt: skip
 
 
 def rpc_counts(cmd: list[str]) -> dict[str, int]:
@@ -79,7 +81,8 @@ def test_concurrent_runs_share_one_status_query_per_interval(slurm_cluster, tmp_
     per interval for the workflow, each asking for all the jobs alive at the time."""
     runs = [{"name": f"seed{i}", "train": {"seed": i}} for i in range(FEW)]
     machine = {"nodes": 1, "cpu_ranks_per_node": 1, "partition": slurm_cluster.partition,
-               "account": slurm_cluster.account, "mem_gb": 1, "time_min": 10}  # fmt: skip
+               "account": slurm_cluster.account, "mem_gb": 1, "time_min": 10,
+               "stage": {"where": "login"}}  # fmt: skip
     configfile = write_config(tmp_path / "config.yaml", {
         "train": {"epochs": 6, "progress": False}, "machine": machine, "runs": runs})  # fmt: skip
     result = snakemake(

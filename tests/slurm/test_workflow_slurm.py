@@ -33,6 +33,9 @@ CLUSTER_MACHINE = {
     "mem_gb": 1,
     "time_min": 10,
     "pg_timeout_s": 60,
+    # staging is not what most of these tests are about: it runs on the login node here (the
+    # pre-machine.stage behaviour); slurm_run stages in a Slurm job, the default under Slurm
+    "stage": {"where": "login"},
 }
 FAST_POLL = [
     "--slurm-init-seconds-before-status-checks",
@@ -61,8 +64,9 @@ def named_profile_snakemake(workdir: Path, configfile: Path, *args: str, **kwarg
 @pytest.fixture(scope="module")
 def slurm_run(slurm_cluster, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("slurm-run")
+    machine = {**CLUSTER_MACHINE, "stage": {}}  # staging in a Slurm job (machine.stage)
     configfile = write_config(
-        workdir / "config.yaml", {**SCIENCE, "machine": CLUSTER_MACHINE, "runs": [{"name": "cnn"}]}
+        workdir / "config.yaml", {**SCIENCE, "machine": machine, "runs": [{"name": "cnn"}]}
     )
     started = time.monotonic()
     result = named_profile_snakemake(workdir, configfile)
