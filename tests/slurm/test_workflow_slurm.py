@@ -129,6 +129,48 @@ def test_a_work_folder_others_can_write_is_refused_before_a_job_is_queued(slurm_
     assert stat.S_IMODE(work.stat().st_mode) == 0o777  # refused, not changed behind the user
 
 
+def test_a_run_that_cannot_fit_its_memory_is_refused_before_anything_is_queued(
+    slurm_cluster, tmp_path
+):
+    """ResNet-50 at micro-batch 256 with Adam in machine.mem_gb 1 (2 ranks a node): refused
+    while Snakemake parses, naming the estimate, before the staging job (the default under
+    Slurm) or the training job is queued; nothing is written under logs/ or results/."""
+    machine = {**CLUSTER_MACHINE, "stage": {}}  # staging would be the first job queued
+    train = {**SCIENCE["train"], "global_batch_size": 1024, "micro_batch_size": 256}
+    science = {"model": {"name": "resnet50"}, "train": {**train, "optimizer": {"name": "adam"}}}
+    configfile = write_config(
+        tmp_path / "config.yaml", {**science, "machine": machine, "runs": [{"name": "big"}]}
+    )
+    before = _my_job_count()
+    result = slurm_snakemake(tmp_path, configfile)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    found = re.search(r"run 'big': about ([\d.]+) GB per rank \(parameters 0\.09, ", output)
+    assert found, output[-3000:]
+    assert float(found[1]) > 0.5, output[-3000:]  # the activations alone are gigabytes
+    assert "does not fit the 0.50 GB a rank has (machine.mem_gb 1 over 2 ranks per node)" in output
+    for knob in (
+        "train.micro_batch_size",
+        "train.strategy: fsdp",
+        "train.activation_checkpointing: true",
+        "train.precision: bf16",
+    ):
+        assert knob in output, (knob, output[-3000:])
+    assert _my_job_count() == before  # neither the staging nor the training job was queued
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "results").exists()
+
+
+def _my_job_count() -> int:
+    done = subprocess.run(
+        ["sacct", "-n", "-X", "-o", "JobID", "-S", "now-1days"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return len(done.stdout.split())
+
+
 def test_accuracy_equals_local_run(slurm_run, tmp_path):
     """Same config, seed and world size (4) on one machine: gloo sums gradients in the same
     order whatever the transport, so the results are identical, not just close."""
@@ -197,10 +239,12 @@ def test_fsdp_on_two_nodes_trains_what_it_trains_on_one_machine(slurm_cluster, t
     assert metrics[0]["confusion_matrix"] == metrics[1]["confusion_matrix"]
     assert metrics[0]["accuracy"] == metrics[1]["accuracy"] > 0.95
     losses = [
-        [json.loads(line)["train_loss"] for line in
-         (root / "results/runs/cnn/train_metrics.jsonl").read_text().splitlines()]
+        [
+            json.loads(line)["train_loss"]
+            for line in (root / "results/runs/cnn/train_metrics.jsonl").read_text().splitlines()
+        ]
         for root in (remote_dir, local_dir)
-    ]  # fmt: skip
+    ]
     assert losses[0] == losses[1]
 
 

@@ -7,9 +7,19 @@ them back); made here, from the staged manifest of each run whose data is staged
 comes before anything is planned, in `snakemake -n` too. A run whose data is not staged yet
 has no finished outputs to lose: its train rule checks it after staging.
 
+Each run's memory is estimated here too (ddpflow.config.fits, from figures that
+ddpflow.training.footprint measures on fake tensors), for every run whose input shape is known:
+from its staged manifest, or before staging from the config (built-in datasets, synthetic,
+image_folder's data.image_size). A run that cannot fit its ranks' memory is refused before
+anything is queued; one above 80% is warned about. npz and plug-in data are estimated by the
+train rule, after staging and before the training job is queued.
+
 Building a torchvision or plug-in model needs torch, which the parse does not import: those
-checks run in one subprocess for all runs, and a model that passed (the same config, shape,
-class count, plug-in code and torch) is not checked again (.snakemake/ddpflow/models.json).
+checks and measurements run in one subprocess for all runs. A model that passed (the same
+config, shape, class count, plug-in code and torch) is not checked again
+(.snakemake/ddpflow/models.json), and a measurement is kept by what it measured in the user's
+cache (footprints.json under $XDG_CACHE_HOME/ddpflow, else ~/.cache/ddpflow), shared by every
+workflow.
 
     check_before_jobs(runs, "results", ".snakemake/ddpflow")          # raises ConfigError
     python -m ddpflow.early request.json answer.json                   # the subprocess
@@ -18,28 +28,53 @@ class count, plug-in code and torch) is not checked again (.snakemake/ddpflow/mo
 from __future__ import annotations
 
 import json
+import logging
+import math
+import os
 import subprocess
 import sys
 from importlib.metadata import version
 from pathlib import Path
 
-from ddpflow.config import ConfigError, check_batch_fits, config_hash
+from ddpflow.config import ConfigError, check_batch_fits, config_hash, fits
 from ddpflow.config.fingerprint import BUILT_IN_MODELS, plugin_source_hash
 from ddpflow.config.machine import uses_channels_last
 from ddpflow.paths import staged_dir
 from ddpflow.plugins import is_plugin
+from ddpflow.runtime import atomic_write_json
+
+log = logging.getLogger(__name__)
 
 CACHE = "models.json"
+FOOTPRINTS = "footprints.json"
+RUNTIME = "runtime"  # footprints.json's entry for the measuring process's own resident memory
+# the input shape and class count of the built-in datasets, known before they are staged
+BUILT_IN_SHAPES = {
+    "digits": ([1, 8, 8], 10),
+    "mnist": ([1, 28, 28], 10),
+    "fashion_mnist": ([1, 28, 28], 10),
+    "cifar10": ([3, 32, 32], 10),
+    "cifar100": ([3, 32, 32], 100),
+}
 
 
-def check_before_jobs(runs: list[dict], results: str, cache_dir: str | Path) -> None:
-    """Refuse, naming every problem of every run at once, what the train rule would."""
-    problems, models, manifests = [], {}, {}
+def check_before_jobs(
+    runs: list[dict],
+    results: str,
+    cache_dir: str | Path,
+    gpu_types: dict[str, list[str]] | None = None,
+    warn=None,
+) -> list[str]:
+    """Refuse, naming every problem of every run at once, what the train rule would; return
+    the memory estimate's line of each run it could estimate (those near the limit also go
+    to `warn`)."""
+    problems, models, manifests, inputs = [], {}, {}, {}
     for run in runs:
         dataset = run["dataset_id"]  # a sweep's runs share a few datasets: each read once
         if dataset not in manifests:
             manifests[dataset] = _manifest(staged_dir(results, dataset))
         manifest = manifests[dataset]
+        inputs[run["name"]] = input_of(run, manifest)
         if manifest is None:
             continue
         try:
@@ -49,9 +84,115 @@ def check_before_jobs(runs: list[dict], results: str, cache_dir: str | Path) -> 
         if run["model"]["name"] not in BUILT_IN_MODELS:
             check = _model_check(run, manifest)
             models.setdefault(_key(check), (check, []))[1].append(run["name"])
-    problems += _check_models(models, Path(cache_dir) / CACHE)
+    model_problems, verdicts = memory_verdicts(runs, inputs, cache_dir, gpu_types, models)
+    problems += model_problems
+    for verdict, text in verdicts.values():
+        if verdict == "refused":
+            problems.append(text)
+        elif verdict == "tight" and warn is not None:
+            warn(text)
     if problems:
         raise ConfigError("\n".join(problems))
+    return [text for _, text in verdicts.values()]
+
+
+def memory_verdicts(
+    runs: list[dict],
+    inputs: dict[str, tuple[list[int], int, int] | None],
+    cache_dir: str | Path,
+    gpu_types: dict[str, list[str]] | None = None,
+    models: dict | None = None,
+) -> tuple[list[str], dict[str, tuple[str, str]]]:
+    """(the models' problems, {run: (verdict, line)}) for the runs whose input is known
+    (input_of); the models to check (check_before_jobs) share the one subprocess."""
+    requests = {
+        _footprint_key(request): request
+        for run in runs
+        if (request := _footprint_request(run, inputs[run["name"]])) is not None
+    }
+    model_problems, measured = _measure(models or {}, requests, Path(cache_dir) / CACHE)
+    verdicts = {}
+    for run in runs:
+        types = (gpu_types or {}).get(run["name"], [])
+        verdict = _judge(run, inputs[run["name"]], measured, types)
+        if verdict is not None:
+            verdicts[run["name"]] = verdict
+    return model_problems, verdicts
+
+
+def input_of(run: dict, manifest: dict | None) -> tuple[list[int], int, int] | None:
+    """(input shape, model outputs, bytes of data the rank holds) of run: from the staged
+    manifest, or from the config before staging where it decides them (data: 0 then);
+    None where only staging tells (npz, plug-in data)."""
+    if manifest is not None:
+        return manifest["shape"], _outputs(run, manifest), _data_bytes(run, manifest)
+    data = run["data"]
+    if run["task"] != "classification":
+        return None  # the targets' width comes from the staged data
+    if data["source"] in BUILT_IN_SHAPES:
+        shape, classes = BUILT_IN_SHAPES[data["source"]]
+        return shape, classes, 0
+    if data["source"] == "synthetic":
+        syn = data["synthetic"]
+        return [syn["channels"], syn["height"], syn["width"]], syn["num_classes"], 0
+    if data["source"] == "image_folder" and data["image_size"]:
+        train = Path(data["root"]) / "train"
+        classes = len([p for p in train.iterdir() if p.is_dir()]) if train.is_dir() else 0
+        return [data["channels"], *data["image_size"]], max(classes, 2), 0
+    return None
+
+
+def _outputs(run: dict, manifest: dict) -> int:
+    """The model's output width: classes, labels or targets (the tasks' outputs())."""
+    for key in ("num_targets", "num_labels", "num_classes"):
+        if manifest.get(key):
+            return int(manifest[key])
+    return 1
+
+
+def _data_bytes(run: dict, manifest: dict) -> int:
+    """The images a rank keeps in memory (ddpflow.data.staged.choose_in_memory decides as
+    the ranks do), else the batches its DataLoader workers hold in flight."""
+    from ddpflow.data.staged import choose_in_memory
+
+    uses = {"train", "val", run["eval"]["split"] if run["eval"]["in_train"] else "train"}
+    sample = math.prod(manifest["shape"])
+    nbytes = sum(manifest["sizes"][split] for split in uses) * sample
+    if choose_in_memory(run, nbytes)[0]:
+        return nbytes
+    loading = run["data"]["loading"]
+    return loading["workers"] * loading["prefetch"] * run["train"]["micro_batch_size"] * sample
+
+
+def _footprint_request(run: dict, inputs) -> dict | None:
+    if inputs is None:
+        return None
+    shape, outputs, _ = inputs
+    request = fits.figures_request(run, shape, outputs)
+    name = run["model"]["name"]
+    request["code"] = plugin_source_hash(name) if is_plugin(name) else version("torchvision")
+    request["torch"] = version("torch")
+    request["method"] = _METHOD  # a new ddpflow that measures otherwise measures again
+    return request
+
+
+_METHOD = config_hash((Path(__file__).parent / "training" / "footprint.py").read_text())[:16]
+
+
+def _footprint_key(request: dict) -> str:
+    return config_hash(request)
+
+
+def _judge(run: dict, inputs, measured: dict, gpu_types: list[str]) -> tuple[str, str] | None:
+    request = _footprint_request(run, inputs)
+    figures = measured.get(_footprint_key(request)) if request else None
+    if inputs is None or not figures or "error" in figures:
+        if figures and "error" in figures:
+            log.warning("run %r: memory not estimated: %s", run["name"], figures["error"])
+        return None
+    est = fits.estimate(run, figures, measured.get(RUNTIME, 0), inputs[2])
+    room, room_text = fits.capacity(run, run["launcher"], measured.get("gpu_bytes"), gpu_types)
+    return fits.judge(run, est, room, room_text, figures)
 
 
 def _manifest(staged: Path) -> dict | None:
@@ -76,16 +217,29 @@ def _key(check: dict) -> str:
     return config_hash({**check, "code": code, "torch": version("torch")})
 
 
-def _check_models(models: dict[str, tuple[dict, list[str]]], cache: Path) -> list[str]:
-    """Check the models not checked before, in one subprocess; remember those that pass."""
+def user_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "ddpflow"
+
+
+def _measure(
+    models: dict[str, tuple[dict, list[str]]], footprints: dict[str, dict], cache: Path
+) -> tuple[list[str], dict]:
+    """Check the models not checked before and measure the footprints not measured before,
+    in one subprocess; remember the models that pass and every measurement. Returns (the
+    models' problems, every footprint by key plus RUNTIME and gpu_bytes)."""
     passed = set(_read_cache(cache))
+    known = _read_footprints()
     todo = {key: check for key, (check, _) in models.items() if key not in passed}
-    if not todo:
-        return []
+    measure = {key: request for key, request in footprints.items() if key not in known}
+    if RUNTIME not in known and footprints:
+        measure.setdefault(next(iter(footprints)), footprints[next(iter(footprints))])
+    if not todo and not measure:
+        return [], known
     cache.parent.mkdir(parents=True, exist_ok=True)
-    request = cache.with_name(f"request-{config_hash(sorted(todo))[:12]}.json")
+    request = cache.with_name(f"request-{config_hash([sorted(todo), sorted(measure)])[:12]}.json")
     answer = request.with_suffix(".out.json")
-    request.write_text(json.dumps(todo))
+    request.write_text(json.dumps({"models": todo, "footprints": measure}))
     done = subprocess.run(
         [sys.executable, "-m", "ddpflow.early", str(request), str(answer)],
         capture_output=True,
@@ -94,15 +248,41 @@ def _check_models(models: dict[str, tuple[dict, list[str]]], cache: Path) -> lis
     request.unlink(missing_ok=True)
     if done.returncode != 0 or not answer.is_file():
         tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        return [f"the model check before any job could not run: {tail}"]
-    errors = json.loads(answer.read_text())
+        if todo:
+            return [f"the model check before any job could not run: {tail}"], known
+        log.warning("memory not estimated: the measurement could not run: %s", tail)
+        return [], known
+    result = json.loads(answer.read_text())
     answer.unlink()
+    errors = result["models"]
     cache.write_text(json.dumps(sorted(passed | {k for k in todo if errors[k] is None})))
+    known = {**known, **result["footprints"], RUNTIME: result[RUNTIME]}
+    _write_footprints(known)
+    known["gpu_bytes"] = result.get("gpu_bytes")
     return [
         f"runs {', '.join(repr(n) for n in models[key][1])}: {error}"
         for key, error in errors.items()
         if error is not None
-    ]
+    ], known
+
+
+def _read_footprints() -> dict:
+    try:
+        known = json.loads((user_cache_dir() / FOOTPRINTS).read_text())
+        return known if isinstance(known, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_footprints(known: dict) -> None:
+    """Kept by what was measured (a measurement that failed is kept too: it fails again
+    until the model, its code or torch changes, which changes the key)."""
+    path = user_cache_dir() / FOOTPRINTS
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, {k: v for k, v in known.items() if k != "gpu_bytes"})
+    except OSError as err:  # a read-only home: measured again next time
+        log.warning("memory estimates not kept (%s): %s", path, err)
 
 
 def _read_cache(cache: Path) -> list[str]:
@@ -112,13 +292,32 @@ def _read_cache(cache: Path) -> list[str]:
         return []
 
 
-def _run_checks(request: Path) -> dict[str, str | None]:
-    """In the subprocess: each model built and run once (training.models.check_model)."""
+def _run_checks(request: Path) -> dict:
+    """In the subprocess: each model built and run once (training.models.check_model), each
+    footprint measured (training.footprint.measure), and this process's own memory."""
+    from ddpflow.training import footprint
+
+    asked = json.loads(request.read_text())
+    runtime = footprint.runtime_bytes()  # torch and torchvision imported, nothing built yet
+    models = _check_each(asked["models"])
+    measured = {}
+    for key, want in asked["footprints"].items():
+        try:
+            keys = ("shape", "outputs", "micro_batch", "precision", "device_type")
+            args = {k: want[k] for k in (*keys, "checkpointing", "optimizer")}
+            measured[key] = footprint.measure(want["model"], **args)
+        except Exception as err:  # noqa: BLE001 - never blocks a run: it goes unestimated
+            measured[key] = {"error": f"{type(err).__name__}: {err}"[:300]}
+    gpu = footprint.local_gpu_bytes()
+    return {"models": models, "footprints": measured, RUNTIME: runtime, "gpu_bytes": gpu}
+
+
+def _check_each(checks: dict) -> dict[str, str | None]:
     from ddpflow.errors import UserError
     from ddpflow.training.models import check_model
 
     errors = {}
-    for key, check in json.loads(request.read_text()).items():
+    for key, check in checks.items():
         try:
             shape, classes = check["shape"], check["num_classes"]
             check_model(check["model"], shape, classes, check["channels_last"])

@@ -27,6 +27,7 @@ from ddpflow.config import (
 )
 from ddpflow.data.staged import choose_in_memory, read_manifest, sha256_file
 from ddpflow.data.staging import stage_dataset
+from ddpflow.early import input_of, memory_verdicts
 from ddpflow.errors import UserError
 from ddpflow.paths import (
     EVAL_FROM_TRAIN,
@@ -48,6 +49,7 @@ from ddpflow.training.pruning import pruned_line
 from ddpflow.training.records import describe, published
 
 log = logging.getLogger(__name__)
+EARLY_CACHE = ".snakemake/ddpflow"  # the parse's checks and measurements (ddpflow.early)
 
 
 def stage_data(data_cfg: dict, out_dir: str, threads: int = 1) -> dict:
@@ -157,6 +159,20 @@ def _check_user_model(run: dict, manifest: dict) -> None:
              manifest["num_classes"])  # fmt: skip
 
 
+def _check_memory(run: dict, manifest: dict) -> None:
+    """The rank's memory, estimated from the staged data (ddpflow.config.fits), said in the
+    terminal, and refused before the job is queued where it cannot fit. The parse made the
+    same check where it knew the data's shape; a measurement is made once (ddpflow.early)."""
+    inputs = {run["name"]: input_of(run, manifest)}
+    _, verdicts = memory_verdicts([run], inputs, EARLY_CACHE)
+    if run["name"] not in verdicts:
+        return
+    verdict, text = verdicts[run["name"]]
+    if verdict == "refused":
+        raise UserError(text)
+    (log.warning if verdict == "tight" else log.info)("%s", text)
+
+
 def _say_how_data_is_read(run: dict, manifest: dict) -> None:
     """In the terminal, before submission: in memory or streamed (the ranks decide the same
     way from the same figures: ddpflow.data.staged.choose_in_memory)."""
@@ -199,6 +215,7 @@ def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     check_batch_fits(run, manifest["sizes"]["train"])
     _say_what_sits_out(run, manifest["sizes"]["train"])
     _check_user_model(run, manifest)
+    _check_memory(run, manifest)
     _say_how_data_is_read(run, manifest)
     # from here on the run as its job runs it: on fewer nodes after node failures
     # (machine.min_nodes); the user's config is not edited

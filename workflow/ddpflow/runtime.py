@@ -313,3 +313,16 @@ def git_dirty() -> bool | None:
 
 def git_commit() -> str | None:
     return (_git("rev-parse", "HEAD") or "").strip() or None
+
+
+def peak_memory_mib() -> dict[str, float]:
+    """This process's peaks so far, in MiB: resident memory (peak_rss_mib) and, once CUDA is
+    in use, the GPU memory its tensors took (gpu_peak_alloc_mib): what ddpflow.config.fits
+    estimates before a run is queued."""
+    import resource
+
+    peaks = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        peaks["gpu_peak_alloc_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return peaks

@@ -29,11 +29,12 @@ except ddpconfig.ConfigError as err:
 
 # Against the real cluster too (partition, account, nodes, GPUs, time limit), before anything
 # is queued. Only in the main process: jobs re-read this file where sacctmgr may be missing.
+GPU_TYPES = {}  # each GPU run's GPU types in its partition (the memory estimate's GPU memory)
 if config["launcher"] == "slurm" and workflow.is_main_process:
     from ddpflow.config.slurm import check_runs_against_cluster
 
     try:
-        check_runs_against_cluster(
+        GPU_TYPES = check_runs_against_cluster(
             list(RUNS.values()), stage_in_job=STAGE_WHERE == "job"
         )
     except ddpconfig.ConfigError as err:
@@ -41,12 +42,16 @@ if config["launcher"] == "slurm" and workflow.is_main_process:
 
 # What the train rule would refuse (a model that cannot be built or take the data's shape, a
 # global batch larger than the staged split), refused here for every run whose data is staged:
-# before Snakemake removes any finished run's outputs to retrain it (ddpflow.early).
+# before Snakemake removes any finished run's outputs to retrain it; and a run whose ranks
+# cannot fit their memory, before anything is queued (ddpflow.early).
 if workflow.is_main_process:
     from ddpflow.early import check_before_jobs
 
     try:
-        check_before_jobs(list(RUNS.values()), RESULTS, ".snakemake/ddpflow")
+        check_before_jobs(
+            list(RUNS.values()), RESULTS, ".snakemake/ddpflow", GPU_TYPES,
+            warn=lambda text: print(f"ddpflow: warning: {text}", file=sys.stderr),
+        )
     except ddpconfig.ConfigError as err:
         sys.exit(f"ddpflow: configuration error: {err}")
 

@@ -113,17 +113,35 @@ def query_cluster(need_accounting: bool, timeout_s: float = QUERY_TIMEOUT_S) -> 
 
 def check_runs_against_cluster(
     runs: list[dict], timeout_s: float = QUERY_TIMEOUT_S, stage_in_job: bool = False
-) -> None:
+) -> dict[str, list[str]]:
     """Raise ConfigError for the first run whose machine section this cluster cannot run
-    (and, stage_in_job, whose machine.stage job it cannot run)."""
+    (and, stage_in_job, whose machine.stage job it cannot run). Returns each GPU run's GPU
+    types in its partition's GRES (what ddpflow.config.fits reads the GPU memory from)."""
     if not runs:
-        return
+        return {}
     need_accounting = any(run["machine"]["account"] or run["machine"]["qos"] for run in runs)
     cluster = query_cluster(need_accounting, timeout_s)
+    types = {}
     for run in runs:
         check_run(run, cluster)
         if stage_in_job:
             check_stage_job(run, cluster)
+        if run["machine"]["gpus_per_node"]:
+            partition = resolve_partition(run["name"], run["machine"]["partition"], cluster)
+            types[run["name"]] = gpu_types(cluster.nodes_of(partition))
+    return types
+
+
+def gpu_types(nodes: list[Node]) -> list[str]:
+    """The GPU types named in the nodes' GRES ("gpu:h100:4(S:0-1)" -> h100; an untyped
+    "gpu:4" -> "")."""
+    types = set()
+    for node in nodes:
+        for item in node.gres.split(","):
+            fields = item.split("(")[0].split(":")
+            if fields[0] == "gpu" and len(fields) >= 2:
+                types.add(fields[1] if len(fields) == 3 else "")
+    return sorted(types)
 
 
 def check_stage_job(run: dict, cluster: Cluster) -> None:

@@ -474,6 +474,11 @@ class MachineSpec(_Section):
     cpus_per_task: int = 1
     #: memory per node
     mem_gb: float = 4
+    #: the memory of one GPU, which a GPU rank's estimated peak is compared with before the run
+    #: is queued. null: the local launcher's GPU, or the GPU type in the Slurm partition's GRES
+    #: where its memory is known (h100, a100_80g, l40s, ...); otherwise the estimate is shown and
+    #: not compared
+    gpu_mem_gb: float | None = None
     #: job time limit (minutes)
     time_min: int = 60
     partition: str | None = None

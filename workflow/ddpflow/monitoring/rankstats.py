@@ -43,6 +43,8 @@ SUMMARY_FIGURES = (
     "gpu_mem_mib",
     "gpu_power_w",
     "gpu_temp_c",
+    "peak_rss_mib",
+    "gpu_peak_alloc_mib",
 )
 
 

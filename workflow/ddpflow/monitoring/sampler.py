@@ -170,6 +170,7 @@ class SystemSampler:
         stats = {
             "cpu_percent": _cpu_percent(cpu - self._cpu, wall - self._wall),
             "rss_mib": max([_rss_mib()] + [s["rss_mib"] for s in window]),
+            **runtime.peak_memory_mib(),
         }
         self._cpu, self._wall = cpu, wall
         for key in ("gpu_util_percent", "gpu_mem_mib", "gpu_power_w", "gpu_temp_c"):

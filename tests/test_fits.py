@@ -1,0 +1,203 @@
+"""The memory estimate before a run is queued: training.footprint's figures measured on fake
+tensors against the real model's tensors, config.fits' per-strategy arithmetic and verdicts,
+and the refusal through a real `snakemake -n` parse (the Slurm test cluster's refusal is in
+tests/slurm/test_workflow_slurm.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from ddpflow.cluster.slurm_parse import Node
+from ddpflow.config import fits
+from ddpflow.config.slurm import gpu_types
+from ddpflow.early import memory_verdicts
+from ddpflow.training.footprint import measure
+from ddpflow.training.models import build_model
+from workflow_helpers import make_run, snakemake, write_config
+
+MB = 2**20
+ADAM = {
+    "name": "adam",
+    "momentum": 0.9,
+    "nesterov": True,
+    "weight_decay": 0.0,
+    "betas": [0.9, 0.999],
+}
+SGD = {**ADAM, "name": "sgd"}
+
+
+def _figures(name="resnet18", micro=8, precision="fp32", checkpointing=False, opt=ADAM):
+    run = make_run(model={"name": name})
+    return measure(run["model"], [3, 32, 32], 10, micro, precision, "cpu", checkpointing, opt)
+
+
+def test_parameters_gradients_and_optimizer_state_are_the_real_models_bytes():
+    run = make_run(model={"name": "resnet18"})
+    real = build_model(run["model"], [3, 32, 32], 10)
+    params = sum(p.numel() * 4 for p in real.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in real.buffers())
+    adam, sgd = _figures(opt=ADAM), _figures(opt=SGD)
+    assert adam["parameters"] == params and adam["gradients"] == params
+    assert adam["buffers"] == buffers
+    # Adam: two moments per parameter (and a step counter each); SGD: one momentum buffer
+    assert 2 * params <= adam["optimizer"] <= 2 * params + 1 * MB
+    assert params <= sgd["optimizer"] <= params + 1 * MB
+    units = [m for m in real.modules() if type(m).__name__ == "BasicBlock"]
+    assert adam["largest_unit"] == max(sum(p.numel() * 4 for p in u.parameters()) for u in units)
+
+
+def test_activations_grow_with_the_micro_batch_and_shrink_with_the_memory_knobs():
+    small, large = _figures(micro=8), _figures(micro=16)
+    # a line: what grows with the micro-batch, and what does not (the measurement at 1)
+    per_sample = (large["activations"] - small["activations"]) / 8
+    assert 0 < large["activations_at_1"] < small["activations"]
+    predicted = large["activations_at_1"] + 15 * per_sample
+    assert abs(predicted / large["activations"] - 1) < 0.1
+    assert _figures(micro=16, checkpointing=True)["activations"] < 0.6 * large["activations"]
+    assert _figures(micro=16, precision="bf16")["activations"] < 0.9 * large["activations"]
+    # a CPU rank trains fp16 in fp32 (build.autocast_factory): the same figures as fp32
+    assert _figures(micro=16, precision="fp16")["activations"] == large["activations"]
+
+
+FIGURES = {
+    "parameters": 400 * MB,
+    "buffers": 0,
+    "gradients": 400 * MB,
+    "optimizer": 800 * MB,
+    "activations": 1000 * MB,
+    "activations_at_1": 1000 * MB // 256,  # in proportion to the micro-batch (256 below)
+    "largest_unit": 50 * MB,
+}
+
+
+@pytest.mark.parametrize(
+    "strategy, world, expected_mb",
+    [
+        ("ddp", 1, 400 + 400 + 800 + 1000),  # one rank trains plain whatever the strategy
+        ("fsdp", 1, 400 + 400 + 800 + 1000),
+        ("ddp", 4, 400 + 400 + 800 + 1000),
+        ("zero", 4, 400 + 400 + 200 + 1000),
+        # (P + G + O) / 4 + two gathered units + one unit's unsharded gradients
+        ("fsdp", 4, 100 + 2 * 50 + 100 + 50 + 200 + 1000),
+    ],
+)
+def test_a_ranks_share_by_strategy(strategy, world, expected_mb):
+    run = make_run(
+        train={"strategy": strategy, "global_batch_size": 64, "micro_batch_size": 16},
+        machine={"cpu_ranks_per_node": world},
+    )
+    est = fits.estimate(run, FIGURES, runtime=100 * MB, data_bytes=0)
+    assert est.total == (expected_mb + 100) * MB
+
+
+def test_bucket_copies_and_bf16_gathers_change_the_share():
+    base = {"global_batch_size": 64, "micro_batch_size": 16}
+    copies = make_run(
+        train={**base, "ddp": {"gradient_as_bucket_view": False}}, machine={"cpu_ranks_per_node": 2}
+    )
+    assert fits.estimate(copies, FIGURES, 0, 0).gradients == 800 * MB
+    bf16 = make_run(
+        train={**base, "strategy": "fsdp", "precision": "bf16"}, machine={"cpu_ranks_per_node": 2}
+    )
+    assert fits.estimate(bf16, FIGURES, 0, 0).parameters == (200 + 50) * MB
+
+
+def _slurm_run(**machine):
+    run = make_run(
+        train={"global_batch_size": 512, "micro_batch_size": 256},
+        machine={"cpu_ranks_per_node": 2, **machine},
+    )
+    return {**run, "launcher": "slurm"}
+
+
+def test_a_run_that_cannot_fit_is_refused_naming_the_estimate_and_the_knobs():
+    run = _slurm_run(mem_gb=4)
+    est = fits.estimate(run, FIGURES, 100 * MB, 0)
+    room, where = fits.capacity(run, "slurm", None, [])
+    verdict, text = fits.judge(run, est, room, where, FIGURES)
+    assert verdict == "refused"
+    assert "about 2.64 GB per rank (parameters 0.39, gradients 0.39, optimizer 0.78, " in text
+    assert "does not fit the 2.00 GB a rank has (machine.mem_gb 4 over 2 ranks per node)" in text
+    # 1.66 GB without activations leaves 0.34 GB: 89 samples' worth, 64 splits the batch
+    assert "train.micro_batch_size 64 " in text
+    assert (
+        "train.strategy: fsdp (parameters, gradients and optimizer state divided by the 2 " in text
+    )
+    assert "train.activation_checkpointing: true" in text and "train.precision: bf16" in text
+    assert "machine.mem_gb 6 or more" in text
+
+
+def test_above_80_percent_warns_and_below_says_the_share():
+    run = _slurm_run(mem_gb=6)
+    est = fits.estimate(run, FIGURES, 100 * MB, 0)
+    verdict, text = fits.judge(run, est, *fits.capacity(run, "slurm", None, []), FIGURES)
+    assert verdict == "tight" and "is 88% of the 3.00 GB a rank has" in text
+    run = _slurm_run(mem_gb=16)
+    verdict, text = fits.judge(run, est, *fits.capacity(run, "slurm", None, []), FIGURES)
+    assert verdict == "fits" and text.endswith(
+        "of 8.00 GB (machine.mem_gb 16 over 2 ranks per node): 33%"
+    )
+
+
+def test_a_gpu_ranks_memory_comes_from_the_key_the_local_gpu_or_the_partitions_gpu_type():
+    cpu = make_run()
+    gpu = {**cpu, "machine": {**cpu["machine"], "gpus_per_node": 1}, "launcher": "slurm"}
+    assert fits.capacity(gpu, "slurm", None, ["h100"]) == (
+        80 * 2**30,
+        "the partition's GPU type h100, 80 GB",
+    )
+    assert fits.capacity(gpu, "slurm", None, ["a100"])[0] is None  # 40 or 80 GB: not guessed
+    assert fits.capacity(gpu, "slurm", None, ["h100", "l4"])[0] is None  # mixed partition
+    assert fits.capacity(gpu, "local", 12 * 2**30, [])[0] == 12 * 2**30
+    keyed = {**gpu, "machine": {**gpu["machine"], "gpu_mem_gb": 24}}
+    assert fits.capacity(keyed, "slurm", None, ["h100"]) == (24 * 2**30, "machine.gpu_mem_gb 24")
+    est = fits.estimate(keyed, FIGURES, 0, 0)
+    assert est.runtime == fits.CUDA_CONTEXT and est.device == "cuda"
+
+
+def test_the_gpu_types_of_a_partitions_nodes():
+    def node(gres):
+        return Node("n1", ("gpu",), 8, 1000, 4, gres)
+
+    nodes = [node("gpu:h100:4(S:0-1)"), node("gpu:h100:4,shard:8"), node("gpu:2")]
+    assert gpu_types(nodes) == ["", "h100"]
+
+
+def test_the_measurement_is_made_once_for_every_workflow(tmp_path, monkeypatch):
+    """memory_verdicts measures in a subprocess, keeps the figures in the user's cache, and
+    answers the next identical question from it (no subprocess: ddpflow.early._measure)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    run = {**make_run(model={"name": "mlp"}), "launcher": "local"}
+    inputs = {run["name"]: ([1, 8, 8], 10, 0)}
+    _, first = memory_verdicts([run], inputs, tmp_path / "a")
+    cached = json.loads((tmp_path / "cache/ddpflow/footprints.json").read_text())
+    assert len(cached) == 2 and cached["runtime"] > 50 * MB  # torch alone is larger
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("measured again"))
+    _, second = memory_verdicts([run], inputs, tmp_path / "b")
+    assert first == second and first["default"][0] == "fits"
+
+
+def test_snakemake_refuses_at_parse_a_run_this_machine_cannot_hold(workdir):
+    """The local launcher compares with this machine's memory: a ViT-B/16 at micro-batch
+    4096 is tens of GB per rank; `snakemake -n` refuses before planning anything."""
+    configfile = write_config(
+        workdir / "config.yaml",
+        {
+            "model": {"name": "vit_b_16", "kwargs": {"image_size": 32}},
+            "data": {
+                "source": "synthetic",
+                "synthetic": {"channels": 3, "height": 32, "width": 32},
+            },
+            "train": {"global_batch_size": 8192, "micro_batch_size": 4096},
+        },
+    )
+    result = snakemake(workdir, configfile, "-n")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "ddpflow: configuration error: run 'default': about " in output, output[-2000:]
+    assert "does not fit the " in output and " GB a rank has (this machine's " in output
+    assert "fewer machine.cpu_ranks_per_node" in output
+    assert not (workdir / "results").exists()

@@ -1,0 +1,268 @@
+"""Whether a run's ranks fit their memory, decided before anything is queued.
+
+ddpflow.training.footprint measures one training step of the unsharded model on fake tensors
+(parameters, buffers, gradients, optimizer state, activations at the micro-batch, the largest
+FSDP unit); here, without torch, those figures become one rank's peak at the run's world size
+and strategy, plus the data the rank holds and the process itself, and are compared with the
+memory a rank has:
+
+* CPU ranks: machine.mem_gb shared by the node's ranks (Slurm), or this machine's memory
+  shared by the ranks (the local launcher, which asks for no memory);
+* GPU ranks: the GPU's memory, machine.gpu_mem_gb, or, where that is null, the GPU the local
+  launcher finds, or the GPU type in the Slurm partition's GRES where its memory is known.
+
+Per rank, with P parameters, G gradients, O optimizer state (bytes) and N ranks:
+
+    plain (1 rank)  P + G + O + activations
+    ddp             P + G + O + activations (G twice without train.ddp.gradient_as_bucket_view)
+    zero            P + G + O/N + activations
+    fsdp            (P + G + O)/N + activations + two units' parameters gathered (the current
+                    and the prefetched; all of them without reshard_after_forward) + one
+                    unit's unsharded gradients
+
+A rank that cannot fit is refused naming the estimate and the knobs that would make it fit;
+above WARN_SHARE a warning says so.
+
+    figures_key(run, shape, outputs) -> (key, request)    # the measurement to ask for
+    estimate(run, figures, runtime, data_bytes) -> Estimate
+    judge(run, est, capacity) -> (verdict, text)           # "fits" | "tight" | "refused"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+
+from ddpflow.config.machine import ranks_per_node
+
+GIB = 2**30
+WARN_SHARE = 0.8
+CUDA_CONTEXT = GIB // 2  # the CUDA context and kernels a GPU rank holds outside tensors
+# the memory of GPU types as Slurm's GRES names them, where the name decides it
+GPU_MEMORY_GB = {
+    "h200": 141,
+    "h100": 80,
+    "gh200": 96,
+    "l40s": 48,
+    "l40": 48,
+    "a40": 48,
+    "a6000": 48,
+    "l4": 24,
+    "a10": 24,
+    "a30": 24,
+    "t4": 16,
+    "p100": 16,
+    "a100_80g": 80,
+    "a100-80g": 80,
+    "a100_40g": 40,
+    "a100-40g": 40,
+    "v100_32g": 32,
+    "v100-32g": 32,
+    "v100_16g": 16,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """One rank's peak, by part (bytes)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    data: int
+    runtime: int
+    device: str  # "cpu" | "cuda"
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "device")
+
+    def parts(self) -> str:
+        names = ("parameters", "gradients", "optimizer", "activations", "data", "runtime")
+        return ", ".join(f"{name} {gb(getattr(self, name))}" for name in names)
+
+
+def gb(nbytes: float) -> str:
+    """GB as machine.mem_gb counts them (2**30 bytes: Slurm's --mem in MB of 2**20)."""
+    return f"{nbytes / GIB:.2f}" if nbytes < 10 * GIB else f"{nbytes / GIB:.1f}"
+
+
+def device_of(run) -> str:
+    return "cuda" if run["machine"]["gpus_per_node"] else "cpu"
+
+
+def figures_request(run, shape: list[int], outputs: int) -> dict:
+    """What ddpflow.training.footprint.measure needs for this run (its cache key too)."""
+    train = run["train"]
+    return {
+        "model": run["model"],
+        "shape": list(shape),
+        "outputs": int(outputs),
+        "micro_batch": int(train["micro_batch_size"]),
+        "precision": train["precision"],
+        "device_type": device_of(run),
+        "checkpointing": bool(train["activation_checkpointing"]),
+        "optimizer": {
+            k: train["optimizer"][k]
+            for k in ("name", "momentum", "nesterov", "weight_decay", "betas")
+        },
+    }
+
+
+def estimate(run, figures: dict, runtime: int, data_bytes: int) -> Estimate:
+    """One rank's peak from the measured figures at the run's world size and strategy."""
+    train, world = run["train"], run["world_size"]
+    strategy = train["strategy"] if world > 1 else "plain"
+    params = figures["parameters"] + figures["buffers"]
+    grads, opt = figures["gradients"], figures["optimizer"]
+    acts = figures["activations"]
+    if strategy in ("ddp", "zero") and not train["ddp"]["gradient_as_bucket_view"]:
+        grads *= 2  # the buckets beside the gradients
+    if strategy == "zero":
+        opt = math.ceil(opt / world)
+    if strategy == "fsdp":
+        unit = figures["largest_unit"]
+        gathered_dtype = 0.5 if train["precision"] == "bf16" else 1.0  # FSDP2's param_dtype
+        gathered = (
+            figures["parameters"] if not train["fsdp"]["reshard_after_forward"] else 2 * unit
+        ) * gathered_dtype
+        params = math.ceil(figures["parameters"] / world) + figures["buffers"] + int(gathered)
+        grads, opt = math.ceil(grads / world) + unit, math.ceil(opt / world)
+        if train["fsdp"]["cpu_offload"] and device_of(run) == "cuda":
+            params, grads, opt = int(gathered) + figures["buffers"], unit, 0
+    device = device_of(run)
+    process = runtime if device == "cpu" else CUDA_CONTEXT
+    return Estimate(params, grads, opt, acts, data_bytes, process, device)
+
+
+def capacity(
+    run, launcher: str, local_gpu_bytes: int | None, gres_types: list[str]
+) -> tuple[int | None, str]:
+    """(bytes one rank has, what that figure is) for the run's ranks; None: unknown."""
+    machine = run["machine"]
+    per_node = ranks_per_node(machine)
+    if device_of(run) == "cuda":
+        if machine.get("gpu_mem_gb"):
+            return int(machine["gpu_mem_gb"] * GIB), f"machine.gpu_mem_gb {machine['gpu_mem_gb']}"
+        if launcher == "local" and local_gpu_bytes:
+            return local_gpu_bytes, f"this machine's GPU, {gb(local_gpu_bytes)} GB"
+        known = {GPU_MEMORY_GB.get(t.lower()) for t in gres_types}
+        if len(gres_types) and None not in known and len(known) == 1:
+            size = known.pop()
+            types = "/".join(sorted(set(gres_types)))
+            return size * GIB, f"the partition's GPU type {types}, {size} GB"
+        return None, "the GPU's memory is unknown (set machine.gpu_mem_gb)"
+    if launcher == "local":
+        total = local_memory_bytes()
+        if total is None:
+            return None, "this machine's memory is unknown"
+        what = f"this machine's {gb(total)} GB"
+        return total // per_node, f"{what} over {per_node} ranks" if per_node > 1 else what
+    total = int(machine["mem_gb"] * GIB)
+    share = f" over {per_node} ranks per node" if per_node > 1 else ""
+    return total // per_node, f"machine.mem_gb {machine['mem_gb']}{share}"
+
+
+def local_memory_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        return None
+
+
+def judge(run, est: Estimate, room: int | None, room_text: str, figures: dict) -> tuple[str, str]:
+    """("fits" | "tight" | "refused" | "unknown", the line or the refusal) for run."""
+    name, micro = run["name"], run["train"]["micro_batch_size"]
+    where = "GPU" if est.device == "cuda" else "rank"
+    head = (
+        f"run {name!r}: about {gb(est.total)} GB per {where} ({est.parts()}; activations "
+        f"at train.micro_batch_size {micro})"
+    )
+    if room is None:
+        return "unknown", f"{head}; not compared: {room_text}"
+    share = est.total / room
+    if share <= WARN_SHARE:
+        return "fits", f"{head} of {gb(room)} GB ({room_text}): {share:.0%}"
+    if share <= 1:
+        return "tight", (
+            f"{head} is {share:.0%} of the {gb(room)} GB a {where} has "
+            f"({room_text}): close to its limit"
+        )
+    return "refused", (
+        f"{head} does not fit the {gb(room)} GB a {where} has ({room_text}). "
+        f"To fit: {_knobs(run, est, room, figures)}"
+    )
+
+
+def _knobs(run, est: Estimate, room: int, figures: dict) -> str:
+    """The settings that would make run fit, with figures where the estimate gives them."""
+    train, world = run["train"], run["world_size"]
+    unit = "GPU" if est.device == "cuda" else "rank"
+    fixed = est.total - est.activations
+    knobs = []
+    if fixed < room and est.activations > 0:
+        micro = _fitting_micro_batch(train, world, figures, room - fixed)
+        if micro is not None:
+            knobs.append(
+                f"train.micro_batch_size {micro} (activations shrink with it; the global batch "
+                "stays, as more micro-batches per step)"
+            )
+    else:
+        knobs.append(f"a smaller model (without any activations a {unit} needs {gb(fixed)} GB)")
+    if world > 1 and train["strategy"] != "fsdp":
+        fsdp = {**run, "train": {**train, "strategy": "fsdp"}}
+        sharded = estimate(fsdp, figures, est.runtime, est.data)
+        knobs.append(
+            f"train.strategy: fsdp (parameters, gradients and optimizer state divided by the "
+            f"{world} ranks: {gb(sharded.total)} GB)"
+        )
+    if not train["activation_checkpointing"]:
+        knobs.append(
+            "train.activation_checkpointing: true (each block's activations recomputed in the "
+            "backward instead of kept)"
+        )
+    if train["precision"] == "fp32":
+        knobs.append("train.precision: bf16 (activations in about half the bytes)")
+    if est.device == "cpu" and run["launcher"] == "slurm":
+        need = math.ceil(est.total * ranks_per_node(run["machine"]) / GIB)
+        knobs.append(f"machine.mem_gb {need} or more")
+    elif est.device == "cpu":
+        knobs.append(f"fewer machine.cpu_ranks_per_node (each needs {gb(est.total)} GB)")
+    else:
+        knobs.append(f"a GPU with at least {math.ceil(est.total / GIB)} GB")
+    return "; ".join(knobs)
+
+
+def _fitting_micro_batch(train, world: int, figures: dict, room: int) -> int | None:
+    """The largest micro-batch whose activations (in proportion to it) fit room and which
+    splits the global batch at this world size; None where none smaller does."""
+    from ddpflow.config.machine import splitting_micro_batch
+
+    micro = train["micro_batch_size"]
+    fixed, per_sample = _activation_line(figures, micro)
+    if per_sample <= 0 or room < fixed + per_sample:
+        return None
+    most = int((room - fixed) / per_sample)
+    if most >= micro:
+        return None
+    return splitting_micro_batch(train["global_batch_size"], most, [world])
+
+
+def _activation_line(figures: dict, micro: int) -> tuple[float, float]:
+    """(bytes that do not grow with the micro-batch, bytes per sample): the line through
+    the measurements at micro-batch 1 and at the run's."""
+    at_micro = figures["activations"]
+    at_one = figures.get("activations_at_1", at_micro / micro)
+    if micro <= 1:
+        return 0.0, float(at_micro)
+    per_sample = max(at_micro - at_one, 0) / (micro - 1)
+    return at_one - per_sample, per_sample

@@ -1,0 +1,171 @@
+"""A training step's memory, measured without allocating it: the model built and one step
+run under torch's FakeTensorMode (tensors with shapes and no storage) while torch's
+MemTracker counts every storage by what it holds. Runs on the login node's CPU, before
+anything is queued (ddpflow.early's subprocess); ddpflow.config.fits turns the figures into
+a rank's peak at the run's world size and strategy and compares it with the memory a rank has.
+
+What is measured, for one unsharded model on one process at the run's micro-batch, precision
+(autocast as the ranks run it) and activation checkpointing:
+
+* parameters, buffers and gradients (bytes of each, exactly);
+* optimizer state after a step (the configured optimizer's own tensors);
+* activations: the largest amount of forward activations and backward temporaries alive at
+  once, with every gradient already allocated (DDP's gradients are views of buckets that
+  live from the wrapper's creation, so they coexist with the activations); once at the
+  micro-batch and once at micro-batch 1 (what does not grow with it);
+* the largest FSDP unit's parameters (ddpflow.training.sharding.units): what FSDP gathers
+  whole for a block's forward and backward.
+
+    figures = measure(model_cfg, [3, 32, 32], 10, micro_batch=256, precision="fp32",
+                      device_type="cpu", checkpointing=False, optimizer=opt_cfg)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpflow.training.build import make_optimizer
+from ddpflow.training.models import build_model
+
+FIGURES = (
+    "parameters",
+    "buffers",
+    "gradients",
+    "optimizer",
+    "activations",
+    "activations_at_1",
+    "largest_unit",
+)
+
+
+def measure(
+    model_cfg: dict,
+    shape: list[int],
+    outputs: int,
+    micro_batch: int,
+    precision: str,
+    device_type: str,
+    checkpointing: bool,
+    optimizer: Any,
+) -> dict[str, int]:
+    """The figures (FIGURES, bytes) of one training step, measured on fake tensors.
+    precision/device_type: autocast as the ranks use it (fp16 on a CPU rank trains in fp32);
+    optimizer: the train.optimizer section (a SectionView or dict with its keys)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ddpflow.config.typed import OptimizerSpec
+    from ddpflow.training import sharding
+
+    opt_cfg = optimizer if isinstance(optimizer, OptimizerSpec) else _optimizer_spec(optimizer)
+    with warnings.catch_warnings(), FakeTensorMode():
+        warnings.simplefilter("ignore")  # MemTracker's notes on hooks: not the user's concern
+        with _no_init():
+            model = build_model(model_cfg, shape, outputs)
+        if checkpointing:
+            sharding.checkpoint_activations(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = make_optimizer(params, opt_cfg, 0.01, torch.device("cpu"))
+        autocast = _autocast(precision, device_type)
+        _step(model, opt, torch.empty(1, *shape), autocast)  # gradients and optimizer state
+        at_one = _tracked_step(model, opt, 1, shape, autocast)
+        peak = _tracked_step(model, opt, micro_batch, shape, autocast)
+    return {
+        "parameters": sum(_nbytes(p) for p in model.parameters()),
+        "buffers": sum(_nbytes(b) for b in model.buffers()),
+        "gradients": sum(_nbytes(p) for p in params),
+        "optimizer": peak.get("Optstate", 0),
+        "activations": peak.get("Activation", 0) + peak.get("Temp", 0),
+        # at micro-batch 1: what does not grow with it (the weights' gradients computed
+        # before they are added to .grad, bf16 copies of the weights); the rest grows in
+        # proportion (ddpflow.config.fits)
+        "activations_at_1": at_one.get("Activation", 0) + at_one.get("Temp", 0),
+        "largest_unit": max(
+            (sum(_nbytes(p) for p in unit.parameters()) for unit in sharding.units(model)),
+            default=0,
+        ),
+    }
+
+
+def _tracked_step(model: nn.Module, opt, micro_batch: int, shape, autocast) -> dict[str, int]:
+    """The bytes by kind (Parameter, Gradient, Activation, Temp, Optstate, ...) alive at the
+    peak of one step at this micro-batch."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        _step(model, opt, torch.empty(micro_batch, *shape), autocast)
+    peak = tracker.get_tracker_snapshot("peak")
+    return {
+        str(getattr(kind, "value", kind)): nbytes
+        for device in peak.values()
+        for kind, nbytes in device.items()
+    }
+
+
+def _step(model: nn.Module, opt, x: torch.Tensor, autocast) -> None:
+    """A forward, backward and optimizer step; the gradients are zeroed, not freed, so that
+    the next step's activations are counted beside them (DDP's bucket views)."""
+    with autocast() if autocast else contextlib.nullcontext():
+        out = model(x)
+    out.float().sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+
+
+def _autocast(precision: str, device_type: str):
+    """The ranks' autocast (ddpflow.training.build.autocast_factory), run on the CPU: bf16
+    and fp16 as on a GPU rank; a CPU rank trains fp16 in fp32."""
+    if precision == "fp32" or (precision == "fp16" and device_type != "cuda"):
+        return None
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return lambda: torch.autocast("cpu", dtype=dtype)
+
+
+@contextlib.contextmanager
+def _no_init():
+    """torch.nn.init's in-place initialisers as no-ops while the model is built: their values
+    do not change its memory, and some (trunc_normal_) ask a fake tensor for data."""
+    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(nn.init, n) for n in names}
+    for name in names:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _optimizer_spec(section):
+    from ddpflow.config.typed import OptimizerSpec
+
+    fields = {k: section[k] for k in OptimizerSpec.__dataclass_fields__ if k in section}
+    return OptimizerSpec(**{**fields, "betas": tuple(fields.get("betas", (0.9, 0.999)))})
+
+
+def runtime_bytes() -> int:
+    """This process's resident memory now (after importing torch and torchvision): what a CPU
+    rank holds before its first tensor (Linux /proc; 0 where unknown)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def local_gpu_bytes() -> int | None:
+    """The memory of this machine's first GPU (what the local launcher's GPU ranks get)."""
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(0).total_memory)
