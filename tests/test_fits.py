@@ -51,8 +51,8 @@ def test_activations_grow_with_the_micro_batch_and_shrink_with_the_memory_knobs(
     small, large = _figures(micro=8), _figures(micro=16)
     # a line: what grows with the micro-batch, and what does not (the measurement at 1)
     per_sample = (large["activations"] - small["activations"]) / 8
-    assert 0 < large["activations_at_1"] < small["activations"]
-    predicted = large["activations_at_1"] + 15 * per_sample
+    assert 0 < large["activations_at_2"] < small["activations"]
+    predicted = large["activations_at_2"] + 14 * per_sample
     assert abs(predicted / large["activations"] - 1) < 0.1
     assert _figures(micro=16, checkpointing=True)["activations"] < 0.6 * large["activations"]
     assert _figures(micro=16, precision="bf16")["activations"] < 0.9 * large["activations"]
@@ -60,13 +60,15 @@ def test_activations_grow_with_the_micro_batch_and_shrink_with_the_memory_knobs(
     assert _figures(micro=16, precision="fp16")["activations"] == large["activations"]
 
 
+# a CPU rank's process: 100 MB of its own, 80 MB of library pages (not counted: page cache)
+PROCESS = {"anon": 100 * MB, "file": 80 * MB}
 FIGURES = {
     "parameters": 400 * MB,
     "buffers": 0,
     "gradients": 400 * MB,
     "optimizer": 800 * MB,
     "activations": 1000 * MB,
-    "activations_at_1": 1000 * MB // 256,  # in proportion to the micro-batch (256 below)
+    "activations_at_2": 1000 * MB // 128,  # in proportion to the micro-batch (256 below)
     "largest_unit": 50 * MB,
 }
 
@@ -87,8 +89,9 @@ def test_a_ranks_share_by_strategy(strategy, world, expected_mb):
         train={"strategy": strategy, "global_batch_size": 64, "micro_batch_size": 16},
         machine={"cpu_ranks_per_node": world},
     )
-    est = fits.estimate(run, FIGURES, runtime=100 * MB, data_bytes=0)
-    assert est.total == (expected_mb + 100) * MB
+    est = fits.estimate(run, FIGURES, PROCESS, data_bytes=0)
+    # the process: its own 100 MB (its 80 MB of library pages are the node's page cache)
+    assert est.total == expected_mb * MB + 100 * MB and est.shared == 80 * MB
 
 
 def test_bucket_copies_and_bf16_gathers_change_the_share():
@@ -96,11 +99,11 @@ def test_bucket_copies_and_bf16_gathers_change_the_share():
     copies = make_run(
         train={**base, "ddp": {"gradient_as_bucket_view": False}}, machine={"cpu_ranks_per_node": 2}
     )
-    assert fits.estimate(copies, FIGURES, 0, 0).gradients == 800 * MB
+    assert fits.estimate(copies, FIGURES, PROCESS, 0).gradients == 800 * MB
     bf16 = make_run(
         train={**base, "strategy": "fsdp", "precision": "bf16"}, machine={"cpu_ranks_per_node": 2}
     )
-    assert fits.estimate(bf16, FIGURES, 0, 0).parameters == (200 + 50) * MB
+    assert fits.estimate(bf16, FIGURES, PROCESS, 0).parameters == (200 + 50) * MB
 
 
 def _slurm_run(**machine):
@@ -113,7 +116,7 @@ def _slurm_run(**machine):
 
 def test_a_run_that_cannot_fit_is_refused_naming_the_estimate_and_the_knobs():
     run = _slurm_run(mem_gb=4)
-    est = fits.estimate(run, FIGURES, 100 * MB, 0)
+    est = fits.estimate(run, FIGURES, PROCESS, 0)
     room, where = fits.capacity(run, "slurm", None, [])
     verdict, text = fits.judge(run, est, room, where, FIGURES)
     assert verdict == "refused"
@@ -130,7 +133,7 @@ def test_a_run_that_cannot_fit_is_refused_naming_the_estimate_and_the_knobs():
 
 def test_above_80_percent_warns_and_below_says_the_share():
     run = _slurm_run(mem_gb=6)
-    est = fits.estimate(run, FIGURES, 100 * MB, 0)
+    est = fits.estimate(run, FIGURES, PROCESS, 0)
     verdict, text = fits.judge(run, est, *fits.capacity(run, "slurm", None, []), FIGURES)
     assert verdict == "tight" and "is 88% of the 3.00 GB a rank has" in text
     run = _slurm_run(mem_gb=16)
@@ -152,7 +155,7 @@ def test_a_gpu_ranks_memory_comes_from_the_key_the_local_gpu_or_the_partitions_g
     assert fits.capacity(gpu, "local", 12 * 2**30, [])[0] == 12 * 2**30
     keyed = {**gpu, "machine": {**gpu["machine"], "gpu_mem_gb": 24}}
     assert fits.capacity(keyed, "slurm", None, ["h100"]) == (24 * 2**30, "machine.gpu_mem_gb 24")
-    est = fits.estimate(keyed, FIGURES, 0, 0)
+    est = fits.estimate(keyed, FIGURES, PROCESS, 0)
     assert est.runtime == fits.CUDA_CONTEXT and est.device == "cuda"
 
 
@@ -172,7 +175,8 @@ def test_the_measurement_is_made_once_for_every_workflow(tmp_path, monkeypatch):
     inputs = {run["name"]: ([1, 8, 8], 10, 0)}
     _, first = memory_verdicts([run], inputs, tmp_path / "a")
     cached = json.loads((tmp_path / "cache/ddpflow/footprints.json").read_text())
-    assert len(cached) == 2 and cached["runtime"] > 50 * MB  # torch alone is larger
+    process = cached["process_memory"]
+    assert len(cached) == 2 and process["anon"] > 50 * MB and process["file"] > 50 * MB
     import subprocess
 
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("measured again"))

@@ -47,7 +47,9 @@ log = logging.getLogger(__name__)
 
 CACHE = "models.json"
 FOOTPRINTS = "footprints.json"
-RUNTIME = "runtime"  # footprints.json's entry for the measuring process's own resident memory
+# footprints.json's entry for a rank's process before its first tensor (anonymous and
+# file-backed resident bytes: training.footprint.process_memory)
+RUNTIME = "process_memory"
 # the input shape and class count of the built-in datasets, known before they are staged
 BUILT_IN_SHAPES = {
     "digits": ([1, 8, 8], 10),
@@ -190,7 +192,8 @@ def _judge(run: dict, inputs, measured: dict, gpu_types: list[str]) -> tuple[str
         if figures and "error" in figures:
             log.warning("run %r: memory not estimated: %s", run["name"], figures["error"])
         return None
-    est = fits.estimate(run, figures, measured.get(RUNTIME, 0), inputs[2])
+    process = measured.get(RUNTIME) or {"anon": 0, "file": 0}
+    est = fits.estimate(run, figures, process, inputs[2])
     room, room_text = fits.capacity(run, run["launcher"], measured.get("gpu_bytes"), gpu_types)
     return fits.judge(run, est, room, room_text, figures)
 
@@ -298,7 +301,7 @@ def _run_checks(request: Path) -> dict:
     from ddpflow.training import footprint
 
     asked = json.loads(request.read_text())
-    runtime = footprint.runtime_bytes()  # torch and torchvision imported, nothing built yet
+    runtime = footprint.process_memory()  # before anything is measured
     models = _check_each(asked["models"])
     measured = {}
     for key, want in asked["footprints"].items():

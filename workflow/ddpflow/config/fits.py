@@ -20,11 +20,15 @@ Per rank, with P parameters, G gradients, O optimizer state (bytes) and N ranks:
                     and the prefetched; all of them without reshard_after_forward) + one
                     unit's unsharded gradients
 
+On CPU ranks the process itself counts too: its own (anonymous) resident memory after a
+few real steps of a tiny model (the libraries' file-backed pages are not counted: the node's
+ranks share them, and they are page cache the kernel drops under pressure).
+
 A rank that cannot fit is refused naming the estimate and the knobs that would make it fit;
 above WARN_SHARE a warning says so.
 
     figures_key(run, shape, outputs) -> (key, request)    # the measurement to ask for
-    estimate(run, figures, runtime, data_bytes) -> Estimate
+    estimate(run, figures, process, data_bytes) -> Estimate
     judge(run, est, capacity) -> (verdict, text)           # "fits" | "tight" | "refused"
 """
 
@@ -75,10 +79,16 @@ class Estimate:
     data: int
     runtime: int
     device: str  # "cpu" | "cuda"
+    # the libraries' pages a process maps: shared by the node's ranks and page cache the
+    # kernel drops under pressure, so not in total (a rank's RSS shows them: total + shared)
+    shared: int = 0
 
     @property
     def total(self) -> int:
-        return sum(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "device")
+        return sum(
+            getattr(self, n)
+            for n in ("parameters", "gradients", "optimizer", "activations", "data", "runtime")
+        )
 
     def parts(self) -> str:
         names = ("parameters", "gradients", "optimizer", "activations", "data", "runtime")
@@ -112,8 +122,9 @@ def figures_request(run, shape: list[int], outputs: int) -> dict:
     }
 
 
-def estimate(run, figures: dict, runtime: int, data_bytes: int) -> Estimate:
-    """One rank's peak from the measured figures at the run's world size and strategy."""
+def estimate(run, figures: dict, process: dict, data_bytes: int) -> Estimate:
+    """One rank's peak from the measured figures at the run's world size and strategy;
+    process: a rank's process before its model ({"anon", "file"} resident bytes)."""
     train, world = run["train"], run["world_size"]
     strategy = train["strategy"] if world > 1 else "plain"
     params = figures["parameters"] + figures["buffers"]
@@ -134,8 +145,8 @@ def estimate(run, figures: dict, runtime: int, data_bytes: int) -> Estimate:
         if train["fsdp"]["cpu_offload"] and device_of(run) == "cuda":
             params, grads, opt = int(gathered) + figures["buffers"], unit, 0
     device = device_of(run)
-    process = runtime if device == "cpu" else CUDA_CONTEXT
-    return Estimate(params, grads, opt, acts, data_bytes, process, device)
+    runtime = process["anon"] if device == "cpu" else CUDA_CONTEXT
+    return Estimate(params, grads, opt, acts, data_bytes, runtime, device, process["file"])
 
 
 def capacity(
@@ -220,7 +231,7 @@ def _knobs(run, est: Estimate, room: int, figures: dict) -> str:
         knobs.append(f"a smaller model (without any activations a {unit} needs {gb(fixed)} GB)")
     if world > 1 and train["strategy"] != "fsdp":
         fsdp = {**run, "train": {**train, "strategy": "fsdp"}}
-        sharded = estimate(fsdp, figures, est.runtime, est.data)
+        sharded = estimate(fsdp, figures, {"anon": est.runtime, "file": 0}, est.data)
         knobs.append(
             f"train.strategy: fsdp (parameters, gradients and optimizer state divided by the "
             f"{world} ranks: {gb(sharded.total)} GB)"
@@ -259,10 +270,9 @@ def _fitting_micro_batch(train, world: int, figures: dict, room: int) -> int | N
 
 def _activation_line(figures: dict, micro: int) -> tuple[float, float]:
     """(bytes that do not grow with the micro-batch, bytes per sample): the line through
-    the measurements at micro-batch 1 and at the run's."""
+    the measurements at micro-batch 2 and at the run's."""
     at_micro = figures["activations"]
-    at_one = figures.get("activations_at_1", at_micro / micro)
-    if micro <= 1:
-        return 0.0, float(at_micro)
-    per_sample = max(at_micro - at_one, 0) / (micro - 1)
-    return at_one - per_sample, per_sample
+    if micro <= 2:
+        return 0.0, at_micro / micro
+    per_sample = max(at_micro - figures["activations_at_2"], 0) / (micro - 2)
+    return at_micro - per_sample * micro, per_sample

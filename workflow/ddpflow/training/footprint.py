@@ -12,7 +12,7 @@ What is measured, for one unsharded model on one process at the run's micro-batc
 * activations: the largest amount of forward activations and backward temporaries alive at
   once, with every gradient already allocated (DDP's gradients are views of buckets that
   live from the wrapper's creation, so they coexist with the activations); once at the
-  micro-batch and once at micro-batch 1 (what does not grow with it);
+  micro-batch and once at micro-batch 2 (what does not grow with it);
 * the largest FSDP unit's parameters (ddpflow.training.sharding.units): what FSDP gathers
   whole for a block's forward and backward.
 
@@ -23,8 +23,8 @@ What is measured, for one unsharded model on one process at the run's micro-batc
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ FIGURES = (
     "gradients",
     "optimizer",
     "activations",
-    "activations_at_1",
+    "activations_at_2",
     "largest_unit",
 )
 
@@ -72,8 +72,9 @@ def measure(
         params = [p for p in model.parameters() if p.requires_grad]
         opt = make_optimizer(params, opt_cfg, 0.01, torch.device("cpu"))
         autocast = _autocast(precision, device_type)
-        _step(model, opt, torch.empty(1, *shape), autocast)  # gradients and optimizer state
-        at_one = _tracked_step(model, opt, 1, shape, autocast)
+        small = min(2, micro_batch)  # BatchNorm needs 2 samples where a map is 1x1
+        _step(model, opt, torch.empty(small, *shape), autocast)  # gradients, optimizer state
+        at_two = _tracked_step(model, opt, small, shape, autocast)
         peak = _tracked_step(model, opt, micro_batch, shape, autocast)
     return {
         "parameters": sum(_nbytes(p) for p in model.parameters()),
@@ -81,10 +82,10 @@ def measure(
         "gradients": sum(_nbytes(p) for p in params),
         "optimizer": peak.get("Optstate", 0),
         "activations": peak.get("Activation", 0) + peak.get("Temp", 0),
-        # at micro-batch 1: what does not grow with it (the weights' gradients computed
-        # before they are added to .grad, bf16 copies of the weights); the rest grows in
-        # proportion (ddpflow.config.fits)
-        "activations_at_1": at_one.get("Activation", 0) + at_one.get("Temp", 0),
+        # at micro-batch 2: with the figure above, what does not grow with the micro-batch
+        # (the weights' gradients before they are added to .grad, bf16 copies of the
+        # weights) and what does (ddpflow.config.fits)
+        "activations_at_2": at_two.get("Activation", 0) + at_two.get("Temp", 0),
         "largest_unit": max(
             (sum(_nbytes(p) for p in unit.parameters()) for unit in sharding.units(model)),
             default=0,
@@ -154,14 +155,30 @@ def _optimizer_spec(section):
     return OptimizerSpec(**{**fields, "betas": tuple(fields.get("betas", (0.9, 0.999)))})
 
 
-def runtime_bytes() -> int:
-    """This process's resident memory now (after importing torch and torchvision): what a CPU
-    rank holds before its first tensor (Linux /proc; 0 where unknown)."""
+def process_memory(status: str = "/proc/self/status") -> dict[str, int]:
+    """A CPU rank's process before its model: this process's resident memory after importing
+    what a rank imports and training a tiny model for a few real steps (which loads the
+    kernels, thread pools and allocator arenas a rank's first step loads). Anonymous (the
+    process's own) and file-backed (library pages: shared by the node's ranks, and page
+    cache the kernel can drop) bytes, from /proc (0 where unknown)."""
+    import ddpflow.cluster.jobs  # noqa: F401 - what a rank imports
+    import ddpflow.training.tasks  # noqa: F401
+
+    model = build_model({"name": "cnn", "cnn_channels": 8}, [1, 8, 8], 2)
+    opt = torch.optim.Adam(model.parameters(), fused=True)
+    for _ in range(3):
+        model(torch.randn(2, 1, 8, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    found = {"anon": 0, "file": 0}
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        for line in Path(status).read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile"):
+                found[key[3:].lower()] = int(value.split()[0]) * 1024
     except (OSError, ValueError, IndexError):
-        return 0
+        pass
+    return found
 
 
 def local_gpu_bytes() -> int | None:
