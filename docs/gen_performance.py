@@ -461,6 +461,32 @@ def render_login_cpu(doc: dict) -> list[str]:
     return [table(head, rows)]
 
 
+def render_memory_estimate(doc: dict) -> list[str]:
+    """The memory estimate made before queueing against the ranks' recorded peaks."""
+    rows = [
+        [r["model"], r["strategy"], num(r["estimate_total_gb"], 3),
+         num(r["estimate_gb"]["runtime"], 3), num(r["measured_peak_gb"], 3),
+         f"{100 * r['error']:+.1f}%"]
+        for r in doc["rows"]
+    ]  # fmt: skip
+    first = doc["rows"][0]
+    out = [
+        f"Per rank at {first['world']} CPU ranks, micro-batch {first['micro_batch']}, "
+        f"{first['precision']}, {first['optimizer']}; GB = 2^30 bytes; error = estimate / "
+        "measured - 1.",
+        table(["model", "strategy", "estimate GB", "of which runtime GB", "measured GB",
+               "error"], rows),
+    ]  # fmt: skip
+    imports = (doc.get("probes") or {}).get("rss_after_imports_mib")
+    if imports:
+        out.append(
+            "Resident memory of a fresh interpreter after imports (MiB): "
+            + ", ".join(f"{name} {num(value)}" for name, value in imports.items())
+            + "."
+        )
+    return out
+
+
 def render_micro_batch(doc: dict) -> list[str]:
     """Test accuracy, loss and training time per micro-batch (BatchNorm's batch), over seeds."""
     bn = {r["micro_batch"]: r for r in doc["batchnorm"]}
@@ -550,6 +576,8 @@ def renderer(doc: dict):
         return render_slurm_polling
     if doc.get("benchmark") == "login_cpu":
         return render_login_cpu
+    if doc.get("rows") and "estimate_total_gb" in doc["rows"][0]:
+        return render_memory_estimate
     return render_unknown
 
 
