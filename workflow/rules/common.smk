@@ -1,5 +1,6 @@
 # Validation and helpers shared by every rule file; defines no rules.
-# Parse-time code imports no torch or submitit: `snakemake -n` and `--lint` stay fast.
+# Parse-time code imports no torch or submitit: `snakemake -n` and `--lint` stay fast (the
+# memory estimate runs torch in a subprocess, once per model, shape and micro-batch).
 import re
 import sys
 
@@ -29,7 +30,8 @@ except ddpconfig.ConfigError as err:
 
 # Against the real cluster too (partition, account, nodes, GPUs, time limit), before anything
 # is queued. Only in the main process: jobs re-read this file where sacctmgr may be missing.
-GPU_TYPES = {}  # each GPU run's GPU types in its partition (the memory estimate's GPU memory)
+# each GPU run's GPU types in its partition: the GPU memory the memory estimate compares with
+GPU_TYPES = {}
 if config["launcher"] == "slurm" and workflow.is_main_process:
     from ddpflow.config.slurm import check_runs_against_cluster
 
@@ -49,7 +51,10 @@ if workflow.is_main_process:
 
     try:
         check_before_jobs(
-            list(RUNS.values()), RESULTS, ".snakemake/ddpflow", GPU_TYPES,
+            list(RUNS.values()),
+            RESULTS,
+            ".snakemake/ddpflow",
+            GPU_TYPES,
             warn=lambda text: print(f"ddpflow: warning: {text}", file=sys.stderr),
         )
     except ddpconfig.ConfigError as err:
