@@ -33,7 +33,8 @@ import math
 import os
 import subprocess
 import sys
-from importlib.metadata import version
+from functools import cache
+from importlib.metadata import version as package_version
 from pathlib import Path
 
 from ddpflow.config import ConfigError, check_batch_fits, config_hash, fits
@@ -218,6 +219,12 @@ def _key(check: dict) -> str:
     name = check["model"]["name"]
     code = plugin_source_hash(name) if is_plugin(name) else version("torchvision")
     return config_hash({**check, "code": code, "torch": version("torch")})
+
+
+@cache
+def version(package: str) -> str:
+    """An installed package's version, read once (a sweep asks it for every run)."""
+    return package_version(package)
 
 
 def user_cache_dir() -> Path:
