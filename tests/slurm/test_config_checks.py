@@ -19,6 +19,7 @@ from ddpflow import config as ddpconfig
 from ddpflow.cluster import slurm_parse as sp
 from ddpflow.config import ConfigError
 from ddpflow.config import slurm as sc
+from ddpflow.config.machine import stage_rule_resources
 
 CAPTURED = Path(__file__).resolve().parents[1] / "golden" / "slurm"
 
@@ -353,3 +354,22 @@ def test_where_staging_runs_and_what_its_job_asks_for():
     mixed = [*login, *runs_for({"stage": {"where": "job"}}, name="other")]
     with pytest.raises(ConfigError, match=r"differs between runs \('big' login, 'other' job\)"):
         ddpconfig.stage_where(mixed, "slurm")
+
+
+def test_runs_that_differ_in_partition_and_account_each_stage_where_they_ask():
+    """A key one run sets and another does not is "" for the other (the plugin's default
+    partition and account, as if absent), not a KeyError while Snakemake plans."""
+    from types import SimpleNamespace
+
+    (short,) = runs_for({"partition": "short", "account": "ddpflow", "qos": "normal"})
+    (plain,) = runs_for({}, name="other")
+    runs = {"d-short": short, "d-plain": plain}
+    resources = stage_rule_resources([short, plain], lambda dataset: runs[dataset])
+    asked = {
+        dataset: {key: value(SimpleNamespace(dataset=dataset)) for key, value in resources.items()}
+        for dataset in runs
+    }
+    assert asked["d-short"]["slurm_partition"] == "short"
+    assert asked["d-short"]["slurm_extra"] == "--qos=normal"
+    assert asked["d-plain"]["slurm_partition"] == asked["d-plain"]["slurm_account"] == ""
+    assert asked["d-plain"]["slurm_extra"] == "" and asked["d-plain"]["cpus_per_task"] == 4

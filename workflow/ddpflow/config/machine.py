@@ -83,12 +83,16 @@ def stage_job_resources(run: dict) -> dict:
 
 def stage_rule_resources(runs: list[dict], run_for_dataset) -> dict:
     """The stage rule's `resources:` for staging jobs: each a function of the rule's
-    wildcards, from the machine.stage of a run that uses the dataset (the keys are those of
-    the config's runs: machine.partition and machine.account are set for all or none)."""
+    wildcards, from the machine.stage of a run that uses the dataset (the first, where runs
+    share one). A key another run sets and this one does not (a partition, an account, a
+    qos) is "" here: the plugin's default, as if absent."""
     keys = set().union(*(stage_job_resources(run) for run in runs))
 
     def resource(key: str):
-        return lambda wildcards: stage_job_resources(run_for_dataset(wildcards.dataset))[key]
+        def value(wildcards):
+            return stage_job_resources(run_for_dataset(wildcards.dataset)).get(key, "")
+
+        return value
 
     return {key: resource(key) for key in sorted(keys)}
 
