@@ -464,24 +464,30 @@ def render_login_cpu(doc: dict) -> list[str]:
 def render_memory_estimate(doc: dict) -> list[str]:
     """The memory estimate made before queueing against the ranks' recorded peaks."""
     rows = [
-        [r["model"], r["strategy"], num(r["estimate_total_gb"], 3),
-         num(r["estimate_gb"]["runtime"], 3), num(r["measured_peak_gb"], 3),
-         f"{100 * r['error']:+.1f}%"]
+        [r["model"], r["strategy"], num(r["estimate_total_gb"], 3), num(r["measured_peak_gb"], 3),
+         f"{100 * r['error']:+.1f}%", num(r.get("estimate_rss_gb"), 3),
+         "—" if r.get("error_rss") is None else f"{100 * r['error_rss']:+.1f}%"]
         for r in doc["rows"]
     ]  # fmt: skip
     first = doc["rows"][0]
+    header = ["model", "strategy", "estimate GB", "measured GB", "error",
+              "estimate + library pages GB", "error with them"]  # fmt: skip
     out = [
         f"Per rank at {first['world']} CPU ranks, micro-batch {first['micro_batch']}, "
-        f"{first['precision']}, {first['optimizer']}; GB = 2^30 bytes; error = estimate / "
-        "measured - 1.",
-        table(["model", "strategy", "estimate GB", "of which runtime GB", "measured GB",
-               "error"], rows),
-    ]  # fmt: skip
-    imports = (doc.get("probes") or {}).get("rss_after_imports_mib")
+        f"{first['precision']}, {first['optimizer']}: the estimate a run is judged by "
+        "(`ddpflow.config.fits`), the ranks' largest `peak_rss_mib` (RSS, which counts the "
+        "libraries' shared pages in every rank), and the estimate with those pages added; "
+        "GB = 2^30 bytes, error = estimate / measured - 1.",
+        table(header, rows),
+    ]
+    imports = (doc.get("probes") or {}).get("imports")
     if imports:
         out.append(
-            "Resident memory of a fresh interpreter after imports (MiB): "
-            + ", ".join(f"{name} {num(value)}" for name, value in imports.items())
+            "Resident memory of fresh processes, MiB (own + library pages): "
+            + ", ".join(
+                f"{name.replace('_', ' ')} {num(m['anon'])} + {num(m['file'])}"
+                for name, m in imports.items()
+            )
             + "."
         )
     return out
