@@ -157,17 +157,42 @@ def safe_torch_load(source, map_location=None):
 
 
 def atomic_torch_save(obj, path: str | Path) -> str:
-    """torch.save, atomically; returns the sha256 of the bytes written (a checksum sidecar)."""
+    """torch.save, atomically; returns the sha256 of the bytes written (a checksum sidecar).
+    The bytes are hashed as torch writes them to the file: no copy of the whole checkpoint
+    is held in memory (a ViT-B/16's with Adam is 1 GB: rank 0 peaked that much higher)."""
     import hashlib
-    import io
 
     import torch
 
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    data = buffer.getvalue()
-    atomic_write_bytes(path, data)
-    return hashlib.sha256(data).hexdigest()
+    digest = hashlib.sha256()
+    with atomic_writer(path) as fh:
+        writer = _HashingWriter(fh, digest)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError as err:
+            if writer.error is not None:  # torch reports a failed write as its own error:
+                raise writer.error from err  # the OSError (a full disk) is what happened
+            raise
+    return digest.hexdigest()
+
+
+class _HashingWriter:
+    """A write-only file that feeds every byte to a hash on its way to the real file, and
+    keeps the first OSError of a write (torch.save replaces it by a RuntimeError)."""
+
+    def __init__(self, fh, digest):
+        self.fh, self.digest, self.error = fh, digest, None
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        try:
+            return self.fh.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
 
 
 def append_jsonl(path: str | Path, record: dict) -> None:

@@ -79,20 +79,25 @@ class Estimate:
     data: int
     runtime: int
     device: str  # "cpu" | "cuda"
-    # the libraries' pages a process maps: shared by the node's ranks and page cache the
-    # kernel drops under pressure, so not in total (a rank's RSS shows them: total + shared)
+    # the rank's share of the libraries' pages its node's ranks map together: page cache the
+    # kernel can drop under pressure, so in the warning but not in total (a rank's own RSS
+    # shows all of them)
     shared: int = 0
+
+    # zero: the optimizer state rank 0 gathers for a checkpoint, when no activations are held
+    gather: int = 0
 
     @property
     def total(self) -> int:
-        return sum(
-            getattr(self, n)
-            for n in ("parameters", "gradients", "optimizer", "activations", "data", "runtime")
-        )
+        held = self.parameters + self.gradients + self.optimizer + self.data + self.runtime
+        return held + max(self.activations, self.gather)
 
     def parts(self) -> str:
         names = ("parameters", "gradients", "optimizer", "activations", "data", "runtime")
-        return ", ".join(f"{name} {gb(getattr(self, name))}" for name in names)
+        text = ", ".join(f"{name} {gb(getattr(self, name))}" for name in names)
+        if self.gather > self.activations:  # zero's rank 0 at a checkpoint
+            text += f"; {gb(self.gather)} of optimizer state gathered for a checkpoint"
+        return text
 
 
 def gb(nbytes: float) -> str:
@@ -123,30 +128,45 @@ def figures_request(run, shape: list[int], outputs: int) -> dict:
 
 
 def estimate(run, figures: dict, process: dict, data_bytes: int) -> Estimate:
-    """One rank's peak from the measured figures at the run's world size and strategy;
-    process: a rank's process before its model ({"anon", "file"} resident bytes)."""
+    """One rank's peak (rank 0's, the largest) from the measured figures at the run's world
+    size and strategy; process: a rank's process before its model ({"anon", "file"}
+    resident bytes)."""
     train, world = run["train"], run["world_size"]
     strategy = train["strategy"] if world > 1 else "plain"
+    device = device_of(run)
     params = figures["parameters"] + figures["buffers"]
     grads, opt = figures["gradients"], figures["optimizer"]
-    acts = figures["activations"]
+    acts, gather = figures["activations"], 0
     if strategy in ("ddp", "zero") and not train["ddp"]["gradient_as_bucket_view"]:
         grads *= 2  # the buckets beside the gradients
     if strategy == "zero":
         opt = math.ceil(opt / world)
+        # rank 0 gathers every rank's optimizer state for each checkpoint, after a step's
+        # activations are freed: the larger of the two is its peak
+        gather = figures["optimizer"] - opt
     if strategy == "fsdp":
-        unit = figures["largest_unit"]
-        gathered_dtype = 0.5 if train["precision"] == "bf16" else 1.0  # FSDP2's param_dtype
-        gathered = (
-            figures["parameters"] if not train["fsdp"]["reshard_after_forward"] else 2 * unit
-        ) * gathered_dtype
-        params = math.ceil(figures["parameters"] / world) + figures["buffers"] + int(gathered)
-        grads, opt = math.ceil(grads / world) + unit, math.ceil(opt / world)
-        if train["fsdp"]["cpu_offload"] and device_of(run) == "cuda":
-            params, grads, opt = int(gathered) + figures["buffers"], unit, 0
-    device = device_of(run)
+        params, grads, opt = _fsdp_share(train, world, device, figures)
     runtime = process["anon"] if device == "cpu" else CUDA_CONTEXT
-    return Estimate(params, grads, opt, acts, data_bytes, runtime, device, process["file"])
+    shared = process["file"] // ranks_per_node(run["machine"]) if device == "cpu" else 0
+    return Estimate(params, grads, opt, acts, data_bytes, runtime, device, shared, gather)
+
+
+def _fsdp_share(train, world: int, device: str, figures: dict) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer state) of an FSDP rank: its shards, plus what it
+    gathers whole. On a GPU two units' parameters (the current and the prefetched; all
+    without reshard_after_forward) and one unit's gradients. On a CPU rank all of them:
+    glibc keeps the blocks FSDP gathers and frees each step (below its mmap threshold),
+    measured in bench/memory_estimate.py, and rank 0 gathers the whole model for model.pt."""
+    unit, gathered_dtype = figures["largest_unit"], 0.5 if train["precision"] == "bf16" else 1.0
+    whole = figures["parameters"]
+    gathered = whole if device == "cpu" or not train["fsdp"]["reshard_after_forward"] else 2 * unit
+    unsharded_grads = figures["gradients"] if device == "cpu" else unit
+    params = math.ceil(whole / world) + figures["buffers"] + int(gathered * gathered_dtype)
+    grads = math.ceil(figures["gradients"] / world) + unsharded_grads
+    opt = math.ceil(figures["optimizer"] / world)
+    if train["fsdp"]["cpu_offload"] and device == "cuda":  # shards in host memory
+        return int(2 * unit * gathered_dtype) + figures["buffers"], unit, 0
+    return params, grads, opt
 
 
 def capacity(
@@ -198,18 +218,20 @@ def judge(run, est: Estimate, room: int | None, room_text: str, figures: dict) -
         f"run {name!r}: about {gb(est.total)} GB per {where} ({est.parts()}; activations "
         f"at train.micro_batch_size {micro})"
     )
+    if est.shared:
+        head += f", and {gb(est.shared)} GB of library pages shared with the node's other ranks"
     if room is None:
         return "unknown", f"{head}; not compared: {room_text}"
-    share = est.total / room
-    if share <= WARN_SHARE:
-        return "fits", f"{head} of {gb(room)} GB ({room_text}): {share:.0%}"
+    share, with_pages = est.total / room, (est.total + est.shared) / room
+    if with_pages <= WARN_SHARE:
+        return "fits", f"{head}, of {gb(room)} GB ({room_text}): {with_pages:.0%}"
     if share <= 1:
         return "tight", (
-            f"{head} is {share:.0%} of the {gb(room)} GB a {where} has "
-            f"({room_text}): close to its limit"
+            f"{head}: {with_pages:.0%} of the {gb(room)} GB a {where} has ({room_text}), "
+            "close to its limit"
         )
     return "refused", (
-        f"{head} does not fit the {gb(room)} GB a {where} has ({room_text}). "
+        f"{head}: does not fit the {gb(room)} GB a {where} has ({room_text}). "
         f"To fit: {_knobs(run, est, room, figures)}"
     )
 
@@ -218,9 +240,9 @@ def _knobs(run, est: Estimate, room: int, figures: dict) -> str:
     """The settings that would make run fit, with figures where the estimate gives them."""
     train, world = run["train"], run["world_size"]
     unit = "GPU" if est.device == "cuda" else "rank"
-    fixed = est.total - est.activations
+    fixed = est.total - max(est.activations, est.gather)  # what the micro-batch leaves
     knobs = []
-    if fixed < room and est.activations > 0:
+    if fixed + est.gather < room and est.activations > 0:
         micro = _fitting_micro_batch(train, world, figures, room - fixed)
         if micro is not None:
             knobs.append(
