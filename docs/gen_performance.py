@@ -466,18 +466,22 @@ def render_memory_estimate(doc: dict) -> list[str]:
     rows = [
         [r["model"], r["strategy"], num(r["estimate_total_gb"], 3), num(r["measured_peak_gb"], 3),
          f"{100 * r['error']:+.1f}%", num(r.get("estimate_rss_gb"), 3),
-         "—" if r.get("error_rss") is None else f"{100 * r['error_rss']:+.1f}%"]
+         "—" if r.get("error_rss") is None else f"{100 * r['error_rss']:+.1f}%",
+         num(r.get("sampled_rss_max_gb"), 3)]
         for r in doc["rows"]
     ]  # fmt: skip
     first = doc["rows"][0]
     header = ["model", "strategy", "estimate GB", "measured GB", "error",
-              "estimate + library pages GB", "error with them"]  # fmt: skip
+              "estimate + library pages GB", "error with them",
+              "largest sampled RSS GB"]  # fmt: skip
     out = [
         f"Per rank at {first['world']} CPU ranks, micro-batch {first['micro_batch']}, "
         f"{first['precision']}, {first['optimizer']}: the estimate a run is judged by "
         "(`ddpflow.config.fits`), the ranks' largest `peak_rss_mib` (RSS, which counts the "
-        "libraries' shared pages in every rank), and the estimate with those pages added; "
-        "GB = 2^30 bytes, error = estimate / measured - 1.",
+        "libraries' shared pages in every rank), the estimate with those pages added, and the "
+        "largest RSS the monitor sampled every 2 s, which also sees rank 0's checkpoint write "
+        "after the epoch's record (— where the run was shorter than a sample); GB = 2^30 "
+        "bytes, error = estimate / measured - 1.",
         table(header, rows),
     ]
     imports = (doc.get("probes") or {}).get("imports")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import matplotlib.image
 import pytest
@@ -32,6 +33,17 @@ def test_smoke_the_default_job_trains_evaluates_reports_then_plans_nothing(workd
     assert metrics["world_size"] == 2 and metrics["accuracy"] > 0.5
     assert (workdir / "results/report/report.html").stat().st_size > 0
     assert jobs_planned(workdir, configfile) == set()
+    # the train rule said, before the job was queued, what a rank needs and how it compares
+    # with the memory it has (ddpflow.config.fits), and each rank recorded its real peak
+    assert re.search(
+        r"run 'default': about [\d.]+ GB per rank \(parameters .* over 2 ranks\): "
+        r"\d+%",
+        result.stderr,
+    ), result.stderr[-3000:]
+    first = json.loads(
+        (workdir / "results/runs/default/train_metrics.jsonl").read_text().splitlines()[0]
+    )
+    assert all(rank["peak_rss_mib"] > 100 for rank in first["ranks"])
 
 
 def test_whole_workflow_then_partial_rerun(workdir):
