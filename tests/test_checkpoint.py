@@ -174,3 +174,50 @@ def test_restore_agrees_across_ranks_when_one_rank_sees_another_config(tmp_path,
     else:
         assert all(o.startswith("refused") for o in outcomes), outcomes
         assert "another rank found checkpoints of another config" in outcomes[1]
+
+
+# --- ZeRO's state on rank 0: tensors sent as tensors (training.zero_state) ------------------
+
+
+def _zero_state_both_ways(env) -> dict | None:
+    """A ZeRO optimizer over a channels_last conv net stepped twice at 3 ranks; rank 0's
+    whole state from torch's consolidate_state_dict (pickles) and from zero_state."""
+    from ddpflow.training import zero_state
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3),
+        torch.nn.Conv2d(8, 4, 3),
+        torch.nn.Flatten(),
+        torch.nn.Linear(16, 2),
+    ).to(memory_format=torch.channels_last)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, fused=True)
+    for _ in range(2):
+        model(torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.consolidate_state_dict(to=0)
+    torchs = opt.state_dict() if env.rank == 0 else None
+    zero_state.consolidate(opt)
+    ours = opt.state_dict() if env.rank == 0 else None
+    zero_state.release(opt)
+    released = opt._all_state_dicts == []
+    return {"torch": torchs, "ours": ours, "released": released}
+
+
+def test_zero_state_on_rank_0_equals_torchs_consolidation_layout_included(tmp_path):
+    from distributed_helpers import run_group
+
+    results = run_group(3, _zero_state_both_ways, (), tmp_path)
+    torchs, ours = results[0]["torch"], results[0]["ours"]
+    assert ours["param_groups"] == torchs["param_groups"]
+    assert ours["state"].keys() == torchs["state"].keys() and len(ours["state"]) == 6
+    for index, entry in torchs["state"].items():
+        for name, tensor in entry.items():
+            got = ours["state"][index][name]
+            assert torch.equal(got, tensor), (index, name)
+            # the fused optimizer pairs a parameter's elements with its state's by memory
+            # order: a channels_last weight's moments keep its strides
+            assert got.stride() == tensor.stride(), (index, name)
+    assert all(r["released"] for r in results)

@@ -208,6 +208,8 @@ class Checkpointer:
             path = save(state, self.directory, step, self.keep)
             atomic_write_json(path.parent / NEWEST, position(state, path))
             log.info("checkpoint %s (%s)", path.name, reason)
+            del state
+        loop.release_gathered_state()
 
     def on_step(self, loop) -> None:
         step = loop.scheduler.last_epoch

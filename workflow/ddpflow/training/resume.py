@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpflow.data import feed
-from ddpflow.training import evaluate, sharding
+from ddpflow.training import evaluate, sharding, zero_state
 
 if TYPE_CHECKING:
     from ddpflow.cluster.distenv import DistEnv
@@ -59,12 +59,16 @@ class Resumable:
         shards, which rank 0 collects (a checkpoint holds the whole state, as with ddp, so a
         run resumes under either strategy and at any world size's sharding); the epoch's
         step losses so far are summed over the ranks (a checkpoint holds the global sums)."""
-        if self.sharded_optimizer:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            assert isinstance(self.optimizer, ZeroRedundancyOptimizer)
-            self.optimizer.consolidate_state_dict(to=0)
+        if self.sharded_optimizer:  # its tensors sent as tensors, not pickled
+            zero_state.consolidate(self.optimizer)
         self._global_step_losses = self.global_step_losses()
+
+    def release_gathered_state(self) -> None:
+        """After a checkpoint is written: drop the whole optimizer state gather_state()
+        collected on rank 0 (ZeroRedundancyOptimizer keeps it until the next consolidation,
+        which would hold two copies at once)."""
+        if self.sharded_optimizer:
+            zero_state.release(self.optimizer)
 
     def full_model_state(self) -> dict:
         """Collective under FSDP: the whole model's state dict, on rank 0 (what model.pt
