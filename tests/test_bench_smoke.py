@@ -1,5 +1,5 @@
 """The benchmarks (bench/throughput.py, end_to_end.py, memory.py, data.py, layout.py,
-scaling.py, micro_batch.py) run in a tiny configuration and write complete JSON.
+scaling.py, micro_batch.py, memory_estimate.py) run in a tiny configuration and write complete JSON.
 
 Speed is measured by the benchmarks and never asserted here: only that the numbers exist.
 """
@@ -344,6 +344,35 @@ def test_micro_batch_plan_flips_the_micro_batches_every_seed():
 
 
 @pytest.mark.e2e
+def test_memory_estimate_tiny_run_compares_the_estimate_with_the_ranks_peaks(tmp_path):
+    """bench/memory_estimate.py through the real workflow (one run): the estimate the run
+    is judged by, beside the ranks' recorded peak RSS, and the performance page renders it
+    (what the error is on this machine is the benchmark's to say, not asserted)."""
+    out = tmp_path / "memory_estimate.json"
+    cmd = [sys.executable, str(REPO / "bench" / "memory_estimate.py"), "--models", "mlp"]
+    cmd += ["--strategies", "ddp", "--epochs", "1", "--no-probes", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    report = json.loads(out.read_text())
+    assert report["machine"]["cpu_count"] and report["provenance"]["versions"]["torch"]
+    (row,) = report["rows"]
+    assert (row["model"], row["strategy"], row["world"]) == ("mlp", "ddp", 2)
+    # torch's process alone is hundreds of MiB: both figures are real measurements
+    assert row["estimate_bytes"] > 2**28 and row["measured_peak_bytes"] > 2**28
+    assert row["estimate_rss_gb"] > row["estimate_total_gb"]  # the library pages added
+    assert set(row["per_rank_peak_mib"]) == {"0", "1"}
+    assert "GB per rank" in row["train_log_estimate"]
+    rendered = "\n".join(_renderer(report)(report))
+    assert "| mlp | ddp |" in rendered
+
+
+def _renderer(report: dict):
+    spec = importlib.util.spec_from_file_location("gen", REPO / "docs" / "gen_performance.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    return gen.renderer(report)
+
+
 def test_micro_batch_tiny_run_writes_complete_json(tmp_path):
     """bench/micro_batch.py through the real workflow: each run trains at the micro-batch it
     names (BatchNorm's batch), the one auto picks at 2 ranks has the shipped default run's
