@@ -148,6 +148,8 @@ def test_a_run_that_cannot_fit_is_refused_naming_the_estimate_and_the_knobs():
     assert (
         "train.strategy: fsdp (parameters, gradients and optimizer state divided by the 2 " in text
     )
+    # on these CPU ranks fsdp keeps the blocks it gathers: the knob says it saves little
+    assert "ranks: 2.64 GB; on CPU ranks, which keep the blocks it gathers, little)" in text
     assert "train.activation_checkpointing: true" in text and "train.precision: bf16" in text
     assert "machine.mem_gb 6 or more" in text
 

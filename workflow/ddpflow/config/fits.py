@@ -254,9 +254,11 @@ def _knobs(run, est: Estimate, room: int, figures: dict) -> str:
     if world > 1 and train["strategy"] != "fsdp":
         fsdp = {**run, "train": {**train, "strategy": "fsdp"}}
         sharded = estimate(fsdp, figures, {"anon": est.runtime, "file": 0}, est.data)
+        saves = sharded.total < 0.95 * est.total
         knobs.append(
             f"train.strategy: fsdp (parameters, gradients and optimizer state divided by the "
-            f"{world} ranks: {gb(sharded.total)} GB)"
+            f"{world} ranks: {gb(sharded.total)} GB"
+            + (")" if saves else "; on CPU ranks, which keep the blocks it gathers, little)")
         )
     if not train["activation_checkpointing"]:
         knobs.append(
