@@ -108,18 +108,23 @@ def memory_verdicts(
 ) -> tuple[list[str], dict[str, tuple[str, str]]]:
     """(the models' problems, {run: (verdict, line)}) for the runs whose input is known
     (input_of); the models to check (check_before_jobs) share the one subprocess."""
-    requests = {
-        _footprint_key(request): request
-        for run in runs
-        if (request := _footprint_request(run, inputs[run["name"]])) is not None
-    }
+    keys, requests = {}, {}
+    for run in runs:
+        request = _footprint_request(run, inputs[run["name"]])
+        if request is not None:
+            keys[run["name"]] = key = _footprint_key(request)
+            requests[key] = request
     model_problems, measured = _measure(models or {}, requests, Path(cache_dir) / CACHE)
     verdicts = {}
     for run in runs:
+        figures = measured.get(keys.get(run["name"], ""))
+        if not figures:
+            continue
+        if "error" in figures:
+            log.warning("run %r: memory not estimated: %s", run["name"], figures["error"])
+            continue
         types = (gpu_types or {}).get(run["name"], [])
-        verdict = _judge(run, inputs[run["name"]], measured, types)
-        if verdict is not None:
-            verdicts[run["name"]] = verdict
+        verdicts[run["name"]] = _judge(run, inputs[run["name"]], figures, measured, types)
     return model_problems, verdicts
 
 
@@ -127,8 +132,8 @@ def input_of(run: dict, manifest: dict | None) -> tuple[list[int], int, int] | N
     """(input shape, model outputs, bytes of data the rank holds) of run: from the staged
     manifest, or from the config before staging where it decides them (data: 0 then);
     None where only staging tells (npz, plug-in data)."""
-    if manifest is not None:
-        return manifest["shape"], _outputs(run, manifest), _data_bytes(run, manifest)
+    if manifest is not None:  # the model's outputs: num_classes for every task (Task.outputs)
+        return manifest["shape"], int(manifest["num_classes"]), _data_bytes(run, manifest)
     data = run["data"]
     if run["task"] != "classification":
         return None  # the targets' width comes from the staged data
@@ -143,14 +148,6 @@ def input_of(run: dict, manifest: dict | None) -> tuple[list[int], int, int] | N
         classes = len([p for p in train.iterdir() if p.is_dir()]) if train.is_dir() else 0
         return [data["channels"], *data["image_size"]], max(classes, 2), 0
     return None
-
-
-def _outputs(run: dict, manifest: dict) -> int:
-    """The model's output width: classes, labels or targets (the tasks' outputs())."""
-    for key in ("num_targets", "num_labels", "num_classes"):
-        if manifest.get(key):
-            return int(manifest[key])
-    return 1
 
 
 def _data_bytes(run: dict, manifest: dict) -> int:
@@ -186,13 +183,8 @@ def _footprint_key(request: dict) -> str:
     return config_hash(request)
 
 
-def _judge(run: dict, inputs, measured: dict, gpu_types: list[str]) -> tuple[str, str] | None:
-    request = _footprint_request(run, inputs)
-    figures = measured.get(_footprint_key(request)) if request else None
-    if inputs is None or not figures or "error" in figures:
-        if figures and "error" in figures:
-            log.warning("run %r: memory not estimated: %s", run["name"], figures["error"])
-        return None
+def _judge(run: dict, inputs, figures: dict, measured: dict, gpu_types: list[str]):
+    """(verdict, line) of run from its measured figures (fits.estimate, capacity, judge)."""
     process = measured.get(RUNTIME) or {"anon": 0, "file": 0}
     est = fits.estimate(run, figures, process, inputs[2])
     room, room_text = fits.capacity(run, run["launcher"], measured.get("gpu_bytes"), gpu_types)
@@ -242,9 +234,8 @@ def _measure(
     known = _read_footprints()
     todo = {key: check for key, (check, _) in models.items() if key not in passed}
     measure = {key: request for key, request in footprints.items() if key not in known}
-    if RUNTIME not in known and footprints:
-        measure.setdefault(next(iter(footprints)), footprints[next(iter(footprints))])
-    if not todo and not measure:
+    # the subprocess also measures a rank's process (RUNTIME), once for all footprints
+    if not todo and not measure and (RUNTIME in known or not footprints):
         return [], known
     cache.parent.mkdir(parents=True, exist_ok=True)
     request = cache.with_name(f"request-{config_hash([sorted(todo), sorted(measure)])[:12]}.json")
