@@ -6,6 +6,7 @@ tests/slurm/test_workflow_slurm.py)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from ddpflow.cluster.slurm_parse import Node
@@ -210,6 +211,34 @@ def test_the_measurement_is_made_once_for_every_workflow(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("measured again"))
     _, second = memory_verdicts([run], inputs, tmp_path / "b")
     assert first == second and first["default"][0] == "fits"
+
+
+def test_a_local_gpu_run_is_compared_with_the_gpu_also_from_the_cache(tmp_path, monkeypatch):
+    """The local GPU's memory comes from the driver (nvidia-smi, for the first GPU the ranks
+    see) whenever the figures come from the cache, where no subprocess asked torch: before,
+    a second parse showed the GPU's memory as unknown. This machine has no GPU: a stand-in
+    nvidia-smi on PATH answers as the H100's driver did (81559 MiB)."""
+    from ddpflow.config.machine import local_gpu_memory_bytes
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1234,GPU-5678")
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/asked\necho 81559\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}:{os.environ['PATH']}")
+    local_gpu_memory_bytes.cache_clear()
+    base = make_run(model={"name": "mlp"})
+    run = {**base, "machine": {**base["machine"], "gpus_per_node": 1}, "launcher": "local"}
+    inputs = {run["name"]: ([1, 8, 8], 10, 0)}
+    try:
+        _, first = memory_verdicts([run], inputs, tmp_path / "a")
+        _, second = memory_verdicts([run], inputs, tmp_path / "b")  # from the cache
+    finally:
+        local_gpu_memory_bytes.cache_clear()
+    assert first == second
+    assert "of 79.6 GB (this machine's GPU, 79.6 GB)" in second["default"][1], second
+    assert (tmp_path / "asked").read_text().split()[-2:] == ["-i", "GPU-1234"]
 
 
 def test_snakemake_refuses_at_parse_a_run_this_machine_cannot_hold(workdir):

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from ddpflow.config import ConfigError, check_batch_fits, config_hash, fits
 from ddpflow.config.fingerprint import BUILT_IN_MODELS, plugin_source_hash
-from ddpflow.config.machine import uses_channels_last
+from ddpflow.config.machine import local_gpu_memory_bytes, uses_channels_last
 from ddpflow.paths import staged_dir
 from ddpflow.plugins import is_plugin
 from ddpflow.runtime import atomic_write_json
@@ -187,7 +187,10 @@ def _judge(run: dict, inputs, figures: dict, measured: dict, gpu_types: list[str
     """(verdict, line) of run from its measured figures (fits.estimate, capacity, judge)."""
     process = measured.get(RUNTIME) or {"anon": 0, "file": 0}
     est = fits.estimate(run, figures, process, inputs[2])
-    room, room_text = fits.capacity(run, run["launcher"], measured.get("gpu_bytes"), gpu_types)
+    local_gpu = measured.get("gpu_bytes")  # measured only when the subprocess ran: else
+    if local_gpu is None and run["launcher"] == "local" and run["machine"]["gpus_per_node"]:
+        local_gpu = local_gpu_memory_bytes()  # (cached figures) the driver's answer
+    room, room_text = fits.capacity(run, run["launcher"], local_gpu, gpu_types)
     return fits.judge(run, est, room, room_text, figures)
 
 

@@ -5,7 +5,9 @@ probed without importing torch.
 
 from __future__ import annotations
 
+import functools
 import os
+import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -120,6 +122,20 @@ def local_gpu_count() -> int:
         return len(devices)
     driver = Path("/proc/driver/nvidia/gpus")
     return len(list(driver.iterdir())) if driver.is_dir() else 0
+
+
+@functools.cache
+def local_gpu_memory_bytes() -> int | None:
+    """The memory of the first GPU a local rank gets (the first of CUDA_VISIBLE_DEVICES, an
+    index or UUID), from nvidia-smi without importing torch; None where it cannot be read.
+    (A MIG slice reads as its whole GPU.)"""
+    first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0"
+    query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", first]
+    try:
+        done = subprocess.run(query, capture_output=True, text=True, timeout=30)
+        return int(float(done.stdout.split()[0]) * 2**20) if done.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
 
 
 def cpu_computes_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
