@@ -340,7 +340,9 @@ def test_workflow_on_the_gpu(workdir, precision):
     assert metrics["samples_evaluated"] == metrics["test_size"]
     assert metrics["accuracy"] > 0.9
     report = (workdir / "results/report/report.md").read_text()
-    assert f"{torch.cuda.get_device_name(0)} ({precision})" in report
+    runs_row = next(line for line in report.splitlines() if line.startswith("| **gpu"))
+    assert f"**{precision}** |" in runs_row, runs_row  # the Runs table's precision column
+    assert f"| {torch.cuda.get_device_name(0)} |" in report  # Machine and speed: the device
     # GPU metrics through NVML, every epoch, and in the report's per-rank table (issue 14)
     lines = (workdir / "results/runs/gpu/train_metrics.jsonl").read_text().splitlines()
     for record in map(json.loads, lines):
@@ -349,3 +351,81 @@ def test_workflow_on_the_gpu(workdir, precision):
         assert rank["gpu_power_w"] > 0 and 0 < rank["gpu_temp_c"] < 120, rank
     assert "| GPU util % | GPU mem MiB | Power W | Temp °C |" in report
     assert os.path.getsize(workdir / "results/report/report.html") > 0
+
+
+# --- several NCCL ranks: ddp, zero, fsdp, exact evaluation, 4 -> 2 ------------------------
+
+# NCCL >= 2.30 (torch 2.14's) runs several ranks on one GPU when this is set (experimental):
+# enough to exercise the multi-rank NCCL paths (bucketed all-reduce, ZeRO's and FSDP's
+# gathers, the evaluation's int64 sums, a resumed world size) on a one-GPU machine
+MULTI_RANK = (
+    os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"
+    and torch.cuda.is_available()
+    and torch.cuda.nccl.version() >= (2, 30)  # 2.28 refuses: "Duplicate GPU detected"
+)
+SHARED_GPU_ENV = {  # the local launcher checks the GPUs asked for; here ranks share GPU 0
+    "DDPFLOW_ALLOW_CPU_FALLBACK": "1",
+    "NCCL_MULTI_RANK_GPU_ENABLE": "1",
+}
+NCCL_RANKS = {
+    "train": {"epochs": 2, "progress": False, "global_batch_size": 64, "micro_batch_size": 16,
+              "checkpoint": {"every_steps": 4, "every_epochs": 1}},
+    "machine": {"pg_timeout_s": 60, "gpus_per_node": 4},
+}  # fmt: skip
+
+
+def _needs_four_ranks() -> None:
+    if torch.cuda.device_count() < 4 and not MULTI_RANK:
+        pytest.skip(
+            "needs 4 GPUs, or NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 to share one "
+            f"(torch {torch.__version__} has NCCL {torch.cuda.nccl.version()})"
+        )
+
+
+def _eval(workdir, run: str) -> dict:
+    return json.loads((workdir / f"results/runs/{run}/eval_metrics.json").read_text())
+
+
+@pytest.mark.e2e
+def test_ddp_zero_and_fsdp_over_nccl_at_two_ranks(workdir):
+    _needs_four_ranks()
+    config = {
+        **NCCL_RANKS,
+        "machine": {**NCCL_RANKS["machine"], "gpus_per_node": 2},
+        "runs": [{"name": s, "train": {"strategy": s}} for s in ("ddp", "zero", "fsdp")],
+    }
+    configfile = write_config(workdir / "config.yaml", config)
+    result = snakemake(workdir, configfile, env=SHARED_GPU_ENV if MULTI_RANK else None)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    for strategy in ("ddp", "zero", "fsdp"):
+        metrics = _eval(workdir, strategy)
+        assert metrics["train"]["world_size"] == 2 and metrics["train"]["device"] == "cuda:0"
+        # the evaluation's NCCL all-reduce: every test sample scored exactly once
+        assert metrics["samples_evaluated"] == metrics["test_size"], (strategy, metrics)
+        assert metrics["accuracy"] > 0.85, (strategy, metrics["accuracy"])
+        lines = (workdir / f"results/runs/{strategy}/train_metrics.jsonl").read_text()
+        ranks = json.loads(lines.splitlines()[-1])["ranks"]
+        assert sorted(r["rank"] for r in ranks) == [0, 1]
+        assert all(r["gpu_peak_alloc_mib"] > 0 for r in ranks), ranks
+
+
+@pytest.mark.e2e
+def test_a_four_rank_nccl_run_killed_continues_at_two(workdir):
+    _needs_four_ranks()
+    env = {**(SHARED_GPU_ENV if MULTI_RANK else {}), "DDPFLOW_FAULT": "kill:3:1:7",
+           "DDPFLOW_FAULT_ONCE": str(workdir / "fired")}  # fmt: skip
+    configfile = write_config(workdir / "config.yaml", {**NCCL_RANKS, "runs": [{"name": "cnn"}]})
+    first = snakemake(workdir, configfile, env=env)
+    assert first.returncode != 0 and (workdir / "fired").exists(), first.stderr[-3000:]
+    two = {**NCCL_RANKS, "machine": {**NCCL_RANKS["machine"], "gpus_per_node": 2}}
+    write_config(configfile, {**two, "runs": [{"name": "cnn"}]})
+    second = snakemake(workdir, configfile, env=SHARED_GPU_ENV if MULTI_RANK else None)
+    terminal = second.stdout + second.stderr
+    assert second.returncode == 0, terminal[-4000:]
+    assert "written on 4 ranks; continuing on 2" in terminal, terminal[-3000:]
+    rank0 = "".join(
+        p.read_text() for p in (workdir / "logs/submitit/cnn/train").glob("*_0_log.err")
+    )
+    assert "resumed at epoch 2 step 24 on 2 ranks; the checkpoint was written on 4" in rank0
+    metrics = _eval(workdir, "cnn")
+    assert metrics["samples_evaluated"] == metrics["test_size"] and metrics["accuracy"] > 0.85
