@@ -93,6 +93,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-probes", action="store_true", help="skip the RSS probes")
     p.add_argument("--quick", action="store_true", help="mlp and cnn, ddp and fsdp")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="train.deterministic: true (on GPUs: no cuDNN autotuning and its workspaces)",
+    )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=0,
+        help="machine.gpus_per_node (GPU ranks; measured: gpu_peak_alloc_mib, no probes)",
+    )
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out/memory_estimate.json")
     p.add_argument("--probe", type=json.loads, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -131,9 +142,10 @@ def bench_config(args: argparse.Namespace) -> dict:
             "global_batch_size": 64,
             "micro_batch_size": 32,
             "progress": False,
+            "deterministic": args.deterministic,
             "optimizer": {"name": "adamw", "lr": 0.001},
         },
-        "machine": {"nodes": 1, "gpus_per_node": 0, "cpu_ranks_per_node": 2},
+        "machine": {"nodes": 1, "gpus_per_node": args.gpus, "cpu_ranks_per_node": 2},
         "runs": runs,
     }
 
@@ -141,17 +153,18 @@ def bench_config(args: argparse.Namespace) -> dict:
 # --- after the workflow: measured and estimated, per run ---------------------------------
 
 
-def measured_peak(folder: Path) -> dict:
-    """The largest peak_rss_mib of any rank in any epoch, and each rank's."""
+def measured_peak(folder: Path, key: str = "peak_rss_mib") -> dict:
+    """The largest `key` (peak_rss_mib, or gpu_peak_alloc_mib on GPU ranks) of any rank in
+    any epoch, and each rank's."""
     path = folder / RUN_FILES["train_metrics"]
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     by_rank: dict[int, float] = {}
     for record in records:
         for entry in record.get("ranks") or []:
-            if "peak_rss_mib" in entry:
-                by_rank[entry["rank"]] = max(by_rank.get(entry["rank"], 0.0), entry["peak_rss_mib"])
+            if key in entry:
+                by_rank[entry["rank"]] = max(by_rank.get(entry["rank"], 0.0), entry[key])
     if not by_rank:
-        raise RuntimeError(f"{path}: no rank recorded peak_rss_mib")
+        raise RuntimeError(f"{path}: no rank recorded {key}")
     return {
         "peak_bytes": int(max(by_rank.values()) * MIB),
         "per_rank_peak_mib": {str(r): round(v, 1) for r, v in sorted(by_rank.items())},
@@ -203,9 +216,12 @@ def estimate_row(workdir: Path, run: dict) -> dict:
 
 def row_for(workdir: Path, run: dict) -> dict:
     folder = run_dir(workdir / run["results_dir"], run["name"])
-    peak = measured_peak(folder)
+    gpu = bool(run["machine"]["gpus_per_node"])
+    peak = measured_peak(folder, "gpu_peak_alloc_mib" if gpu else "peak_rss_mib")
     got = estimate_row(workdir, run)
     est = got["estimate"]
+    # on a GPU torch's allocator counts tensors only: the estimate less its CUDA context
+    judged = est.total - est.runtime if gpu else est.total
     # the library pages: in every rank's own RSS in full; Estimate.shared is one rank's share
     # of its node's (counted once per node), in the warning and not in est.total
     shared = got["process"]["file"]
@@ -234,7 +250,9 @@ def row_for(workdir: Path, run: dict) -> dict:
         # the RSS the monitor sampled every 2 s, also after the last epoch record was made
         # (rank 0 writes the checkpoint then): None where the run was shorter than a sample
         "sampled_rss_max_gb": max(sampled) * MIB / GB if sampled else None,
-        "error": est.total / peak["peak_bytes"] - 1,
+        "device": est.device,
+        "estimate_tensors_gb": judged / GB,
+        "error": judged / peak["peak_bytes"] - 1,
         "error_rss": (est.total + shared) / peak["peak_bytes"] - 1,
         "figures_bytes": got["figures"],
         "process_bytes": got["process"],
@@ -430,10 +448,16 @@ def conditions(args: argparse.Namespace, config: dict, wall: float, sources: dic
         f"run), all {len(config['runs'])} runs in its runs: list, trained one after another "
         f"(the train rule takes the {args.cores} cores); whole workflow {wall:.0f} s",
         "config": config,
-        "launcher": "local (submitit), 2 CPU ranks, gloo, 1 torch thread per rank",
+        "launcher": f"local (submitit), {args.gpus} GPU ranks, nccl"
+        if args.gpus
+        else "local (submitit), 2 CPU ranks, gloo, 1 torch thread per rank",
         "monitoring": "train.monitor defaults (system_interval_s 2, tensorboard on); tracking "
         "off (its default)",
-        "measured": "max over ranks and epochs of peak_rss_mib in train_metrics.jsonl's "
+        "measured": "GPU ranks: max over ranks and epochs of gpu_peak_alloc_mib "
+        "(torch.cuda.max_memory_allocated: tensors only, compared with the estimate less its "
+        "CUDA context)"
+        if args.gpus
+        else "max over ranks and epochs of peak_rss_mib in train_metrics.jsonl's "
         "`ranks` lists: getrusage(RUSAGE_SELF).ru_maxrss at each epoch's end (after the "
         "epoch's training and validation), MiB x 2^20; it counts the libraries' "
         "file-backed pages in full in every rank",
@@ -478,7 +502,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict:
     runs = {run["name"]: run for run in ddpconfig.check_runs(ddpconfig.load(configfile))[1]}
     rows = [row_for(workdir, runs[run_name(m, s)]) for m in args.models for s in args.strategies]
     report = {"rows": rows, "workflow_wall_s": wall}
-    if not args.no_probes:
+    if not args.no_probes and not args.gpus:
         report["probes"] = probes(rows, runs)
     report["conditions"] = conditions(args, config, wall, sources)
     return report

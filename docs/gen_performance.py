@@ -461,8 +461,34 @@ def render_login_cpu(doc: dict) -> list[str]:
     return [table(head, rows)]
 
 
+def render_memory_estimate_gpu(doc: dict) -> list[str]:
+    """GPU ranks: the estimate's tensors against torch's allocator peak."""
+    rows = [
+        [r["model"], r["strategy"], num(r["estimate_total_gb"], 3),
+         num(r["estimate_tensors_gb"], 3), num(r["measured_peak_gb"], 3),
+         f"{100 * r['error']:+.1f}%"]
+        for r in doc["rows"]
+    ]  # fmt: skip
+    first, train = doc["rows"][0], doc["conditions"]["config"]["train"]
+    header = ["model", "strategy", "estimate GB", "estimate less CUDA context GB",
+              "measured GB", "error"]  # fmt: skip
+    autotuned = "cuDNN autotuning on" if not train.get("deterministic") else "deterministic"
+    return [
+        f"Per rank at {first['world']} GPU rank(s), micro-batch {first['micro_batch']}, "
+        f"{first['precision']}, {first['optimizer']}, `train.deterministic: "
+        f"{str(bool(train.get('deterministic'))).lower()}` ({autotuned}): the estimate a run "
+        "is judged by, the same less the 0.5 GB it counts for the CUDA context, and the "
+        "ranks' largest `gpu_peak_alloc_mib` (`torch.cuda.max_memory_allocated`: tensors, "
+        "and the cuDNN workspaces the allocator hands out); GB = 2^30 bytes, error = "
+        "estimate less context / measured - 1.",
+        table(header, rows),
+    ]
+
+
 def render_memory_estimate(doc: dict) -> list[str]:
     """The memory estimate made before queueing against the ranks' recorded peaks."""
+    if doc["rows"][0].get("device") == "cuda":
+        return render_memory_estimate_gpu(doc)
     rows = [
         [r["model"], r["strategy"], num(r["estimate_total_gb"], 3), num(r["measured_peak_gb"], 3),
          f"{100 * r['error']:+.1f}%", num(r.get("estimate_rss_gb"), 3),
