@@ -1,4 +1,5 @@
-# ddpflow: stage -> train (DDP via submitit) -> evaluate (distributed all-reduce) -> report.
+# ddpflow: stage -> train (DDP via submitit) -> evaluate (distributed all-reduce) -> export
+# -> report; `snakemake predict` applies the models to new data.
 # Table of contents only; each stage lives in workflow/rules/. Edit config/config.yaml.
 
 
@@ -13,6 +14,8 @@ include: "workflow/rules/hooks.smk"
 include: "workflow/rules/stage.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/export.smk"
+include: "workflow/rules/predict.smk"
 include: "workflow/rules/track.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/clean.smk"

@@ -17,6 +17,19 @@ RUN_FILES = {
     "train_summary": "train_summary.json",
     "eval_metrics": "eval_metrics.json",
 }
+# `snakemake predict`'s outputs in results/runs/<run>/ (ddpflow.predict): one row per input,
+# in input order, and what was predicted from what (the input's listing, skipped files)
+PREDICT_FILES = {
+    "predictions": "predictions.csv",
+    "predictions_summary": "predictions.json",
+}
+PREDICT_WORK = "predict"  # results/work/<run>/predict/: the request and the ranks' parts
+# the exports of model.pt by export.formats, in results/runs/<run>/ (ddpflow.export)
+EXPORT_FILES = {
+    "safetensors": "model.safetensors",
+    "torch_export": "model.pt2",
+    "onnx": "model.onnx",
+}
 # a run's record of the trackers it was logged to (the track rule's output, only where
 # `tracking:` enables one): tracker run ids and URLs (ddpflow.tracking); its copy in the
 # work folder tells a rerun what was logged already

@@ -93,9 +93,17 @@ def _placed(run: dict, paths: RunPaths, stage_name: str) -> tuple[dict, tuple[st
 
 
 def _distributed(
-    task_cls, stage_name: str, run: dict, paths: RunPaths, logs_dir: str, exclude=(), stream=None
+    task_cls,
+    stage_name: str,
+    run: dict,
+    paths: RunPaths,
+    logs_dir: str,
+    exclude=(),
+    stream=None,
+    computes: dict | None = None,
 ) -> list:
-    """Submit the stage's job for `run` (as placed: _placed) and wait for its ranks."""
+    """Submit the stage's job for `run` (as placed: _placed) and wait for its ranks;
+    computes: what else the job's result depends on (its fingerprint's other keys)."""
     folder = Path(logs_dir).resolve() / "submitit" / run["name"] / stage_name
     start = time.perf_counter()
     _refuse_an_unsafe_torch(run)
@@ -105,6 +113,7 @@ def _distributed(
     fingerprint = training_fingerprint(run)
     if stage_name == "evaluate":
         fingerprint = {**fingerprint, **evaluation_fingerprint(run)}
+    fingerprint = {**fingerprint, **(computes or {})}
     request = launch.JobRequest(
         run["launcher"],
         run["machine"],

@@ -143,6 +143,36 @@ def stage_resources():
     return ddpconfig.stage_rule_resources(list(RUNS.values()), run_for_dataset)
 
 
+def predict_file(key):
+    """results/runs/{run}/predictions.csv (and .json): `snakemake predict`'s outputs."""
+    return f"{RESULTS}/runs/{{run}}/{ddppaths.PREDICT_FILES[key]}"
+
+
+def export_file(fmt):
+    return f"{RESULTS}/runs/{{run}}/{ddppaths.EXPORT_FILES[fmt]}"
+
+
+def export_files():
+    """Every run's exports in export.formats."""
+    return expand(
+        [export_file(fmt) for fmt in config["export"]["formats"]],
+        run=RUNS,
+    )
+
+
+def predict_signature(wildcards=None):
+    """predict.input's files (path, size, modification time), hashed: listed once per
+    invocation, when a predict job is planned; an unset, missing or empty input stops
+    Snakemake there, before any job, with the key and the fix."""
+    if PREDICT_LISTING.get("signature") is None:
+        try:
+            listing = ddppredict.list_input(config["predict"])
+        except ddpconfig.ConfigError as err:
+            sys.exit(f"ddpflow: configuration error: {err}")
+        PREDICT_LISTING["signature"] = ddppredict.signature(listing)
+    return PREDICT_LISTING["signature"]
+
+
 def final_outputs():
     """Every run's model and evaluation (and tracking.json where a tracker is enabled) plus
     the report: all are targets, so deleting any one of them makes a rerun redo exactly it
@@ -151,4 +181,22 @@ def final_outputs():
         [run_file("model"), run_file("eval_metrics")],
         run=RUNS,
     )
-    return [*per_run, *tracked_files(), report_file("markdown"), report_file("html")]
+    return [
+        *per_run,
+        *export_files(),
+        *tracked_files(),
+        report_file("markdown"),
+        report_file("html"),
+    ]
+
+
+# `snakemake predict`: the runs that predict (predict.runs, checked), and what their
+# predictions depend on besides the model and the input (predict.runs is not)
+from ddpflow import predict as ddppredict
+
+try:
+    PREDICT_RUNS = ddppredict.predict_run_names(config["predict"], RUNS)
+except ddpconfig.ConfigError as err:
+    sys.exit(f"ddpflow: configuration error: {err}")
+PREDICT_SETTINGS = {k: v for k, v in config["predict"].items() if k != "runs"}
+PREDICT_LISTING = {}

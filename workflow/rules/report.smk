@@ -9,6 +9,8 @@ rule report:
         # after the trackers, to show their run ids; a tracker that fails leaves the
         # report to Snakemake's onerror hook (hooks.smk), which calls the run finished
         tracking=tracked_files(),
+        # the exports, which it links
+        exports=export_files(),
     output:
         markdown=report_file("markdown"),
         html=report(

@@ -14,15 +14,16 @@ from ddpflow.paths import RunPaths
 
 
 class _RankJob:
-    task_name = ""
+    task_module, task_name = "ddpflow.training.tasks", ""
 
     def __init__(self, run: dict, paths: RunPaths):
         self.run, self.paths = run, paths
 
     def __call__(self) -> dict:
-        from ddpflow.training import tasks
+        import importlib
 
-        return getattr(tasks, self.task_name)(self.run, self.paths)()
+        module = importlib.import_module(self.task_module)
+        return getattr(module, self.task_name)(self.run, self.paths)()
 
 
 class TrainJob(_RankJob):
@@ -41,3 +42,9 @@ class EvalJob(_RankJob):
     """ddpflow.training.tasks.EvalTask on each rank."""
 
     task_name = "EvalTask"
+
+
+class PredictJob(_RankJob):
+    """ddpflow.training.predict.PredictTask on each rank (`snakemake predict`)."""
+
+    task_module, task_name = "ddpflow.training.predict", "PredictTask"

@@ -61,6 +61,14 @@ NOT_A_RERUN = {
 }
 # tracking: where runs are logged, in no fingerprint (ddpflow.tracking)
 TRACKING_EFFECT = "nothing; the track rule logs again (and the report is redone)"
+# predict and export: what is made from a finished run's model.pt (ddpflow.predict,
+# ddpflow.export), in no fingerprint
+OUTSIDE_RUNS = {
+    "predict": "nothing is retrained or re-evaluated; `snakemake predict` predicts again "
+    "(predict.runs: only the runs newly named)",
+    "export": "nothing is retrained or re-evaluated; a format added is exported, and the "
+    "report is redone",
+}
 # sweep: which runs exist, not what one run computes (ddpflow.config.sweep)
 SWEEP_EFFECT = {
     "prune": "nothing: a finished or pruned run is not retrained (force it: --forcerun)",
@@ -132,6 +140,8 @@ def _effect(path: tuple, node: dict, runs: dict[str, dict]) -> str:
         return NOT_A_RERUN[dotted]
     if path[0] == "tracking":  # in no run's fingerprint: only the track rule's params
         return TRACKING_EFFECT
+    if path[0] in OUTSIDE_RUNS:
+        return OUTSIDE_RUNS[path[0]]
     if path[0] == "sweep":  # makes runs: a point's run is a run like any other
         return (
             SWEEP_EFFECT.get(path[1], SWEEP_DEFAULT_EFFECT)

@@ -85,6 +85,8 @@ def _resolve(config: dict, entry: dict, where: str) -> dict:
     own = "task" in entry and entry["task"] != config.get("task", DEFAULT_TASK)
     merged["task_kwargs"] = entry.get("task_kwargs", {} if own else config.get("task_kwargs", {}))
     resolved = validate(merged, where=where)
+    for key in ("predict", "export"):  # the config's, not a run's (in no fingerprint)
+        resolved.pop(key, None)
     _resolve_task(resolved, where)
     resolved["name"] = entry["name"]
     resolved["train"], resolved["micro_batch"] = resolve_micro_batch(

@@ -1,0 +1,167 @@
+"""Exports of a run's model.pt that load without ddpflow (the export rules, on the login node).
+
+    safetensors   model.safetensors: model.pt's state dict, tensor for tensor, with string
+                  metadata (ddpflow version, task, model name and kwargs, class names, input
+                  shape, normalisation, the staged data's digest, the training config hash).
+                  Loading it runs no code (a pickle can).
+    torch_export  model.pt2: a torch.export ExportedProgram of the model in eval mode with a
+                  dynamic batch dimension, loaded back and checked to give the eager model's
+                  outputs on a batch of another size before it is published.
+    onnx          model.onnx: torch.onnx's dynamo exporter, with a dynamic batch dimension,
+                  checked with onnxruntime against the eager model (needs `make onnx`).
+
+Every file is written under a temporary name and renamed once checked: a failed export leaves
+no half-written file for Snakemake to take as done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from ddpflow import __version__
+from ddpflow.config import config_hash, training_fingerprint
+from ddpflow.errors import UserError
+from ddpflow.paths import EXPORT_FILES
+
+log = logging.getLogger(__name__)
+
+# the modules an onnx export needs (envs/onnx.txt, `make onnx`)
+ONNX_MODULES = ("onnx", "onnxscript", "onnxruntime")
+# how close an export's outputs must be to the eager model's (fp32, the same kernels or not)
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def data_digest(manifest: dict) -> str:
+    """One sha256 for the staged data: of its files' sha256 sums, by name."""
+    files = {name: entry["sha256"] for name, entry in sorted(manifest["files"].items())}
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def metadata(run: dict, checkpoint: dict, manifest: dict, model_sha256: str) -> dict[str, str]:
+    """What a user of the export needs to rebuild the input and read the output (strings:
+    safetensors' metadata is a str -> str map; lists and dicts as JSON)."""
+    return {
+        "format": "ddpflow",
+        "ddpflow_version": __version__,
+        "run": run["name"],
+        "task": run.get("task", "classification"),
+        "model": json.dumps(checkpoint["model"], sort_keys=True),
+        "class_names": json.dumps(manifest["class_names"]),
+        "input_shape": json.dumps(list(checkpoint["shape"])),
+        # x = (pixels / 255 - mean) / std, per channel, pixels uint8 0..255 in C x H x W
+        "normalize_mean": json.dumps(manifest["mean"]),
+        "normalize_std": json.dumps(manifest["std"]),
+        "data_sha256": data_digest(manifest),
+        "config_hash": config_hash(training_fingerprint(run)),
+        "model_pt_sha256": model_sha256,
+    }
+
+
+def export_run(run: dict, model_path: str, staged: str, out: str, fmt: str) -> dict:
+    """Export model_path (a run's model.pt) as fmt into out; returns what was written."""
+    import torch
+
+    from ddpflow import runtime
+    from ddpflow.data.staged import sha256_file
+
+    if fmt not in EXPORT_FILES:
+        raise UserError(f"export.formats: unknown format {fmt!r}; one of {sorted(EXPORT_FILES)}")
+    checkpoint = runtime.safe_torch_load(model_path, torch.device("cpu"))
+    manifest = json.loads((Path(staged) / "manifest.json").read_text())
+    meta = metadata(run, checkpoint, manifest, sha256_file(Path(model_path)))
+    tmp = Path(out).with_name(f".tmp-{os.getpid()}-{Path(out).name}")  # its suffix kept
+    try:
+        if fmt == "safetensors":
+            _safetensors(checkpoint["state_dict"], meta, tmp)
+        else:
+            model = _eager(checkpoint)
+            (_torch_export if fmt == "torch_export" else _onnx)(model, checkpoint, tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    log.info("run %r: %s written (%s)", run["name"], out, fmt)
+    return {"format": fmt, "path": str(out), "bytes": os.path.getsize(out), "metadata": meta}
+
+
+def _safetensors(state_dict: dict, meta: dict[str, str], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    # safetensors refuses tensors that share memory or are not contiguous; model.pt holds
+    # each tensor once (a state dict's own), laid out as trained (channels_last too)
+    tensors = {key: value.detach().contiguous() for key, value in state_dict.items()}
+    save_file(tensors, str(path), metadata=meta)
+
+
+def _eager(checkpoint: dict):
+    from ddpflow.training.models import build_model
+
+    model = build_model(checkpoint["model"], checkpoint["shape"], checkpoint["num_classes"])
+    model.load_state_dict(checkpoint["state_dict"])
+    return model.eval()
+
+
+def _examples(checkpoint: dict):
+    """Two batches of other sizes (the dynamic dimension must not be specialised to one)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    shape = list(checkpoint["shape"])
+    return [torch.randn(n, *shape, generator=generator) for n in (2, 3)]
+
+
+def _torch_export(model, checkpoint: dict, path: Path) -> None:
+    import torch
+
+    first, other = _examples(checkpoint)
+    batch = torch.export.Dim("batch", min=1, max=65536)
+    with torch.no_grad():
+        program = torch.export.export(model, (first,), dynamic_shapes=({0: batch},))
+        torch.export.save(program, str(path))
+        loaded = torch.export.load(str(path)).module()
+        _check_close(model(other), loaded(other), "torch_export")
+
+
+def _onnx(model, checkpoint: dict, path: Path) -> None:
+    import numpy as np
+    import torch
+
+    missing = [name for name in ONNX_MODULES if not _importable(name)]
+    if missing:
+        raise UserError(
+            f"export.formats has onnx but {', '.join(missing)} is not installed: run "
+            "`make onnx` (envs/onnx.txt), or leave onnx out of export.formats"
+        )
+    import onnxruntime
+
+    first, other = _examples(checkpoint)
+    batch = torch.export.Dim("batch", min=1, max=65536)
+    with torch.no_grad():
+        program = torch.onnx.export(
+            model, (first,), dynamo=True, dynamic_shapes=({0: batch},), verbose=False
+        )
+        program.save(str(path))
+        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        name = session.get_inputs()[0].name
+        got = session.run(None, {name: other.numpy()})[0]
+        _check_close(model(other), torch.from_numpy(np.asarray(got)), "onnx")
+
+
+def _check_close(expected, got, fmt: str) -> None:
+    import torch
+
+    try:
+        torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+    except AssertionError as err:
+        raise RuntimeError(
+            f"the {fmt} export does not give the eager model's outputs: {err}"
+        ) from None
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
