@@ -9,14 +9,16 @@ DOCS_STAMP := $(VENV)/.ddpflow-docs-installed
 # real MLflow server for them to log to (envs/tracking-server.txt)
 TRACKING_STAMP := $(VENV)/.ddpflow-tracking-installed
 TRACKING_TEST_STAMP := $(VENV)/.ddpflow-tracking-server-installed
+# export.formats: [onnx] (envs/onnx.txt, `make onnx`)
+ONNX_STAMP := $(VENV)/.ddpflow-onnx-installed
 
 .PHONY: run test test-fast lint bench clean profile docs docs-build docs-reference tracking \
-	typed-config
+	typed-config onnx
 
 run: $(STAMP) profile
 	$(BIN)/snakemake
 
-test: $(STAMP) $(DOCS_STAMP) $(TRACKING_STAMP) $(TRACKING_TEST_STAMP) profile
+test: $(STAMP) $(DOCS_STAMP) $(TRACKING_STAMP) $(TRACKING_TEST_STAMP) $(ONNX_STAMP) profile
 	$(BIN)/python -m pytest
 
 # `snakemake --profile slurm`, the name as users type it: Snakemake looks for named profiles
@@ -65,6 +67,13 @@ tracking: $(TRACKING_STAMP)
 
 $(TRACKING_STAMP): envs/tracking.txt $(STAMP)
 	$(BIN)/python -m pip install --quiet -r envs/tracking.txt
+	touch $@
+
+# the ONNX exporter and onnxruntime for export.formats: [onnx] (docs/use-your-model.md)
+onnx: $(ONNX_STAMP)
+
+$(ONNX_STAMP): envs/onnx.txt $(STAMP)
+	$(BIN)/python -m pip install --quiet -r envs/onnx.txt
 	touch $@
 
 $(TRACKING_TEST_STAMP): envs/tracking-server.txt envs/tracking.txt $(STAMP)

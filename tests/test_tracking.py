@@ -194,7 +194,15 @@ def test_a_real_mlflow_server_receives_the_two_epoch_run(mlflow_server, served_r
         "train_summary.json",
         "confusion_matrix.json",
         "plots",
+        # the model as safetensors (export.formats' default) with its metadata, no pickle
+        "model.safetensors",
+        "model_metadata.json",
     } <= artifacts
+    assert "model.pt" not in artifacts
+    metadata = json.loads(
+        Path(client.download_artifacts(run.info.run_id, "model_metadata.json")).read_text()
+    )
+    assert metadata["run"] == "default" and json.loads(metadata["class_names"])
     plots = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
     assert plots == {f"plots/{n}.png" for n in ("loss", "val_accuracy", "lr", "confusion_matrix")}
     matrix = json.loads(

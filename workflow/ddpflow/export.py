@@ -24,13 +24,12 @@ from pathlib import Path
 
 from ddpflow import __version__
 from ddpflow.config import config_hash, training_fingerprint
+from ddpflow.config.checks import ONNX_MODULES
 from ddpflow.errors import UserError
 from ddpflow.paths import EXPORT_FILES
 
 log = logging.getLogger(__name__)
 
-# the modules an onnx export needs (envs/onnx.txt, `make onnx`)
-ONNX_MODULES = ("onnx", "onnxscript", "onnxruntime")
 # how close an export's outputs must be to the eager model's (fp32, the same kernels or not)
 RTOL, ATOL = 1e-4, 1e-5
 

@@ -160,6 +160,13 @@ def export_files():
     )
 
 
+def safetensors_export(wildcards):
+    """The run's model.safetensors where export.formats makes one (what trackers log)."""
+    if "safetensors" not in config["export"]["formats"]:
+        return []
+    return [export_file("safetensors").format(run=wildcards.run)]
+
+
 def predict_signature(wildcards=None):
     """predict.input's files (path, size, modification time), hashed: listed once per
     invocation, when a predict job is planned; an unset, missing or empty input stops

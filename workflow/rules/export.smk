@@ -12,6 +12,8 @@ rule export_safetensors:
     log:
         f"{LOGS}/export/{{run}}.safetensors.log",
     localrule: True
+    conda:
+        "../../envs/ddpflow.yaml"
     params:
         format="safetensors",
     script:
@@ -28,6 +30,8 @@ rule export_torch_export:
     log:
         f"{LOGS}/export/{{run}}.torch_export.log",
     localrule: True
+    conda:
+        "../../envs/ddpflow.yaml"
     params:
         format="torch_export",
     script:
@@ -44,6 +48,8 @@ rule export_onnx:
     log:
         f"{LOGS}/export/{{run}}.onnx.log",
     localrule: True
+    conda:
+        "../../envs/ddpflow.yaml"
     params:
         format="onnx",
     script:

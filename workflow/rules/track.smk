@@ -7,6 +7,8 @@ rule track:
         train_metrics=run_file("train_metrics"),
         train_summary=run_file("train_summary"),
         eval_metrics=run_file("eval_metrics"),
+        # logged as the model, with its metadata (never the pickled model.pt)
+        exports=safetensors_export,
     output:
         tracking=tracking_file(),
     log:

@@ -338,3 +338,20 @@ def _find(find_spec, module: str):
         return find_spec(module)
     except (ImportError, ValueError):
         return None
+
+
+# what export.formats: [onnx] needs (envs/onnx.txt, `make onnx`)
+ONNX_MODULES = ("onnx", "onnxscript", "onnxruntime")
+
+
+def check_export(export: dict, find_spec=None) -> None:
+    """Refuse, before anything runs, an onnx export whose packages are not installed."""
+    find_spec = find_spec or importlib.util.find_spec
+    if "onnx" not in export["formats"]:
+        return
+    missing = [m for m in ONNX_MODULES if _find(find_spec, m) is None]
+    if missing:
+        raise ConfigError(
+            f"export.formats has onnx but {', '.join(missing)} is not installed: run `make "
+            "onnx` (installs envs/onnx.txt into the .venv), or leave onnx out of export.formats"
+        )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from ddpflow.config.checks import _check_run, check_tracking, resolve_micro_batch
+from ddpflow.config.checks import _check_run, check_export, check_tracking, resolve_micro_batch
 from ddpflow.config.fingerprint import dataset_id
 from ddpflow.config.machine import world_size
 from ddpflow.config.schema import ConfigError, deep_merge, validate
@@ -48,6 +48,7 @@ def check_runs(config: dict) -> tuple[dict, list[dict]]:
     for run in runs:
         _check_run(run, config["launcher"])
     check_tracking(config["tracking"])
+    check_export(config["export"])
     return config, runs
 
 

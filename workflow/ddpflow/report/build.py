@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import traceback
 from datetime import UTC, datetime
 from pathlib import Path
 
 from ddpflow.data.staged import sha256_file
-from ddpflow.paths import REPORT_FILES
+from ddpflow.paths import EXPORT_FILES, REPORT_FILES, RUN_FILES
 from ddpflow.report import insight, metrics, plots, sweep, sweep_plots
 from ddpflow.report.inputs import load_eval_metrics, load_runs, load_train_metrics, unrenderable
 from ddpflow.report.render import document, to_html, to_markdown
@@ -39,6 +40,7 @@ from ddpflow.report.summary import (
     summary_row,
     with_task,
 )
+from ddpflow.report.tables import Link
 from ddpflow.runtime import atomic_write_bytes
 from ddpflow.text import counted
 
@@ -272,7 +274,7 @@ def build_report(
     trackers = _tracker_rows(runs, tracking_failures)
     blocks = document(loaded, rows, figures, generated, unfinished, insight.blocks(found),
                       bad_nodes, trackers, sweep.blocks(view, swept) if view else (),
-                      focus)  # fmt: skip
+                      focus, _export_rows(runs, loaded, Path(out_dir)))  # fmt: skip
     summary = summary_json(loaded, rows, baseline, generated, unfinished)
     summary.update(summary_extras(view, bad_nodes, found, trackers))
     paths = _write_all(Path(out_dir), {**figures, **swept}, _texts(summary, rows, blocks, view))
@@ -296,3 +298,18 @@ def _log_written(rows: list[dict], unfinished: list[dict], best: list[dict], out
         ", ".join(row["run"] for row in best) or None,
         out_dir,
     )
+
+
+def _export_rows(runs: list[dict], loaded, out_dir: Path) -> list[list]:
+    """One row per file: each shown run's model.pt and the exports that exist, linked from
+    the report's folder; none where no run has an export (export.formats: [])."""
+    shown = {name for name, _, _ in loaded}
+    rows = []
+    for run in (run for run in runs if run["name"] in shown):
+        folder = Path(run["train_metrics"]).parent
+        for name in (RUN_FILES["model"], *EXPORT_FILES.values()):
+            path = folder / name
+            if path.is_file():
+                size = f"{path.stat().st_size / 2**20:.1f} MiB"
+                rows.append([run["name"], Link(name, os.path.relpath(path, out_dir)), size])
+    return rows if any(row[1].text != RUN_FILES["model"] for row in rows) else []

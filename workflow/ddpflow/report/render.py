@@ -21,7 +21,7 @@ import re
 import yaml
 
 from ddpflow.report import metrics
-from ddpflow.report.tables import class_tables, split_label, task_sections
+from ddpflow.report.tables import Link, class_tables, export_blocks, split_label, task_sections
 from ddpflow.runtime import PHASES
 from ddpflow.text import counted
 
@@ -223,7 +223,7 @@ def _tracker_blocks(trackers) -> list[tuple]:
 
 def document(
     loaded, rows, figures, generated: str, unfinished=(), inside=(), bad_nodes=(), trackers=(),
-    sweep=(), focus=None,
+    sweep=(), focus=None, exports=(),
 ) -> list[tuple]:  # fmt: skip
     """The report's blocks; sweep: the sweep section (ddpflow.report.sweep), which makes the
     headline's best run the one selected on validation accuracy (another task: on its
@@ -243,6 +243,8 @@ def document(
     blocks[0] = _headline(generated, rows, selections, label)
     blocks += [*sweep, ("h2", "Runs"), _runs_table(rows, scaling, heads)]
     blocks += _machine_blocks(loaded, rows, scaling)
+    if exports:
+        blocks += export_blocks(exports)
     if trackers:
         blocks += _tracker_blocks(trackers)
     blocks += [("h2", "Time per phase (sum over epochs, share of epoch time)"), _phase_table(rows)]
@@ -314,6 +316,16 @@ def _md(text) -> str:
     return re.sub(r"([\\`*_\[\]|#])", r"\\\1", text)
 
 
+def _md_cell(cell) -> str:  # a table cell: text, or a Link (tables.Link)
+    return f"[{_md(cell.text)}]({cell.href})" if isinstance(cell, Link) else _md(cell)
+
+
+def _html_cell(cell) -> str:
+    if isinstance(cell, Link):
+        return f"<a href='{html.escape(cell.href)}'>{html.escape(cell.text)}</a>"
+    return html.escape(str(cell))
+
+
 def to_markdown(title: str, blocks: list[tuple]) -> str:
     out = [f"# {_md(title)}"]
     for block in blocks:
@@ -325,7 +337,10 @@ def to_markdown(title: str, blocks: list[tuple]) -> str:
             case ("table", headers, body, best):
                 lines = ["| " + " | ".join(map(_md, headers)) + " |", "|---" * len(headers) + "|"]
                 for index, cells in enumerate(body):
-                    cells = [f"**{_md(c)}**" if _is_best(index, best) else _md(c) for c in cells]
+                    cells = [
+                        f"**{_md_cell(c)}**" if _is_best(index, best) else _md_cell(c)
+                        for c in cells
+                    ]
                     lines.append("| " + " | ".join(cells) + " |")
                 out.append("\n".join(lines))
             case ("img", caption, path, _):
@@ -364,7 +379,7 @@ def _html_block(block: tuple) -> str:
         case ("table", headers, body, best):
             head = "".join(f"<th>{esc(h)}</th>" for h in headers)
             trs = [("<tr class='best'>" if _is_best(index, best) else "<tr>")
-                   + "".join(f"<td>{esc(c)}</td>" for c in cells) + "</tr>"
+                   + "".join(f"<td>{_html_cell(c)}</td>" for c in cells) + "</tr>"
                    for index, cells in enumerate(body)]  # fmt: skip
             return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(trs)}</tbody></table>"
         case ("img", caption, _, png):

@@ -1,13 +1,15 @@
 """The task tables of the report: each classification run's per-class accuracy, each multilabel
 run's per-label F1 and counts, each regression run's per-target errors, as render.py's
-format-neutral blocks; and split_label, what the figures were measured on. Pure, like
-render.py.
+format-neutral blocks; split_label, what the figures were measured on; and the table of
+each run's model and exports (Link: a cell that links a file). Pure, like render.py.
 
     blocks = task_sections(loaded, rows, focus, note)  # per-label and per-target
     blocks = class_tables(classified, focus)  # one per class list
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from ddpflow.report import metrics
 
@@ -118,3 +120,21 @@ _TARGET_NOTE = (
     "MSE and MAE are in the targets' units (MSE squared); R² is 1 - MSE / the variance of "
     "the evaluated split's targets: n/a where that target is constant."
 )
+
+
+class Link(NamedTuple):
+    """A table cell that links a file (a path relative to the report's folder)."""
+
+    text: str
+    href: str
+
+
+def export_blocks(exports) -> list[tuple]:
+    """Each run's model.pt and its exports (export.formats), linked (docs/use-your-model.md)."""
+    text = (
+        "Each run's model.pt and what export.formats wrote next to it: model.safetensors "
+        "loads without running code, model.pt2 and model.onnx without the model's code. "
+        "snakemake predict applies a model to new data."
+    )
+    table = ("table", ["Run", "File", "Size"], exports, None)
+    return [("h2", "Models and exports"), ("p", text), table]

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ddpflow.config.fingerprint import flatten
 from ddpflow.data.staged import sha256_file
+from ddpflow.paths import EXPORT_FILES
 from ddpflow.task import selection_of
 
 # per-epoch figures of train_metrics.jsonl logged as they are (and every other val_* key: a
@@ -200,6 +201,7 @@ def collect(run: dict, paths, out_dir: str | Path) -> RunRecord:
         Path(paths.train_metrics),
         Path(paths.train_summary),
         *matrix,
+        *_model_export(paths, out_dir),
         *_plots(run["name"], lines, evaluation, out_dir / "plots"),
     ]
     return RunRecord(
@@ -212,3 +214,18 @@ def collect(run: dict, paths, out_dir: str | Path) -> RunRecord:
         artifacts=artifacts,
         config=config,
     )
+
+
+def _model_export(paths, out_dir: Path) -> list[Path]:
+    """model.safetensors (export.formats) and its metadata as model_metadata.json: the model
+    a tracker keeps, never a pickle (which runs code when loaded)."""
+    export = Path(paths.model).with_name(EXPORT_FILES["safetensors"])
+    if not export.is_file():
+        return []
+    from safetensors import safe_open
+
+    with safe_open(str(export), "np") as f:
+        meta = f.metadata() or {}
+    written = out_dir / "model_metadata.json"
+    written.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    return [export, written]
