@@ -167,6 +167,49 @@ def test_an_added_image_replans_predict_and_nothing_else(trained):
         assert jobs_planned(workdir, configfile) == set()  # no retraining, no re-evaluation
     finally:
         added.unlink()
+    # a retrained run (its science edited) predicts again, after its training
+    science = {**_config(), "train": {**CONFIG["train"], "optimizer": {"lr": 0.02}}}
+    write_config(configfile, science)
+    try:
+        assert {"train", "predict_run"} <= jobs_planned(workdir, configfile, "predict")
+    finally:
+        write_config(configfile, _config())
+
+
+def test_the_merge_writes_each_tasks_form_and_refuses_an_input_seen_twice(tmp_path):
+    """Rank 0's merge, on parts as two ranks write them: multilabel and regression rows (a
+    list as JSON, an empty score), the input order whatever the part order; an index given
+    twice or never is a bug, not a CSV."""
+    from ddpflow.training.predict import merge
+
+    listing = {"kind": "folder", "root": str(tmp_path), "files": ["a.png", "b.png", "c.png"]}
+    parts = [[{"index": 2, "prediction": 1.5, "score": None}],
+             [{"index": 0, "prediction": ["cat", "dog"], "score": 0.9,
+               "probabilities": [0.9, 0.8]},
+              {"index": 1, "prediction": [0.5, 2.0], "score": None}]]  # fmt: skip
+    out = {"predictions": tmp_path / "p.csv", "predictions_summary": tmp_path / "p.json"}
+
+    def write(parts):
+        for rank, rows in enumerate(parts):
+            text = "".join(json.dumps(row) + "\n" for row in rows)
+            (tmp_path / f"part-{rank}.jsonl").write_text(text)
+
+    write(parts)
+    merge(tmp_path, 2, 3, listing, out, ["h"], 0.0)
+    with (tmp_path / "p.csv").open(newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows == [
+        ["path", "prediction", "score", "probabilities"],
+        ["a.png", '["cat", "dog"]', "0.9", "[0.9, 0.8]"],
+        ["b.png", "[0.5, 2.0]", "", ""],
+        ["c.png", "1.5", "", ""],
+    ]
+    write([parts[0] + [{"index": 2, "prediction": 1.5, "score": None}], parts[1]])
+    with pytest.raises(RuntimeError, match="input 2 was predicted twice"):
+        merge(tmp_path, 2, 3, listing, out, ["h"], 0.0)
+    write([[], parts[1]])
+    with pytest.raises(RuntimeError, match="1 input not predicted"):
+        merge(tmp_path, 2, 3, listing, out, ["h"], 0.0)
 
 
 def test_a_corrupt_image_is_named_or_skipped(trained):

@@ -275,6 +275,44 @@ def test_deleted_evaluation_is_scored_alone_in_a_job_of_its_own(slurm_run):
     assert jobs["train"]["job_id"] == after["train"]["slurm_job_id"]
 
 
+def test_predict_runs_in_a_slurm_job_on_the_runs_nodes(slurm_run):
+    """`snakemake --profile slurm predict`: the staged test images as an npz, scored in one
+    Slurm job on the run's 2 nodes x 2 ranks, give the evaluation's confusion matrix; the
+    training is not redone."""
+    import csv
+
+    import numpy as np
+
+    workdir, _ = slurm_run
+    staged = next((workdir / "results/staged").glob("digits-*"))
+    manifest = json.loads((staged / "manifest.json").read_text())
+    images = np.concatenate([np.load(staged / s["file"]) for s in manifest["shards"]["test"]])
+    labels = np.load(staged / "test_labels.npy")
+    np.savez(workdir / "test.npz", images=images)
+    configfile = workdir / "config.yaml"
+    config = yaml.safe_load(configfile.read_text())
+    write_config(configfile, {**config, "predict": {"input": "test.npz"}})
+    dry = named_profile_snakemake(workdir, configfile, "-n")  # predict: is no run's science
+    assert "Nothing to be done" in dry.stdout + dry.stderr, (dry.stdout + dry.stderr)[-3000:]
+    model_mtime = (workdir / "results/runs/cnn/model.pt").stat().st_mtime_ns
+    result = named_profile_snakemake(workdir, configfile, "predict")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    (job,) = job_ids(workdir / "logs/submitit/cnn/predict")
+    assert sacct_state(job) == "COMPLETED", job_story(job, workdir / "logs/submitit/cnn/predict")
+    summary = json.loads((workdir / "results/runs/cnn/predictions.json").read_text())
+    assert summary["world_size"] == 4 and summary["hosts"] == ["node1", "node2"]
+    with (workdir / "results/runs/cnn/predictions.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    names = manifest["class_names"]
+    assert [row["path"] for row in rows] == [f"images[{i}]" for i in range(len(labels))]
+    matrix = [[0] * len(names) for _ in names]
+    for row, label in zip(rows, labels, strict=True):
+        matrix[int(label)][names.index(row["prediction"])] += 1
+    evaluation = json.loads((workdir / "results/runs/cnn/eval_metrics.json").read_text())
+    assert matrix == evaluation["confusion_matrix"]
+    assert (workdir / "results/runs/cnn/model.pt").stat().st_mtime_ns == model_mtime
+
+
 def _node_local_lines(folder: Path, job_id: str) -> list[str]:
     """The "node-local data on <host>: ..." lines of one job (local rank 0 of each node)."""
     return [

@@ -28,12 +28,6 @@ REQUEST = "request.json"
 log = logging.getLogger(__name__)
 
 
-def predict_targets(targets, results_dir: str) -> bool:
-    """Whether the requested targets include the predictions (the `predict` rule or a
-    predictions file): only then is predict.input listed and checked."""
-    return any(t == "predict" or str(t).endswith("/predictions.csv") for t in targets)
-
-
 def predict_run_names(predict: dict, run_names) -> list[str]:
     """predict.runs (checked: each a run of this config), or every run."""
     unknown = [name for name in predict["runs"] if name not in run_names]

@@ -36,6 +36,7 @@ from ddpflow.data.image_folder import _decode_all
 from ddpflow.data.npz import _npz_images
 from ddpflow.data.raw import DataError
 from ddpflow.paths import PREDICT_WORK
+from ddpflow.predict import REQUEST
 from ddpflow.task import run_task
 from ddpflow.text import counted
 from ddpflow.training import evaluate
@@ -51,7 +52,7 @@ class PredictTask(DistributedTask):
     def work(self, spec: RunSpec, env: DistEnv, device, hosts) -> dict:
         begin = time.perf_counter()
         folder = Path(self.paths.work) / PREDICT_WORK
-        request = json.loads((folder / "request.json").read_text())
+        request = json.loads((folder / REQUEST).read_text())
         manifest = json.loads((Path(self.paths.staged) / "manifest.json").read_text())
         model = _model(self.paths.model, device, uses_channels_last(spec))
         listing, settings = request["input"], request["settings"]
