@@ -216,11 +216,16 @@ def test_a_corrupt_image_is_named_or_skipped(trained):
     workdir, configfile, _ = trained
     bad = workdir / "new_images/green/broken.png"
     bad.write_bytes(b"not an image")
+    before = (workdir / RUN / "predictions.csv").read_bytes()
     try:
         refused = _predict(workdir, configfile)
         assert refused.returncode != 0
         assert "1 input could not be read: green/broken.png" in refused.stderr
         assert "predict.on_corrupt: skip" in refused.stderr
+        # the failure costs nothing computed: the last predictions are back (ddpflow.kept),
+        # and the next run still predicts the changed folder
+        assert (workdir / RUN / "predictions.csv").read_bytes() == before
+        assert jobs_planned(workdir, configfile, "predict") == {"predict_run", "predict"}
         write_config(configfile, {**_config(), "predict": {**CONFIG["predict"],
                                                            "on_corrupt": "skip"}})  # fmt: skip
         skipped = _predict(workdir, configfile)
@@ -270,6 +275,9 @@ def test_model_safetensors_holds_exactly_model_pts_tensors_and_their_metadata(tr
     assert got.keys() == expected.keys()
     for key, value in expected.items():
         assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+    # as readable as model.pt (safetensors itself writes 0600)
+    mode = (workdir / RUN / "model.safetensors").stat().st_mode & 0o777
+    assert mode == (workdir / RUN / "model.pt").stat().st_mode & 0o777
     with safe_open(workdir / RUN / "model.safetensors", "pt") as f:
         meta = f.metadata()
     evaluation = _evaluation(workdir)

@@ -5,12 +5,13 @@ a rerun of a finished run that fails (a refusal only the rule can make, a rank t
 on the edited config) would leave the run with no model and no metrics: the report would not
 show it, and reverting the edit would train it all again. Before any job runs (Snakemake's
 `onstart`, workflow/rules/hooks.smk), every complete set of a run's outputs (train: model,
-metrics, summary; evaluate; track) is hard-linked into results/runs/<run>/.kept/<rule>/ (no
-copy: the same bytes, the same modification time) and Snakemake's metadata record of each
-file is kept in memory. After a failed workflow (`onerror`), a set whose files are all gone
-is linked back and its metadata written back: the run is finished as before, byte for byte,
-its downstream outputs stay up to date, and Snakemake still sees the params the files were
-made with, so the edit is retried by the next run and reverting it plans nothing.
+metrics, summary; evaluate; track; predict; each export) is hard-linked into
+results/runs/<run>/.kept/<rule>/ (no copy: the same bytes, the same modification time) and
+Snakemake's metadata record of each file is kept in memory. After a failed workflow
+(`onerror`), a set whose files are all gone is linked back and its metadata written back: the
+run is finished as before, byte for byte, its downstream outputs stay up to date, and
+Snakemake still sees the params the files were made with, so the edit is retried by the next
+run and reverting it plans nothing.
 
     kept = KeptOutputs(workflow.persistence, runs, "results")   # onstart
     kept.restore_failed()                                         # onerror
@@ -24,7 +25,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ddpflow.paths import RUN_FILES, TRACKING_FILE
+from ddpflow.paths import EXPORT_FILES, PREDICT_FILES, RUN_FILES, TRACKING_FILE
 
 KEPT = ".kept"
 # Snakemake's own metadata methods (not a public API: snakemake is pinned in
@@ -35,6 +36,9 @@ GROUPS = {
     "train": (RUN_FILES["model"], RUN_FILES["train_metrics"], RUN_FILES["train_summary"]),
     "evaluate": (RUN_FILES["eval_metrics"],),
     "track": (TRACKING_FILE,),
+    # `snakemake predict` (a corrupt input under predict.on_corrupt: fail) and the exports
+    "predict": tuple(PREDICT_FILES.values()),
+    **{f"export_{fmt}": (name,) for fmt, name in EXPORT_FILES.items()},
 }
 
 
