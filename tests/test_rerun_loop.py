@@ -140,7 +140,13 @@ def test_deleted_model_retrains_from_scratch(trained):
     ('RESUMED from attempt 1: resumed at epoch E step N', zero epochs trained)."""
     configfile = write_config(trained / "config.yaml", _edit(BASE, "train", optimizer__lr=0.02))
     (trained / "results/runs/cnn/model.pt").unlink()
-    assert jobs_planned(trained, configfile) == {"train", "evaluate", "report", "all"}
+    assert jobs_planned(trained, configfile) == {
+        "train",
+        "evaluate",
+        "export_safetensors",  # from the new model.pt
+        "report",
+        "all",
+    }
     _ok(snakemake(trained, configfile))
     rank0 = _newest_rank0_log(trained, "train")
     assert "RESUMED" not in rank0, rank0[-2000:]

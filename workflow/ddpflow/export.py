@@ -79,6 +79,9 @@ def export_run(run: dict, model_path: str, staged: str, out: str, fmt: str) -> d
         else:
             model = _eager(checkpoint)
             (_torch_export if fmt == "torch_export" else _onnx)(model, checkpoint, tmp)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # safetensors writes 0600: as readable as model.pt
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

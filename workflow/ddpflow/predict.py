@@ -23,6 +23,7 @@ from ddpflow.config import ConfigError
 from ddpflow.data.folder_problems import IGNORED_NAMES
 from ddpflow.paths import PREDICT_WORK, RunPaths
 from ddpflow.runtime import atomic_write_json
+from ddpflow.text import counted
 
 REQUEST = "request.json"
 log = logging.getLogger(__name__)
@@ -182,11 +183,11 @@ def predict_run(run: dict, paths: RunPaths, logs_dir: str, predict: dict, out: d
         shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
         skipped = f", {len(names)} skipped ({shown}; predict.on_corrupt: skip)"
     log.info(
-        "predict %r: %d predictions%s on %d ranks in %s",
+        "predict %r: %d predictions%s on %s in %s",
         run["name"],
         summary["predicted"],
         skipped,
-        summary["world_size"],
+        counted(summary["world_size"], "rank"),
         out["predictions"],
     )
     return summary
