@@ -116,8 +116,9 @@ def _npz_header(path: Path, given: str) -> dict:
 
 
 def signature(listing: dict) -> str:
-    """What re-plans predict: the input's path and, per file, its relative path, size and
-    modification time (an added, removed or rewritten file changes it)."""
+    """What re-plans predict, as Snakemake's rerun reason shows it: the input's path and,
+    per file, its relative path, size and modification time (an added, removed or rewritten
+    file changes it), hashed, with the count of files beside the hash."""
     digest = hashlib.sha256()
     if listing["kind"] == "npz":
         stat = Path(listing["path"]).stat()
@@ -129,7 +130,8 @@ def signature(listing: dict) -> str:
             stat = (root / name).stat()
             entries.append([name, stat.st_size, stat.st_mtime_ns])
     digest.update(json.dumps(entries).encode())
-    return digest.hexdigest()
+    what = "an npz file" if listing["kind"] == "npz" else f"{len(listing['files'])} files"
+    return f"predict.input contents={what}, sha256 {digest.hexdigest()[:16]}"
 
 
 def check_shape(listing: dict, shape: list[int], run_name: str) -> None:
