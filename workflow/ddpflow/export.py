@@ -66,6 +66,7 @@ def export_run(run: dict, model_path: str, staged: str, out: str, fmt: str) -> d
 
     from ddpflow import runtime
     from ddpflow.data.staged import sha256_file
+    from ddpflow.training.models import from_checkpoint
 
     if fmt not in EXPORT_FILES:
         raise UserError(f"export.formats: unknown format {fmt!r}; one of {sorted(EXPORT_FILES)}")
@@ -77,7 +78,7 @@ def export_run(run: dict, model_path: str, staged: str, out: str, fmt: str) -> d
         if fmt == "safetensors":
             _safetensors(checkpoint["state_dict"], meta, tmp)
         else:
-            model = _eager(checkpoint)
+            model = from_checkpoint(checkpoint, torch.device("cpu"), channels_last=False)
             (_torch_export if fmt == "torch_export" else _onnx)(model, checkpoint, tmp)
         mask = os.umask(0)
         os.umask(mask)
@@ -96,14 +97,6 @@ def _safetensors(state_dict: dict, meta: dict[str, str], path: Path) -> None:
     # each tensor once (a state dict's own), laid out as trained (channels_last too)
     tensors = {key: value.detach().contiguous() for key, value in state_dict.items()}
     save_file(tensors, str(path), metadata=meta)
-
-
-def _eager(checkpoint: dict):
-    from ddpflow.training.models import build_model
-
-    model = build_model(checkpoint["model"], checkpoint["shape"], checkpoint["num_classes"])
-    model.load_state_dict(checkpoint["state_dict"])
-    return model.eval()
 
 
 def _examples(checkpoint: dict):

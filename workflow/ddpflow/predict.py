@@ -115,6 +115,11 @@ def _npz_header(path: Path, given: str) -> dict:
     }
 
 
+def input_count(listing: dict) -> int:
+    """How many inputs a listing holds: a folder's files or an npz's images."""
+    return len(listing["files"]) if listing["kind"] == "folder" else listing["count"]
+
+
 def signature(listing: dict) -> str:
     """What re-plans predict, as Snakemake's rerun reason shows it: the input's path and,
     per file, its relative path, size and modification time (an added, removed or rewritten
@@ -130,7 +135,7 @@ def signature(listing: dict) -> str:
             stat = (root / name).stat()
             entries.append([name, stat.st_size, stat.st_mtime_ns])
     digest.update(json.dumps(entries).encode())
-    what = "an npz file" if listing["kind"] == "npz" else f"{len(listing['files'])} files"
+    what = "an npz file" if listing["kind"] == "npz" else f"{input_count(listing)} files"
     return f"predict.input contents={what}, sha256 {digest.hexdigest()[:16]}"
 
 
@@ -172,8 +177,7 @@ def predict_run(run: dict, paths: RunPaths, logs_dir: str, predict: dict, out: d
     manifest = json.loads((Path(paths.staged) / "manifest.json").read_text())
     check_shape(listing, manifest["shape"], run["name"])
     write_request(paths.work, listing, predict, out)
-    count = len(listing["files"]) if listing["kind"] == "folder" else listing["count"]
-    log.info("predict %r: %d inputs from %s", run["name"], count, predict["input"])
+    log.info("predict %r: %d inputs from %s", run["name"], input_count(listing), predict["input"])
     placed, exclude = pipeline._placed(run, paths, "predict")
     computes = {"predict": predict, "predict_input": signature(listing)}
     summary = pipeline._distributed(

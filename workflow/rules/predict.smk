@@ -1,6 +1,3 @@
-from ddpflow import predict as ddppredict
-
-
 rule predict_run:
     """Apply one run's model to predict.input on the run's machine (one Slurm job, or the
     local ranks): each input scored once by one rank, merged in input order into

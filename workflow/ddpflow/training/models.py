@@ -205,5 +205,12 @@ def place(model: nn.Module, device: torch.device, channels_last: bool, move=True
     return model
 
 
+def from_checkpoint(checkpoint: dict, device: torch.device, channels_last: bool) -> nn.Module:
+    """The trained model of a model.pt (its weights_only dict), placed, in eval mode."""
+    model = build_model(checkpoint["model"], checkpoint["shape"], checkpoint["num_classes"])
+    model.load_state_dict(checkpoint["state_dict"])
+    return place(model, device, channels_last).eval()
+
+
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())

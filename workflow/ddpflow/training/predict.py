@@ -36,11 +36,12 @@ from ddpflow.data.image_folder import _decode_all
 from ddpflow.data.npz import _npz_images
 from ddpflow.data.raw import DataError
 from ddpflow.paths import PREDICT_WORK
-from ddpflow.predict import REQUEST
+from ddpflow.predict import REQUEST, input_count
 from ddpflow.task import run_task
 from ddpflow.text import counted
 from ddpflow.training import evaluate
-from ddpflow.training.models import build_model, place
+from ddpflow.training.models import from_checkpoint
+from ddpflow.training.rankdata import normalisation
 from ddpflow.training.tasks import DistributedTask
 
 log = logging.getLogger(__name__)
@@ -54,13 +55,14 @@ class PredictTask(DistributedTask):
         folder = Path(self.paths.work) / PREDICT_WORK
         request = json.loads((folder / REQUEST).read_text())
         manifest = json.loads((Path(self.paths.staged) / "manifest.json").read_text())
-        model = _model(self.paths.model, device, uses_channels_last(spec))
+        checkpoint = runtime.safe_torch_load(self.paths.model, device)
+        model = from_checkpoint(checkpoint, device, uses_channels_last(spec))
         listing, settings = request["input"], request["settings"]
-        n = len(listing["files"]) if listing["kind"] == "folder" else listing["count"]
+        n = input_count(listing)
         start, stop = evaluate.shard_bounds(n, env.world_size, env.rank)
         batch = settings["batch_size"] or spec.eval.batch_size
         inputs = Inputs(listing, manifest["shape"])
-        norm = _norm(manifest, device)
+        norm = normalisation(manifest, device)
         task = run_task(spec)
         corrupt = 0
         with (folder / f"part-{env.rank}.jsonl").open("w") as part:
@@ -91,19 +93,6 @@ class PredictTask(DistributedTask):
         if not env.is_master:
             return {"rank": env.rank, "host": socket.gethostname()}
         return merge(folder, env.world_size, n, listing, request["out"], hosts, begin)
-
-
-def _model(path: str, device, channels_last: bool):
-    checkpoint = runtime.safe_torch_load(path, device)
-    model = build_model(checkpoint["model"], checkpoint["shape"], checkpoint["num_classes"])
-    model.load_state_dict(checkpoint["state_dict"])
-    return place(model, device, channels_last).eval()
-
-
-def _norm(manifest: dict, device):
-    shape = [1, len(manifest["mean"]), 1, 1]
-    mean = torch.tensor(manifest["mean"], device=device).view(shape)
-    return mean, torch.tensor(manifest["std"], device=device).view(shape)
 
 
 @torch.no_grad()

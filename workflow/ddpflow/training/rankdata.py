@@ -90,7 +90,7 @@ def load_data(run: RunSpec, staged: str, env: DistEnv, device, splits=("train", 
     data = RankData(
         splits={s: _split(images, labels, in_memory, device)
                 for s, (images, labels, _) in opened.items()},
-        norm=_norm(manifest, device), num_classes=manifest["num_classes"],
+        norm=normalisation(manifest, device), num_classes=manifest["num_classes"],
         shape=manifest["shape"], manifest=manifest, in_memory=in_memory, device=device,
         task=task,
     )  # fmt: skip
@@ -138,7 +138,8 @@ def _split(images, labels, in_memory: bool, device) -> Split:
     return Split(x, torch.from_numpy(labels).to(device))
 
 
-def _norm(manifest: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
+def normalisation(manifest: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The train split's per-channel mean and std, shaped [1, C, 1, 1] on device."""
     shape = [1, len(manifest["mean"]), 1, 1]
     return (
         torch.tensor(manifest["mean"], device=device).view(shape),

@@ -38,7 +38,7 @@ from ddpflow.training.checkpoint import (
     stop_on_signal,
 )
 from ddpflow.training.loop import Loop, fit, sync_buffers
-from ddpflow.training.models import build_model, count_parameters, place
+from ddpflow.training.models import count_parameters, from_checkpoint
 from ddpflow.training.pruning import MedianPruner
 from ddpflow.training.rankdata import RankData, load_data
 from ddpflow.training.records import evaluation_record, published, train_summary
@@ -358,9 +358,7 @@ class EvalTask(DistributedTask):
         split = spec.eval.split
         data = load_data(spec, paths.staged, env, device, splits=(split,))
         checkpoint = runtime.safe_torch_load(paths.model, device)
-        model = build_model(checkpoint["model"], checkpoint["shape"], checkpoint["num_classes"])
-        model.load_state_dict(checkpoint["state_dict"])
-        model = place(model, device, uses_channels_last(spec))
+        model = from_checkpoint(checkpoint, device, uses_channels_last(spec))
         scoring = data.scoring(spec.eval.batch_size)
         result = evaluate.evaluate_split(model, data.split(split), scoring, env)
         if not env.is_master:
