@@ -20,6 +20,7 @@ pytestmark = pytest.mark.e2e
 BASE = {
     "train": {"epochs": 2, "progress": False, "checkpoint": {"every_epochs": 1, "keep": 3}},
     "runs": [{"name": "cnn"}],
+    "export": {"formats": ["safetensors"]},  # the default, asked for: a deleted model re-exports
 }
 
 

@@ -108,7 +108,8 @@ def mlflow_server(tmp_path_factory):
 def served_run(mlflow_server, tmp_path_factory):
     """The shipped config, two epochs, logged by the workflow to the server."""
     workdir = tmp_path_factory.mktemp("served")
-    result = tracked(workdir, {"mlflow": {"uri": mlflow_server, "experiment": "served"}})
+    served = {"mlflow": {"uri": mlflow_server, "experiment": "served"}}
+    result = tracked(workdir, served, export={"formats": ["safetensors"]})
     assert result.returncode == 0, result.stderr[-4000:]
     return workdir
 

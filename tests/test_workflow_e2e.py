@@ -25,9 +25,14 @@ TWO_RUNS = {
 @pytest.mark.smoke
 def test_smoke_the_default_job_trains_evaluates_reports_then_plans_nothing(workdir):
     """The small end-to-end run of `make test-fast`: the shipped config, 2 epochs, 2 ranks."""
-    configfile = write_config(workdir / "config.yaml", {"train": {"epochs": 2, "progress": False}})
+    configfile = write_config(
+        workdir / "config.yaml", {"train": {"epochs": 2, "progress": False}}, default_exports=True
+    )
     result = snakemake(workdir, configfile)
     assert result.returncode == 0, result.stderr[-3000:]
+    # export.formats' default: the model as safetensors beside model.pt, linked from the report
+    assert (workdir / "results/runs/default/model.safetensors").stat().st_size > 0
+    assert "model.safetensors" in (workdir / "results/report/report.md").read_text()
     metrics = json.loads((workdir / "results/runs/default/eval_metrics.json").read_text())
     assert metrics["samples_evaluated"] == metrics["test_size"] == 359
     assert metrics["world_size"] == 2 and metrics["accuracy"] > 0.5

@@ -47,7 +47,13 @@ def snakemake(
     )
 
 
-def write_config(path: Path, overrides: dict) -> Path:
+def write_config(path: Path, overrides: dict, *, default_exports: bool = False) -> Path:
+    """overrides as a config file. Without an `export` section of its own, the file asks for no
+    exports (`export.formats: []`): an export is a job of its own per run (a Python start and a
+    torch import), which ~100 workflow runs in the suite would pay for nothing they check.
+    default_exports=True keeps the shipped default; tests that check exports ask for them."""
+    if "export" not in overrides and not default_exports:
+        overrides = {**overrides, "export": {"formats": []}}
     path.write_text(yaml.safe_dump(overrides, sort_keys=False))
     return path
 
