@@ -91,7 +91,7 @@ def test_run_overrides_deep_merge():
         },
     )
     cnn, mlp = ddpconfig.resolve_runs(config)
-    defaults = {"kwargs": {}, "small_input_stem": True}
+    defaults = {"kwargs": {}, "small_input_stem": True, "weights": None, "weights_sha256": None}
     assert cnn["model"] == {"name": "cnn", "mlp_hidden": [64], "cnn_channels": 8, **defaults}
     assert mlp["model"] == {"name": "mlp", "mlp_hidden": [64], "cnn_channels": 8, **defaults}
     assert mlp["train"]["optimizer"]["lr"] == 0.2  # sibling keys of an override survive

@@ -6,6 +6,7 @@ import sys
 
 from ddpflow import config as ddpconfig
 from ddpflow import paths as ddppaths
+from ddpflow.config import weights as ddpweights
 
 try:
     # validate (schema + cluster-independent checks) and fill defaults before any job runs;
@@ -97,9 +98,15 @@ def fingerprint_params(fingerprint):
     keys = sorted(set().union(*(fingerprint(run) for run in RUNS.values())))
 
     def param(key):
-        return lambda wildcards: ddpconfig.as_params(
-            {key: fingerprint(RUNS[wildcards.run]).get(key)}
-        )[0]
+        def value(wildcards):
+            found = fingerprint(RUNS[wildcards.run])
+            if key not in found and key in ddpconfig.ABSENT_UNLESS_SET:
+                # not this run's: a value Snakemake does not record (Ellipsis), so another
+                # run that sets the key leaves this one's params as they were
+                return ...
+            return ddpconfig.as_params({key: found.get(key)})[0]
+
+        return value
 
     return [param(key) for key in keys]
 
@@ -178,6 +185,38 @@ def predict_signature(wildcards=None):
             sys.exit(f"ddpflow: configuration error: {err}")
         PREDICT_LISTING["signature"] = ddppredict.signature(listing)
     return PREDICT_LISTING["signature"]
+
+
+def weights_input(wildcards):
+    """The file model.weights names (run:NAME: NAME's model.pt, so NAME trains first); a
+    missing or wrong file stops Snakemake here, before any job, naming the cause and the fix.
+    """
+    weights = RUNS[wildcards.run].get("weights")
+    if weights is None:
+        return []
+    if weights["kind"] == "run":
+        return run_file("model").format(run=weights["run"])
+    problem = ddpweights.refusal(RUNS[wildcards.run])
+    if problem:
+        sys.exit(f"ddpflow: configuration error: {problem}")
+    return weights["path"]
+
+
+def torchvision_weight_entries():
+    """{path: weights entry} of every run's torchvision weights (fetch_weights' outputs)."""
+    entries = {}
+    for run in RUNS.values():
+        weights = run.get("weights")
+        if weights and weights["kind"] == "torchvision":
+            entries[weights["path"]] = {
+                **weights,
+                "pin": run["model"]["weights_sha256"],
+            }
+    return entries
+
+
+def torchvision_weight_files():
+    return sorted(torchvision_weight_entries())
 
 
 def final_outputs():

@@ -4,6 +4,7 @@ rule train:
     """
     input:
         staged=staged_dir,
+        weights=weights_input,
     output:
         model=run_file("model"),
         train_metrics=run_file("train_metrics"),
@@ -18,3 +19,20 @@ rule train:
         *fingerprint_params(ddpconfig.training_fingerprint),
     script:
         "../../scripts/train.py"
+
+
+rule fetch_weights:
+    """`snakemake fetch_weights`: download every run's torchvision weights into the local
+    torch hub cache (where there is internet: the login node), checked against the hash in
+    the file name and model.weights_sha256. The ranks never download."""
+    output:
+        torchvision_weight_files(),
+    log:
+        f"{LOGS}/fetch_weights.log",
+    localrule: True
+    conda:
+        "../../envs/ddpflow.yaml"
+    params:
+        entries=torchvision_weight_entries(),
+    script:
+        "../../scripts/fetch_weights.py"

@@ -45,6 +45,23 @@ def is_own_data(source: str) -> bool:
     return source in ("image_folder", "npz") or is_plugin(source)
 
 
+# train keys added after runs were trained (fine-tuning): left out of the fingerprint at
+# their default, which is what every run trained before them did
+LATER_TRAIN_DEFAULTS = {"freeze": [], "unfreeze_at_epoch": None}
+
+
+# fingerprint keys a run has only where it sets them (fine-tuning): a rule param of a run
+# without one is left unrecorded (workflow/rules/common.smk), so a run that starts from
+# weights, added to a config, changes no other run's params
+ABSENT_UNLESS_SET = (
+    "model.weights",
+    "model.weights_sha256",
+    "train.freeze",
+    "train.unfreeze_at_epoch",
+    "train.optimizer.lr_mult",
+)
+
+
 # data keys that say how data is staged or read, not what it is: no staged byte and no
 # trained weight depends on them (tests/test_streaming.py), so editing them redoes nothing
 DATA_RUNTIME_KEYS = ("stage_threads", "loading")
@@ -187,6 +204,11 @@ def training_fingerprint(run: dict) -> dict[str, Any]:
     if not gpu and run["train"]["precision"] == "bf16":  # bf16 autocast on CPU ranks too
         ignored = tuple(key for key in ignored if key != "precision")
     train = {k: v for k, v in run["train"].items() if k not in ignored}
+    for key, default in LATER_TRAIN_DEFAULTS.items():  # absent at their default
+        if train.get(key, default) == default:
+            train.pop(key, None)
+    lr_mult = train["optimizer"].get("lr_mult")  # one value: its prefixes may contain dots
+    train["optimizer"] = {k: v for k, v in train["optimizer"].items() if k != "lr_mult"}
     if not train["augment"]["enabled"]:  # its settings act only when it is on
         del train["augment"]
     fsdp = run["train"]["strategy"] == "fsdp"
@@ -197,6 +219,11 @@ def training_fingerprint(run: dict) -> dict[str, Any]:
     if is_own_data(run["data"]["source"]):  # the files' or the plug-in's content too
         flat["dataset_id"] = run["dataset_id"]
     flat.update(task_settings(run, training=True))
+    if lr_mult:
+        flat["train.optimizer.lr_mult"] = lr_mult
+    if run.get("weights"):  # the file's sha256, or run:NAME's own training fingerprint
+        identity = run["weights"].get("sha256") or run["weights"]["source_fingerprint"]
+        flat.update({"model.weights": run["weights"]["spec"], "model.weights_sha256": identity})
     if fsdp:  # at any world size: its checkpoints and layout are fsdp's, even on 1 rank
         flat.update(flatten({"train": {"strategy": "fsdp", "fsdp": run["train"]["fsdp"]}}))
     flat["device"] = "cuda" if gpu else "cpu"

@@ -50,6 +50,10 @@ NOT_A_RERUN = {
     "runs": "a new run is trained and evaluated; the report is redone for any change",
     # resolved before a run exists (config.checks.resolve_micro_batch): a number is the
     # science; auto follows the world size
+    # resolved into run["weights"] (config.weights): its sha256, or run:NAME's fingerprint
+    "model.weights": "retrain (the file's sha256, or run:NAME's own training, is in the "
+    "fingerprint; replacing the file retrains too)",
+    "model.weights_sha256": "nothing where the file has it; another hash is refused",
     "train.micro_batch_size": "retrain, where the micro-batch the run trains with changes "
     "(with auto: also a machine edit that changes the micro-batch auto resolves to)",
     "train.max_micro_batch_size": "nothing with a numeric micro_batch_size; with auto, retrain "
@@ -177,7 +181,9 @@ def _type(node: dict) -> str:
     if "enum" in node:
         return "enum"
     if "anyOf" in node:
-        return " or ".join(_type(sub) if "const" not in sub else "`auto`" for sub in node["anyOf"])
+        return " or ".join(
+            _type(sub) if "const" not in sub else f"`{sub['const']}`" for sub in node["anyOf"]
+        )
     kind = node.get("type", "any")
     kinds = [kind] if isinstance(kind, str) else kind
     text = " or ".join(kinds)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+from ddpflow.config import weights
 from ddpflow.config.checks import _check_run, check_export, check_tracking, resolve_micro_batch
 from ddpflow.config.fingerprint import dataset_id
 from ddpflow.config.machine import world_size
@@ -95,6 +96,7 @@ def _resolve(config: dict, entry: dict, where: str) -> dict:
     )
     resolved["world_size"] = world_size(resolved["machine"])
     resolved["dataset_id"] = dataset_id(resolved["data"])
+    _resolve_weights(config, resolved, where)
     if "sweep" in entry:  # in no fingerprint, like tracking
         block = entry["sweep"]
         values = {key: _dotted(resolved, key) for key in block["keys"]}
@@ -137,6 +139,33 @@ def _resolve_task(run: dict, where: str) -> None:
         run["data"]["task"] = name
         if is_plugin(name):
             run["data"]["task_kwargs"] = run["task_kwargs"]
+
+
+def _resolve_weights(config: dict, run: dict, where: str) -> None:
+    """run["weights"]: what model.weights names and its identity (config.weights), set only
+    when model.weights is (a run resolved without it is what it was before the key existed)."""
+    model, train = run["model"], run["train"]
+    if model["weights_sha256"] and (
+        not model["weights"] or weights.kind(model["weights"]) == "run"
+    ):
+        raise ConfigError(
+            f"{where}: model.weights_sha256 pins the file of model.weights (a file or a "
+            "torchvision name), and there is none here; remove it or set model.weights"
+        )
+    if train["unfreeze_at_epoch"] is not None:
+        if not train["freeze"]:
+            raise ConfigError(
+                f"{where}: train.unfreeze_at_epoch with nothing frozen; set "
+                "train.freeze (e.g. backbone) or remove it"
+            )
+        if train["unfreeze_at_epoch"] > train["epochs"]:
+            raise ConfigError(
+                f"{where}: train.unfreeze_at_epoch {train['unfreeze_at_epoch']} is after the "
+                f"last epoch ({train['epochs']}); lower it or remove it (frozen to the end)"
+            )
+    found = weights.describe(config, run, lambda name: run_by_name(config, name))
+    if found is not None:
+        run["weights"] = found
 
 
 def _dotted(run: dict, key: str):

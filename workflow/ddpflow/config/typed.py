@@ -194,6 +194,18 @@ class ModelSpec(_Section):
     #: CIFAR stem), since the ImageNet stem shrinks a small image 4x before the first block; the
     #: built-in resnet18/34 always have it
     small_input_stem: bool = True
+    #: start from these weights instead of a random initialisation: a file (a state dict in
+    #: .pt/.pth, a ddpflow model.pt, or .safetensors), a torchvision weights name for a
+    #: torchvision model (DEFAULT, IMAGENET1K_V1 or ResNet18_Weights.IMAGENET1K_V1, read from the
+    #: local torch hub cache only: `snakemake fetch_weights` puts it there), or run:NAME (the
+    #: model.pt of the run NAME of this config, trained first). Keys must match; only the
+    #: classifier head may differ in shape (another class count), and it is then re-initialised
+    #: (docs/fine-tuning.md)
+    weights: str | None = None
+    #: the sha256 the model.weights file must have (a file or a torchvision name); a file with
+    #: another hash is refused before anything is submitted. The hash found is part of the
+    #: training's fingerprint either way: replacing the file retrains
+    weights_sha256: str | None = None
     #: hidden layer widths of the MLP (the tutorial's 784-200-200-10)
     mlp_hidden: tuple[int, ...] = (200, 200)
     #: channels of the small CNN's first block (doubled in the second)
@@ -220,6 +232,10 @@ class OptimizerSpec(_Section):
     nesterov: bool = True
     weight_decay: float = 0.0005
     betas: tuple[float, ...] = (0.9, 0.999)
+    #: per-parameter learning-rate factors, {parameter-name prefix: factor}; the longest prefix
+    #: that matches a parameter's name wins ("" matches every parameter), e.g. {"": 0.1, fc: 1.0}
+    #: trains a ResNet's backbone at a tenth of the head's lr
+    lr_mult: Mapping[str, Any] = field(default_factory=lambda: _frozen({}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,6 +353,15 @@ class TrainSpec(_Section):
     #: DistributedDataParallel settings (also for strategy zero)
     ddp: TrainDdpSpec
     epochs: int = 12
+    #: parameters that do not train: a list of parameter-name prefixes (e.g. [conv1, bn1,
+    #: layer1]) or backbone (every parameter but the classifier head). Frozen parameters get no
+    #: gradient, no optimizer state and no all-reduce, and a BatchNorm layer whose parameters are
+    #: all frozen keeps its running statistics
+    freeze: Literal["backbone"] | tuple[str, ...] = ()
+    #: the epoch (counted from 1) from which train.freeze no longer applies: every parameter
+    #: trains from that epoch on (the wrapper and the optimizer are rebuilt at its start; the
+    #: frozen parameters' optimizer state starts there); null: frozen to the end
+    unfreeze_at_epoch: int | None = None
     #: samples per optimizer step, whatever the world size (the science, with the lr, epochs and
     #: schedule); a multiple of micro_batch_size. Each epoch takes floor(train samples /
     #: global_batch_size) steps of a fresh shuffle
@@ -522,6 +547,8 @@ class RunSpec(_Readable):
     micro_batch: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     tracking: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     sweep: Mapping[str, Any] | None = None  # a sweep point's block (config.runs)
+    # model.weights resolved on the login node: {spec, kind, path, sha256, ...} (config.weights)
+    weights: Mapping[str, Any] | None = None
     # the resolved run dict itself (a deep copy), read only where a rank makes a fingerprint
     # (the checkpoint's training hash, the pruner's peers, the evaluation key) or records
     # the config in provenance: fingerprints are made from dicts, as on the login node

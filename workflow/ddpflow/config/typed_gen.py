@@ -134,6 +134,8 @@ class RunSpec(_Readable):
     micro_batch: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     tracking: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     sweep: Mapping[str, Any] | None = None  # a sweep point's block (config.runs)
+    # model.weights resolved on the login node: {spec, kind, path, sha256, ...} (config.weights)
+    weights: Mapping[str, Any] | None = None
     # the resolved run dict itself (a deep copy), read only where a rank makes a fingerprint
     # (the checkpoint's training hash, the pruner's peers, the evaluation key) or records
     # the config in provenance: fingerprints are made from dicts, as on the login node
