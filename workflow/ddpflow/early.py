@@ -40,6 +40,7 @@ from pathlib import Path
 from ddpflow.config import ConfigError, check_batch_fits, config_hash, fits
 from ddpflow.config.fingerprint import BUILT_IN_MODELS, plugin_source_hash
 from ddpflow.config.machine import local_gpu_memory_bytes, uses_channels_last
+from ddpflow.config.weights import refusal
 from ddpflow.paths import staged_dir
 from ddpflow.plugins import is_plugin
 from ddpflow.runtime import atomic_write_json
@@ -84,8 +85,11 @@ def check_before_jobs(
             check_batch_fits(run, manifest["sizes"]["train"])
         except ConfigError as err:
             problems.append(str(err))
-        if run["model"]["name"] not in BUILT_IN_MODELS:
-            check = _model_check(run, manifest)
+        fine_tunes = (
+            run.get("weights") or run["train"]["freeze"] or run["train"]["optimizer"]["lr_mult"]
+        )
+        if run["model"]["name"] not in BUILT_IN_MODELS or fine_tunes:
+            check = model_check(run, manifest)
             models.setdefault(_key(check), (check, []))[1].append(run["name"])
     model_problems, verdicts = memory_verdicts(runs, inputs, cache_dir, gpu_types, models)
     problems += model_problems
@@ -201,13 +205,29 @@ def _manifest(staged: Path) -> dict | None:
         return None
 
 
-def _model_check(run: dict, manifest: dict) -> dict:
+def model_check(run: dict, manifest: dict) -> dict:
     return {
         "model": run["model"],
         "shape": manifest["shape"],
         "num_classes": manifest["num_classes"],
         "channels_last": uses_channels_last(run),
+        # fine-tuning: the weights file against the model (its sha256 in the key), and
+        # the parameter names train.freeze and lr_mult give (training.weights)
+        **({"weights": run["weights"]} if _weights_ready(run) else {}),
+        **({"freeze": run["train"]["freeze"]} if run["train"]["freeze"] else {}),
+        **(
+            {"lr_mult": run["train"]["optimizer"]["lr_mult"]}
+            if run["train"]["optimizer"]["lr_mult"]
+            else {}
+        ),
     }
+
+
+def _weights_ready(run: dict) -> bool:
+    """The run's weights file is there and sound (else the train rule's input names what is
+    wrong, when a training is planned: `snakemake fetch_weights` is not held up by it)."""
+    weights = run.get("weights")
+    return bool(weights) and Path(weights["path"]).is_file() and refusal(run) is None
 
 
 def _key(check: dict) -> str:
@@ -319,12 +339,14 @@ def _run_checks(request: Path) -> dict:
 def _check_each(checks: dict) -> dict[str, str | None]:
     from ddpflow.errors import UserError
     from ddpflow.training.models import check_model
+    from ddpflow.training.weights import check_fine_tuning
 
     errors = {}
     for key, check in checks.items():
         try:
             shape, classes = check["shape"], check["num_classes"]
             check_model(check["model"], shape, classes, check["channels_last"])
+            check_fine_tuning(check)
             errors[key] = None
         except UserError as err:
             errors[key] = str(err)

@@ -25,6 +25,7 @@ from pathlib import Path
 from ddpflow import __version__
 from ddpflow.config import config_hash, training_fingerprint
 from ddpflow.config.checks import ONNX_MODULES
+from ddpflow.config.weights import input_normalisation
 from ddpflow.errors import UserError
 from ddpflow.paths import EXPORT_FILES
 
@@ -43,6 +44,7 @@ def data_digest(manifest: dict) -> str:
 def metadata(run: dict, checkpoint: dict, manifest: dict, model_sha256: str) -> dict[str, str]:
     """What a user of the export needs to rebuild the input and read the output (strings:
     safetensors' metadata is a str -> str map; lists and dicts as JSON)."""
+    mean, std, _ = input_normalisation(checkpoint["model"], manifest)
     return {
         "format": "ddpflow",
         "ddpflow_version": __version__,
@@ -52,8 +54,8 @@ def metadata(run: dict, checkpoint: dict, manifest: dict, model_sha256: str) -> 
         "class_names": json.dumps(manifest["class_names"]),
         "input_shape": json.dumps(list(checkpoint["shape"])),
         # x = (pixels / 255 - mean) / std, per channel, pixels uint8 0..255 in C x H x W
-        "normalize_mean": json.dumps(manifest["mean"]),
-        "normalize_std": json.dumps(manifest["std"]),
+        "normalize_mean": json.dumps(mean),
+        "normalize_std": json.dumps(std),
         "data_sha256": data_digest(manifest),
         "config_hash": config_hash(training_fingerprint(run)),
         "model_pt_sha256": model_sha256,

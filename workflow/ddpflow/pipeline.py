@@ -27,7 +27,7 @@ from ddpflow.config import (
 )
 from ddpflow.data.staged import choose_in_memory, read_manifest, sha256_file
 from ddpflow.data.staging import stage_dataset
-from ddpflow.early import input_of, memory_verdicts
+from ddpflow.early import input_of, memory_verdicts, model_check
 from ddpflow.errors import UserError
 from ddpflow.paths import (
     EVAL_FROM_TRAIN,
@@ -157,6 +157,7 @@ def _refuse_an_unsafe_torch(run: dict) -> None:
 def _check_user_model(run: dict, manifest: dict) -> None:
     """A torchvision or plug-in model is built and run once on the CPU here, before any job
     is queued (built-in models need no check, and this process no torch import for them)."""
+    _check_fine_tuning(run, manifest)
     if run["model"]["name"] in BUILT_IN_MODELS:  # not models.BUILT_IN: that imports torch
         return
     from ddpflow.training.models import check_model
@@ -166,6 +167,17 @@ def _check_user_model(run: dict, manifest: dict) -> None:
     log.info("model %r: %s parameters; one forward of [N, %s] gave %d logits per sample",
              run["model"]["name"], f"{parameters:,}", ", ".join(map(str, manifest["shape"])),
              manifest["num_classes"])  # fmt: skip
+
+
+def _check_fine_tuning(run: dict, manifest: dict) -> None:
+    """model.weights, train.freeze and lr_mult checked against the model here, before the
+    job is queued, and said in the terminal (a re-initialised head with its class counts)."""
+    check = model_check(run, manifest)
+    if {"weights", "freeze", "lr_mult"} & set(check):
+        from ddpflow.training.weights import check_fine_tuning
+
+        for line in check_fine_tuning(check):
+            log.info("run %r: %s", run["name"], line)
 
 
 def _check_memory(run: dict, manifest: dict) -> None:

@@ -274,7 +274,8 @@ def build_report(
     trackers = _tracker_rows(runs, tracking_failures)
     blocks = document(loaded, rows, figures, generated, unfinished, insight.blocks(found),
                       bad_nodes, trackers, sweep.blocks(view, swept) if view else (),
-                      focus, _export_rows(runs, loaded, Path(out_dir)))  # fmt: skip
+                      focus, _export_rows(runs, loaded, Path(out_dir)),
+                      _fine_tuning_rows(runs, loaded))  # fmt: skip
     summary = summary_json(loaded, rows, baseline, generated, unfinished)
     summary.update(summary_extras(view, bad_nodes, found, trackers))
     paths = _write_all(Path(out_dir), {**figures, **swept}, _texts(summary, rows, blocks, view))
@@ -313,3 +314,31 @@ def _export_rows(runs: list[dict], loaded, out_dir: Path) -> list[list]:
                 size = f"{path.stat().st_size / 2**20:.1f} MiB"
                 rows.append([run["name"], Link(name, os.path.relpath(path, out_dir)), size])
     return rows if any(row[1].text != RUN_FILES["model"] for row in rows) else []
+
+
+def _fine_tuning_rows(runs: list[dict], loaded) -> list[list[str]]:
+    """One row per shown run whose train_summary.json has a fine_tuning record."""
+    shown = {name for name, _, _ in loaded}
+    rows = []
+    for run in (run for run in runs if run["name"] in shown):
+        summary_file = Path(run["train_metrics"]).parent / RUN_FILES["train_summary"]
+        try:
+            done = json.loads(summary_file.read_text()).get("fine_tuning")
+        except (OSError, ValueError):
+            continue
+        if not done:
+            continue
+        weights = done.get("weights") or {}
+        until = f" until epoch {done['unfreeze_at_epoch']}" if done.get("unfreeze_at_epoch") else ""
+        frozen = f"{done['freeze']}{until}" if done.get("freeze") else "nothing"
+        rows.append(
+            [
+                run["name"],
+                weights.get("spec", "random"),
+                weights.get("sha256", "")[:16],
+                weights.get("head") or "kept",
+                frozen,
+                done.get("normalisation", ""),
+            ]
+        )
+    return rows

@@ -21,7 +21,7 @@ import re
 import yaml
 
 from ddpflow.report import metrics
-from ddpflow.report.tables import Link, class_tables, export_blocks, split_label, task_sections
+from ddpflow.report.tables import Link, class_tables, model_blocks, split_label, task_sections
 from ddpflow.runtime import PHASES
 from ddpflow.text import counted
 
@@ -223,7 +223,7 @@ def _tracker_blocks(trackers) -> list[tuple]:
 
 def document(
     loaded, rows, figures, generated: str, unfinished=(), inside=(), bad_nodes=(), trackers=(),
-    sweep=(), focus=None, exports=(),
+    sweep=(), focus=None, exports=(), fine_tuned=(),
 ) -> list[tuple]:  # fmt: skip
     """The report's blocks; sweep: the sweep section (ddpflow.report.sweep), which makes the
     headline's best run the one selected on validation accuracy (another task: on its
@@ -243,8 +243,7 @@ def document(
     blocks[0] = _headline(generated, rows, selections, label)
     blocks += [*sweep, ("h2", "Runs"), _runs_table(rows, scaling, heads)]
     blocks += _machine_blocks(loaded, rows, scaling)
-    if exports:
-        blocks += export_blocks(exports)
+    blocks += model_blocks(exports, fine_tuned)
     if trackers:
         blocks += _tracker_blocks(trackers)
     blocks += [("h2", "Time per phase (sum over epochs, share of epoch time)"), _phase_table(rows)]

@@ -138,3 +138,21 @@ def export_blocks(exports) -> list[tuple]:
     )
     table = ("table", ["Run", "File", "Size"], exports, None)
     return [("h2", "Models and exports"), ("p", text), table]
+
+
+def fine_tuning_blocks(rows) -> list[tuple]:
+    """The runs that started from weights or froze parameters (docs/fine-tuning.md)."""
+    text = (
+        "Runs that started from model.weights (checked by sha256, loaded strictly: only a "
+        "classifier head of another class count is re-initialised) or froze parameters "
+        "(train.freeze)."
+    )
+    header = ["Run", "Weights", "sha256", "Head", "Frozen", "Input normalisation"]
+    return [("h2", "Fine-tuning"), ("p", text), ("table", header, rows, None)]
+
+
+def model_blocks(exports, fine_tuned) -> list[tuple]:
+    """The sections on the models: their files and exports, and how they were fine-tuned."""
+    return (export_blocks(exports) if exports else []) + (
+        fine_tuning_blocks(fine_tuned) if fine_tuned else []
+    )

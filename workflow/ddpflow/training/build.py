@@ -21,6 +21,7 @@ from ddpflow.text import counted
 from ddpflow.training import sharding
 from ddpflow.training.models import build_model, place
 from ddpflow.training.schedule import effective_lr, lr_schedule
+from ddpflow.training.weights import apply_freeze, load_weights, param_groups
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +43,15 @@ class TrainingParts:
     loss_fn: nn.Module
 
 
-def placed_model(run: RunSpec, shape, num_classes: int, device: torch.device) -> nn.Module:
-    """The run's model with the same initial weights on every rank (DDP also broadcasts),
-    on its device and memory layout; FSDP moves the shards itself (sharding.shard)."""
+def placed_model(run: RunSpec, shape, num_classes: int, device: torch.device):
+    """(the run's model, what model.weights loaded into it or None): the same initial
+    weights on every rank (DDP also broadcasts), on its device and memory layout; FSDP moves
+    the shards itself (sharding.shard). model.weights are loaded on the host, strictly
+    (training.weights); a resumed run's checkpoint then replaces them."""
     torch.manual_seed(run.train.seed)
     model = build_model(run.resolved["model"], shape, num_classes)  # a plug-in's kwargs as written
-    return place(model, device, uses_channels_last(run), move=not trains_sharded(run))
+    loaded = load_weights(model, run.weights, num_classes) if run.weights else None
+    return place(model, device, uses_channels_last(run), move=not trains_sharded(run)), loaded
 
 
 def build_training(
@@ -61,14 +65,14 @@ def build_training(
     model, wrapped = _wrap(model, strategy, env, device, tcfg)
     lr = effective_lr(tcfg)
     optimizer = make_optimizer(
-        model.parameters(), tcfg.optimizer, lr, device, strategy == "zero",
+        trainable(model, tcfg),
+        tcfg.optimizer,
+        lr,
+        device,
+        strategy == "zero",
         dtensors=strategy == "fsdp",
-    )  # fmt: skip
-    total = steps_per_epoch * tcfg.epochs
-    warmup = round(tcfg.warmup_epochs * steps_per_epoch)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_schedule(tcfg.schedule, warmup, total)
     )
+    scheduler = _scheduler(optimizer, tcfg, steps_per_epoch)
     autocast = autocast_factory(tcfg.precision, device)
     scaler = torch.amp.GradScaler(
         "cuda", enabled=tcfg.precision == "fp16" and device.type == "cuda"
@@ -77,6 +81,40 @@ def build_training(
     return TrainingParts(
         strategy, model, wrapped, lr, optimizer, scheduler, scaler, autocast, loss_fn
     )
+
+
+def _scheduler(optimizer, tcfg: TrainSpec, steps_per_epoch: int, step: int = 0):
+    """The lr schedule per optimizer step, at `step` (a rebuilt optimizer's lrs set there)."""
+    total = steps_per_epoch * tcfg.epochs
+    warmup = round(tcfg.warmup_epochs * steps_per_epoch)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_schedule(tcfg.schedule, warmup, total)
+    )
+    if step:
+        for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+            group["lr"] = group["initial_lr"] * factor(step)
+        scheduler.last_epoch = step
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return scheduler
+
+
+def unfrozen(run: RunSpec, env: DistEnv, device, model, wrapped, steps_per_epoch: int, step: int):
+    """(wrapped, optimizer, scheduler) once every parameter trains (train.unfreeze_at_epoch):
+    DDP bucketed only the parameters that needed a gradient when it was built, so it is
+    built again (and compiled again); FSDP's sharded parameters reduce-scatter whatever
+    gradient they get. The new optimizer holds every parameter; its schedule is at `step`."""
+    tcfg = run.train
+    strategy = tcfg.strategy if env.world_size > 1 else "ddp"
+    apply_freeze(model, ())
+    if strategy != "fsdp":
+        wrapped = wrap_ddp(model, device, tcfg.ddp) if env.world_size > 1 else model
+        if tcfg.compile:
+            wrapped = cast(nn.Module, torch.compile(wrapped))
+    optimizer = make_optimizer(
+        trainable(model, tcfg), tcfg.optimizer, effective_lr(tcfg), device, strategy == "zero",
+        dtensors=strategy == "fsdp",
+    )  # fmt: skip
+    return wrapped, optimizer, _scheduler(optimizer, tcfg, steps_per_epoch, step)
 
 
 def _wrap(model: nn.Module, strategy: str, env: DistEnv, device, tcfg: TrainSpec):
@@ -99,6 +137,13 @@ def _wrap(model: nn.Module, strategy: str, env: DistEnv, device, tcfg: TrainSpec
     return model, wrapped
 
 
+def trainable(model: nn.Module, tcfg: TrainSpec):
+    """What the optimizer holds: every parameter (a run that fine-tunes nothing, as before
+    train.freeze existed), or the trainable ones in groups of one lr_mult each."""
+    fine_tuned = tcfg.optimizer.lr_mult or any(not p.requires_grad for p in model.parameters())
+    return param_groups(model, tcfg.optimizer.lr_mult) if fine_tuned else model.parameters()
+
+
 def make_optimizer(
     params, opt_cfg: OptimizerSpec, lr: float, device: torch.device, sharded=False, dtensors=False
 ):
@@ -116,6 +161,9 @@ def make_optimizer(
     else:
         cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[opt_cfg.name]
         kwargs.update(betas=tuple(opt_cfg.betas))
+    params = list(params)
+    if params and isinstance(params[0], dict):  # groups with their lr factor (lr_mult)
+        params = [{**group, "lr": lr * group["lr_mult"]} for group in params]
     if sharded:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -32,8 +32,8 @@ from ddpflow.config import accumulation_steps, micro_batches_per_step
 from ddpflow.config.typed import RunSpec
 from ddpflow.data import feed
 from ddpflow.runtime import PHASES, PhaseClock
-from ddpflow.training import evaluate, faults, sharding
-from ddpflow.training.build import build_training
+from ddpflow.training import evaluate, faults, sharding, weights
+from ddpflow.training.build import build_training, unfrozen
 from ddpflow.training.divergence import NonfiniteWatch, output_parameter
 from ddpflow.training.rankdata import RankData
 from ddpflow.training.resume import Resumable
@@ -46,9 +46,16 @@ class Loop(Resumable):
     """One run's training state and its epoch loop (state is what a checkpoint holds)."""
 
     def __init__(
-        self, run: RunSpec, data: RankData, env: DistEnv, device: torch.device, model: nn.Module
+        self,
+        run: RunSpec,
+        data: RankData,
+        env: DistEnv,
+        device: torch.device,
+        model: nn.Module,
+        loaded: dict | None = None,
     ):
         self.run, self.data, self.env, self.device = run, data, env, device
+        self.loaded, self.frozen = loaded, weights.freeze(model, run.train.freeze)  # fine-tuning
         # the training batches: load_data's feed, or, for tensors given directly (tests,
         # benchmarks), one over the train images in memory; the Loop's own from here on
         self.feed: feed.MemoryFeed | feed.StreamFeed
@@ -119,11 +126,16 @@ class Loop(Resumable):
     def train_epoch(self, progress=None) -> dict:
         """Finish the current epoch from self.epoch_step; returns its mean loss and seconds."""
         self.wrapped.train()
+        if self.frozen:  # frozen BatchNorm layers keep their running statistics
+            weights.keep_frozen_statistics(self.model)
         tcfg, env, accum = self.tcfg, self.env, self.accum
         batches = step_micro_batches(
-            self.data.train.images.shape[0], tcfg.global_batch_size,
-            self.micro_batch_size, tcfg.seed, self.epoch,
-        )  # fmt: skip
+            self.data.train.images.shape[0],
+            tcfg.global_batch_size,
+            self.micro_batch_size,
+            tcfg.seed,
+            self.epoch,
+        )
         mine = rank_micro_batches(batches, env.world_size, env.rank)
         feed_ = self.feed
         assert feed_ is not None  # __init__ made one
@@ -176,7 +188,22 @@ class Loop(Resumable):
         self.epoch, self.epoch_step = self.epoch + 1, 0
         self.step_losses.zero_()
         self.epoch_seconds = dict.fromkeys(PHASES, 0.0)
+        self.unfreeze_if_due(self.epoch)  # before the epoch's checkpoint: it holds the new state
         return record
+
+    def unfreeze_if_due(self, epoch: int) -> None:
+        """From train.unfreeze_at_epoch (counted from 1; `epoch` is the next one's 0-based
+        index) every parameter trains: the wrapper, optimizer and schedule are rebuilt."""
+        due = self.tcfg.unfreeze_at_epoch
+        if not self.frozen or due is None or epoch < due - 1:
+            return
+        self.frozen = []
+        self.wrapped, self.optimizer, self.scheduler = unfrozen(
+            self.run, self.env, self.device, self.model, self.wrapped, self.steps_per_epoch,
+            self.scheduler.last_epoch,
+        )  # fmt: skip
+        if self.env.is_master:
+            log.info("epoch %d: every parameter trains from here (train.unfreeze_at_epoch)", due)
 
     def global_step_losses(self) -> torch.Tensor:
         """Collective: each step's summed micro-batch losses over all ranks (the step's loss

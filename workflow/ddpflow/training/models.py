@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ddpflow.config import BUILT_IN_MODELS
+from ddpflow.config.weights import kind as weights_kind
 from ddpflow.errors import UserError
 from ddpflow.plugins import import_factory, is_plugin
 
@@ -31,16 +32,26 @@ def build_model(model_cfg: Mapping[str, Any], shape: list[int], num_classes: int
     them); shape is the staged [C, H, W]; the model adapts its input layer to it."""
     name = model_cfg["name"]
     channels, height, width = shape
+    imagenet = imagenet_architecture(model_cfg)
     if name == "mlp":
         return mlp(channels * height * width, model_cfg["mlp_hidden"], num_classes)
     if name == "cnn":
         return small_cnn(channels, model_cfg["cnn_channels"], num_classes)
-    if name in ("resnet18", "resnet34"):
+    if name in ("resnet18", "resnet34") and not imagenet:
         return small_resnet(name, channels, num_classes)
     kwargs = dict(model_cfg.get("kwargs") or {})
     if is_plugin(name):
         return _plugin(name, shape, num_classes, kwargs)
-    return zoo_model(name, channels, num_classes, kwargs, model_cfg.get("small_input_stem", True))
+    small_stem = model_cfg.get("small_input_stem", True) and not imagenet
+    return zoo_model(name, channels, num_classes, kwargs, small_stem)
+
+
+def imagenet_architecture(model_cfg: Mapping[str, Any]) -> bool:
+    """torchvision weights (model.weights a torchvision name) load into the architecture they
+    were trained with: the ImageNet stem, whatever small_input_stem says (the built-in
+    resnet18/34 too, which are then torchvision's)."""
+    spec = model_cfg.get("weights")
+    return isinstance(spec, str) and weights_kind(spec) == "torchvision"
 
 
 def _plugin(spec: str, shape: list[int], num_classes: int, kwargs: dict) -> nn.Module:

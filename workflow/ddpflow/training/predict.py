@@ -62,7 +62,7 @@ class PredictTask(DistributedTask):
         start, stop = evaluate.shard_bounds(n, env.world_size, env.rank)
         batch = settings["batch_size"] or spec.eval.batch_size
         inputs = Inputs(listing, manifest["shape"])
-        norm = normalisation(manifest, device)
+        norm = normalisation(manifest, device, checkpoint["model"])
         task = run_task(spec)
         corrupt = 0
         with (folder / f"part-{env.rank}.jsonl").open("w") as part:

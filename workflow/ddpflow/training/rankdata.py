@@ -13,6 +13,7 @@ import torch
 from ddpflow.cluster import distenv
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config.typed import RunSpec
+from ddpflow.config.weights import input_normalisation
 from ddpflow.data import feed
 from ddpflow.data.staged import DataError, choose_in_memory, open_split
 from ddpflow.task import DEFAULT_TASK, Task, get_task, run_task
@@ -90,7 +91,8 @@ def load_data(run: RunSpec, staged: str, env: DistEnv, device, splits=("train", 
     data = RankData(
         splits={s: _split(images, labels, in_memory, device)
                 for s, (images, labels, _) in opened.items()},
-        norm=normalisation(manifest, device), num_classes=manifest["num_classes"],
+        norm=normalisation(manifest, device, run.resolved["model"]),
+        num_classes=manifest["num_classes"],
         shape=manifest["shape"], manifest=manifest, in_memory=in_memory, device=device,
         task=task,
     )  # fmt: skip
@@ -138,10 +140,13 @@ def _split(images, labels, in_memory: bool, device) -> Split:
     return Split(x, torch.from_numpy(labels).to(device))
 
 
-def normalisation(manifest: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The train split's per-channel mean and std, shaped [1, C, 1, 1] on device."""
-    shape = [1, len(manifest["mean"]), 1, 1]
+def normalisation(manifest: dict, device, model: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-channel mean and std the model's inputs are normalised with, shaped
+    [1, C, 1, 1] on device: the train split's, or torchvision weights' own
+    (config.weights.input_normalisation)."""
+    mean, std, _ = input_normalisation(model, manifest)
+    shape = [1, len(mean), 1, 1]
     return (
-        torch.tensor(manifest["mean"], device=device).view(shape),
-        torch.tensor(manifest["std"], device=device).view(shape),
+        torch.tensor(mean, device=device).view(shape),
+        torch.tensor(std, device=device).view(shape),
     )

@@ -9,6 +9,7 @@ from ddpflow import runtime
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import plugin_source, plugin_source_hash
 from ddpflow.config.typed import RunSpec, RunView
+from ddpflow.config.weights import input_normalisation
 from ddpflow.plugins import is_plugin
 from ddpflow.task import DEFAULT_TASK, run_task
 
@@ -113,6 +114,7 @@ def train_summary(
         "device_name": runtime.device_name(data.device),
         "data_in_memory": data.in_memory,
         "parameters": parameters,
+        **fine_tuning_record(run, loop),  # model.weights, train.freeze: only where set
         "lr": loop.lr,
         "global_batch": run.train.global_batch_size,
         "micro_batch": run.train.micro_batch_size,
@@ -126,3 +128,20 @@ def train_summary(
         **pruned,
         **task_fields(run),
     }
+
+
+def fine_tuning_record(run, loop) -> dict:
+    """train_summary's "fine_tuning" (absent for a run from random weights that freezes
+    nothing): the weights loaded (file, sha256, head), the input normalisation, what froze."""
+    tcfg = run.train
+    if not (run.weights or tcfg.freeze or tcfg.optimizer.lr_mult):
+        return {}
+    _, _, normalised = input_normalisation(run.resolved["model"], loop.data.manifest)
+    record = {
+        "weights": loop.loaded,
+        "normalisation": normalised,
+        "freeze": tcfg.freeze if isinstance(tcfg.freeze, str) else list(tcfg.freeze),
+        "unfreeze_at_epoch": tcfg.unfreeze_at_epoch,
+        "lr_mult": dict(tcfg.optimizer.lr_mult),
+    }
+    return {"fine_tuning": record}

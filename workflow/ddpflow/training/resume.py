@@ -54,6 +54,8 @@ class Resumable:
 
         def global_step_losses(self) -> torch.Tensor: ...
 
+        def unfreeze_if_due(self, epoch: int) -> None: ...
+
     def gather_state(self) -> None:
         """Collective, before rank 0 takes state_dict(): ZeRO's optimizer state lives in
         shards, which rank 0 collects (a checkpoint holds the whole state, as with ddp, so a
@@ -112,6 +114,7 @@ class Resumable:
         ranks' sums (rank 0 takes them, the others start from zero), ZeRO's optimizer state
         is whole and DCP reshards. FSDP: the model and optimizer shards are read from the
         DCP directory next to the checkpoint at path."""
+        self.unfreeze_if_due(state["epoch"])  # the checkpoint's optimizer holds every parameter
         kernels = _kernel_choices(self.optimizer)
         if "sharded" in state:
             assert path is not None, "a sharded checkpoint is read from beside its path"

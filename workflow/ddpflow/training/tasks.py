@@ -42,6 +42,7 @@ from ddpflow.training.models import count_parameters, from_checkpoint
 from ddpflow.training.pruning import MedianPruner
 from ddpflow.training.rankdata import RankData, load_data
 from ddpflow.training.records import evaluation_record, published, train_summary
+from ddpflow.training.weights import log_fine_tuning
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +127,8 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         splits = ("train", "val", spec.eval.split) if in_train else ("train", "val")
         data = load_data(spec, paths.staged, env, device, splits)
         _warn_about_settings(spec, data, env, device)
-        model = placed_model(spec, data.shape, data.num_classes, device)
-        loop = Loop(spec, data, env, device, model)
+        model, loaded = placed_model(spec, data.shape, data.num_classes, device)
+        loop = Loop(spec, data, env, device, model, loaded)
         ckpt = Checkpointer(spec, paths.work, env)
         self._train(loop, ckpt, env, hosts)
         summary = None
@@ -293,6 +294,7 @@ def _start_log(run: RunSpec, model, loop, resumed, attempt, live_metrics: Path) 
         train.micro_batch_size, counted(loop.env.world_size, "rank"),
         counted(loop.accum, "accumulation step"), loop.strategy, attempt,
     )  # fmt: skip
+    log_fine_tuning(loop)
     if resumed:
         log.info("RESUMED from attempt %d: %s", resumed["attempt"],
                  resumed_line(resumed, loop.env.world_size))  # fmt: skip
