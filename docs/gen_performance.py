@@ -217,6 +217,40 @@ def render_layout(doc: dict) -> list[str]:
     return [table(header, rows)]
 
 
+def render_finetune(doc: dict) -> list[str]:
+    """Each case's three modes: from scratch, full fine-tuning, the backbone frozen."""
+    rows = []
+    for r in doc["runs"]:
+        for mode, m in r["modes"].items():
+            rows.append(
+                [
+                    f"`{r['case']}`",
+                    mode,
+                    f"{num(m['trainable_parameters'])} of {num(m['parameters'])}",
+                    num(m["epoch_s"], 3),
+                    num(m["steps_per_s"], 2),
+                    num(m["samples_per_s"], 1),
+                    ratio(r["speedup_vs_scratch"][mode]),
+                    ratio(r["cpu_speedup_vs_scratch"][mode]),
+                ]
+            )
+    first = doc["runs"][0]
+    epochs = ", ".join(f"{r['model']} {r['steps_per_epoch']}" for r in doc["runs"])
+    header = ["model:input", "mode", "trainable parameters", "epoch s", "steps/s", "samples/s",
+              "vs scratch", "vs scratch by CPU s"]  # fmt: skip
+    unchanged = all(r["frozen_backbone_unchanged"] for r in doc["runs"])
+    load = ", ".join(f"{r['model']} {num((r.get('loadavg_after') or [None])[0], 2)}"
+                     for r in doc["runs"])  # fmt: skip
+    return [
+        f"One rank, batch {first['batch']}; an epoch is one `Loop.train_epoch()` (optimizer "
+        f"steps: {epochs}); vs scratch = scratch's epoch seconds / the mode's (by CPU s: in the "
+        "process's CPU seconds, less sensitive to other load; 1-minute load average after each "
+        f"case: {load}). The frozen backbone's weights and BatchNorm statistics after training: "
+        + ("unchanged." if unchanged else "CHANGED."),
+        table(header, rows),
+    ]
+
+
 def render_memory(doc: dict) -> list[str]:
     rows = []
     for r in doc["runs"]:
@@ -598,6 +632,8 @@ def renderer(doc: dict):
     runs = doc.get("runs") or []
     if runs and "speedup_vs_fp32_nchw" in runs[0]:
         return render_layout
+    if runs and "speedup_vs_scratch" in runs[0]:
+        return render_finetune
     if runs and "max_over_ranks" in runs[0]:
         return render_memory
     if runs and "ddpflow" in runs[0]:

@@ -1,5 +1,6 @@
 """The benchmarks (bench/throughput.py, end_to_end.py, memory.py, data.py, layout.py,
-scaling.py, micro_batch.py, memory_estimate.py) run in a tiny configuration and write complete JSON.
+finetune.py, scaling.py, micro_batch.py, memory_estimate.py) run in a tiny configuration and
+write complete JSON.
 
 Speed is measured by the benchmarks and never asserted here: only that the numbers exist.
 """
@@ -255,6 +256,37 @@ def test_layout_tiny_run_writes_complete_json(tmp_path):
         assert all(len(times) == 2 for times in row["all_step_s"].values())
         assert row["speedup_vs_fp32_nchw"]["fp32_nchw"] == 1.0
         assert all(math.isfinite(s) and s > 0 for s in row["step_s"].values())
+
+
+def test_finetune_tiny_run_writes_complete_json(tmp_path):
+    """bench/finetune.py: ddpflow's Loop from scratch, fully fine-tuned and with the backbone
+    frozen; the frozen optimizer holds the head alone and the backbone stays as loaded, and the
+    performance page renders it (no timing asserted)."""
+    out = tmp_path / "finetune.json"
+    cmd = [sys.executable, str(REPO / "bench" / "finetune.py"), "--cases", "cnn", "--batch", "8"]
+    cmd += ["--steps", "2", "--repeats", "1", "--warmup", "1", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "speedup" in result.stdout
+    report = json.loads(out.read_text())
+    assert {"hostname", "cpu_model", "cpu_count"} <= set(report["machine"])
+    assert {"torch", "python"} <= set(report["provenance"]["versions"])
+    assert report["conditions"]["threads"] == 1 and report["wall_s"] > 0
+    (row,) = report["runs"]
+    assert (row["case"], row["batch"], row["samples_per_epoch"]) == ("cnn:3x32x32", 8, 16)
+    modes = row["modes"]
+    assert list(modes) == ["scratch", "full", "frozen"]
+    for m in modes.values():
+        assert len(m["all_epoch_s"]) == 1  # the warmup epoch is not among them
+        assert math.isfinite(m["samples_per_s"]) and m["samples_per_s"] > 0
+        assert m["steps_per_s"] > 0 and m["trainable_parameters"] > 0
+    assert modes["scratch"]["trainable_parameters"] == modes["full"]["trainable_parameters"]
+    assert modes["frozen"]["trainable_parameters"] < modes["scratch"]["trainable_parameters"]
+    assert modes["frozen"]["trainable_parameters"] == modes["frozen"]["requires_grad_parameters"]
+    assert modes["scratch"]["weights_head"] is None
+    assert "1000 -> 10 classes" in modes["frozen"]["weights_head"]
+    assert row["speedup_vs_scratch"]["scratch"] == 1.0 and row["frozen_backbone_unchanged"]
+    assert "| `cnn:3x32x32` | frozen | 650 of 66,410 |" in "\n".join(_renderer(report)(report))
 
 
 # --- strong scaling and the sampler's cost (issue 23) ----------------------------------
