@@ -150,6 +150,15 @@ def test_strict_loading_names_the_keys_and_reinitialises_only_the_head(tmp_path)
     loaded = weights.load_weights(four, {"spec": "ten.pt", "path": str(path)}, 4)
     assert loaded["head"] == f"head {HEAD} re-initialised: 10 -> 4 classes"
     assert torch.equal(four.state_dict()["0.weight"], ten.state_dict()["0.weight"])
+    from safetensors.torch import save_file
+
+    as_safetensors = tmp_path / "ten.safetensors"
+    save_file(ten.state_dict(), str(as_safetensors))
+    again = build_model({"name": "cnn", "cnn_channels": 8}, [1, 8, 8], 10)
+    assert (
+        weights.load_weights(again, {"spec": "s", "path": str(as_safetensors)}, 10)["head"] is None
+    )
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in ten.state_dict().items())
     wide = build_model({"name": "cnn", "cnn_channels": 16}, [1, 8, 8], 10)
     with pytest.raises(weights.WeightsError, match="of another shape: 0.weight"):
         weights.load_weights(wide, {"spec": "ten.pt", "path": str(path)}, 10)
