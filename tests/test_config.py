@@ -164,6 +164,29 @@ BAD_CONFIGS = [
     # torchvision name is only known once torchvision is imported
     ("model-name-number", "model: {name: 5}", ["model.name", "string"]),
     ("model-kwargs-list", "model: {name: resnet50, kwargs: [1]}", ["model.kwargs"]),
+    (
+        "weights-in-kwargs",
+        "model: {name: resnet50, kwargs: {weights: DEFAULT}}",
+        ["model.kwargs.weights", "go in model.weights"],
+    ),
+    (
+        "weights-of-itself",
+        "runs: [{name: a, model: {weights: 'run:a'}}]",
+        ["model.weights 'run:a'", "its own model"],
+    ),
+    ("weights-of-nobody", "model: {weights: 'run:nobody'}", ["no run named 'nobody'"]),
+    (
+        "weights-in-a-cycle",
+        "runs: [{name: a, model: {weights: 'run:b'}}, {name: b, model: {weights: 'run:a'}}]",
+        ["form a cycle"],
+    ),
+    ("pin-without-file", f"model: {{weights_sha256: '{'a' * 64}'}}", ["pins the file"]),
+    ("unfreeze-without-freeze", "train: {unfreeze_at_epoch: 2}", ["nothing frozen"]),
+    (
+        "unfreeze-after-the-end",
+        "train: {epochs: 3, freeze: backbone, unfreeze_at_epoch: 5}",
+        ["after the last epoch (3)"],
+    ),
     ("image-folder-no-size", "data: {source: image_folder}", ["data.image_size", "[32, 32]"]),
     ("npz-no-path", "data: {source: npz}", ["data.path", ".npz"]),
     ("image-size-one-number", "data: {source: image_folder, image_size: 32}", ["data.image_size"]),

@@ -21,6 +21,7 @@ from ddpflow.config.machine import (
     working_world_sizes,
 )
 from ddpflow.config.schema import ConfigError, validate
+from ddpflow.plugins import is_plugin
 from ddpflow.runtime import usable_cores
 from ddpflow.text import counted
 
@@ -77,6 +78,13 @@ def _check_data_and_model(where: str, run: dict) -> None:
             f"{model['name']!r}, which takes none (they are for torchvision models and "
             f"plug-ins); remove model.kwargs, or use the built-in model's own keys "
             f"(model.cnn_channels, model.mlp_hidden)"
+        )
+    if not is_plugin(model["name"]) and "weights" in model["kwargs"]:
+        raise ConfigError(
+            f"{where}: model.kwargs.weights: pretrained weights go in model.weights (a "
+            "torchvision name like DEFAULT read from the local torch hub cache, a file, or "
+            "run:NAME), where they are checked and loaded strictly; remove it from model.kwargs "
+            "(docs/fine-tuning.md)"
         )
 
 
