@@ -69,6 +69,18 @@ def test_success_leaves_a_lean_work_folder(trained):
     assert (work / "finished.json").exists()
 
 
+def test_a_run_added_with_keys_of_its_own_plans_only_itself(trained, tmp_path):
+    """An MLP run beside the CNN brings fingerprint keys the CNN has not (mlp_hidden): each
+    rule has one param per key of any run, so the CNN's params used to gain
+    `model.mlp_hidden=null` and it retrained. A key a run lacks is now left unrecorded."""
+    added = {**BASE, "runs": [*BASE["runs"], {"name": "mlp", "model": {"name": "mlp"}}]}
+    dry = snakemake(trained, write_config(tmp_path / "added.yaml", added), "-n")
+    text = dry.stdout + dry.stderr
+    assert dry.returncode == 0, text[-3000:]
+    planned = {line.split()[-1] for line in text.splitlines() if "wildcards: run=" in line}
+    assert planned == {"run=mlp"}, text[-3000:]
+
+
 def test_changes_that_cannot_change_results_redo_nothing(trained):
     """Where and how the ranks run (the world size too), logging and checkpoint cadence:
     nothing is redone."""

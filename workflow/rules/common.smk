@@ -89,26 +89,51 @@ def report_file(key):
     return f"{ddppaths.report_dir(RESULTS)}/{ddppaths.REPORT_FILES[key]}"
 
 
-def fingerprint_params(fingerprint):
+def fingerprint_params(fingerprint, recorded_in):
     """Rule params: one `key=value` string per key that determines the rule's result.
     Snakemake reruns a job when its params change and names the differing ones, so an edit
     of config.yaml redoes exactly what it affects and the reason says which keys changed;
     keys that cannot change a result (launcher, partition, time limit, ...) are not in them.
-    The run's full config reaches the script through snakemake.config."""
+    The run's full config reaches the script through snakemake.config. A rule has one param
+    per key of any run; for a run without the key (another model's or task's), see
+    absent_param. recorded_in: the run_file key of the output whose record holds the params.
+    """
     keys = sorted(set().union(*(fingerprint(run) for run in RUNS.values())))
 
     def param(key):
         def value(wildcards):
             found = fingerprint(RUNS[wildcards.run])
-            if key not in found and key in ddpconfig.ABSENT_UNLESS_SET:
-                # not this run's: a value Snakemake does not record (Ellipsis), so another
-                # run that sets the key leaves this one's params as they were
-                return ...
-            return ddpconfig.as_params({key: found.get(key)})[0]
+            if key in found:
+                return ddpconfig.as_params({key: found[key]})[0]
+            return absent_param(key, run_file(recorded_in).format(run=wildcards.run))
 
         return value
 
     return [param(key) for key in keys]
+
+
+RECORDED_PARAMS = {}
+
+
+def absent_param(key, output):
+    """The param of a key this run does not have: `key=null` where the run's recorded params
+    hold it (what ddpflow recorded for such keys until 2026-11: kept, or the run would
+    retrain), else Ellipsis, a value Snakemake does not record. So a run added with keys of
+    its own (an MLP beside CNNs, a regression beside classifiers, fine-tuning keys) changes
+    no other run's params. Without a readable record (another Snakemake), `key=null`."""
+    null = ddpconfig.as_params({key: None})[0]
+    if output not in RECORDED_PARAMS:
+        try:
+            from snakemake.io import IOFile
+
+            RECORDED_PARAMS[output] = set(
+                workflow.persistence.params(IOFile(output)) or ()
+            )
+        except Exception:  # noqa: BLE001 - Snakemake's persistence API moved: as before
+            RECORDED_PARAMS[output] = None
+    recorded = RECORDED_PARAMS[output]
+    # Snakemake records each param as its repr()
+    return null if recorded is None or repr(null) in recorded else ...
 
 
 def local_ranks(wildcards):

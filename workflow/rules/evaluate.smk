@@ -14,6 +14,6 @@ rule evaluate:
         "../../envs/ddpflow.yaml"
     threads: local_ranks
     params:
-        *fingerprint_params(ddpconfig.evaluation_fingerprint),
+        *fingerprint_params(ddpconfig.evaluation_fingerprint, "eval_metrics"),
     script:
         "../../scripts/evaluate.py"

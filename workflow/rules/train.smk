@@ -16,7 +16,7 @@ rule train:
         "../../envs/ddpflow.yaml"
     threads: local_ranks
     params:
-        *fingerprint_params(ddpconfig.training_fingerprint),
+        *fingerprint_params(ddpconfig.training_fingerprint, "model"),
     script:
         "../../scripts/train.py"
 

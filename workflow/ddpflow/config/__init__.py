@@ -31,7 +31,6 @@ from ddpflow.config.checks import (
     tracking_enabled,
 )
 from ddpflow.config.fingerprint import (
-    ABSENT_UNLESS_SET,
     BUILT_IN_MODELS,
     DATA_RUNTIME_KEYS,
     VOLATILE_TRAIN_KEYS,
@@ -74,7 +73,6 @@ from ddpflow.config.runs import (
 from ddpflow.config.schema import ConfigError, load_schema, validate
 
 __all__ = [
-    "ABSENT_UNLESS_SET",
     "BUILT_IN_MODELS",
     "DATA_RUNTIME_KEYS",
     "SECTIONS",

@@ -50,18 +50,6 @@ def is_own_data(source: str) -> bool:
 LATER_TRAIN_DEFAULTS = {"freeze": [], "unfreeze_at_epoch": None}
 
 
-# fingerprint keys a run has only where it sets them (fine-tuning): a rule param of a run
-# without one is left unrecorded (workflow/rules/common.smk), so a run that starts from
-# weights, added to a config, changes no other run's params
-ABSENT_UNLESS_SET = (
-    "model.weights",
-    "model.weights_sha256",
-    "train.freeze",
-    "train.unfreeze_at_epoch",
-    "train.optimizer.lr_mult",
-)
-
-
 # data keys that say how data is staged or read, not what it is: no staged byte and no
 # trained weight depends on them (tests/test_streaming.py), so editing them redoes nothing
 DATA_RUNTIME_KEYS = ("stage_threads", "loading")
