@@ -286,7 +286,7 @@ def test_model_safetensors_holds_exactly_model_pts_tensors_and_their_metadata(tr
     assert json.loads(meta["model"])["name"] == "resnet18" and meta["task"] == "classification"
     assert len(json.loads(meta["normalize_mean"])) == 3 and len(meta["data_sha256"]) == 64
     assert re.fullmatch(r"[0-9a-f]{64}", meta["config_hash"])
-    from ddpflow.data.staged import sha256_file
+    from ddpflow.runtime import sha256_file
 
     assert meta["model_pt_sha256"] == sha256_file(workdir / RUN / "model.pt")
     report = (workdir / "results/report/report.md").read_text()

@@ -85,11 +85,8 @@ def check_before_jobs(
             check_batch_fits(run, manifest["sizes"]["train"])
         except ConfigError as err:
             problems.append(str(err))
-        fine_tunes = (
-            run.get("weights") or run["train"]["freeze"] or run["train"]["optimizer"]["lr_mult"]
-        )
-        if run["model"]["name"] not in BUILT_IN_MODELS or fine_tunes:
-            check = model_check(run, manifest)
+        check = model_check(run, manifest)
+        if run["model"]["name"] not in BUILT_IN_MODELS or fine_tunes(check):
             models.setdefault(_key(check), (check, []))[1].append(run["name"])
     model_problems, verdicts = memory_verdicts(runs, inputs, cache_dir, gpu_types, models)
     problems += model_problems
@@ -221,6 +218,14 @@ def model_check(run: dict, manifest: dict) -> dict:
             else {}
         ),
     }
+
+
+FINE_TUNING_KEYS = ("weights", "freeze", "lr_mult")
+
+
+def fine_tunes(check: dict) -> bool:
+    """Whether a model check has fine-tuning to check (training.weights.check_fine_tuning)."""
+    return any(key in check for key in FINE_TUNING_KEYS)
 
 
 def _weights_ready(run: dict) -> bool:

@@ -67,7 +67,7 @@ def export_run(run: dict, model_path: str, staged: str, out: str, fmt: str) -> d
     import torch
 
     from ddpflow import runtime
-    from ddpflow.data.staged import sha256_file
+    from ddpflow.runtime import sha256_file
     from ddpflow.training.models import from_checkpoint
 
     if fmt not in EXPORT_FILES:

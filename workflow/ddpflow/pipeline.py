@@ -25,9 +25,9 @@ from ddpflow.config import (
     training_fingerprint,
     uses_channels_last,
 )
-from ddpflow.data.staged import choose_in_memory, read_manifest, sha256_file
+from ddpflow.data.staged import choose_in_memory, read_manifest
 from ddpflow.data.staging import stage_dataset
-from ddpflow.early import input_of, memory_verdicts, model_check
+from ddpflow.early import fine_tunes, input_of, memory_verdicts, model_check
 from ddpflow.errors import UserError
 from ddpflow.paths import (
     EVAL_FROM_TRAIN,
@@ -173,7 +173,7 @@ def _check_fine_tuning(run: dict, manifest: dict) -> None:
     """model.weights, train.freeze and lr_mult checked against the model here, before the
     job is queued, and said in the terminal (a re-initialised head with its class counts)."""
     check = model_check(run, manifest)
-    if {"weights", "freeze", "lr_mult"} & set(check):
+    if fine_tunes(check):
         from ddpflow.training.weights import check_fine_tuning
 
         for line in check_fine_tuning(check):
@@ -295,7 +295,7 @@ def _publish_evaluation_from_training(run: dict, paths: RunPaths) -> dict | None
         pass
     elif key != config_hash(evaluation_fingerprint(run)):
         log.info("the eval section changed since the training job evaluated: evaluating anew")
-    elif sha != sha256_file(Path(paths.model)):
+    elif sha != runtime.sha256_file(Path(paths.model)):
         log.info("model.pt is not the model the training job evaluated: evaluating anew")
     else:
         runtime.atomic_write_json(paths.eval_metrics, record)

@@ -156,6 +156,17 @@ def safe_torch_load(source, map_location=None):
     return torch.load(source, map_location=map_location, weights_only=True)
 
 
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    """A file's sha256, read in 1 MiB blocks."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def atomic_torch_save(obj, path: str | Path) -> str:
     """torch.save, atomically; returns the sha256 of the bytes written (a checksum sidecar).
     The bytes are hashed as torch writes them to the file: no copy of the whole checkpoint

@@ -11,7 +11,6 @@ sha256 again.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import re
@@ -19,12 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ddpflow.config.schema import ConfigError
-from ddpflow.runtime import atomic_write_json
+from ddpflow.runtime import atomic_write_json, sha256_file
 
 RUN_PREFIX = "run:"
 # "DEFAULT", "IMAGENET1K_V1", "ResNet18_Weights.IMAGENET1K_V1": a torchvision weights name
 TORCHVISION_NAME = re.compile(r"^(?:([A-Za-z0-9_]+_Weights)\.)?([A-Z][A-Z0-9_]*)$")
-FILE_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin")
 HASH_CACHE = Path(".snakemake", "ddpflow", "weights-sha256.json")
 # where torchvision's own downloads come from; `snakemake fetch_weights` reads this instead
 # when it is set (an institute's mirror of download.pytorch.org/models/)
@@ -112,18 +110,7 @@ def torchvision_weights(model: str, spec: str) -> list | str:
 
     key = f"{model}\0{spec}\0torchvision {version('torchvision')}"
     cache_file = HASH_CACHE.with_name("torchvision-weights.json")
-    try:
-        cache = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if key not in cache:
-        cache[key] = _ask_torchvision(model, spec)
-        try:
-            cache_file.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(cache_file, cache)
-        except OSError:
-            pass
-    return cache[key]
+    return _cached(cache_file, key, lambda: _ask_torchvision(model, spec))
 
 
 @functools.cache
@@ -184,27 +171,26 @@ def file_sha256(path: Path) -> str:
         return "missing"
     stat = path.stat()
     key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    return _cached(HASH_CACHE, key, lambda: sha256_file(path), stale=f"{path.resolve()}\0")
+
+
+def _cached(cache_file: Path, key: str, compute, stale: str | None = None):
+    """cache_file's entry for key (a JSON object), computed and written when missing (then
+    the entries starting with `stale` go: an older version of the same file)."""
     try:
-        cache = json.loads(HASH_CACHE.read_text())
+        cache = json.loads(cache_file.read_text())
     except (OSError, ValueError):
         cache = {}
     if key not in cache:
-        cache = {k: v for k, v in cache.items() if not k.startswith(f"{path.resolve()}\0")}
-        cache[key] = sha256_of(path)
+        if stale:
+            cache = {k: v for k, v in cache.items() if not k.startswith(stale)}
+        cache[key] = compute()
         try:
-            HASH_CACHE.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(HASH_CACHE, cache)
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(cache_file, cache)
         except OSError:
-            pass  # a read-only working directory: hashed again at the next parse
+            pass  # a read-only working directory: computed again at the next parse
     return cache[key]
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def refusal(run: dict) -> str | None:
@@ -284,7 +270,7 @@ def fetch_all(entries: dict[str, dict]) -> None:
                 f"machine with internet run `snakemake fetch_weights`, or copy "
                 f"the file to {target}"
             ) from None
-        found = sha256_of(target)
+        found = file_sha256(target)
         if entry.get("pin") and entry["pin"] != found:
             target.unlink()
             raise ConfigError(

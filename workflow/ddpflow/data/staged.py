@@ -15,7 +15,6 @@ Verification hashes one file at a time.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ddpflow.data.raw import DataError
+from ddpflow.runtime import sha256_file
 
 if TYPE_CHECKING:
     import torch
@@ -38,14 +38,6 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 SPLITS = ("train", "val", "test")
 MANIFEST = "manifest.json"
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def read_manifest(staged_dir) -> dict:

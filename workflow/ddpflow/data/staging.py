@@ -24,8 +24,8 @@ import numpy as np
 
 from ddpflow.data.raw import DataError, RawSource
 from ddpflow.data.sources import load_source
-from ddpflow.data.staged import FORMAT_VERSION, MANIFEST, TARGET_LAYOUTS, sha256_file
-from ddpflow.runtime import fsync_dir, replace_dir
+from ddpflow.data.staged import FORMAT_VERSION, MANIFEST, TARGET_LAYOUTS
+from ddpflow.runtime import fsync_dir, replace_dir, sha256_file
 from ddpflow.task import run_task
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,6 @@ import traceback
 from datetime import UTC, datetime
 from pathlib import Path
 
-from ddpflow.data.staged import sha256_file
 from ddpflow.paths import EXPORT_FILES, REPORT_FILES, RUN_FILES
 from ddpflow.report import insight, metrics, plots, sweep, sweep_plots
 from ddpflow.report.inputs import load_eval_metrics, load_runs, load_train_metrics, unrenderable
@@ -41,7 +40,7 @@ from ddpflow.report.summary import (
     with_task,
 )
 from ddpflow.report.tables import Link
-from ddpflow.runtime import atomic_write_bytes
+from ddpflow.runtime import atomic_write_bytes, sha256_file
 from ddpflow.text import counted
 
 __all__ = ["build_report", "load_eval_metrics", "load_train_metrics"]

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpflow.config.fingerprint import flatten
-from ddpflow.data.staged import sha256_file
 from ddpflow.paths import EXPORT_FILES
+from ddpflow.runtime import sha256_file
 from ddpflow.task import selection_of
 
 # per-epoch figures of train_metrics.jsonl logged as they are (and every other val_* key: a

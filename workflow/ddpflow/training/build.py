@@ -60,18 +60,10 @@ def build_training(
     """The strategy's wrapper around model, and the optimizer, schedule and precision of
     run's train section, with the task's loss on the device (a TrainingParts)."""
     tcfg = run.train
-    # one rank: nothing to shard, every strategy is plain training
-    strategy = tcfg.strategy if env.world_size > 1 else "ddp"
+    strategy = training_strategy(tcfg, env)
     model, wrapped = _wrap(model, strategy, env, device, tcfg)
     lr = effective_lr(tcfg)
-    optimizer = make_optimizer(
-        trainable(model, tcfg),
-        tcfg.optimizer,
-        lr,
-        device,
-        strategy == "zero",
-        dtensors=strategy == "fsdp",
-    )
+    optimizer = _optimizer(model, tcfg, device, strategy)
     scheduler = _scheduler(optimizer, tcfg, steps_per_epoch)
     autocast = autocast_factory(tcfg.precision, device)
     scaler = torch.amp.GradScaler(
@@ -104,16 +96,13 @@ def unfrozen(run: RunSpec, env: DistEnv, device, model, wrapped, steps_per_epoch
     built again (and compiled again); FSDP's sharded parameters reduce-scatter whatever
     gradient they get. The new optimizer holds every parameter; its schedule is at `step`."""
     tcfg = run.train
-    strategy = tcfg.strategy if env.world_size > 1 else "ddp"
+    strategy = training_strategy(tcfg, env)
     apply_freeze(model, ())
     if strategy != "fsdp":
         wrapped = wrap_ddp(model, device, tcfg.ddp) if env.world_size > 1 else model
         if tcfg.compile:
             wrapped = cast(nn.Module, torch.compile(wrapped))
-    optimizer = make_optimizer(
-        trainable(model, tcfg), tcfg.optimizer, effective_lr(tcfg), device, strategy == "zero",
-        dtensors=strategy == "fsdp",
-    )  # fmt: skip
+    optimizer = _optimizer(model, tcfg, device, strategy)
     return wrapped, optimizer, _scheduler(optimizer, tcfg, steps_per_epoch, step)
 
 
@@ -135,6 +124,20 @@ def _wrap(model: nn.Module, strategy: str, env: DistEnv, device, tcfg: TrainSpec
         # a compiled module is an nn.Module (OptimizedModule); the stubs say a callable
         wrapped = cast(nn.Module, torch.compile(wrapped))
     return model, wrapped
+
+
+def training_strategy(tcfg: TrainSpec, env: DistEnv) -> str:
+    """The strategy this world size trains with: on one rank there is nothing to shard,
+    and every strategy is plain training ("ddp")."""
+    return tcfg.strategy if env.world_size > 1 else "ddp"
+
+
+def _optimizer(model: nn.Module, tcfg: TrainSpec, device, strategy: str):
+    """The run's optimizer over the model's trainable parameters (build.trainable)."""
+    return make_optimizer(
+        trainable(model, tcfg), tcfg.optimizer, effective_lr(tcfg), device, strategy == "zero",
+        dtensors=strategy == "fsdp",
+    )  # fmt: skip
 
 
 def trainable(model: nn.Module, tcfg: TrainSpec):

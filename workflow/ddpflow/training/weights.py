@@ -18,9 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpflow.config.weights import sha256_of
 from ddpflow.errors import UserError
-from ddpflow.runtime import safe_torch_load
+from ddpflow.runtime import safe_torch_load, sha256_file
 
 log = logging.getLogger(__name__)
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's
@@ -84,7 +83,7 @@ def load_weights(model: nn.Module, weights: Mapping[str, Any], num_classes: int)
     path = Path(weights["path"])
     if not path.is_file():
         raise WeightsError(f"model.weights {weights['spec']!r}: no file {path} on {_host()}")
-    found = sha256_of(path)
+    found = sha256_file(path)
     expected = weights.get("sha256")
     if expected and found != expected:
         raise WeightsError(
