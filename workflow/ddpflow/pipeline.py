@@ -65,6 +65,16 @@ def stage_data(data_cfg: dict, out_dir: str, threads: int = 1) -> dict:
     start = time.perf_counter()
     manifest = stage_dataset(data_cfg, out_dir, seed=data_cfg["seed"], threads=threads)
     seconds = time.perf_counter() - start
+    if manifest.get("kind") == "tokens":
+        log.info(
+            "staged %s into %s in %.1fs: %s tokens per split, vocabulary %d",
+            data_cfg["source"],
+            out_dir,
+            seconds,
+            manifest["tokens"],
+            manifest["vocab_size"],
+        )
+        return manifest
     images = sum(manifest["sizes"].values())
     shards = sum(len(s) for s in manifest["shards"].values())
     log.info(

@@ -72,7 +72,7 @@ def _check_data_and_model(where: str, run: dict) -> None:
             f"{where}: data.path is required for data.source npz: the .npz file to read"
         )
     model = run["model"]
-    if model["name"] in BUILT_IN_MODELS and model["kwargs"]:
+    if model["name"] in BUILT_IN_MODELS and model["name"] != "gpt" and model["kwargs"]:
         raise ConfigError(
             f"{where}: model.kwargs {model['kwargs']} is set for the built-in model "
             f"{model['name']!r}, which takes none (they are for torchvision models and "

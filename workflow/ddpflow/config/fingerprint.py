@@ -38,11 +38,14 @@ NO_CONV_MODELS = ("mlp",)
 OWN_DATA_KEYS = ("path", "image_size", "channels", "on_corrupt", "kwargs", "labels_csv")
 # own-data keys added after runs were trained: left out of ids, params and fingerprints at
 # their default (what every run trained before them had), so those runs keep their identity
-LATER_DATA_DEFAULTS = {"labels_csv": None}
+LATER_DATA_DEFAULTS = {"labels_csv": None, "block_size": 64, "vocab_size": None}
+# the sources of task: language_model (ddpflow.data.text), and the data keys only they read
+TOKEN_SOURCES = ("text", "tokens")
+TOKEN_DATA_KEYS = ("block_size", "vocab_size")
 
 
 def is_own_data(source: str) -> bool:
-    return source in ("image_folder", "npz") or is_plugin(source)
+    return source in ("image_folder", "npz", *TOKEN_SOURCES) or is_plugin(source)
 
 
 # train keys added after runs were trained (fine-tuning): left out of the fingerprint at
@@ -89,6 +92,8 @@ def data_keys(data: dict) -> dict:
     if not _on_small_acts(data):
         skip += ("on_small",)
     skip += _at_later_default(data)
+    if data["source"] not in TOKEN_SOURCES:
+        skip += TOKEN_DATA_KEYS
     return {k: v for k, v in data.items() if k not in skip}
 
 
@@ -218,8 +223,13 @@ def training_fingerprint(run: dict) -> dict[str, Any]:
     return flat
 
 
-BUILT_IN_MODELS = {"mlp": ("mlp_hidden",), "cnn": ("cnn_channels",), "resnet18": (),
-                   "resnet34": ()}  # fmt: skip
+BUILT_IN_MODELS = {
+    "mlp": ("mlp_hidden",),
+    "cnn": ("cnn_channels",),
+    "resnet18": (),
+    "resnet34": (),
+    "gpt": ("kwargs",),
+}
 
 
 def model_settings(model: dict) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ddpflow.config import weights
 from ddpflow.config.checks import _check_run, check_export, check_tracking, resolve_micro_batch
-from ddpflow.config.fingerprint import dataset_id
+from ddpflow.config.fingerprint import TOKEN_SOURCES, dataset_id
 from ddpflow.config.machine import world_size
 from ddpflow.config.schema import ConfigError, deep_merge, validate
 from ddpflow.config.sweep import has_sweep, sweep_entries
@@ -50,7 +50,20 @@ def check_runs(config: dict) -> tuple[dict, list[dict]]:
         _check_run(run, config["launcher"])
     check_tracking(config["tracking"])
     check_export(config["export"])
+    _check_language_model_exports(config, runs)
     return config, runs
+
+
+def _check_language_model_exports(config: dict, runs: list[dict]) -> None:
+    """A language model exports as safetensors only; `snakemake predict` reads images."""
+    models = [run["name"] for run in runs if run["task"] == LANGUAGE_MODEL]
+    traced = [f for f in config["export"]["formats"] if f != "safetensors"]
+    if models and traced:
+        raise ConfigError(
+            f"export.formats {traced}: run {models[0]} is a language model, which ddpflow "
+            "exports as safetensors only (its model.pt loads with ddpflow.training.models."
+            "from_checkpoint); set export.formats: [safetensors]"
+        )
 
 
 def run_entries(config: dict) -> list[tuple[dict, str]]:
@@ -119,6 +132,7 @@ def _resolve_task(run: dict, where: str) -> None:
         except TaskError as err:
             raise ConfigError(f"{where}: {err}") from err
     source, table = run["data"]["source"], run["data"]["labels_csv"]
+    _check_language_model(run, where)
     if table and (source != "image_folder" or name == DEFAULT_TASK):
         raise ConfigError(
             f"{where}: data.labels_csv {table!r} gives an image folder's targets under task "
@@ -126,7 +140,8 @@ def _resolve_task(run: dict, where: str) -> None:
             "or set the task (docs/tasks.md)"
         )
     labelled = source == "image_folder" and table
-    if name != DEFAULT_TASK and source != "npz" and not is_plugin(source) and not labelled:
+    own_targets = source in ("npz", *TOKEN_SOURCES) or is_plugin(source) or labelled
+    if name != DEFAULT_TASK and not own_targets:
         held = "class folders: one class per image"
         if source != "image_folder":
             held = f"one class per image (the built-in {source})"
@@ -139,6 +154,64 @@ def _resolve_task(run: dict, where: str) -> None:
         run["data"]["task"] = name
         if is_plugin(name):
             run["data"]["task_kwargs"] = run["task_kwargs"]
+
+
+LANGUAGE_MODEL = "language_model"
+
+
+def _check_language_model(run: dict, where: str) -> None:
+    """task: language_model takes token data (data.source text or tokens) and a model that
+    reads tokens (gpt or a plug-in); token data takes no other task (docs/language-models.md)."""
+    data, model, name = run["data"], run["model"]["name"], run["task"]
+    source, lm = data["source"], run["task"] == LANGUAGE_MODEL
+    if lm and source not in TOKEN_SOURCES:
+        raise ConfigError(
+            f"{where}: task language_model on data.source {source}, which holds images; set "
+            "data.source: text (data.path: a text file or a folder of them) or data.source: "
+            "tokens (data.path: a folder of train.bin/val.bin) (docs/language-models.md)"
+        )
+    if source in TOKEN_SOURCES and not lm:
+        raise ConfigError(
+            f"{where}: data.source {source} holds tokens, which task {name} cannot learn "
+            "from; set task: language_model, or give images (docs/language-models.md)"
+        )
+    if not lm:
+        for key, default in (("block_size", 64), ("vocab_size", None)):
+            if data[key] != default:
+                raise ConfigError(
+                    f"{where}: data.{key} {data[key]} is set for data.source {source}; it is a "
+                    "language model's key (data.source text or tokens): remove it"
+                )
+        if model == "gpt":
+            raise ConfigError(
+                f"{where}: model.name gpt is a language model; it needs task: language_model "
+                "and data.source text or tokens"
+            )
+        return
+    if not data["path"]:
+        raise ConfigError(
+            f"{where}: data.path is required for data.source {source}: "
+            + (
+                "a text file or a folder of text files"
+                if source == "text"
+                else "the folder of train.bin and val.bin (or .npy) token files"
+            )
+        )
+    if source == "tokens" and data["vocab_size"] is None:
+        raise ConfigError(
+            f"{where}: data.vocab_size is required for data.source tokens: your tokenizer's "
+            "vocabulary size (every token id must be below it; GPT-2's is 50257)"
+        )
+    if source == "text" and data["vocab_size"] not in (None, 257):
+        raise ConfigError(
+            f"{where}: data.vocab_size {data['vocab_size']}: data.source text is tokenised "
+            "as bytes, 257 tokens (256 bytes and the end-of-document token); remove it"
+        )
+    if model != "gpt" and not is_plugin(model):
+        raise ConfigError(
+            f"{where}: model.name {model!r} is an image model; a language model is model.name "
+            "gpt or your own 'package.module:function' called with (vocab_size, block_size)"
+        )
 
 
 def _resolve_weights(config: dict, run: dict, where: str) -> None:

@@ -116,7 +116,10 @@ class DataSpec(_Section):
     #: dataset to stage; digits ships with scikit-learn (offline). Your own data: image_folder
     #: (data.root/train/<class>/<image>, optionally data.root/test/<class>/...), npz (arrays in
     #: the file data.path), or a plug-in "package.module:function" that returns a map-style
-    #: Dataset of (image, label) or arrays (config/examples/my_data.py)
+    #: Dataset of (image, label) or arrays (config/examples/my_data.py). Language models (task:
+    #: language_model): text (data.path a text file or a folder of them, tokenised as bytes) or
+    #: tokens (data.path a folder of train.bin/val.bin[/test.bin] of uint16, or .npy
+    #: uint16/uint32, from your own tokenizer) (docs/language-models.md)
     source: (
         Literal[
             "digits",
@@ -127,6 +130,8 @@ class DataSpec(_Section):
             "synthetic",
             "image_folder",
             "npz",
+            "text",
+            "tokens",
         ]
         | str
     ) = "digits"
@@ -136,7 +141,8 @@ class DataSpec(_Section):
     #: (image_folder)
     root: str = "data/raw"
     #: npz: the .npz file (keys train_images, train_labels; optional test_images, test_labels,
-    #: class_names)
+    #: class_names); text: a text file or a folder of them (read recursively, in sorted order);
+    #: tokens: the folder of train/val[/test] .bin or .npy token files
     path: str | None = None
     #: image_folder under task multilabel or regression: a CSV table of each image's targets,
     #: relative to the working directory; its header is `path` (the image's path under data.root;
@@ -164,9 +170,15 @@ class DataSpec(_Section):
     #: image folder is decoded in that many worker processes. Changes no staged byte: editing it
     #: restages nothing
     stage_threads: int = 4
+    #: text, tokens: the context length in tokens; a training sample is a block of block_size + 1
+    #: tokens (inputs and the next-token targets)
+    block_size: int = 64
+    #: tokens: the vocabulary size of your tokenizer (every token id must be below it), e.g.
+    #: 50257 for GPT-2's; text: 257 (256 bytes and the end-of-document token), so leave it null
+    vocab_size: int | None = None
     val_fraction: float = 0.1
-    #: digits only: the other sources have an official test split (synthetic:
-    #: synthetic.test_size)
+    #: digits, text, and tokens without test.bin (carved from the end of train): the other
+    #: sources have an official test split (synthetic: synthetic.test_size)
     test_fraction: float = 0.2
     #: seed of the train/val/test split (fixed across runs so they compare)
     seed: int = 0
@@ -182,10 +194,12 @@ class DataSpec(_Section):
 class ModelSpec(_Section):
     """model: the schema's `model` section."""
 
-    #: a built-in model (mlp, cnn, resnet18, resnet34), any torchvision classification model by
+    #: a built-in model (mlp, cnn, resnet18, resnet34; gpt for task: language_model, sized by
+    #: model.kwargs n_layer, n_head, n_embd, dropout), any torchvision classification model by
     #: name (random initialisation, nothing downloaded, e.g. resnet50, mobilenet_v3_small,
     #: vit_b_16), or a plug-in "package.module:function" called with (input_shape [C, H, W],
-    #: num_classes, **model.kwargs) that returns an nn.Module
+    #: num_classes, **model.kwargs) that returns an nn.Module (under task: language_model with
+    #: (vocab_size, block_size, **model.kwargs))
     name: str = "cnn"
     #: keyword arguments for a torchvision model (torchvision.models.get_model) or a plug-in
     #: factory, e.g. {image_size: 32} for vit_b_16

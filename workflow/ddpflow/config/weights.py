@@ -141,6 +141,8 @@ def _ask_torchvision(model: str, spec: str) -> list[str] | str:
 def input_normalisation(model: dict, manifest: dict) -> tuple[list, list, str]:
     """(mean, std, what they are) a model's inputs are normalised with: torchvision weights'
     own (their transforms': ImageNet's statistics for most), else the train split's."""
+    if manifest.get("kind") == "tokens":  # a language model reads token ids as they are
+        return [], [], "none (token ids)"
     spec = model.get("weights")
     if spec and kind(spec) == "torchvision":
         found = torchvision_weights(model["name"], spec)

@@ -71,10 +71,11 @@ class StreamedImages:
 
 
 def rows(images, start: int, stop: int) -> torch.Tensor:
-    """images[start:stop] as a tensor on its device, for in-memory and streamed splits."""
-    if isinstance(images, StreamedImages):
-        return images.rows(start, stop)
-    return images[start:stop]
+    """images[start:stop] as a tensor on its device, for in-memory and streamed splits (and a
+    language model's token blocks, ddpflow.data.text.TokenBlocks)."""
+    if isinstance(images, torch.Tensor):
+        return images[start:stop]
+    return images.rows(start, stop)
 
 
 def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -121,6 +121,11 @@ def verify_staged(staged_dir) -> dict:
     dataset is never read into memory whole); return the manifest."""
     staged_dir = Path(staged_dir)
     manifest = read_manifest(staged_dir)
+    if manifest.get("kind") == "tokens":  # a language model's (ddpflow.data.text)
+        from ddpflow.data.text import verify_tokens
+
+        verify_tokens(staged_dir, manifest, verify=True)
+        return manifest
     for split in SPLITS:
         open_split(staged_dir, split, verify=True, manifest=manifest)
     return manifest

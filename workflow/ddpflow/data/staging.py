@@ -46,6 +46,10 @@ def stage_dataset(
     shard at a time, by `threads` threads), so memory stays bounded by a few shards whatever
     the dataset's size."""
     out_dir = Path(out_dir)
+    if data_cfg["source"] in ("text", "tokens"):  # task: language_model's token data
+        from ddpflow.data.text import stage_tokens
+
+        return stage_tokens(data_cfg, out_dir, seed)
     raw = load_source(data_cfg, seed)
     task = run_task(data_cfg)
     plan = split_indices(raw, data_cfg, seed, task.strata(raw.train_y))

@@ -9,6 +9,7 @@ which task runs.
     task: classification      # the default: one class per sample, cross-entropy, accuracy
     task: multilabel          # 0/1 label vectors, BCE with logits, exact match and F1
     task: regression          # float targets, MSE (or Huber), mse, mae, r2
+    task: language_model      # token data, next-token cross-entropy, perplexity
     task: "my_tasks:make"     # your own: a function (**task_kwargs) returning a Task
 
 The protocol (ddpflow.task.base.Task) is documented in docs/tasks.md. Not to be confused with
@@ -42,7 +43,7 @@ __all__ = [
 ]
 
 DEFAULT_TASK = "classification"
-BUILT_IN_TASKS = ("classification", "multilabel", "regression")
+BUILT_IN_TASKS = ("classification", "multilabel", "regression", "language_model")
 
 
 class TaskError(UserError):
@@ -69,6 +70,10 @@ def _get_task(name: str, frozen: tuple) -> Task:
         from ddpflow.task.regression import Regression
 
         return Regression.from_kwargs(kwargs)
+    if name == "language_model":
+        from ddpflow.task.lm import LanguageModel
+
+        return LanguageModel.from_kwargs(kwargs)
     if not is_plugin(name):
         raise TaskError(
             f"task {name!r}: not a task; use one of {', '.join(BUILT_IN_TASKS)} "

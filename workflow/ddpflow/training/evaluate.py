@@ -41,6 +41,17 @@ def normalize(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> to
     return images.float().div_(255.0).sub_(mean).div_(std)
 
 
+def model_batch(raw: torch.Tensor, labels: torch.Tensor, norm, tokens: bool = False):
+    """A batch as the feed gives it (uint8 images; token blocks) -> (model input, targets):
+    images standardised, with their labels; a token block's first block_size ids and the
+    next ids (ddpflow.data.text.split_tokens)."""
+    if tokens:
+        from ddpflow.data.text import split_tokens
+
+        return split_tokens(raw)
+    return normalize(raw, *norm), labels
+
+
 @dataclass(frozen=True, slots=True)
 class Scoring:
     """How a split is scored: the run's task (with the staged manifest it reads: the output
@@ -52,6 +63,7 @@ class Scoring:
     norm: tuple[torch.Tensor, torch.Tensor]
     batch_size: int
     autocast: Callable | None = None
+    tokens: bool = False  # a language model's token blocks (model_batch)
 
 
 @torch.no_grad()
@@ -68,15 +80,17 @@ def shard_state(model, images, labels, scoring: Scoring, forwards: int = 0) -> d
     done, size = 0, scoring.batch_size
     precision = scoring.autocast or contextlib.nullcontext
     for start in range(0, images.shape[0], size):
-        x = normalize(rows(images, start, start + size), *scoring.norm)
+        raw = rows(images, start, start + size)
+        x, y = model_batch(raw, labels[start : start + size], scoring.norm, scoring.tokens)
         with precision():
             outputs = model(x)
-        scoring.task.update(state, outputs, labels[start : start + size])
+        scoring.task.update(state, outputs, y)
         done += 1
+    dtype = torch.int64 if scoring.tokens else torch.uint8
     for _ in range(done, forwards):
-        blank = torch.zeros(1, *images.shape[1:], dtype=torch.uint8, device=images.device)
+        blank = torch.zeros(1, *images.shape[1:], dtype=dtype, device=images.device)
         with precision():
-            model(normalize(blank, *scoring.norm))
+            model(model_batch(blank, labels[:0], scoring.norm, scoring.tokens)[0])
     return state
 
 

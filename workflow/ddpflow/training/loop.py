@@ -226,9 +226,10 @@ class Loop(Resumable):
             # from (seed, epoch, step, micro), whichever rank computes it
             draws = micro_batch_seed(self.tcfg.seed, self.epoch, step, micro)
             _seed_random_draws(draws, self.device)
-            x = feed.augment(x, self.tcfg.augment, draws)
-            x = evaluate.normalize(x, *self.data.norm)
+            tokens = self.data.tokens  # a language model's blocks: no augmentation
+            x = x if tokens else feed.augment(x, self.tcfg.augment, draws)
             y = self.data.train.labels.index_select(0, batch)
+            x, y = evaluate.model_batch(x, y, self.data.norm, tokens)
         # no_sync(): skip the gradient all-reduce on all but the last micro-step
         skip_sync: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if not last_micro and self.env.world_size > 1:

@@ -31,6 +31,8 @@ def build_model(model_cfg: Mapping[str, Any], shape: list[int], num_classes: int
     """model_cfg is the model section as a dict (a plug-in gets its kwargs as the config wrote
     them); shape is the staged [C, H, W]; the model adapts its input layer to it."""
     name = model_cfg["name"]
+    if is_token_shape(shape):  # a language model: shape is [block_size], classes the vocabulary
+        return _language_model(model_cfg, shape[0], num_classes)
     channels, height, width = shape
     imagenet = imagenet_architecture(model_cfg)
     if name == "mlp":
@@ -44,6 +46,43 @@ def build_model(model_cfg: Mapping[str, Any], shape: list[int], num_classes: int
         return _plugin(name, shape, num_classes, kwargs)
     small_stem = model_cfg.get("small_input_stem", True) and not imagenet
     return zoo_model(name, channels, num_classes, kwargs, small_stem)
+
+
+def is_token_shape(shape) -> bool:
+    """A language model's staged shape is [block_size] (images' is [C, H, W])."""
+    return len(shape) == 1
+
+
+def _language_model(model_cfg: Mapping[str, Any], block_size: int, vocab_size: int) -> nn.Module:
+    """gpt, or a plug-in called with (vocab_size, block_size, **model.kwargs)."""
+    name, kwargs = model_cfg["name"], dict(model_cfg.get("kwargs") or {})
+    if name == "gpt":
+        from ddpflow.training.gpt import gpt
+
+        try:
+            return gpt(vocab_size, block_size, kwargs)
+        except (TypeError, ValueError) as err:
+            raise ModelError(f"model.name gpt with model.kwargs {kwargs}: {err}") from err
+    if not is_plugin(name):
+        raise ModelError(
+            f"model.name {name!r}: a language model is gpt or your own "
+            "'package.module:function' called with (vocab_size, block_size)"
+        )
+    factory = import_factory(name, "model.name", ModelError)
+    try:
+        model = factory(vocab_size, block_size, **kwargs)
+    except Exception as err:
+        raise ModelError(
+            f"model.name {name!r}: the factory raised {type(err).__name__}: {err} "
+            f"(called with vocab_size {vocab_size}, block_size {block_size}, "
+            f"model.kwargs {kwargs})"
+        ) from err
+    if not isinstance(model, nn.Module):
+        raise ModelError(
+            f"model.name {name!r}: the factory returned a "
+            f"{type(model).__name__}, not a torch.nn.Module"
+        )
+    return model
 
 
 def imagenet_architecture(model_cfg: Mapping[str, Any]) -> bool:
@@ -126,11 +165,14 @@ def check_model(
     fails. Returns the parameter count."""
     model = build_model(model_cfg, shape, num_classes)
     name = model_cfg["name"]
+    tokens = is_token_shape(shape)  # token ids in, logits per position out
+    sample = torch.zeros(2, *shape, dtype=torch.int64 if tokens else torch.float32)
+    expected = (2, *shape, num_classes) if tokens else (2, num_classes)
     for mode in ("training", "evaluation"):  # some models answer differently in each
         model.train(mode == "training")
         try:
             with torch.no_grad():
-                out = model(torch.zeros(2, *shape))
+                out = model(sample)
         except Exception as err:
             raise ModelError(f"model.name {name!r}: a forward pass of the data's shape "
                              f"[N, {', '.join(map(str, shape))}] failed in {mode} mode: "
@@ -140,11 +182,13 @@ def check_model(
                              f"{type(out).__name__}, not a tensor of logits (a model with "
                              f"auxiliary outputs: switch them off in model.kwargs, e.g. "
                              f"aux_logits: false)")  # fmt: skip
-        if tuple(out.shape) != (2, num_classes):
-            raise ModelError(f"model.name {name!r}: in {mode} mode the model returns "
-                             f"{tuple(out.shape)} for 2 samples; expected logits of shape "
-                             f"(2, {num_classes}), one per class")  # fmt: skip
-    if channels_last:
+        if tuple(out.shape) != expected:
+            raise ModelError(
+                f"model.name {name!r}: in {mode} mode the model returns "
+                f"{tuple(out.shape)} for 2 samples; expected logits of shape "
+                f"{expected}, one per " + ("position and token id" if tokens else "class")
+            )
+    if channels_last and not tokens:
         place(model, torch.device("cpu"), True, move=False)  # a no-op without convolutions
         try:
             with torch.no_grad():

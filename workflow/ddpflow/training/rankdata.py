@@ -15,7 +15,7 @@ from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config.typed import RunSpec
 from ddpflow.config.weights import input_normalisation
 from ddpflow.data import feed
-from ddpflow.data.staged import DataError, choose_in_memory, open_split
+from ddpflow.data.staged import DataError, choose_in_memory, open_split, read_manifest
 from ddpflow.task import DEFAULT_TASK, Task, get_task, run_task
 from ddpflow.text import counted
 from ddpflow.training.evaluate import Scoring
@@ -49,6 +49,7 @@ class RankData:
     in_memory: bool = True  # the splits loaded whole (else streamed)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     task: Task = field(default_factory=get_task)  # what the targets are (ddpflow.task)
+    tokens: bool = False  # a language model's token blocks (ddpflow.data.text), not images
 
     @property
     def task_manifest(self) -> dict:
@@ -57,7 +58,7 @@ class RankData:
 
     def scoring(self, batch_size: int, autocast=None) -> Scoring:
         """How this data's splits are scored (evaluate.evaluate_split)."""
-        return Scoring(self.task, self.task_manifest, self.norm, batch_size, autocast)
+        return Scoring(self.task, self.task_manifest, self.norm, batch_size, autocast, self.tokens)
 
     @property
     def train(self) -> Split:
@@ -79,9 +80,11 @@ def load_data(run: RunSpec, staged: str, env: DistEnv, device, splits=("train", 
     verify = env.local_rank == 0  # one rank per node hashes the files, the others check sizes
     if loading.node_local_dir:  # the copy was verified as it was made or reused
         staged, verify = feed.node_local_copy(staged, loading.node_local_dir, env), False
+    task = run_task(run)
+    if read_manifest(staged).get("kind") == "tokens":
+        return _token_data(run, staged, env, device, splits, verify, task)
     opened = _open_verified(staged, splits, verify, env)
     manifest = next(iter(opened.values()))[2]
-    task = run_task(run)
     staged_task = manifest.get("task", DEFAULT_TASK)
     if staged_task != task.name:
         raise DataError(f"{staged}: staged for task {staged_task}, the run's task is "
@@ -89,13 +92,18 @@ def load_data(run: RunSpec, staged: str, env: DistEnv, device, splits=("train", 
     nbytes = sum(images.nbytes for images, _, _ in opened.values())
     in_memory, why = choose_in_memory(run, nbytes)
     data = RankData(
-        splits={s: _split(images, labels, in_memory, device)
-                for s, (images, labels, _) in opened.items()},
+        splits={
+            s: _split(images, labels, in_memory, device)
+            for s, (images, labels, _) in opened.items()
+        },
         norm=normalisation(manifest, device, run.resolved["model"]),
         num_classes=manifest["num_classes"],
-        shape=manifest["shape"], manifest=manifest, in_memory=in_memory, device=device,
+        shape=manifest["shape"],
+        manifest=manifest,
+        in_memory=in_memory,
+        device=device,
         task=task,
-    )  # fmt: skip
+    )
     if "train" in opened:
         train = data.train.images
         data.feed = (
@@ -109,6 +117,49 @@ def load_data(run: RunSpec, staged: str, env: DistEnv, device, splits=("train", 
             f"rank, {counted(loading.prefetch, 'batch', 'batches')} ahead each)"
         )  # fmt: skip
         log.info("data %s: %s (%s)", "+".join(opened), how, why)
+    return data
+
+
+def _token_data(run: RunSpec, staged: str, env: DistEnv, device, splits, verify, task) -> RankData:
+    """A language model's splits: token blocks read by memory map (never loaded whole),
+    checked against the manifest first (ddpflow.data.text)."""
+    from ddpflow.data import text
+
+    manifest = read_manifest(staged)
+
+    def opened(split: str) -> Split:
+        tokens = text.open_tokens(staged, split, manifest, verify)
+        blocks = text.TokenBlocks(tokens, manifest["block_size"], split != "train", device)
+        return Split(blocks, torch.empty((len(blocks), 0), device=device))
+
+    found, failed = {}, None
+    try:
+        found = {split: opened(split) for split in dict.fromkeys(splits)}
+    except DataError as exc:
+        log.error("rank %d on %s: %s", env.rank, socket.gethostname(), exc)
+        failed = exc
+    if distenv.any_rank(env.world_size, failed is not None):
+        raise failed or DataError(
+            f"the staged data {staged} failed its check on another "
+            "rank (its log names the file); delete it and restage"
+        )
+    one = torch.zeros(1, device=device)
+    data = RankData(
+        splits=found, norm=(one, one), num_classes=manifest["num_classes"],
+        shape=manifest["shape"], manifest=manifest, in_memory=False, device=device,
+        task=task, tokens=True,
+    )  # fmt: skip
+    if "train" in found:
+        assert isinstance(found["train"].images, text.TokenBlocks)
+        data.feed = text.TokenFeed(found["train"].images)
+    if env.is_master:
+        counts = ", ".join(f"{s} {manifest['tokens'][s]:,}" for s in found)
+        log.info(
+            "data %s: tokens by memory map (%s tokens; block_size %d)",
+            "+".join(found),
+            counts,
+            manifest["block_size"],
+        )
     return data
 
 

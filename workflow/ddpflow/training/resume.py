@@ -161,8 +161,8 @@ class Resumable:
             return
         train = self.data.train
         size = min(self.micro_batch_size, train.images.shape[0])
-        x = evaluate.normalize(feed.rows(train.images, 0, size), *self.data.norm)
-        y = train.labels[:size]
+        raw = feed.rows(train.images, 0, size)
+        x, y = evaluate.model_batch(raw, train.labels[:size], self.data.norm, self.data.tokens)
         buffers = [b.detach().clone() for b in self.model.buffers()]  # BatchNorm statistics
         was_training = self.wrapped.training
         cuda = [self.device] if self.device.type == "cuda" else []

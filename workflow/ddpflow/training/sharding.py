@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 BLOCK_TYPES = {
     "BasicBlock", "Bottleneck", "EncoderBlock", "TransformerEncoderLayer",
     "TransformerDecoderLayer", "CNBlock", "InvertedResidual", "MBConv", "FusedMBConv",
-    "SwinTransformerBlock", "SwinTransformerBlockV2", "ResBottleneckBlock",
+    "SwinTransformerBlock", "SwinTransformerBlockV2", "ResBottleneckBlock", "GPTBlock",
 }  # fmt: skip
 
 

@@ -1,0 +1,107 @@
+"""task: language_model: next-token prediction on token data (data.source text or tokens,
+ddpflow.data.text). The model maps block_size token ids [B, T] to logits [B, T, V]; the
+loss is cross-entropy over every position (padding, PAD = -1, ignored). Its metrics come
+from sums over every scored position of the split, all-reduced exactly (a float64 loss sum,
+int64 token and correct counts), so they do not depend on the world size or the batch:
+
+    loss = sum of -log p(target) / tokens     (nats per token: the token-weighted mean)
+    perplexity = exp(loss)                    token_accuracy = correct / tokens
+
+never the mean of per-batch values (a last partial batch would weigh as much as a full one).
+The validation perplexity selects (lower is better)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from ddpflow.task.base import Selection, Task
+
+if TYPE_CHECKING:
+    from ddpflow.config.typed import TrainSpec
+
+PAD = -1  # ddpflow.data.text.PAD: a scored block's padding
+
+
+class LanguageModel(Task):
+    name = "language_model"
+    selection = Selection("val_perplexity", False, "validation perplexity")
+    headline = ("perplexity", "loss", "token_accuracy")
+
+    def stage_targets(self, labels, names, where: str):
+        from ddpflow.data.raw import DataError
+
+        raise DataError(f"task language_model: {where} holds images and labels; it learns "
+                        "from data.source text or tokens (docs/language-models.md)")  # fmt: skip
+
+    def outputs(self, manifest: dict) -> int:
+        return int(manifest["vocab_size"])
+
+    def loss(self, manifest: dict, train: TrainSpec):
+        return NextTokenLoss(train.label_smoothing)
+
+    def new_state(self, manifest: dict, device) -> dict:
+        import torch
+
+        def count():
+            return torch.zeros((), dtype=torch.int64, device=device)
+
+        return {
+            "loss": torch.zeros((), dtype=torch.float64, device=device),
+            "tokens": count(),
+            "correct": count(),
+            "blocks": count(),
+        }
+
+    def update(self, state: dict, outputs, targets) -> None:
+        import torch.nn.functional as F
+
+        logits = outputs.float().reshape(-1, outputs.shape[-1])
+        flat = targets.reshape(-1)
+        scored = flat != PAD
+        losses = F.cross_entropy(logits, flat, ignore_index=PAD, reduction="none")
+        state["loss"] += losses.double().sum()
+        state["tokens"] += scored.sum()
+        state["correct"] += ((logits.argmax(dim=1) == flat) & scored).sum()
+        state["blocks"] += targets.shape[0]
+
+    def metrics(self, state: dict, manifest: dict) -> dict:
+        tokens = int(state["tokens"])
+        loss = float(state["loss"]) / tokens if tokens else 0.0
+        return {
+            "loss": loss,
+            "perplexity": math.exp(loss) if tokens else None,
+            "token_accuracy": int(state["correct"]) / tokens if tokens else 0.0,
+            "tokens": tokens,
+            "samples_evaluated": int(state["blocks"]),
+        }
+
+    def validation(self, metrics: dict) -> dict:
+        return {
+            "val_perplexity": metrics["perplexity"],
+            "val_loss": metrics["loss"],
+            "val_token_accuracy": metrics["token_accuracy"],
+        }
+
+    def describe(self, metrics: dict) -> str:
+        return (
+            f"perplexity {metrics['perplexity']:.4f}, loss {metrics['loss']:.4f} nats/token, "
+            f"token accuracy {metrics['token_accuracy']:.4f} ({metrics['tokens']:,} tokens)"
+        )
+
+
+def NextTokenLoss(label_smoothing: float = 0.0):  # noqa: N802
+    """Training's loss: the mean cross-entropy over the micro-batch's scored positions."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    class _Loss(nn.Module):
+        def forward(self, outputs, targets):
+            return F.cross_entropy(
+                outputs.reshape(-1, outputs.shape[-1]).float(),
+                targets.reshape(-1),
+                ignore_index=PAD,
+                label_smoothing=label_smoothing,
+            )
+
+    return _Loss()
