@@ -96,8 +96,19 @@ def _safetensors(state_dict: dict, meta: dict[str, str], path: Path) -> None:
     from safetensors.torch import save_file
 
     # safetensors refuses tensors that share memory or are not contiguous; model.pt holds
-    # each tensor once (a state dict's own), laid out as trained (channels_last too)
-    tensors = {key: value.detach().contiguous() for key, value in state_dict.items()}
+    # each tensor once (a state dict's own), laid out as trained (channels_last too), except
+    # tied weights (gpt's output layer is its token embedding): those are written as copies,
+    # so that every key of the state dict is in the file, and named in metadata "tied"
+    tensors, seen, tied = {}, {}, {}
+    for key, value in state_dict.items():
+        at = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
+        if at in seen:
+            tied[key] = seen[at]
+            value = value.clone()
+        seen.setdefault(at, key)
+        tensors[key] = value.detach().contiguous()
+    if tied:
+        meta = {**meta, "tied": json.dumps(tied, sort_keys=True)}
     save_file(tensors, str(path), metadata=meta)
 
 

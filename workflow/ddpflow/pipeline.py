@@ -207,6 +207,15 @@ def _check_memory(run: dict, manifest: dict) -> None:
 def _say_how_data_is_read(run: dict, manifest: dict) -> None:
     """In the terminal, before submission: in memory or streamed (the ranks decide the same
     way from the same figures: ddpflow.data.staged.choose_in_memory)."""
+    if manifest.get("kind") == "tokens":  # ddpflow.data.text: always by memory map
+        counts = ", ".join(f"{s} {n:,}" for s, n in manifest["tokens"].items())
+        log.info(
+            "run %r: tokens read by memory map (%s tokens, block_size %d)",
+            run["name"],
+            counts,
+            manifest["block_size"],
+        )
+        return
     splits = dict.fromkeys(("train", "val", run["eval"]["split"] if run["eval"]["in_train"]
                             else "train"))  # fmt: skip
     nbytes = sum(manifest["sizes"][split] for split in splits) * math.prod(manifest["shape"])
@@ -258,10 +267,11 @@ def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     stream = LiveStream.for_run(run, run.get("tracking"), paths.work)
     summary = _distributed(TrainJob, "train", run, paths, logs_dir, exclude, stream)[0]
     workspace.finish(run, paths.work)
+    lm = summary.get("language_model")
     log.info(
-        "train %r: %.0f samples/s on %s (%s)",
+        "train %r: %s on %s (%s)",
         run["name"],
-        summary["samples_per_s"],
+        f"{lm['tokens_per_s']:.0f} tokens/s" if lm else f"{summary['samples_per_s']:.0f} samples/s",
         counted(summary["world_size"], "rank"),
         ", ".join(sorted(set(summary["hosts"]))),
     )

@@ -173,6 +173,12 @@ def predict_run(run: dict, paths: RunPaths, logs_dir: str, predict: dict, out: d
     from ddpflow import pipeline
     from ddpflow.cluster.jobs import PredictJob
 
+    if run.get("task") == "language_model":
+        raise ConfigError(
+            f"predict: run {run['name']!r} is a language model; snakemake predict applies "
+            "image models to images. Sample from it with ddpflow.training.gpt.generate on its "
+            "model.pt (docs/language-models.md), or name other runs in predict.runs"
+        )
     listing = list_input(predict)
     manifest = json.loads((Path(paths.staged) / "manifest.json").read_text())
     check_shape(listing, manifest["shape"], run["name"])

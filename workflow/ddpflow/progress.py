@@ -64,14 +64,15 @@ class EpochProgress:
         eta = mean * (epochs - epoch)
         selection = run_task(self.run).selection
         log.info(
-            "run %r epoch %d/%d: train loss %.4f, %s %.4f, %.0f samples/s, %.1f s per epoch%s",
+            "run %r epoch %d/%d: train loss %.4f, %s %.4f, %.0f %s/s, %.1f s per epoch%s",
             self.run["name"],
             epoch,
             epochs,
             record["train_loss"],
             selection.label.replace("validation", "val"),
             record[selection.metric],
-            record["samples_per_s"],
+            record.get("tokens_per_s", record["samples_per_s"]),
+            "tokens" if "tokens_per_s" in record else "samples",
             record["seconds"]["epoch"],
             f", about {eta:.0f} s left" if epoch < epochs else "",
         )

@@ -48,6 +48,10 @@ CHUNK = 1 << 22  # tokens copied and checked at a time (memory stays bounded)
 
 def stage_tokens(data_cfg: dict, out_dir, seed: int) -> dict:
     """Stage data_cfg (source text or tokens) into out_dir, atomically; the manifest."""
+    from ddpflow.config.fingerprint import LATER_DATA_DEFAULTS
+
+    # the stage rule's params leave a key at its default out (config.fingerprint)
+    data_cfg = {**LATER_DATA_DEFAULTS, **data_cfg}
     out_dir, source = Path(out_dir), data_cfg["source"]
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))

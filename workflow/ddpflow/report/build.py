@@ -271,10 +271,21 @@ def build_report(
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     found = insight.collect(runs, loaded)
     trackers = _tracker_rows(runs, tracking_failures)
-    blocks = document(loaded, rows, figures, generated, unfinished, insight.blocks(found),
-                      bad_nodes, trackers, sweep.blocks(view, swept) if view else (),
-                      focus, _export_rows(runs, loaded, Path(out_dir)),
-                      _fine_tuning_rows(runs, loaded))  # fmt: skip
+    blocks = document(
+        loaded,
+        rows,
+        figures,
+        generated,
+        unfinished,
+        insight.blocks(found),
+        bad_nodes,
+        trackers,
+        sweep.blocks(view, swept) if view else (),
+        focus,
+        _export_rows(runs, loaded, Path(out_dir)),
+        _fine_tuning_rows(runs, loaded),
+        _language_models(runs, loaded),
+    )
     summary = summary_json(loaded, rows, baseline, generated, unfinished)
     summary.update(summary_extras(view, bad_nodes, found, trackers))
     paths = _write_all(Path(out_dir), {**figures, **swept}, _texts(summary, rows, blocks, view))
@@ -313,6 +324,20 @@ def _export_rows(runs: list[dict], loaded, out_dir: Path) -> list[list]:
                 size = f"{path.stat().st_size / 2**20:.1f} MiB"
                 rows.append([run["name"], Link(name, os.path.relpath(path, out_dir)), size])
     return rows if any(row[1].text != RUN_FILES["model"] for row in rows) else []
+
+
+def _language_models(runs: list[dict], loaded) -> list[tuple[str, dict]]:
+    """(run, its train_summary.json's language_model record) of each shown language model."""
+    shown, found = {name for name, _, _ in loaded}, []
+    for run in (run for run in runs if run["name"] in shown):
+        summary_file = Path(run["train_metrics"]).parent / RUN_FILES["train_summary"]
+        try:
+            record = json.loads(summary_file.read_text()).get("language_model")
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict):
+            found.append((run["name"], record))
+    return found
 
 
 def _fine_tuning_rows(runs: list[dict], loaded) -> list[list[str]]:

@@ -46,6 +46,7 @@ _OPTIONAL = (int, float, type(None))  # a metric a task may leave undefined (r2 
 _TASK_EPOCH = {
     "multilabel": {"val_f1_micro": _NUM, "val_f1_macro": _NUM, "val_exact_match": _NUM},
     "regression": {"val_mse": _NUM, "val_mae": _NUM, "val_r2": _OPTIONAL},
+    "language_model": {"val_perplexity": _NUM, "val_token_accuracy": _NUM},
 }
 # what a task other than classification records about itself (training.records.task_fields)
 _TASK_SPEC = {
@@ -68,7 +69,9 @@ _TASK_EVAL = {
         "per_target": dict.fromkeys(("mse", "mae", "r2"), list),
         "predicted_vs_true": {"bins": int, "range": list, "counts": list},
     },
+    "language_model": {"perplexity": _NUM, "token_accuracy": _NUM, "tokens": int},
 }
+_NAMELESS = ("language_model",)  # tasks whose outputs have no names (a vocabulary's ids)
 
 
 def _check(obj: dict, spec: dict, where: str, prefix: str = "") -> None:
@@ -167,7 +170,7 @@ def _task_eval(data: dict, where: str) -> dict:
     task = data["task"]
     _check(data, {**_COMMON_EVAL, **_TASK_SPEC, **_TASK_EVAL.get(task, {})}, where)
     n = len(data["class_names"])
-    if not n:
+    if not n and task not in _NAMELESS:
         what = {"multilabel": "label", "regression": "target"}.get(task, "class")
         raise ReportInputError(f"{where}: no {what} (class_names is empty)")
     for key in data["headline"]:

@@ -40,6 +40,8 @@ _READ = {
     "mse": ("MSE", ".4g"),
     "mae": ("MAE", ".4g"),
     "r2": ("R²", ".4f"),
+    "perplexity": ("perplexity", ".4f"),
+    "token_accuracy": ("token accuracy", ".2%"),
 }
 
 

@@ -21,7 +21,14 @@ import re
 import yaml
 
 from ddpflow.report import metrics
-from ddpflow.report.tables import Link, class_tables, model_blocks, split_label, task_sections
+from ddpflow.report.tables import (
+    Link,
+    class_tables,
+    language_model_blocks,
+    model_blocks,
+    split_label,
+    task_sections,
+)
 from ddpflow.runtime import PHASES
 from ddpflow.text import counted
 
@@ -223,7 +230,7 @@ def _tracker_blocks(trackers) -> list[tuple]:
 
 def document(
     loaded, rows, figures, generated: str, unfinished=(), inside=(), bad_nodes=(), trackers=(),
-    sweep=(), focus=None, exports=(), fine_tuned=(),
+    sweep=(), focus=None, exports=(), fine_tuned=(), language_models=(),
 ) -> list[tuple]:  # fmt: skip
     """The report's blocks; sweep: the sweep section (ddpflow.report.sweep), which makes the
     headline's best run the one selected on validation accuracy (another task: on its
@@ -244,6 +251,8 @@ def document(
     blocks += [*sweep, ("h2", "Runs"), _runs_table(rows, scaling, heads)]
     blocks += _machine_blocks(loaded, rows, scaling)
     blocks += model_blocks(exports, fine_tuned)
+    if language_models:
+        blocks += language_model_blocks(language_models)
     if trackers:
         blocks += _tracker_blocks(trackers)
     blocks += [("h2", "Time per phase (sum over epochs, share of epoch time)"), _phase_table(rows)]
@@ -346,6 +355,9 @@ def to_markdown(title: str, blocks: list[tuple]) -> str:
                 out.append(f"![{_md(caption)}]({path})")
             case ("fold", _, _, note):
                 out.append(_md(note))
+            case ("pre", caption, text):
+                fence = "`" * max(3, 1 + max(map(len, re.findall(r"`+", text)), default=0))
+                out.append(f"{_md(caption)}:\n\n{fence}text\n{text}\n{fence}")
             case ("details", summary, code):
                 # A fence longer than any backtick run inside keeps the block closed.
                 fence = "`" * max(3, 1 + max(map(len, re.findall(r"`+", code)), default=0))
@@ -385,6 +397,8 @@ def _html_block(block: tuple) -> str:
             data = base64.b64encode(png).decode("ascii")
             return (f"<figure><img alt='{esc(caption)}' src='data:image/png;base64,{data}'>"
                     f"<figcaption>{esc(caption)}</figcaption></figure>")  # fmt: skip
+        case ("pre", caption, text):
+            return f"<p>{esc(caption)}:</p><pre>{esc(text)}</pre>"
         case ("details", summary, code):
             return f"<details><summary>{esc(summary)}</summary><pre>{esc(code)}</pre></details>"
         case ("fold", summary, inner, _):

@@ -151,6 +151,52 @@ def fine_tuning_blocks(rows) -> list[tuple]:
     return [("h2", "Fine-tuning"), ("p", text), ("table", header, rows, None)]
 
 
+def language_model_blocks(found: list[tuple[str, dict]]) -> list[tuple]:
+    """The language models (docs/language-models.md): their data, speed, and the samples they
+    generated from a fixed prompt with fixed seeds (text data)."""
+    text = (
+        "Runs of task language_model: the context (data.block_size), the vocabulary, the "
+        "tokens of each split and those trained on, and training tokens per second (all "
+        "ranks). Perplexity is exp(loss), the loss in nats per token over every scored position."
+    )
+    header = [
+        "Run",
+        "Block size",
+        "Vocabulary",
+        "Tokens (train/val/test)",
+        "Tokens trained",
+        "Tokens/s",
+    ]
+    rows = [
+        [
+            name,
+            str(lm["block_size"]),
+            str(lm["vocab_size"]),
+            "/".join(f"{lm['tokens'].get(s, 0):,}" for s in ("train", "val", "test")),
+            f"{lm['tokens_trained']:,}",
+            f"{lm['tokens_per_s']:,.0f}",
+        ]
+        for name, lm in found
+    ]
+    blocks: list[tuple] = [("h2", "Language models"), ("p", text), ("table", header, rows, None)]
+    for name, lm in found:
+        made = lm.get("generated")
+        if not made:
+            continue
+        blocks.append(("h3", f"Samples from {name}"))
+        blocks.append(
+            (
+                "p",
+                f"Prompt (the validation split's first tokens), then "
+                f"{made['new_tokens']} sampled tokens (top-40, temperature 1) per "
+                f"seed:",
+            )
+        )
+        for sample in made["samples"]:
+            blocks.append(("pre", f"seed {sample['seed']}", made["prompt"] + sample["text"]))
+    return blocks
+
+
 def model_blocks(exports, fine_tuned) -> list[tuple]:
     """The sections on the models: their files and exports, and how they were fine-tuned."""
     return (export_blocks(exports) if exports else []) + (

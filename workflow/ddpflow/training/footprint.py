@@ -73,7 +73,7 @@ def measure(
         opt = make_optimizer(params, opt_cfg, 0.01, torch.device("cpu"))
         autocast = _autocast(precision, device_type)
         small = min(2, micro_batch)  # BatchNorm needs 2 samples where a map is 1x1
-        _step(model, opt, torch.empty(small, *shape), autocast)  # gradients, optimizer state
+        _step(model, opt, _inputs(small, shape), autocast)  # gradients, optimizer state
         at_two = _tracked_step(model, opt, small, shape, autocast)
         peak = _tracked_step(model, opt, micro_batch, shape, autocast)
     return {
@@ -101,13 +101,20 @@ def _tracked_step(model: nn.Module, opt, micro_batch: int, shape, autocast) -> d
     tracker = MemTracker()
     tracker.track_external(model, opt)
     with tracker:
-        _step(model, opt, torch.empty(micro_batch, *shape), autocast)
+        _step(model, opt, _inputs(micro_batch, shape), autocast)
     peak = tracker.get_tracker_snapshot("peak")
     return {
         str(getattr(kind, "value", kind)): nbytes
         for device in peak.values()
         for kind, nbytes in device.items()
     }
+
+
+def _inputs(n: int, shape) -> torch.Tensor:
+    """A batch of n inputs: images [n, C, H, W], or a language model's token ids [n, T]."""
+    if len(shape) == 1:
+        return torch.zeros(n, *shape, dtype=torch.int64)
+    return torch.empty(n, *shape)
 
 
 def _step(model: nn.Module, opt, x: torch.Tensor, autocast) -> None:

@@ -136,3 +136,31 @@ def generate(
         idx = torch.cat([idx, token.to(device).view(1, 1)], dim=1)
     model.train(was_training)
     return idx[0, len(prompt) :].tolist()
+
+
+PROMPT_TOKENS = 32  # the prompt: the validation split's first tokens (at most block_size)
+NEW_TOKENS = 200
+SAMPLES = 3
+
+
+def text_samples(model: nn.Module, data, seed: int, every_rank: bool, is_master: bool):
+    """A few continuations of a fixed prompt (the validation split's first PROMPT_TOKENS
+    bytes), sampled with seeds seed, seed + 1, ..., decoded as UTF-8 (for data.source text:
+    its tokens are bytes); None for token data or on a rank that does not record them.
+    every_rank: the model's forward is a collective (FSDP), so every rank samples too."""
+    if data.manifest.get("source") != "text" or not (every_rank or is_master):
+        return None
+    from ddpflow.data.text import EOD
+
+    block = int(data.manifest["block_size"])
+    prompt = [int(t) for t in data.val.images.tokens[: min(PROMPT_TOKENS, block)]]
+
+    def text(tokens: list[int]) -> str:
+        raw = b"".join(b"\n" if t == EOD else bytes([t]) for t in tokens if t <= EOD)
+        return raw.decode("utf-8", errors="replace")
+
+    samples = [
+        {"seed": seed + k, "text": text(generate(model, prompt, NEW_TOKENS, block, seed + k))}
+        for k in range(SAMPLES)
+    ]
+    return {"prompt": text(prompt), "new_tokens": NEW_TOKENS, "samples": samples}

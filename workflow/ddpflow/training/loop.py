@@ -90,6 +90,7 @@ class Loop(Resumable):
         self.segments: list[dict] = []  # [{world_size, hosts, attempt, start_step, end_step}]
         self.epoch_seconds = dict.fromkeys(PHASES, 0.0)
         self.history: list[dict] = []
+        self.generated: dict | None = None  # a language model's samples (training.gpt)
         # called after every optimizer step (checkpoint / stop checks): watch_steps sets it
         self._on_step: Callable[[Loop], None] | None = None
         self.last_loss: torch.Tensor | None = None  # the last micro-step's, on the device
@@ -311,6 +312,8 @@ def fit(loop: Loop, on_epoch, progress_factory=None) -> float:
         )
         # global samples (all ranks) per second of training, validation excluded
         record["samples_per_s"] = record["samples"] / train_seconds
+        if loop.data.tokens:  # a language model: block_size tokens per sample
+            record["tokens_per_s"] = record["samples_per_s"] * loop.data.shape[0]
         loop.history.append(record)
         on_epoch(record)
     return time.perf_counter() - start

@@ -84,6 +84,8 @@ def describe(record: dict) -> str:
         f"{key} {'n/a' if record.get(key) is None else format(record[key], '.4f')}"
         for key in record["headline"]
     )
+    if "tokens" in record:  # a language model: every position scored once
+        return f"{shown} ({record['tokens']:,} tokens)"
     return f"{shown} ({record['samples_evaluated']} samples)"
 
 
@@ -115,6 +117,7 @@ def train_summary(
         "data_in_memory": data.in_memory,
         "parameters": parameters,
         **fine_tuning_record(run, loop),  # model.weights, train.freeze: only where set
+        **language_model_record(loop),  # task: language_model only
         "lr": loop.lr,
         "global_batch": run.train.global_batch_size,
         "micro_batch": run.train.micro_batch_size,
@@ -128,6 +131,27 @@ def train_summary(
         **pruned,
         **task_fields(run),
     }
+
+
+def language_model_record(loop) -> dict:
+    """train_summary's "language_model" (task: language_model only): the block and the
+    vocabulary, the tokens of each split and those trained on, the training tokens/s, and
+    for text, samples generated from a fixed prompt with fixed seeds (training.gpt)."""
+    data = loop.data
+    if not data.tokens:
+        return {}
+    block, records = int(data.shape[0]), loop.history
+    trained = sum(r["samples"] for r in records) * block
+    seconds = sum(r["seconds"]["train"] for r in records)
+    record = {
+        "block_size": block,
+        "vocab_size": int(data.num_classes),
+        "tokens": data.manifest["tokens"],
+        "tokens_trained": trained,
+        "tokens_per_s": trained / seconds if seconds else 0.0,
+        "generated": getattr(loop, "generated", None),
+    }
+    return {"language_model": record}
 
 
 def fine_tuning_record(run, loop) -> dict:

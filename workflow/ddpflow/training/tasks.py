@@ -28,7 +28,7 @@ from ddpflow.config.typed import RunSpec
 from ddpflow.monitoring import sampler as monitor
 from ddpflow.paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
 from ddpflow.text import counted
-from ddpflow.training import evaluate
+from ddpflow.training import evaluate, sharding
 from ddpflow.training.build import cpu_has_native_bf16, placed_model
 from ddpflow.training.checkpoint import (
     Checkpointer,
@@ -133,7 +133,15 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         self._train(loop, ckpt, env, hosts)
         summary = None
         weights = loop.full_model_state()  # collective under FSDP; the whole model on rank 0
+        generated = None
+        if data.tokens:  # a language model's samples (collective under FSDP)
+            from ddpflow.training.gpt import text_samples
+
+            generated = text_samples(
+                model, data, spec.train.seed, sharding.is_sharded(model), env.is_master
+            )
         if env.is_master:
+            loop.generated = generated
             summary = self._write_outputs(model, weights, env, hosts, loop, ckpt.attempt, start)
         if in_train:
             self._evaluate(loop.run, model, data, env, hosts, summary)
@@ -183,14 +191,16 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             ckpt.on_epoch(loop)  # before the record is logged: a resume never repeats it
             if env.is_master:
                 runtime.append_jsonl(live_metrics, record)
+                rate = record.get("tokens_per_s", record["samples_per_s"])
                 log.info(
-                    "epoch %d/%d loss %.4f %s %.4f %.0f samples/s",
+                    "epoch %d/%d loss %.4f %s %.4f %.0f %s/s",
                     record["epoch"],
                     run.train.epochs,
                     record["train_loss"],
                     shown,
                     record[selects],
-                    record["samples_per_s"],
+                    rate,
+                    "tokens" if "tokens_per_s" in record else "samples",
                 )
 
         return on_epoch
