@@ -128,17 +128,17 @@ def test_the_train_rule_checks_a_built_in_model_without_importing_torch():
 def test_a_global_batch_that_leaves_much_of_a_small_split_out_is_warned_about(caplog):
     """An epoch is whole global batches: 105 samples in steps of 64 leave 41 out of each
     epoch; the warning names a smaller global batch the 2 ranks can split (32 = 2 x 16)."""
-    from ddpflow.pipeline import _say_what_sits_out
+    from ddpflow.config import warn_what_sits_out
     from workflow_helpers import make_run
 
-    caplog.set_level(logging.WARNING, logger="ddpflow.pipeline")
-    _say_what_sits_out(make_run(train={"micro_batch_size": 16}), 105)
+    caplog.set_level(logging.WARNING, logger="ddpflow.config.checks")
+    warn_what_sits_out(make_run(train={"micro_batch_size": 16}), 105)
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "global_batch_size 64 leaves 41 of the 105 training samples out" in warning
     assert "a smaller global batch (e.g. 32)" in warning
     caplog.clear()
-    _say_what_sits_out(make_run(), 105)  # micro 32 x 2 ranks: no smaller global batch splits
+    warn_what_sits_out(make_run(), 105)  # micro 32 x 2 ranks: no smaller global batch splits
     assert "a smaller global and micro batch" in caplog.records[0].getMessage()
     caplog.clear()
-    _say_what_sits_out(make_run(), 1294)  # the digits: 14 of 1294 sit out, no warning
+    warn_what_sits_out(make_run(), 1294)  # the digits: 14 of 1294 sit out, no warning
     assert caplog.records == []

@@ -24,9 +24,11 @@ from ddpflow.config import (
     evaluation_fingerprint,
     training_fingerprint,
     uses_channels_last,
+    warn_what_sits_out,
 )
 from ddpflow.data.staged import choose_in_memory, read_manifest
 from ddpflow.data.staging import stage_dataset
+from ddpflow.data.text import describe_tokens
 from ddpflow.early import fine_tunes, input_of, memory_verdicts, model_check
 from ddpflow.errors import UserError
 from ddpflow.paths import (
@@ -65,15 +67,9 @@ def stage_data(data_cfg: dict, out_dir: str, threads: int = 1) -> dict:
     start = time.perf_counter()
     manifest = stage_dataset(data_cfg, out_dir, seed=data_cfg["seed"], threads=threads)
     seconds = time.perf_counter() - start
-    if manifest.get("kind") == "tokens":
-        log.info(
-            "staged %s into %s in %.1fs: %s tokens per split, vocabulary %d",
-            data_cfg["source"],
-            out_dir,
-            seconds,
-            manifest["tokens"],
-            manifest["vocab_size"],
-        )
+    if manifest.get("kind") == "tokens":  # ddpflow.data.text
+        log.info("staged %s into %s in %.1fs: %s", data_cfg["source"], out_dir, seconds,
+                 describe_tokens(manifest))  # fmt: skip
         return manifest
     images = sum(manifest["sizes"].values())
     shards = sum(len(s) for s in manifest["shards"].values())
@@ -208,14 +204,7 @@ def _say_how_data_is_read(run: dict, manifest: dict) -> None:
     """In the terminal, before submission: in memory or streamed (the ranks decide the same
     way from the same figures: ddpflow.data.staged.choose_in_memory)."""
     if manifest.get("kind") == "tokens":  # ddpflow.data.text: always by memory map
-        counts = ", ".join(f"{s} {n:,}" for s, n in manifest["tokens"].items())
-        log.info(
-            "run %r: tokens read by memory map (%s tokens, block_size %d)",
-            run["name"],
-            counts,
-            manifest["block_size"],
-        )
-        return
+        return log.info("run %r: %s, read by memory map", run["name"], describe_tokens(manifest))
     splits = dict.fromkeys(("train", "val", run["eval"]["split"] if run["eval"]["in_train"]
                             else "train"))  # fmt: skip
     nbytes = sum(manifest["sizes"][split] for split in splits) * math.prod(manifest["shape"])
@@ -229,31 +218,13 @@ def _say_how_data_is_read(run: dict, manifest: dict) -> None:
     log.info("run %r: data %s%s (%s)", run["name"], how, where, why)
 
 
-def _say_what_sits_out(run: dict, samples: int) -> None:
-    """A warning in the terminal when a large share of the training split sits out of each
-    epoch (an epoch is whole global batches of a fresh shuffle): small data, large batch."""
-    train = run["train"]
-    global_, micro = train["global_batch_size"], train["micro_batch_size"]
-    left = samples % global_
-    if left * 5 <= samples:  # a fifth or less
-        return
-    unit = micro * run["world_size"]  # the global batches this world size can split
-    fewer = min(range(unit, global_, unit), key=lambda b: (samples % b, -b), default=None)
-    better = f"batch (e.g. {fewer})" if fewer and samples % fewer < left else "and micro batch"
-    log.warning(
-        "run %r: train.global_batch_size %d leaves %d of the %d training samples out of each "
-        "epoch (the next epoch's shuffle leaves out others); a smaller global %s uses more of "
-        "them per epoch", run["name"], global_, left, samples, better,
-    )  # fmt: skip
-
-
 def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     """Train one run: resume only an interrupted attempt of this very config (else from
     scratch, saying why), then keep the work folder lean. With an MLflow URI in the run's
     `tracking:`, epochs are streamed there as they land."""
     manifest = read_manifest(paths.staged)
     check_batch_fits(run, manifest["sizes"]["train"])
-    _say_what_sits_out(run, manifest["sizes"]["train"])
+    warn_what_sits_out(run, manifest["sizes"]["train"])
     _check_user_model(run, manifest)
     _check_memory(run, manifest)
     _say_how_data_is_read(run, manifest)

@@ -29,6 +29,7 @@ from ddpflow.config.checks import (
     check_world_size,
     run_warnings,
     tracking_enabled,
+    warn_what_sits_out,
 )
 from ddpflow.config.fingerprint import (
     BUILT_IN_MODELS,
@@ -82,6 +83,7 @@ __all__ = [
     "as_params",
     "check",
     "check_batch_fits",
+    "warn_what_sits_out",
     "check_tracking",
     "check_runs",
     "check_world_size",

@@ -1,12 +1,14 @@
 """Checks a schema cannot express, made before anything is submitted: combinations of keys
 that cannot work (a ConfigError naming the keys and the fix), legal but suspicious settings
-(run_warnings), a world size that cannot split the global batch, and a global batch larger
-than the staged training split. Checks against a Slurm cluster are in slurm.py.
+(run_warnings), a world size that cannot split the global batch, a global batch larger
+than the staged training split, and one that leaves much of it out of each epoch. Checks
+against a Slurm cluster are in slurm.py.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 
 from ddpflow.config.fingerprint import BUILT_IN_MODELS
@@ -24,6 +26,8 @@ from ddpflow.config.schema import ConfigError, validate
 from ddpflow.plugins import is_plugin
 from ddpflow.runtime import usable_cores
 from ddpflow.text import counted
+
+log = logging.getLogger(__name__)
 
 
 def _check_run(run: dict, launcher: str) -> None:
@@ -363,3 +367,21 @@ def check_export(export: dict, find_spec=None) -> None:
             f"export.formats has onnx but {', '.join(missing)} is not installed: run `make "
             "onnx` (installs envs/onnx.txt into the .venv), or leave onnx out of export.formats"
         )
+
+
+def warn_what_sits_out(run: dict, samples: int) -> None:
+    """A warning in the terminal when a large share of the training split sits out of each
+    epoch (an epoch is whole global batches of a fresh shuffle): small data, large batch."""
+    train = run["train"]
+    global_, micro = train["global_batch_size"], train["micro_batch_size"]
+    left = samples % global_
+    if left * 5 <= samples:  # a fifth or less
+        return
+    unit = micro * run["world_size"]  # the global batches this world size can split
+    fewer = min(range(unit, global_, unit), key=lambda b: (samples % b, -b), default=None)
+    better = f"batch (e.g. {fewer})" if fewer and samples % fewer < left else "and micro batch"
+    log.warning(
+        "run %r: train.global_batch_size %d leaves %d of the %d training samples out of each "
+        "epoch (the next epoch's shuffle leaves out others); a smaller global %s uses more of "
+        "them per epoch", run["name"], global_, left, samples, better,
+    )  # fmt: skip

@@ -176,18 +176,7 @@ def _check_language_model(run: dict, where: str) -> None:
             "from; set task: language_model, or give images (docs/language-models.md)"
         )
     if not lm:
-        for key, default in (("block_size", 64), ("vocab_size", None)):
-            if data[key] != default:
-                raise ConfigError(
-                    f"{where}: data.{key} {data[key]} is set for data.source {source}; it is a "
-                    "language model's key (data.source text or tokens): remove it"
-                )
-        if model == "gpt":
-            raise ConfigError(
-                f"{where}: model.name gpt is a language model; it needs task: language_model "
-                "and data.source text or tokens"
-            )
-        return
+        return _refuse_language_model_keys(data, model, source, where)
     if not data["path"]:
         raise ConfigError(
             f"{where}: data.path is required for data.source {source}: "
@@ -211,6 +200,21 @@ def _check_language_model(run: dict, where: str) -> None:
         raise ConfigError(
             f"{where}: model.name {model!r} is an image model; a language model is model.name "
             "gpt or your own 'package.module:function' called with (vocab_size, block_size)"
+        )
+
+
+def _refuse_language_model_keys(data: dict, model: str, source: str, where: str) -> None:
+    """A run of another task with a language model's data keys or model."""
+    for key, default in (("block_size", 64), ("vocab_size", None)):
+        if data[key] != default:
+            raise ConfigError(
+                f"{where}: data.{key} {data[key]} is set for data.source {source}; it is a "
+                "language model's key (data.source text or tokens): remove it"
+            )
+    if model == "gpt":
+        raise ConfigError(
+            f"{where}: model.name gpt is a language model; it needs task: language_model "
+            "and data.source text or tokens"
         )
 
 

@@ -35,7 +35,8 @@ import numpy as np
 
 from ddpflow.data.raw import DataError
 from ddpflow.data.staged import FORMAT_VERSION, MANIFEST, SPLITS, _check_file
-from ddpflow.runtime import fsync_dir, replace_dir, sha256_file
+from ddpflow.runtime import atomic_write_json, fsync_dir, replace_dir, sha256_file
+from ddpflow.text import counted
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def stage_tokens(data_cfg: dict, out_dir, seed: int) -> dict:
             name = f"{split}.tokens.npy"
             files[name] = {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
         manifest = _manifest(data_cfg, seed, counts, vocab, sources, files)
-        _write_json(tmp / MANIFEST, manifest)
+        atomic_write_json(tmp / MANIFEST, manifest)  # fsynced with the directory below
         fsync_dir(tmp)
         replace_dir(tmp, out_dir)
     except BaseException:
@@ -100,6 +101,15 @@ def _manifest(data_cfg, seed, counts, vocab, sources, files) -> dict:
         "files": files,
         "data_cfg": data_cfg,
     }
+
+
+def describe_tokens(manifest: dict) -> str:
+    """The staged tokens in words, for the terminal."""
+    counts = ", ".join(f"{split} {n:,}" for split, n in manifest["tokens"].items())
+    return (
+        f"{counts} tokens, vocabulary {manifest['vocab_size']:,}, block_size "
+        f"{manifest['block_size']}"
+    )
 
 
 def train_blocks(n: int, block: int) -> int:
@@ -142,7 +152,7 @@ def text_files(path: Path) -> list[Path]:
     empty = [p for p in found if p.stat().st_size == 0]
     if empty:
         raise DataError(
-            f"data.path {path}: {len(empty)} empty file(s), e.g. {empty[0]}; an "
+            f"data.path {path}: {counted(len(empty), 'empty file')}, e.g. {empty[0]}; an "
             "empty document teaches nothing: remove it"
         )
     return found
@@ -280,18 +290,6 @@ def _check_ids(array: np.ndarray, vocab: int, path) -> None:
                 f"data.vocab_size {vocab}; set data.vocab_size to your tokenizer's vocabulary "
                 "size, or fix the file"
             )
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    from ddpflow.data.staging import _write_json as write  # one writer of manifests
-
-    write(path, obj)
-
-
-def verify_tokens(staged_dir: Path, manifest: dict, verify: bool) -> None:
-    """Each split's file: size, header and (verify) sha256 against the manifest."""
-    for split in SPLITS:
-        open_tokens(staged_dir, split, manifest, verify)
 
 
 def open_tokens(staged_dir, split: str, manifest: dict, verify: bool) -> np.ndarray:

@@ -271,21 +271,11 @@ def build_report(
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     found = insight.collect(runs, loaded)
     trackers = _tracker_rows(runs, tracking_failures)
-    blocks = document(
-        loaded,
-        rows,
-        figures,
-        generated,
-        unfinished,
-        insight.blocks(found),
-        bad_nodes,
-        trackers,
-        sweep.blocks(view, swept) if view else (),
-        focus,
-        _export_rows(runs, loaded, Path(out_dir)),
-        _fine_tuning_rows(runs, loaded),
-        _language_models(runs, loaded),
-    )
+    exports = _export_rows(runs, loaded, Path(out_dir))
+    models = (exports, _fine_tuning_rows(runs, loaded), _language_models(runs, loaded))
+    blocks = document(loaded, rows, figures, generated, unfinished, insight.blocks(found),
+                      bad_nodes, trackers, sweep.blocks(view, swept) if view else (), focus,
+                      *models)  # fmt: skip
     summary = summary_json(loaded, rows, baseline, generated, unfinished)
     summary.update(summary_extras(view, bad_nodes, found, trackers))
     paths = _write_all(Path(out_dir), {**figures, **swept}, _texts(summary, rows, blocks, view))

@@ -21,14 +21,7 @@ import re
 import yaml
 
 from ddpflow.report import metrics
-from ddpflow.report.tables import (
-    Link,
-    class_tables,
-    language_model_blocks,
-    model_blocks,
-    split_label,
-    task_sections,
-)
+from ddpflow.report.tables import Link, class_tables, model_blocks, split_label, task_sections
 from ddpflow.runtime import PHASES
 from ddpflow.text import counted
 
@@ -250,9 +243,7 @@ def document(
     blocks[0] = _headline(generated, rows, selections, label)
     blocks += [*sweep, ("h2", "Runs"), _runs_table(rows, scaling, heads)]
     blocks += _machine_blocks(loaded, rows, scaling)
-    blocks += model_blocks(exports, fine_tuned)
-    if language_models:
-        blocks += language_model_blocks(language_models)
+    blocks += model_blocks(exports, fine_tuned, language_models)
     if trackers:
         blocks += _tracker_blocks(trackers)
     blocks += [("h2", "Time per phase (sum over epochs, share of epoch time)"), _phase_table(rows)]
@@ -355,14 +346,12 @@ def to_markdown(title: str, blocks: list[tuple]) -> str:
                 out.append(f"![{_md(caption)}]({path})")
             case ("fold", _, _, note):
                 out.append(_md(note))
-            case ("pre", caption, text):
-                fence = "`" * max(3, 1 + max(map(len, re.findall(r"`+", text)), default=0))
-                out.append(f"{_md(caption)}:\n\n{fence}text\n{text}\n{fence}")
-            case ("details", summary, code):
+            case ("details", summary, code, *language):  # yaml unless another is given
                 # A fence longer than any backtick run inside keeps the block closed.
                 fence = "`" * max(3, 1 + max(map(len, re.findall(r"`+", code)), default=0))
+                fence_open = fence + (language or ["yaml"])[0]
                 out.append(f"<details><summary>{html.escape(summary)}</summary>\n\n"
-                           f"{fence}yaml\n{code}\n{fence}\n\n</details>")  # fmt: skip
+                           f"{fence_open}\n{code}\n{fence}\n\n</details>")  # fmt: skip
     return "\n\n".join(out) + "\n"
 
 
@@ -397,9 +386,7 @@ def _html_block(block: tuple) -> str:
             data = base64.b64encode(png).decode("ascii")
             return (f"<figure><img alt='{esc(caption)}' src='data:image/png;base64,{data}'>"
                     f"<figcaption>{esc(caption)}</figcaption></figure>")  # fmt: skip
-        case ("pre", caption, text):
-            return f"<p>{esc(caption)}:</p><pre>{esc(text)}</pre>"
-        case ("details", summary, code):
+        case ("details", summary, code, *_):
             return f"<details><summary>{esc(summary)}</summary><pre>{esc(code)}</pre></details>"
         case ("fold", summary, inner, _):
             return f"<details><summary>{esc(summary)}</summary>{_html_block(inner)}</details>"

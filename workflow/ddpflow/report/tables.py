@@ -184,21 +184,19 @@ def language_model_blocks(found: list[tuple[str, dict]]) -> list[tuple]:
         if not made:
             continue
         blocks.append(("h3", f"Samples from {name}"))
-        blocks.append(
-            (
-                "p",
-                f"Prompt (the validation split's first tokens), then "
-                f"{made['new_tokens']} sampled tokens (top-40, temperature 1) per "
-                f"seed:",
-            )
-        )
+        how = f"{made['new_tokens']} tokens sampled (top-40, temperature 1) after the prompt"
+        blocks.append(("p", f"The prompt: the validation split's first tokens; then {how}."))
         for sample in made["samples"]:
-            blocks.append(("pre", f"seed {sample['seed']}", made["prompt"] + sample["text"]))
+            text = made["prompt"] + sample["text"]
+            blocks.append(("details", f"seed {sample['seed']}", text, "text"))
     return blocks
 
 
-def model_blocks(exports, fine_tuned) -> list[tuple]:
-    """The sections on the models: their files and exports, and how they were fine-tuned."""
-    return (export_blocks(exports) if exports else []) + (
-        fine_tuning_blocks(fine_tuned) if fine_tuned else []
+def model_blocks(exports, fine_tuned, language_models=()) -> list[tuple]:
+    """The sections on the models: their files and exports, how they were fine-tuned, and
+    the language models' data, speed and samples."""
+    return (
+        (export_blocks(exports) if exports else [])
+        + (fine_tuning_blocks(fine_tuned) if fine_tuned else [])
+        + (language_model_blocks(language_models) if language_models else [])
     )

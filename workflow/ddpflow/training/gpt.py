@@ -102,10 +102,8 @@ def _init(module: nn.Module) -> None:
 
 def gpt(vocab_size: int, block_size: int, kwargs: dict) -> GPT:
     unknown = sorted(set(kwargs) - set(DEFAULTS))
-    if unknown:
-        from ddpflow.training.models import ModelError
-
-        raise ModelError(f"model.kwargs {unknown}: gpt takes {', '.join(DEFAULTS)}")
+    if unknown:  # models.build_model names the key
+        raise TypeError(f"{unknown} are not its keys; gpt takes {', '.join(DEFAULTS)}")
     return GPT(vocab_size, block_size, **{**DEFAULTS, **kwargs})
 
 

@@ -90,7 +90,6 @@ class Loop(Resumable):
         self.segments: list[dict] = []  # [{world_size, hosts, attempt, start_step, end_step}]
         self.epoch_seconds = dict.fromkeys(PHASES, 0.0)
         self.history: list[dict] = []
-        self.generated: dict | None = None  # a language model's samples (training.gpt)
         # called after every optimizer step (checkpoint / stop checks): watch_steps sets it
         self._on_step: Callable[[Loop], None] | None = None
         self.last_loss: torch.Tensor | None = None  # the last micro-step's, on the device

@@ -90,7 +90,15 @@ def describe(record: dict) -> str:
 
 
 def train_summary(
-    run: RunSpec, loop, env: DistEnv, hosts, attempt, wall_seconds, parameters, slurm_job_id
+    run: RunSpec,
+    loop,
+    env: DistEnv,
+    hosts,
+    attempt,
+    wall_seconds,
+    parameters,
+    slurm_job_id,
+    generated=None,
 ) -> dict:
     """train_summary.json's content, from the finished Loop's epoch records (rank 0)."""
     records, data = loop.history, loop.data
@@ -117,7 +125,7 @@ def train_summary(
         "data_in_memory": data.in_memory,
         "parameters": parameters,
         **fine_tuning_record(run, loop),  # model.weights, train.freeze: only where set
-        **language_model_record(loop),  # task: language_model only
+        **language_model_record(loop, generated),  # task: language_model only
         "lr": loop.lr,
         "global_batch": run.train.global_batch_size,
         "micro_batch": run.train.micro_batch_size,
@@ -133,10 +141,10 @@ def train_summary(
     }
 
 
-def language_model_record(loop) -> dict:
+def language_model_record(loop, generated) -> dict:
     """train_summary's "language_model" (task: language_model only): the block and the
     vocabulary, the tokens of each split and those trained on, the training tokens/s, and
-    for text, samples generated from a fixed prompt with fixed seeds (training.gpt)."""
+    for text, `generated`: samples from a fixed prompt with fixed seeds (training.gpt)."""
     data = loop.data
     if not data.tokens:
         return {}
@@ -149,7 +157,7 @@ def language_model_record(loop) -> dict:
         "tokens": data.manifest["tokens"],
         "tokens_trained": trained,
         "tokens_per_s": trained / seconds if seconds else 0.0,
-        "generated": getattr(loop, "generated", None),
+        "generated": generated,
     }
     return {"language_model": record}
 

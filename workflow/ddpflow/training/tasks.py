@@ -141,8 +141,8 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
                 model, data, spec.train.seed, sharding.is_sharded(model), env.is_master
             )
         if env.is_master:
-            loop.generated = generated
-            summary = self._write_outputs(model, weights, env, hosts, loop, ckpt.attempt, start)
+            outputs = (model, weights, env, hosts, loop, ckpt.attempt, start, generated)
+            summary = self._write_outputs(*outputs)
         if in_train:
             self._evaluate(loop.run, model, data, env, hosts, summary)
         return summary or {"rank": env.rank, "host": socket.gethostname()}
@@ -230,7 +230,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
                      data.task.describe(result), result["eval_seconds"])  # fmt: skip
             _tensorboard_final(run, self.paths, result, summary["steps"], data.task)
 
-    def _write_outputs(self, model, weights, env: DistEnv, hosts, loop, attempt, start):
+    def _write_outputs(self, model, weights, env: DistEnv, hosts, loop, attempt, start, generated):
         run, paths, data = loop.run, self.paths, loop.data
         sha256 = runtime.atomic_torch_save(
             {
@@ -244,7 +244,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         loop.close_segment()
         summary = train_summary(
             run, loop, env, hosts, attempt, time.perf_counter() - start,
-            count_parameters(model), _slurm_job_id(env),
+            count_parameters(model), _slurm_job_id(env), generated,
         )  # fmt: skip
         runtime.atomic_write_bytes(paths.train_metrics, self.live_metrics.read_bytes())
         runtime.atomic_write_json(paths.train_summary, summary)
