@@ -1,0 +1,88 @@
+"""A language model through the whole workflow, as a user runs it: a folder of text files
+(Python's own json package) staged as bytes, gpt trained at 2 ranks and at 1 (the same
+test perplexity and token count), the report's language-model section with its samples,
+the edit-and-rerun loop on the new keys, and a block_size longer than a split refused
+before any rank starts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from workflow_helpers import jobs_planned, snakemake, write_config
+
+pytestmark = pytest.mark.e2e
+
+JSON = Path(json.__file__).parent
+
+
+def _config(**data) -> dict:
+    return {
+        "task": "language_model",
+        "data": {"source": "text", "path": "corpus", "block_size": 64, **data},
+        "model": {"name": "gpt", "kwargs": {"n_layer": 2, "n_head": 4, "n_embd": 64}},
+        "train": {"epochs": 3, "global_batch_size": 32, "micro_batch_size": 16,
+                  "optimizer": {"name": "adamw", "lr": 0.003, "weight_decay": 0.1}},
+        "export": {"formats": ["safetensors"]},
+        "runs": [{"name": "two", "machine": {"cpu_ranks_per_node": 2}},
+                 {"name": "one", "machine": {"cpu_ranks_per_node": 1}}],
+    }  # fmt: skip
+
+
+def _corpus(workdir: Path) -> None:
+    shutil.copytree(JSON, workdir / "corpus", ignore=shutil.ignore_patterns("__pycache__"))
+
+
+def test_a_text_folder_trains_gpt_at_2_ranks_and_1_to_the_same_perplexity(workdir):
+    _corpus(workdir)
+    config = write_config(workdir / "config.yaml", _config())
+    done = snakemake(workdir, config)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    scored = {}
+    for run in ("two", "one"):
+        record = json.loads((workdir / f"results/runs/{run}/eval_metrics.json").read_text())
+        assert record["task"] == "language_model" and record["split"] == "test"
+        scored[run] = record
+    two, one = scored["two"], scored["one"]
+    assert two["world_size"] == 2 and one["world_size"] == 1
+    staged = next((workdir / "results/staged").glob("text-*"))
+    tokens = json.loads((staged / "manifest.json").read_text())["tokens"]
+    assert two["tokens"] == one["tokens"] == tokens["test"] - 1  # every position scored once
+    assert one["perplexity"] == pytest.approx(two["perplexity"], rel=1e-4)
+    assert two["perplexity"] < 256 / 4  # far below the byte-level baseline
+    assert "tokens/s on 2 ranks" in output and "val perplexity" in output
+
+    summary = json.loads((workdir / "results/runs/two/train_summary.json").read_text())
+    lm = summary["language_model"]
+    assert lm["block_size"] == 64 and lm["vocab_size"] == 257 and lm["tokens"] == tokens
+    samples = lm["generated"]["samples"]
+    assert len(samples) == 3 and all(len(s["text"]) > 0 for s in samples)
+    report = (workdir / "results/report/report.md").read_text()
+    assert "## Language models" in report and "### Samples from two" in report
+    assert "Test perplexity" in report
+    assert (workdir / "results/report/plots/val_perplexity.png").is_file()
+    meta = (workdir / "results/runs/two/model.safetensors").read_bytes()[:4096]
+    assert b'"tied"' in meta  # the output layer is the token embedding
+
+    # edit and rerun: the context length restages and retrains; the model only retrains
+    longer = write_config(workdir / "config.yaml", _config(block_size=32))
+    assert {"stage", "train", "evaluate"} <= jobs_planned(workdir, longer)
+    deeper = _config()
+    deeper["model"]["kwargs"]["n_layer"] = 3
+    planned = jobs_planned(workdir, write_config(workdir / "config.yaml", deeper))
+    assert "train" in planned and "stage" not in planned
+    assert jobs_planned(workdir, write_config(workdir / "config.yaml", _config())) == set()
+
+
+def test_a_block_size_longer_than_a_split_is_refused_before_any_rank_starts(workdir):
+    (workdir / "corpus").mkdir()
+    shutil.copy(JSON / "tool.py", workdir / "corpus" / "tool.py")  # 3,339 bytes
+    config = write_config(workdir / "config.yaml", _config(block_size=1024))
+    done = snakemake(workdir, config)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "data.block_size 1024: the val split has 334 tokens" in output
+    assert not (workdir / "logs/submitit").exists() and not (workdir / "results/runs").exists()
