@@ -172,12 +172,6 @@ def test_bad_token_data_is_refused_naming_the_key_or_file(tmp_path, staged):
         ),
         "data.block_size 32 is set for data.source digits": dict(data={"block_size": 32}),
         "model.name gpt is a language model": dict(model={"name": "gpt"}),
-        r"export.formats \['onnx'\]: run default is a language model": dict(
-            task="language_model",
-            model=GPT,
-            data={"source": "text", "path": str(corpus)},
-            export={"formats": ["onnx"]},
-        ),
     }
     for message, sections in refusals.items():
         with pytest.raises(ConfigError, match=message):

@@ -25,7 +25,8 @@ def _config(**data) -> dict:
         "model": {"name": "gpt", "kwargs": {"n_layer": 2, "n_head": 4, "n_embd": 64}},
         "train": {"epochs": 3, "global_batch_size": 32, "micro_batch_size": 16,
                   "optimizer": {"name": "adamw", "lr": 0.003, "weight_decay": 0.1}},
-        "export": {"formats": ["safetensors"]},
+        # torch_export applies to image runs; a language model's export is safetensors
+        "export": {"formats": ["safetensors", "torch_export"]},
         "runs": [{"name": "two", "machine": {"cpu_ranks_per_node": 2}},
                  {"name": "one", "machine": {"cpu_ranks_per_node": 1}}],
     }  # fmt: skip
@@ -66,6 +67,7 @@ def test_a_text_folder_trains_gpt_at_2_ranks_and_1_to_the_same_perplexity(workdi
     assert (workdir / "results/report/plots/val_perplexity.png").is_file()
     meta = (workdir / "results/runs/two/model.safetensors").read_bytes()[:4096]
     assert b'"tied"' in meta  # the output layer is the token embedding
+    assert not (workdir / "results/runs/two/model.pt2").exists()
 
     # edit and rerun: the context length restages and retrains; the model only retrains
     longer = write_config(workdir / "config.yaml", _config(block_size=32))

@@ -72,6 +72,11 @@ def export_run(run: dict, model_path: str, staged: str, out: str, fmt: str) -> d
 
     if fmt not in EXPORT_FILES:
         raise UserError(f"export.formats: unknown format {fmt!r}; one of {sorted(EXPORT_FILES)}")
+    if fmt != "safetensors" and run.get("task") == "language_model":
+        raise UserError(
+            f"run {run['name']!r} is a language model: ddpflow exports it as "
+            "safetensors only (docs/language-models.md)"
+        )
     checkpoint = runtime.safe_torch_load(model_path, torch.device("cpu"))
     manifest = json.loads((Path(staged) / "manifest.json").read_text())
     meta = metadata(run, checkpoint, manifest, sha256_file(Path(model_path)))

@@ -185,11 +185,12 @@ def export_file(fmt):
 
 
 def export_files():
-    """Every run's exports in export.formats."""
-    return expand(
-        [export_file(fmt) for fmt in config["export"]["formats"]],
-        run=RUNS,
-    )
+    """Every run's exports in export.formats (a language model's: safetensors only)."""
+    return [
+        export_file(fmt).format(run=name)
+        for name, run in RUNS.items()
+        for fmt in ddpconfig.export_formats(run, config["export"]["formats"])
+    ]
 
 
 def safetensors_export(wildcards):

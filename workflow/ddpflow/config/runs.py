@@ -50,20 +50,15 @@ def check_runs(config: dict) -> tuple[dict, list[dict]]:
         _check_run(run, config["launcher"])
     check_tracking(config["tracking"])
     check_export(config["export"])
-    _check_language_model_exports(config, runs)
     return config, runs
 
 
-def _check_language_model_exports(config: dict, runs: list[dict]) -> None:
-    """A language model exports as safetensors only; `snakemake predict` reads images."""
-    models = [run["name"] for run in runs if run["task"] == LANGUAGE_MODEL]
-    traced = [f for f in config["export"]["formats"] if f != "safetensors"]
-    if models and traced:
-        raise ConfigError(
-            f"export.formats {traced}: run {models[0]} is a language model, which ddpflow "
-            "exports as safetensors only (its model.pt loads with ddpflow.training.models."
-            "from_checkpoint); set export.formats: [safetensors]"
-        )
+def export_formats(run: dict, formats: list[str]) -> list[str]:
+    """The export.formats that apply to a run: a language model's is safetensors only (the
+    traced formats take an image batch); docs/language-models.md."""
+    if run["task"] == LANGUAGE_MODEL:
+        return [fmt for fmt in formats if fmt == "safetensors"]
+    return list(formats)
 
 
 def run_entries(config: dict) -> list[tuple[dict, str]]:

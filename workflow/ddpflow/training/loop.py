@@ -31,6 +31,7 @@ from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import accumulation_steps, micro_batches_per_step
 from ddpflow.config.typed import RunSpec
 from ddpflow.data import feed
+from ddpflow.data.text import TokenFeed
 from ddpflow.runtime import PHASES, PhaseClock
 from ddpflow.training import evaluate, faults, sharding, weights
 from ddpflow.training.build import build_training, unfrozen
@@ -58,7 +59,7 @@ class Loop(Resumable):
         self.loaded, self.frozen = loaded, weights.freeze(model, run.train.freeze)  # fine-tuning
         # the training batches: load_data's feed, or, for tensors given directly (tests,
         # benchmarks), one over the train images in memory; the Loop's own from here on
-        self.feed: feed.MemoryFeed | feed.StreamFeed
+        self.feed: feed.MemoryFeed | feed.StreamFeed | TokenFeed
         if data.feed is not None:
             self.feed = data.feed
         else:

@@ -16,6 +16,7 @@ from ddpflow.config.typed import RunSpec
 from ddpflow.config.weights import input_normalisation
 from ddpflow.data import feed
 from ddpflow.data.staged import DataError, choose_in_memory, open_split, read_manifest
+from ddpflow.data.text import TokenBlocks, TokenFeed, open_tokens
 from ddpflow.task import DEFAULT_TASK, Task, get_task, run_task
 from ddpflow.text import counted
 from ddpflow.training.evaluate import Scoring
@@ -30,7 +31,7 @@ class Split:
     task stages them (classification: int64 [n]; multilabel: uint8 [n, K]; regression:
     float32 [n, K])."""
 
-    images: torch.Tensor | feed.StreamedImages
+    images: torch.Tensor | feed.StreamedImages | TokenBlocks
     labels: torch.Tensor
 
 
@@ -44,7 +45,7 @@ class RankData:
     shape: list[int]  # one image's [C, H, W]
     # the training batches (feed.MemoryFeed or feed.StreamFeed); None until Loop makes a
     # MemoryFeed over train's images (tensors given directly) or where no train split is
-    feed: feed.MemoryFeed | feed.StreamFeed | None = None
+    feed: feed.MemoryFeed | feed.StreamFeed | TokenFeed | None = None
     manifest: dict = field(default_factory=dict)  # the staged data's manifest.json
     in_memory: bool = True  # the splits loaded whole (else streamed)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -123,13 +124,11 @@ def load_data(run: RunSpec, staged: str, env: DistEnv, device, splits=("train", 
 def _token_data(run: RunSpec, staged: str, env: DistEnv, device, splits, verify, task) -> RankData:
     """A language model's splits: token blocks read by memory map (never loaded whole),
     checked against the manifest first (ddpflow.data.text)."""
-    from ddpflow.data import text
-
     manifest = read_manifest(staged)
 
     def opened(split: str) -> Split:
-        tokens = text.open_tokens(staged, split, manifest, verify)
-        blocks = text.TokenBlocks(tokens, manifest["block_size"], split != "train", device)
+        tokens = open_tokens(staged, split, manifest, verify)
+        blocks = TokenBlocks(tokens, manifest["block_size"], split != "train", device)
         return Split(blocks, torch.empty((len(blocks), 0), device=device))
 
     found, failed = {}, None
@@ -150,8 +149,8 @@ def _token_data(run: RunSpec, staged: str, env: DistEnv, device, splits, verify,
         task=task, tokens=True,
     )  # fmt: skip
     if "train" in found:
-        assert isinstance(found["train"].images, text.TokenBlocks)
-        data.feed = text.TokenFeed(found["train"].images)
+        assert isinstance(found["train"].images, TokenBlocks)
+        data.feed = TokenFeed(found["train"].images)
     if env.is_master:
         counts = ", ".join(f"{s} {manifest['tokens'][s]:,}" for s in found)
         log.info(
