@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from ddpflow.data.staged import DataError, read_manifest, verify_staged
 from ddpflow.data.staging import stage_dataset
 from ddpflow.training import evaluate
 from ddpflow.training.checkpoint import Checkpointer
+from ddpflow.training.gpt import text_samples
 from ddpflow.training.loop import Loop, fit
 from ddpflow.training.models import build_model, check_model
 from ddpflow.training.rankdata import load_data
@@ -190,6 +192,15 @@ def test_gpt_takes_ids_and_gives_logits_per_position_with_tied_weights():
     model.eval()
     assert torch.equal(model(x)[0, :-1], model(y)[0, :-1])
     assert check_model(GPT, [BLOCK], 257) == sum(p.numel() for p in model.parameters())
+    # samples of an untrained byte model: any byte, control characters shown as U+FFFD
+    val = SimpleNamespace(images=SimpleNamespace(tokens=np.arange(65, 65 + 40)))
+    data = SimpleNamespace(manifest={"source": "text", "block_size": BLOCK}, val=val)
+    made = text_samples(model, data, seed=3, every_rank=False, is_master=True)
+    assert made["prompt"] == "ABCDEFGHIJKLMNOP"  # the validation split's first block_size
+    again = text_samples(model, data, seed=3, every_rank=False, is_master=True)
+    assert made == again and [s["seed"] for s in made["samples"]] == [3, 4, 5]
+    shown = "".join(s["text"] for s in made["samples"])
+    assert all(c.isprintable() or c in "\n\t" for c in shown) and "\ufffd" in shown
 
 
 def _loop(env, staged: str, corpus, strategy="ddp", **train) -> Loop:

@@ -155,7 +155,9 @@ def text_samples(model: nn.Module, data, seed: int, every_rank: bool, is_master:
 
     def text(tokens: list[int]) -> str:
         raw = b"".join(b"\n" if t == EOD else bytes([t]) for t in tokens if t <= EOD)
-        return raw.decode("utf-8", errors="replace")
+        decoded = raw.decode("utf-8", errors="replace")
+        # control characters (NUL, escapes) shown as U+FFFD: the text goes into the report
+        return "".join(c if c in "\n\t" or c.isprintable() else "\ufffd" for c in decoded)
 
     samples = [
         {"seed": seed + k, "text": text(generate(model, prompt, NEW_TOKENS, block, seed + k))}

@@ -70,6 +70,7 @@ def published(record: dict) -> dict:
     """What the evaluate rule logs of an eval_metrics.json record."""
     headline = record.get("headline", ("accuracy", "correct"))
     keys = ("run", "split", *headline, "samples_evaluated", "test_size")
+    keys += ("tokens",) if "tokens" in record else ()  # a language model's positions scored
     extra = {"headline": record["headline"]} if "headline" in record else {}
     return {**{k: record.get(k) for k in keys}, **extra}
 
