@@ -251,6 +251,42 @@ def render_finetune(doc: dict) -> list[str]:
     ]
 
 
+def render_lm(doc: dict) -> list[str]:
+    """The language-model step: ddpflow against the nanoGPT-style loop, tokens/s and FLOP/s."""
+    m, c = doc["model"], doc["conditions"]
+    rows = []
+    for r in doc["runs"]:
+        n, d = r["nanogpt"], r["ddpflow"]
+        mfu = "—" if d.get("mfu") is None else f"{pct(n['mfu'])} / {pct(d['mfu'])}"
+        rows.append([
+            r["precision"], r["device"], num(r["world_size"]), num(n["tokens_per_s"]),
+            num(d["tokens_per_s"]), ratio(r["speedup"]), ratio(r["cpu_time_speedup"]),
+            f"{num(n['gflops'], 1)} / {num(d['gflops'], 1)}", mfu,
+            f"{num(n['train_loss_last_repeat'], 3)} / {num(d['train_loss_last_repeat'], 3)}",
+        ])  # fmt: skip
+    header = ["precision", "device", "ranks", "nanoGPT-style tokens/s", "ddpflow tokens/s",
+              "ddpflow / nanoGPT", "by CPU s", "GFLOP/s nanoGPT / ddpflow", "MFU",
+              "loss nanoGPT (last step) / ddpflow (last repeat)"]  # fmt: skip
+    k, load = m["kwargs"], c.get("load", {})
+    before, after = load.get("loadavg_before"), load.get("loadavg_after")
+    same = all(r["same_initial_weights"] for r in doc["runs"])
+    return [
+        f"GPT {k['n_layer']} layers x {k['n_embd']} ({k['n_head']} heads), "
+        f"{num(m['parameters'])} parameters, vocabulary {m['vocab_size']}, T {m['block_size']}; "
+        f"{c['batch']} blocks per rank and step, {c['steps_per_repeat']} steps a repeat, median "
+        f"of {c['repeats']} repeats; tokens/s of all ranks, the slowest rank's wall time (by CPU "
+        "s: per CPU-second of all ranks, less sensitive to other load). GFLOP/s = 6 x "
+        f"{num(m['flops_parameters'])} parameters (all but the position embedding) x tokens/s; "
+        + ("MFU against the peak given." if c.get("peak_tflops") else "MFU needs a peak FLOP/s, "
+           "which a CPU does not have (`--peak-tflops`).")
+        + f" Same initial weights in both loops: {'yes' if same else 'NO'}. Each rank's "
+        f"CPU-busy fraction (near 1: a core to itself) at least "
+        f"{num(load.get('min_cpu_busy_per_rank'), 2)}; 1-minute load average before / after: "
+        f"{num((before or [None])[0], 2)} / {num((after or [None])[0], 2)}.",
+        table(header, rows),
+    ]  # fmt: skip
+
+
 def render_memory(doc: dict) -> list[str]:
     rows = []
     for r in doc["runs"]:
@@ -636,6 +672,8 @@ def renderer(doc: dict):
         return render_finetune
     if runs and "max_over_ranks" in runs[0]:
         return render_memory
+    if runs and "nanogpt" in runs[0]:  # before throughput's: its runs have "ddpflow" too
+        return render_lm
     if runs and "ddpflow" in runs[0]:
         return render_throughput
     if "loader" in doc:

@@ -1,5 +1,5 @@
 """The benchmarks (bench/throughput.py, end_to_end.py, memory.py, data.py, layout.py,
-finetune.py, scaling.py, micro_batch.py, memory_estimate.py) run in a tiny configuration and
+finetune.py, lm.py, scaling.py, micro_batch.py, memory_estimate.py) run in a tiny configuration and
 write complete JSON.
 
 Speed is measured by the benchmarks and never asserted here: only that the numbers exist.
@@ -287,6 +287,29 @@ def test_finetune_tiny_run_writes_complete_json(tmp_path):
     assert "1000 -> 10 classes" in modes["frozen"]["weights_head"]
     assert row["speedup_vs_scratch"]["scratch"] == 1.0 and row["frozen_backbone_unchanged"]
     assert "| `cnn:3x32x32` | frozen | 650 of 66,410 |" in "\n".join(_renderer(report)(report))
+
+
+def test_lm_quick_run_writes_complete_json(tmp_path):
+    """bench/lm.py --quick: ddpflow's language-model step and the nanoGPT-style loop, fp32
+    and bf16 at 1 and 2 ranks, the same initial weights; the performance page renders it."""
+    out = tmp_path / "lm.json"
+    cmd = [sys.executable, str(REPO / "bench" / "lm.py"), "--quick", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    report = json.loads(out.read_text())
+    assert {"hostname", "cpu_model", "cpu_count"} <= set(report["machine"])
+    assert {"torch", "python"} <= set(report["provenance"]["versions"])
+    assert {"loadavg_before", "loadavg_after"} <= set(report["conditions"]["load"])
+    assert report["model"]["flops_per_token"] == 6 * report["model"]["flops_parameters"] > 0
+    rows = {(r["precision"], r["world_size"]): r for r in report["runs"]}
+    assert set(rows) == {(p, w) for p in ("fp32", "bf16") for w in (1, 2)}
+    for row in rows.values():
+        assert row["same_initial_weights"] and math.isfinite(row["speedup"])
+        for loop in ("nanogpt", "ddpflow"):
+            assert len(row[loop]["all"]) == 1  # the warmup repeat is not among them
+            assert row[loop]["tokens_per_s"] > 0 and row[loop]["gflops"] > 0
+            assert row[loop]["mfu"] is None  # no --peak-tflops
+    assert "| bf16 | cpu | 2 |" in "\n".join(_renderer(report)(report))
 
 
 # --- strong scaling and the sampler's cost (issue 23) ----------------------------------
