@@ -333,14 +333,15 @@ class TokenBlocks:
         )
 
     def gather(self, indices) -> np.ndarray:
-        """int64 [k, B + 1] of the blocks at `indices` (relative to this view)."""
-        indices = np.asarray(indices, dtype=np.int64) + self.start
-        out = np.full((len(indices), self.block + 1), PAD, dtype=np.int64)
-        n = len(self.tokens)
-        for row, index in enumerate(indices.tolist()):
-            begin = index * self.block
-            piece = self.tokens[begin : min(begin + self.block + 1, n)]
-            out[row, : len(piece)] = piece
+        """int64 [k, B + 1] of the blocks at `indices` (relative to this view): one gather
+        from the memory map (only the pages of these blocks are read)."""
+        starts = (np.asarray(indices, dtype=np.int64) + self.start) * self.block
+        positions = starts[:, None] + np.arange(self.block + 1)
+        inside = positions < len(self.tokens)  # a scored split's last block is partial
+        if inside.all():
+            return self.tokens[positions].astype(np.int64)
+        out = np.full(positions.shape, PAD, dtype=np.int64)
+        out[inside] = self.tokens[positions[inside]]
         return out
 
     def rows(self, start: int, stop: int):

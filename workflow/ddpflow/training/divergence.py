@@ -94,7 +94,12 @@ class NonfiniteWatch:
 
 
 def output_parameter(model: nn.Module) -> nn.Parameter | None:
-    """The last trainable parameter registered: the output layer's, in every built-in model
-    and in the usual layout of any other (the divergence watch reads its gradient)."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return trainable[-1] if trainable else None
+    """A trainable parameter of the last module registered that has one: the output layer's,
+    in every built-in model and in the usual layout of any other (the divergence watch reads
+    its gradient). By module, not by model.parameters(): gpt's output layer is tied to the
+    token embedding, which parameters() lists once, first."""
+    for module in reversed(list(model.modules())):
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if own:
+            return own[-1]
+    return None
