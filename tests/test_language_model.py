@@ -26,7 +26,7 @@ from ddpflow.training import evaluate
 from ddpflow.training.checkpoint import Checkpointer
 from ddpflow.training.gpt import text_samples
 from ddpflow.training.loop import Loop, fit
-from ddpflow.training.models import build_model, check_model
+from ddpflow.training.models import ModelError, build_model, check_model
 from ddpflow.training.rankdata import load_data
 from distributed_helpers import run_group
 from workflow_helpers import make_run
@@ -342,3 +342,21 @@ def test_zero_fsdp_activation_checkpointing_and_bf16_train_the_same_model(worlds
     bf16 = worlds[2]["bf16"]  # autocast on the CPU: its matmuls in bf16
     assert bf16 != ddp and all(math.isfinite(x) for x in bf16)
     np.testing.assert_allclose(bf16, ddp, rtol=0.01)
+
+
+def test_your_own_language_model_is_called_with_vocab_size_and_block_size(tmp_path, monkeypatch):
+    (tmp_path / "my_lm.py").write_text(
+        "from torch import nn\n"
+        "def build(vocab_size, block_size, width=8):\n"
+        "    return nn.Sequential(nn.Embedding(vocab_size, width), nn.Linear(width, vocab_size))\n"
+        "def broken(vocab_size, block_size):\n"
+        "    return nn.Embedding(vocab_size, 3)  # 3 logits, not vocab_size\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = build_model({"name": "my_lm:build", "kwargs": {"width": 4}}, [BLOCK], 257)
+    assert model(torch.zeros(2, BLOCK, dtype=torch.int64)).shape == (2, BLOCK, 257)
+    assert check_model({"name": "my_lm:build", "kwargs": {}}, [BLOCK], 257) > 0
+    with pytest.raises(ModelError, match=r"expected logits of shape \(2, 16, 257\)"):
+        check_model({"name": "my_lm:broken", "kwargs": {}}, [BLOCK], 257)
+    with pytest.raises(ModelError, match="called with vocab_size 257, block_size 16"):
+        build_model({"name": "my_lm:build", "kwargs": {"depth": 2}}, [BLOCK], 257)

@@ -43,7 +43,8 @@ def build_model(model_cfg: Mapping[str, Any], shape: list[int], num_classes: int
         return small_resnet(name, channels, num_classes)
     kwargs = dict(model_cfg.get("kwargs") or {})
     if is_plugin(name):
-        return _plugin(name, shape, num_classes, kwargs)
+        called = f"input shape {list(shape)}, {num_classes} classes"
+        return _plugin(name, (list(shape), num_classes), called, kwargs)
     small_stem = model_cfg.get("small_input_stem", True) and not imagenet
     return zoo_model(name, channels, num_classes, kwargs, small_stem)
 
@@ -68,21 +69,8 @@ def _language_model(model_cfg: Mapping[str, Any], block_size: int, vocab_size: i
             f"model.name {name!r}: a language model is gpt or your own "
             "'package.module:function' called with (vocab_size, block_size)"
         )
-    factory = import_factory(name, "model.name", ModelError)
-    try:
-        model = factory(vocab_size, block_size, **kwargs)
-    except Exception as err:
-        raise ModelError(
-            f"model.name {name!r}: the factory raised {type(err).__name__}: {err} "
-            f"(called with vocab_size {vocab_size}, block_size {block_size}, "
-            f"model.kwargs {kwargs})"
-        ) from err
-    if not isinstance(model, nn.Module):
-        raise ModelError(
-            f"model.name {name!r}: the factory returned a "
-            f"{type(model).__name__}, not a torch.nn.Module"
-        )
-    return model
+    called = f"vocab_size {vocab_size}, block_size {block_size}"
+    return _plugin(name, (vocab_size, block_size), called, kwargs)
 
 
 def imagenet_architecture(model_cfg: Mapping[str, Any]) -> bool:
@@ -93,14 +81,14 @@ def imagenet_architecture(model_cfg: Mapping[str, Any]) -> bool:
     return isinstance(spec, str) and weights_kind(spec) == "torchvision"
 
 
-def _plugin(spec: str, shape: list[int], num_classes: int, kwargs: dict) -> nn.Module:
+def _plugin(spec: str, args: tuple, called: str, kwargs: dict) -> nn.Module:
+    """The plug-in's factory(*args, **model.kwargs), checked; `called` says the args."""
     factory = import_factory(spec, "model.name", ModelError)
     try:
-        model = factory(list(shape), num_classes, **kwargs)
+        model = factory(*args, **kwargs)
     except Exception as err:
         raise ModelError(f"model.name {spec!r}: the factory raised {type(err).__name__}: {err} "
-                         f"(called with input shape {list(shape)}, {num_classes} classes, "
-                         f"model.kwargs {kwargs})") from err  # fmt: skip
+                         f"(called with {called}, model.kwargs {kwargs})") from err  # fmt: skip
     if not isinstance(model, nn.Module):
         raise ModelError(f"model.name {spec!r}: the factory returned a "
                          f"{type(model).__name__}, not a torch.nn.Module")  # fmt: skip

@@ -84,7 +84,7 @@ def load_data(run: RunSpec, staged: str, env: DistEnv, device, splits=("train", 
     task = run_task(run)
     if read_manifest(staged).get("kind") == "tokens":
         return _token_data(run, staged, env, device, splits, verify, task)
-    opened = _open_verified(staged, splits, verify, env)
+    opened = _open_verified(staged, splits, env, lambda split: open_split(staged, split, verify))
     manifest = next(iter(opened.values()))[2]
     staged_task = manifest.get("task", DEFAULT_TASK)
     if staged_task != task.name:
@@ -131,17 +131,7 @@ def _token_data(run: RunSpec, staged: str, env: DistEnv, device, splits, verify,
         blocks = TokenBlocks(tokens, manifest["block_size"], split != "train", device)
         return Split(blocks, torch.empty((len(blocks), 0), device=device))
 
-    found, failed = {}, None
-    try:
-        found = {split: opened(split) for split in dict.fromkeys(splits)}
-    except DataError as exc:
-        log.error("rank %d on %s: %s", env.rank, socket.gethostname(), exc)
-        failed = exc
-    if distenv.any_rank(env.world_size, failed is not None):
-        raise failed or DataError(
-            f"the staged data {staged} failed its check on another "
-            "rank (its log names the file); delete it and restage"
-        )
+    found = _open_verified(staged, splits, env, opened)
     one = torch.zeros(1, device=device)
     data = RankData(
         splits=found, norm=(one, one), num_classes=manifest["num_classes"],
@@ -162,13 +152,13 @@ def _token_data(run: RunSpec, staged: str, env: DistEnv, device, splits, verify,
     return data
 
 
-def _open_verified(staged: str, splits, verify: bool, env: DistEnv) -> dict:
-    """Each split once (eval.split may be val), opened and checked; a check that failed on
-    any rank fails every rank (no rank trains on bad data)."""
+def _open_verified(staged: str, splits, env: DistEnv, open_one) -> dict:
+    """Each split once (eval.split may be val), opened and checked by open_one(split); a
+    check that failed on any rank fails every rank (no rank trains on bad data)."""
     opened, failed = {}, None
     try:
         for split in dict.fromkeys(splits):
-            opened[split] = open_split(staged, split, verify)
+            opened[split] = open_one(split)
     except DataError as exc:
         log.error("rank %d on %s: %s", env.rank, socket.gethostname(), exc)
         failed = exc
