@@ -184,6 +184,11 @@ def test_bad_token_data_is_refused_naming_the_key_or_file(tmp_path, staged):
         ),
         "data.block_size 32 is set for data.source digits": dict(data={"block_size": 32}),
         "model.name gpt is a language model": dict(model={"name": "gpt"}),
+        "data.max_train_samples 100 caps images": dict(
+            task="language_model",
+            model=GPT,
+            data={"source": "text", "path": str(corpus), "max_train_samples": 100},
+        ),
     }
     for message, sections in refusals.items():
         with pytest.raises(ConfigError, match=message):

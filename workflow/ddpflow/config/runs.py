@@ -181,6 +181,11 @@ def _check_language_model(run: dict, where: str) -> None:
                 else "the folder of train.bin and val.bin (or .npy) token files"
             )
         )
+    if data["max_train_samples"] is not None:
+        raise ConfigError(
+            f"{where}: data.max_train_samples {data['max_train_samples']} caps images; a "
+            "language model trains on every block of its text: set it to null for this run"
+        )
     if source == "tokens" and data["vocab_size"] is None:
         raise ConfigError(
             f"{where}: data.vocab_size is required for data.source tokens: your tokenizer's "
