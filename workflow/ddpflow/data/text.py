@@ -40,7 +40,6 @@ from ddpflow.text import counted
 
 log = logging.getLogger(__name__)
 
-BYTES = 256  # text: one token per byte value
 EOD = 256  # text: the end-of-document token between two files
 TEXT_VOCAB = 257
 PAD = -1  # a scored block's padding: its targets are ignored
