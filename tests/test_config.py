@@ -267,6 +267,18 @@ BAD_CONFIGS = [
     ("time-min-words", "machine: {time_min: an hour}", ["machine.time_min", "1:30:00"]),
     ("time-min-zero-string", "machine: {time_min: '0:00:00'}", ["machine.time_min"]),
     ("lr-nan-string", "train: {optimizer: {lr: nan}}", ["train.optimizer.lr", "'nan'"]),
+    # a value none of a key's alternatives takes: the alternatives in words, a close word
+    (
+        "freeze-misspelt",
+        "train: {freeze: backbon}",
+        ["train.freeze: 'backbon'", "'backbone' or a list of strings", "did you mean 'backbone'"],
+    ),
+    ("micro-batch-word", "train: {micro_batch_size: autp}", ["an integer >= 1 or 'auto'"]),
+    (
+        "sha256-digits-unquoted",
+        f"model: {{weights_sha256: {'1' * 64}}}",
+        ["model.weights_sha256", "wrong type", "quote it, weights_sha256: '...'"],
+    ),
     (
         "max-train-samples-below-ranks",
         "data: {max_train_samples: 1}",

@@ -112,6 +112,14 @@ def _type_hint(error: jsonschema.ValidationError) -> str:
         return " (minutes, e.g. 90, or a Slurm time such as 1:30:00 or 1-12:00:00)"
     if isinstance(error.instance, str):
         return " (in YAML, a value in quotes is a string: write numbers and true/false bare)"
+    wanted = error.validator_value
+    number = isinstance(error.instance, int | float) and not isinstance(error.instance, bool)
+    if "string" in wanted and number and path:
+        # a sha256 or a run name of digits only: YAML reads it as a number
+        return (
+            f" (YAML reads an unquoted value of digits as a number: quote it, "
+            f"{path[-1]}: '...', exactly as written)"
+        )
     return ""
 
 
@@ -180,12 +188,44 @@ def _describe(error: jsonschema.ValidationError) -> str:
             f"{path}: {error.instance!r} is neither a built-in source ({', '.join(known)}) nor "
             f"a plug-in written 'package.module:function'{hint}"
         )
+    if error.validator == "anyOf":
+        return _none_of(path, error)
     if error.validator == "type":
         return (
             f"{path}: {error.instance!r} has the wrong type; expected {error.validator_value}"
             + _type_hint(error)
         )
     return f"{path}: {error.message}"
+
+
+def _none_of(path: str, error: jsonschema.ValidationError) -> str:
+    """A value none of a key's alternatives takes: the alternatives in words (jsonschema says
+    only 'is not valid under any of the given schemas'), and a close spelling of a word."""
+    subs = error.validator_value
+    words = [
+        w for sub in subs for w in [*sub.get("enum", []), sub.get("const")] if isinstance(w, str)
+    ]
+    given = error.instance if isinstance(error.instance, str) else ""
+    close = difflib.get_close_matches(given, words, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    allowed = " or ".join(_alternative(sub) for sub in subs)
+    return f"{path}: {error.instance!r} is not allowed here: {allowed}{hint}"
+
+
+def _alternative(sub: dict) -> str:
+    """One anyOf alternative in words: 'backbone', 'a list of strings', 'an integer >= 1'."""
+    if "const" in sub:
+        return repr(sub["const"])
+    if "enum" in sub:
+        return "one of " + ", ".join(map(repr, sub["enum"]))
+    kind = sub.get("type")
+    if kind == "array":
+        return f"a list of {sub.get('items', {}).get('type', 'value')}s"
+    signs = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<="}
+    text = {"integer": "an integer"}.get(kind, f"a {kind or 'value'}")
+    if "pattern" in sub:
+        text += f" matching {sub['pattern']}"
+    return " ".join([text, *(f"{sign} {sub[k]}" for k, sign in signs.items() if k in sub)])
 
 
 def validate(config: dict, where: str = "config") -> dict:
