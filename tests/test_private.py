@@ -75,6 +75,42 @@ def test_the_work_folder_is_refused_before_the_training_is_planned(tmp_path):
     assert sorted(work.iterdir()) == []  # nothing read or written
 
 
+@pytest.mark.parametrize("parent", ["results/work", "results/work/.."])
+def test_a_parent_others_can_write_is_refused_before_anything_is_read(tmp_path, parent):
+    """Whoever can write results/work can move a run's folder aside and put their own in its
+    place: refused as the folder itself is, naming the parent and its chmod. Above
+    ddpflow's own folder (results/work) the user's folders are theirs to share."""
+    run = make_run()
+    work = private.make(tmp_path / "results/work/run", "work folder")
+    (work / "fingerprint.json").write_text("{}")
+    writable = (tmp_path / parent).resolve()
+    os.chmod(writable, 0o777)
+    if parent != "results/work":
+        assert workspace.prepare(run, work) == "fresh"  # results/ is the user's to share
+        return
+    with pytest.raises(private.OpenFolder) as refused:
+        workspace.prepare(run, work)
+    message = str(refused.value)
+    assert f"work folder {work}: its parent {writable}: its group and every user can" in message
+    assert f"fix: chmod go-w {writable}" in message
+    assert sorted(p.name for p in work.iterdir()) == ["fingerprint.json"]  # nothing touched
+    assert _mode(writable) == 0o777
+    os.chmod(writable, 0o1777)  # sticky, as /tmp: nobody can rename what another user owns
+    private.make(work, "work folder")
+
+
+def test_parents_are_created_unwritable_by_others_whatever_the_umask(tmp_path):
+    old = os.umask(0o002)  # a group project's umask: mkdir would give 0775
+    try:
+        folder = private.make(tmp_path / "logs/submitit/run/train", "job folder",
+                              top=tmp_path / "logs/submitit")  # fmt: skip
+    finally:
+        os.umask(old)
+    assert _mode(folder) == 0o700
+    assert _mode(folder.parent) == 0o755 and _mode(folder.parent.parent) == 0o755
+    private.make(folder, "job folder", top=tmp_path / "logs/submitit")  # and accepted again
+
+
 def _batch_line(folder) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", "-c", private.refusal_script(folder) + "\necho loaded"],
@@ -93,6 +129,23 @@ def test_the_batch_script_refuses_to_load_pickles_from_an_open_folder(tmp_path):
     assert done.returncode == 1 and "loaded" not in done.stdout
     assert f"ddpflow: the job folder {folder} can be written by others" in done.stderr
     assert f"chmod 700 {folder}" in done.stderr
+
+
+def test_the_batch_script_refuses_a_job_folder_whose_parent_others_can_write(tmp_path):
+    top = tmp_path / "logs/submitit"
+    folder = private.make(top / "run/train", "job folder", top=top)
+    script = private.refusal_script(folder, top=top)
+    for writable in (top, top / "run"):
+        os.chmod(writable, 0o777)
+        done = subprocess.run(["bash", "-c", script + "\necho loaded"], capture_output=True,
+                              text=True, timeout=30)  # fmt: skip
+        assert done.returncode == 1 and "loaded" not in done.stdout, writable
+        assert "or so can one of its parents" in done.stderr and "chmod go-w" in done.stderr
+        os.chmod(writable, 0o1777)  # sticky: safe
+        done = subprocess.run(["bash", "-c", script + "\necho loaded"], capture_output=True,
+                              text=True, timeout=30)  # fmt: skip
+        assert done.stdout == "loaded\n", done.stderr
+        os.chmod(writable, 0o755)
 
 
 def test_the_submitit_pickles_are_sealed(tmp_path):

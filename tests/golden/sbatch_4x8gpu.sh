@@ -20,7 +20,7 @@
 #SBATCH --wckey=submitit
 
 # setup
-if [ ! -O /scratch/proj/ddpflow/logs/submitit/big/train ] || [ -n "$(find /scratch/proj/ddpflow/logs/submitit/big/train -maxdepth 0 -perm /022)" ]; then echo 'ddpflow: the job folder /scratch/proj/ddpflow/logs/submitit/big/train can be written by others or is not yours: refusing to load its pickles; fix: chmod 700 /scratch/proj/ddpflow/logs/submitit/big/train' >&2; exit 1; fi
+if [ ! -O /scratch/proj/ddpflow/logs/submitit/big/train ] || [ -n "$(find /scratch/proj/ddpflow/logs/submitit/big/train -maxdepth 0 -perm /022)" ] || [ -n "$(find /scratch/proj/ddpflow/logs/submitit/big /scratch/proj/ddpflow/logs/submitit -maxdepth 0 -perm /022 ! -perm -1000 2>/dev/null)" ]; then echo 'ddpflow: the job folder /scratch/proj/ddpflow/logs/submitit/big/train can be written by others or is not yours, or so can one of its parents (/scratch/proj/ddpflow/logs/submitit/big, /scratch/proj/ddpflow/logs/submitit): refusing to load its pickles; fix: chmod 700 /scratch/proj/ddpflow/logs/submitit/big/train and chmod go-w on the parent' >&2; exit 1; fi
 module load cuda/12.4
 
 # command
