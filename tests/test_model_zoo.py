@@ -164,6 +164,9 @@ def test_a_plugin_and_a_torchvision_model_train_end_to_end(workdir):
     mine = json.loads((workdir / "results/runs/mine/eval_metrics.json").read_text())
     zoo = json.loads((workdir / "results/runs/shufflenet/eval_metrics.json").read_text())
     assert mine["accuracy"] > 0.95 and zoo["accuracy"] > 0.6
+    # the provenance is this run's config: no schema default naming a run "default"
+    assert mine["provenance"]["config"]["name"] == "mine"
+    assert "runs" not in mine["provenance"]["config"]
     plugin = mine["provenance"]["model_plugin"]
     assert plugin["file"] == str((workdir / "my_model.py").resolve())
     assert plugin["sha256"] == hashlib.sha256((workdir / "my_model.py").read_bytes()).hexdigest()

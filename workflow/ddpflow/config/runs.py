@@ -95,7 +95,9 @@ def _resolve(config: dict, entry: dict, where: str) -> dict:
     own = "task" in entry and entry["task"] != config.get("task", DEFAULT_TASK)
     merged["task_kwargs"] = entry.get("task_kwargs", {} if own else config.get("task_kwargs", {}))
     resolved = validate(merged, where=where)
-    for key in ("predict", "export"):  # the config's, not a run's (in no fingerprint)
+    # the config's, not a run's (in no fingerprint); `runs` is the schema's default
+    # [{name: default}], which would read as this run's provenance
+    for key in ("predict", "export", "runs"):
         resolved.pop(key, None)
     _resolve_task(resolved, where)
     resolved["name"] = entry["name"]
