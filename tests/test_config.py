@@ -155,6 +155,7 @@ runs:
 """
 
 # (id, YAML text, texts the message must contain); {tmp} is the test's tmp_path
+GPT_RUN = "task: language_model\ndata: {source: text, path: corpus.txt}\nmodel: {name: gpt, "
 BAD_CONFIGS = [
     ("epochs-string", "train: {epochs: ten}", ["train.epochs", "'ten'"]),
     ("epochs-bool", "train: {epochs: true}", ["train.epochs"]),
@@ -279,6 +280,19 @@ BAD_CONFIGS = [
         f"model: {{weights_sha256: {'1' * 64}}}",
         ["model.weights_sha256", "wrong type", "quote it, weights_sha256: '...'"],
     ),
+    # a gpt that cannot be built is refused at parse, not on every rank after the queue
+    (
+        "gpt-heads-do-not-divide",
+        GPT_RUN + "kwargs: {n_embd: 30, n_head: 4}}",
+        ["model.kwargs n_embd 30 is not divisible by n_head 4", "28 or 32", "1, 2, 3, 5, 6"],
+    ),
+    ("gpt-zero-heads", GPT_RUN + "kwargs: {n_head: 0}}", ["model.kwargs.n_head is 0"]),
+    ("gpt-dropout", GPT_RUN + "kwargs: {dropout: 1.5}}", ["model.kwargs.dropout is 1.5"]),
+    (
+        "gpt-unknown-key",
+        GPT_RUN + "kwargs: {n_layers: 2}}",
+        ["model.kwargs ['n_layers'] are not gpt's", "did you mean 'n_layer'"],
+    ),
     (
         "max-train-samples-below-ranks",
         "data: {max_train_samples: 1}",
@@ -302,6 +316,19 @@ def test_bad_config_names_the_key(tmp_path, text, expected):
     message = str(info.value)
     for part in expected:
         assert part.replace("{tmp}", str(tmp_path)) in message, message
+
+
+def test_the_parse_checks_gpt_kwargs_as_the_model_takes_them(tmp_path):
+    """The parse-time check (no torch) knows the keys and defaults gpt is built with, and
+    every kwargs it accepts builds."""
+    import torch
+    from ddpflow.config.model_kwargs import GPT_DEFAULTS
+    from ddpflow.training.gpt import DEFAULTS, gpt
+
+    assert GPT_DEFAULTS == DEFAULTS
+    kwargs = {"n_layer": 1, "n_head": 3, "n_embd": 12, "dropout": 0.1, "bias": False}
+    load_yaml(tmp_path, GPT_RUN + f"kwargs: {kwargs}}}".replace("False", "false"))
+    assert gpt(257, 8, kwargs)(torch.zeros(2, 8, dtype=torch.int64)).shape == (2, 8, 257)
 
 
 def test_missing_config_file_is_named(tmp_path):

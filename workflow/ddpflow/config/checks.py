@@ -22,6 +22,7 @@ from ddpflow.config.machine import (
     trains_sharded,
     working_world_sizes,
 )
+from ddpflow.config.model_kwargs import check_gpt_kwargs
 from ddpflow.config.schema import ConfigError, validate
 from ddpflow.plugins import is_plugin
 from ddpflow.runtime import usable_cores
@@ -64,7 +65,8 @@ def _check_features(where: str, run: dict) -> None:
 
 
 def _check_data_and_model(where: str, run: dict) -> None:
-    """Keys a data source or model requires, or refuses."""
+    """Keys a data source or model requires, or refuses; gpt's model.kwargs, which decide
+    whether it can be built."""
     data = run["data"]
     if data["source"] == "image_folder" and data["image_size"] is None:
         raise ConfigError(
@@ -83,6 +85,8 @@ def _check_data_and_model(where: str, run: dict) -> None:
             f"plug-ins); remove model.kwargs, or use the built-in model's own keys "
             f"(model.cnn_channels, model.mlp_hidden)"
         )
+    if model["name"] == "gpt":
+        check_gpt_kwargs(where, model["kwargs"])
     if not is_plugin(model["name"]) and "weights" in model["kwargs"]:
         raise ConfigError(
             f"{where}: model.kwargs.weights: pretrained weights go in model.weights (a "
