@@ -34,6 +34,7 @@ from ddpflow.data import feed
 from ddpflow.data.text import TokenFeed
 from ddpflow.runtime import PHASES, PhaseClock
 from ddpflow.training import evaluate, faults, sharding, weights
+from ddpflow.training.batchnorm import ExactStatistics
 from ddpflow.training.build import build_training, unfrozen
 from ddpflow.training.divergence import NonfiniteWatch, output_parameter
 from ddpflow.training.rankdata import RankData
@@ -95,6 +96,9 @@ class Loop(Resumable):
         self._on_step: Callable[[Loop], None] | None = None
         self.last_loss: torch.Tensor | None = None  # the last micro-step's, on the device
         watched = None if self.fsdp else output_parameter(self.model)
+        # BatchNorm running statistics as one rank stepping through every micro-batch would
+        # have them, whatever the world size (training.batchnorm)
+        self.norm_stats = ExactStatistics(self.model, self.micro_per_step, env.world_size, device)
         self.nonfinite = NonfiniteWatch(run, self.lr, device, env.world_size, watched, self.scaler)
 
     def watch_steps(self, callback: Callable[[Loop], None] | None) -> None:
@@ -170,7 +174,12 @@ class Loop(Resumable):
         if slow := faults.slow_seconds(env.rank):
             time.sleep(slow)
         started = time.perf_counter() if self._compiling else 0.0
+        if within == 0:
+            self.norm_stats.begin_step()
         loss = self._micro_step(batch, images, within == accum - 1, step, micro)
+        self.norm_stats.record(micro)
+        if within == accum - 1:  # before the step's callbacks (a checkpoint holds them)
+            self.norm_stats.end_step()
         if self._compiling:  # the first step compiled the forward and backward
             self._compiling = False
             log.info("torch.compile: the first step took %.1f s (compiling forward and "
