@@ -7,7 +7,10 @@ before any rank starts."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,6 +72,8 @@ def test_a_text_folder_trains_gpt_at_2_ranks_and_1_to_the_same_perplexity(workdi
     assert b'"tied"' in meta  # the output layer is the token embedding
     assert not (workdir / "results/runs/two/model.pt2").exists()
 
+    _the_docs_sampling_example_runs(workdir, run="two")
+
     # edit and rerun: the context length restages and retrains; the model only retrains
     longer = write_config(workdir / "config.yaml", _config(block_size=32))
     assert {"stage", "train", "evaluate"} <= jobs_planned(workdir, longer)
@@ -77,6 +82,23 @@ def test_a_text_folder_trains_gpt_at_2_ranks_and_1_to_the_same_perplexity(workdi
     planned = jobs_planned(workdir, write_config(workdir / "config.yaml", deeper))
     assert "train" in planned and "stage" not in planned
     assert jobs_planned(workdir, write_config(workdir / "config.yaml", _config())) == set()
+
+
+def _the_docs_sampling_example_runs(workdir: Path, run: str) -> None:
+    """docs/language-models.md's sampling example, as written but for the run's name: a
+    clean run that continues the prompt, the same text twice (seeded)."""
+    page = (Path(__file__).parents[1] / "docs/language-models.md").read_text()
+    example = re.search(r"## Sample from a trained model.*?```python\n(.*?)```", page, re.S)
+    code = example.group(1).replace('RUN = "tiny-gpt"', f'RUN = "{run}"')
+    assert f'RUN = "{run}"' in code
+    outputs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", code], cwd=workdir, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0 and "Warning" not in done.stderr, done.stderr[-3000:]
+        outputs.append(done.stdout)
+    assert outputs[0] == outputs[1] and outputs[0].startswith("def load(")
+    assert len(outputs[0]) > len("def load(") + 50
 
 
 def test_a_block_size_longer_than_a_split_is_refused_before_any_rank_starts(workdir):
