@@ -78,9 +78,6 @@ def test_report_of_the_finished_runs_names_the_failed_and_the_outdated(tmp_path)
     runs = {run["name"]: run for run in (ok, stale, wild)}
     _publish(results, ok, ok)
     _publish(results, stale, {**stale, "train": {**stale["train"], "epochs": 2}})  # older config
-    assert outcome.report_unfinished(runs, results) is None  # nothing failed: nothing written
-    assert not (results / "report").exists()
-
     outcome.record_failure(work_dir(results, "wild"), "train", UserError(JOB_FAILED), "w.log")
     html = outcome.report_unfinished(runs, results)
     assert html == results / "report" / "report.html" and html.stat().st_mtime == 0
@@ -102,3 +99,70 @@ def test_a_report_with_no_finished_run_still_renders(tmp_path):
     assert "Runs that did not finish" in page and "RuntimeError: boom" in page
     assert "<img" not in page
     assert (results / "report" / "summary.csv").read_text() == "run\n"
+
+
+def _runs(*runs: dict) -> dict[str, dict]:
+    return {run["name"]: run for run in runs}
+
+
+def test_a_staging_failure_is_the_cause_of_every_run_of_its_dataset(tmp_path, capsys):
+    """A wrong data.path fails the stage rule: no train rule of its runs ever ran, and the
+    report names each of them with the staging's cause (not an older failure of their own)."""
+    results = tmp_path / "results"
+    ok = {**make_run(), "name": "ok"}
+    npz = make_run(data={"source": "npz", "path": "missing.npz"})
+    own, twin = {**npz, "name": "own"}, {**npz, "name": "twin"}
+    _publish(results, ok, ok)
+    outcome.record_failure(work_dir(results, "own"), "train", RuntimeError("old"), "o.log")
+    staging = outcome.staging_work(results, npz["dataset_id"])
+    missing = UserError("data.path missing.npz: no such file")
+    outcome.record_failure(staging, "stage", missing, "logs/stage/npz.log")
+    html = outcome.report_unfinished(_runs(ok, own, twin), results)
+    summary = json.loads((html.parent / "summary.json").read_text())
+    assert [row["run"] for row in summary["runs"]] == ["ok"]
+    causes = {e["run"]: (e["stage"], e["cause"]) for e in summary["unfinished"]}
+    assert causes == dict.fromkeys(["own", "twin"], ("stage", str(missing)))
+    said = capsys.readouterr().err
+    assert (
+        "ddpflow: run 'twin' did not finish (stage failed: data.path missing.npz: no such "
+        "file); fix that, then run the same command again" in said
+    )
+    assert "report of the 1 finished of 3 runs" in said
+    # staged since (the file was put back): the record no longer describes the runs
+    (results / "staged" / npz["dataset_id"]).mkdir(parents=True)
+    assert outcome.run_failure(own, results)["cause"] == "RuntimeError: old"
+    assert outcome.run_failure(twin, results) is None
+
+
+def test_a_stop_with_no_failure_record_replaces_the_last_configs_report(tmp_path, capsys):
+    """Snakemake stopped (or a rule failed without a record): the report still describes
+    this config, never the runs of the one before."""
+    results = tmp_path / "results"
+    ok, new = {**make_run(), "name": "ok"}, {**make_run(), "name": "new"}
+    _publish(results, ok, ok)
+    html = outcome.report_unfinished(_runs(ok, new), results)
+    summary = json.loads((html.parent / "summary.json").read_text())
+    assert [row["run"] for row in summary["runs"]] == ["ok"]
+    assert [(e["run"], e["cause"]) for e in summary["unfinished"]] == [("new", outcome.NOT_RUN)]
+    assert "ddpflow: run 'new' did not finish\n" in capsys.readouterr().err
+
+
+def test_a_stopped_retrain_of_a_finished_run_is_an_interrupted_training(tmp_path, capsys):
+    """Ctrl-C while a finished run retrains on an edited config: its previous outputs came
+    back (ddpflow.kept), but this config's training was interrupted: said as for a first
+    training, with how to go on, and the report lists it as such."""
+    results = tmp_path / "results"
+    cnn = {**make_run(train={"epochs": 6}), "name": "cnn"}
+    _publish(results, cnn, {**cnn, "train": {**cnn["train"], "epochs": 2}})  # the last config
+    outcome.record_failure(work_dir(results, "cnn"), "train", KeyboardInterrupt(), "c.log")
+    assert outcome.interrupted_runs(_runs(cnn), results) == {"cnn"}
+    html = outcome.report_unfinished(_runs(cnn), results, restored=["cnn"])
+    summary = json.loads((html.parent / "summary.json").read_text())
+    (entry,) = summary["unfinished"]
+    assert summary["runs"] == [] and entry["stage"] == "train" and entry["interrupted"]
+    said = capsys.readouterr().err
+    assert (
+        "ddpflow: run 'cnn': train interrupted; no checkpoint was written yet; the same "
+        "command starts it again: " in said
+    )
+    assert "fix" not in said

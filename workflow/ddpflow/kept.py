@@ -14,7 +14,7 @@ Snakemake still sees the params the files were made with, so the edit is retried
 run and reverting it plans nothing.
 
     kept = KeptOutputs(workflow.persistence, runs, "results")   # onstart
-    kept.restore_failed()                                         # onerror
+    kept.restore_failed(interrupted)                              # onerror
     kept.drop()                                                   # onsuccess
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 from ddpflow.paths import EXPORT_FILES, PREDICT_FILES, RUN_FILES, TRACKING_FILE
@@ -77,9 +78,11 @@ class KeptOutputs:
             self._records[key] = self._persistence._read_record(key)
         self._kept.append((folder, rule))
 
-    def restore_failed(self) -> list[str]:
+    def restore_failed(self, interrupted: Collection[str] = ()) -> list[str]:
         """Link back every kept set whose files a failed job removed; returns the names of
-        the runs restored (each said in the terminal)."""
+        the runs restored (each said in the terminal). interrupted: the runs whose rule was
+        stopped, not failed: nothing to fix, the same command goes on (ddpflow.report.outcome
+        says how far it got)."""
         restored = []
         for folder, rule in self._kept:
             names = GROUPS[rule]
@@ -94,9 +97,7 @@ class KeptOutputs:
                 self._persistence._unmark_incomplete(key)
             restored.append(Path(folder).name)
             print(
-                f"ddpflow: run {restored[-1]!r}: its {rule} rule failed; the run's previous "
-                f"{', '.join(names)} are kept as they were (fix the cause and rerun, or revert "
-                "the edit: then nothing is redone)",
+                _restored_line(restored[-1], rule, names, restored[-1] in interrupted),
                 file=sys.stderr,
             )
         self.drop()
@@ -105,6 +106,21 @@ class KeptOutputs:
     def drop(self) -> None:
         for folder in self._folders:
             shutil.rmtree(Path(folder, KEPT), ignore_errors=True)
+
+
+def _restored_line(run: str, rule: str, names: tuple[str, ...], interrupted: bool) -> str:
+    files = ", ".join(names)
+    if interrupted:
+        return (
+            f"ddpflow: run {run!r}: its {rule} rule was interrupted; the run's previous "
+            f"{files} are kept as they were until it finishes (or revert the edit: then "
+            "nothing is redone)"
+        )
+    return (
+        f"ddpflow: run {run!r}: its {rule} rule failed; the run's previous {files} are "
+        "kept as they were (fix the cause and rerun, or revert the edit: then nothing is "
+        "redone)"
+    )
 
 
 def _link(source, target) -> None:

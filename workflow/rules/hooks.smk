@@ -21,11 +21,14 @@ onsuccess:
 
 
 onerror:
-    # A run failed, and with keep-going (both profiles) the others trained on: the report
-    # rule needs every run, so write the report of those that finished here, naming the
-    # failed ones and why (ddpflow.report.outcome); the next run redoes exactly the rest.
-    # First the finished outputs a failed rerun removed come back, so the report shows them.
-    from ddpflow.report.outcome import report_unfinished
+    # A rule failed (staging, training, ...) or Snakemake was stopped, and with keep-going
+    # (both profiles) the other runs went on: the report rule needs every run, so write the
+    # report of this config here, whatever failed: the runs that finished and, for each
+    # other, why (ddpflow.report.outcome); else results/report/ would still describe the
+    # last config. The next run redoes exactly the rest. First the finished outputs a failed
+    # or stopped rerun removed come back (a stopped one is told how to go on, not to fix).
+    from ddpflow.report.outcome import interrupted_runs, report_unfinished
 
-    restored = [run for kept in KEPT_OUTPUTS for run in kept.restore_failed()]
+    stopped = interrupted_runs(RUNS, RESULTS)
+    restored = [run for kept in KEPT_OUTPUTS for run in kept.restore_failed(stopped)]
     report_unfinished(RUNS, RESULTS, restored)

@@ -3,10 +3,13 @@
 A failed train or evaluate rule leaves a record in the run's work folder
 (results/work/<run>/failed.json: stage, cause, log), which Snakemake's clean-up of the failed
 job cannot delete (it is no declared output); the next attempt of that rule removes it first.
+A failed stage rule leaves one per dataset (results/work/.staging/<dataset>/failed.json: a run
+name cannot start with a dot), and it is the cause of every run that reads that dataset.
 With keep-going (both profiles), the other runs of the config train and evaluate on; the
 report rule, which needs every run, cannot run, so Snakemake's `onerror` hook
-(workflow/rules/hooks.smk) calls `report_unfinished`: the report of the runs that finished,
-with a section naming each run that did not and why.
+(workflow/rules/hooks.smk) calls `report_unfinished`: whatever failed or was stopped, the
+report of this config's runs that finished, with a section naming each run that did not and
+why, so results/report/ never keeps describing an earlier config.
 
     record_failure(work, "train", exc, "logs/train/wild.log")   # in the rule's process
     report_unfinished(runs, "results")                            # in Snakemake's, on error
@@ -37,6 +40,7 @@ from ddpflow.paths import (
     RunPaths,
     bad_nodes_file,
     report_dir,
+    staged_dir,
     work_dir,
 )
 from ddpflow.report.sweep import slim
@@ -50,6 +54,11 @@ log = logging.getLogger(__name__)
 NOT_RUN = (
     "not run: a step it needs failed or was stopped (staging, say); see Snakemake's output above"
 )
+
+
+def staging_work(results_dir: str | Path, dataset_id: str) -> Path:
+    """Where the stage rule of one dataset keeps why it failed (shared by its runs)."""
+    return Path(results_dir) / "work" / ".staging" / dataset_id
 
 
 def clear_failure(work: str | Path) -> None:
@@ -93,6 +102,25 @@ def read_failure(work: str | Path) -> dict | None:
     return record if isinstance(record, dict) and "cause" in record else None
 
 
+def run_failure(run: dict, results_dir: str | Path) -> dict | None:
+    """Why this run did not finish, if a rule said so: a failed staging of its dataset comes
+    first (its train rule never ran under this config: a record of its own is older)."""
+    dataset = run["dataset_id"]
+    staging = read_failure(staging_work(results_dir, dataset))
+    if staging and not staged_dir(results_dir, dataset).is_dir():  # staged since: stale
+        return staging
+    return read_failure(work_dir(results_dir, run["name"]))
+
+
+def interrupted_runs(runs: dict[str, dict], results_dir: str | Path) -> set[str]:
+    """The runs whose last train or evaluate rule was stopped (Ctrl-C, a signal)."""
+    return {
+        name
+        for name, run in runs.items()
+        if (run_failure(run, results_dir) or {}).get("interrupted")
+    }
+
+
 def _current(run: dict, paths: RunPaths) -> bool:
     """The run's published result exists and belongs to its current config (a run whose
     staging failed keeps an older config's result: that is no result of this config)."""
@@ -110,11 +138,12 @@ def _current(run: dict, paths: RunPaths) -> bool:
 def report_unfinished(
     runs: dict[str, dict], results_dir: str | Path, restored: Iterable[str] = ()
 ) -> Path | None:
-    """After a failed workflow: the report of the runs that finished, naming every run that
-    did not and why. Written only where a run failed (a failure record exists); returns the
-    HTML report's path, or None where nothing was written. Never raises: it runs in
+    """After a failed or stopped workflow: the report of this config's runs that finished,
+    naming every run that did not and why (its failure record, else NOT_RUN). Returns the
+    HTML report's path, or None where it could not be written. Never raises: it runs in
     Snakemake's error hook, after the failure was reported. restored: runs whose rerun failed
-    and whose previous outputs came back (ddpflow.kept): finished, as they were."""
+    and whose previous outputs came back (ddpflow.kept): finished, as they were, unless the
+    rerun was stopped: then it is an interrupted training of this config, told as such."""
     try:
         return _report_unfinished(runs, results_dir, set(restored))
     except Exception as exc:  # noqa: BLE001 - the hook must not hide the original failure
@@ -127,8 +156,10 @@ def _unfinished_line(entry: dict, runs: dict[str, dict], results_dir) -> str:
     kept and the command that continues it."""
     name = entry["run"]
     if not entry.get("interrupted"):
-        failed = f" ({entry['stage']} failed: {entry['cause']})" if "log" in entry else ""
-        return f"ddpflow: run {name!r} did not finish{failed}"
+        if "log" not in entry:  # no rule of it failed: one it needs did (see above)
+            return f"ddpflow: run {name!r} did not finish"
+        return (f"ddpflow: run {name!r} did not finish ({entry['stage']} failed: "
+                f"{entry['cause']}); fix that, then run the same command again")  # fmt: skip
     work = work_dir(results_dir, name)
     epochs = _lines(work / LIVE_METRICS) if entry["stage"] == "train" else 0
     total = runs.get(name, {}).get("train", {}).get("epochs", "?")
@@ -178,8 +209,9 @@ def _sort_runs(runs: dict[str, dict], results_dir, restored=frozenset()) -> tupl
     finished, unfinished, tracking_failures = [], [], []
     for name, run in runs.items():
         paths = RunPaths.for_run(results_dir, run)
-        failure = read_failure(work_dir(results_dir, name))
-        if name in restored or (failure is None and _current(run, paths)):
+        failure = run_failure(run, results_dir)
+        stopped = bool(failure and failure.get("interrupted"))  # this config's retraining
+        if (name in restored and not stopped) or (failure is None and _current(run, paths)):
             finished.append({
                 "name": name, "train_metrics": paths.train_metrics,
                 "eval_metrics": paths.eval_metrics,
@@ -198,8 +230,6 @@ def _sort_runs(runs: dict[str, dict], results_dir, restored=frozenset()) -> tupl
 
 def _report_unfinished(runs: dict[str, dict], results_dir: str | Path, restored) -> Path | None:
     finished, unfinished, tracking_failures = _sort_runs(runs, results_dir, restored)
-    if not any("log" in entry for entry in unfinished) and not tracking_failures:
-        return None  # no run failed (staging did, or Snakemake was stopped): nothing to say
     from ddpflow.report.build import build_report  # matplotlib: only once a report is written
 
     out = report_dir(results_dir)
