@@ -339,6 +339,26 @@ def test_the_staging_job_must_fit_a_node_of_its_partition():
             sc.check_stage_job(run, cluster)
 
 
+def test_the_default_staging_cpus_fit_a_partition_of_smaller_nodes():
+    """Left unset, machine.stage.cpus asks for 4 CPUs, or a node's all where the partition's
+    nodes have fewer (never a refusal of the user's first --profile slurm); a number the
+    user wrote is asked for as written, and refused where no node has it."""
+    nodes = re.sub(r"CPU(Tot|Efctv)=4", r"CPU\1=2", captured("testbed_nodes.txt"))
+    small = sc.Cluster(sp.parse_partitions(captured("testbed_partitions.txt")),
+                       sp.parse_nodes(nodes), "alice", None, None)  # fmt: skip
+    (unset,) = runs_for({})
+    assert ddpconfig.stage_cpus(unset) == 4  # before the cluster is asked (or without it)
+    sc.check_stage_job(unset, small)
+    assert ddpconfig.stage_job_resources(unset)["cpus_per_task"] == 2
+    (unset,) = runs_for({})
+    sc.check_stage_job(unset, cluster_from("testbed"))
+    assert ddpconfig.stage_job_resources(unset)["cpus_per_task"] == 4
+    (written,) = runs_for({"stage": {"cpus": 4}})
+    with pytest.raises(ConfigError, match="machine.stage.cpus is 4 but the nodes of partition "
+                                          "'debug' have at most 2 CPUs"):  # fmt: skip
+        sc.check_stage_job(written, small)
+
+
 def test_where_staging_runs_and_what_its_job_asks_for():
     slurm = runs_for({"partition": "debug", "account": "ddpflow", "stage": {"cpus": 2}})
     assert ddpconfig.stage_where(slurm, "slurm") == "job"

@@ -164,7 +164,7 @@ def stage_threads(wildcards):
     """A staging job's CPUs (machine.stage.cpus), or data.stage_threads on the login node."""
     run = run_for_dataset(wildcards.dataset)
     if STAGE_WHERE == "job":
-        return run["machine"]["stage"]["cpus"]
+        return ddpconfig.stage_cpus(run)
     return run["data"]["stage_threads"]
 
 

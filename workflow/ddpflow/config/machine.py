@@ -63,12 +63,22 @@ def memory_mb(machine: dict) -> int:
     return int(machine["mem_gb"] * 1024)
 
 
+# machine.stage.cpus when null, unless the partition's nodes have fewer (config.slurm)
+DEFAULT_STAGE_CPUS = 4
+
+
+def stage_cpus(run: dict) -> int:
+    """The staging job's CPUs: machine.stage.cpus, as config.slurm fitted a null one to the
+    partition (where the cluster was asked), else DEFAULT_STAGE_CPUS."""
+    return run["machine"]["stage"]["cpus"] or DEFAULT_STAGE_CPUS
+
+
 def stage_job_resources(run: dict) -> dict:
     """The stage rule's resources as the Snakemake Slurm executor plugin reads them, from
     machine.stage (partition: machine.partition where null): one node, one task."""
     machine, stage = run["machine"], run["machine"]["stage"]
     resources = {
-        "cpus_per_task": stage["cpus"],
+        "cpus_per_task": stage_cpus(run),
         "mem_mb": int(stage["mem_gb"] * 1024),
         "runtime": stage["time_min"],
         "nodes": 1,

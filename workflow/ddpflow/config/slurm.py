@@ -31,7 +31,7 @@ from ddpflow.cluster.slurm_parse import (
     parse_partitions,
     parse_slurm_time,
 )
-from ddpflow.config.machine import memory_mb, ranks_per_node
+from ddpflow.config.machine import DEFAULT_STAGE_CPUS, memory_mb, ranks_per_node
 from ddpflow.config.schema import ConfigError
 from ddpflow.text import counted
 
@@ -145,7 +145,10 @@ def gpu_types(nodes: list[Node]) -> list[str]:
 
 
 def check_stage_job(run: dict, cluster: Cluster) -> None:
-    """The staging job (machine.stage: one node, one task) fits a node of its partition."""
+    """The staging job (machine.stage: one node, one task) fits a node of its partition. A
+    machine.stage.cpus left null is set here, in run, to what the job asks for: the default,
+    or a node's CPUs where the partition's nodes have fewer (a default fits the partition it
+    is used on; a number the user wrote is checked as written)."""
     where, stage = f"runs ({run['name']!r})", run["machine"]["stage"]
     name = stage["partition"] or run["machine"]["partition"]
     partition = resolve_partition(where, name, cluster)
@@ -153,6 +156,8 @@ def check_stage_job(run: dict, cluster: Cluster) -> None:
     if not nodes:
         raise ConfigError(f"{where}: machine.stage.partition {partition.name!r} has no nodes")
     most_cpus = max(n.cpus for n in nodes)
+    if stage["cpus"] is None:
+        stage["cpus"] = min(DEFAULT_STAGE_CPUS, most_cpus)
     if stage["cpus"] > most_cpus:
         raise ConfigError(
             f"{where}: machine.stage.cpus is {stage['cpus']} but the nodes of partition "

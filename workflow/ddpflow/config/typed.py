@@ -475,8 +475,10 @@ class MachineStageSpec(_Section):
     #: executor); login: on the login node. null: job under the Slurm launcher, login otherwise.
     #: The same for every run of a config
     where: Literal["job", "login", None] = None
-    #: the staging job's CPUs (its threads)
-    cpus: int = 4
+    #: the staging job's CPUs (its threads); null: 4, or all of a node's CPUs where the
+    #: partition's nodes have fewer. A number is asked for as written: one that no node of the
+    #: partition has is refused before anything is queued
+    cpus: int | None = None
     #: the staging job's memory
     mem_gb: float = 4
     #: the staging job's time limit
