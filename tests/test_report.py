@@ -318,7 +318,7 @@ def test_a_validation_split_is_labelled_validation_not_test(tmp_path):
     run["eval_metrics"].write_text(json.dumps(ev))
     page = build_report([run], tmp_path / "out")["html"].read_text()
     assert "Validation accuracy" in page and "Evaluated / validation size" in page
-    assert "Per-class validation accuracy" in page and "best validation accuracy" in page
+    assert "Per-class validation accuracy" in page and "1 run; nothing to compare it with." in page
     assert "Test accuracy" not in page and "test accuracy" not in page
     assert "git commit: abc1234 with uncommitted changes" in page
 

@@ -76,7 +76,7 @@ def test_ranks_by_validation_not_test_accuracy(tmp_path):
     markdown = paths["markdown"].read_text()
     # the winner's test accuracy is stated as the selection's held-out figure
     assert "Selected: b (validation accuracy 95.00%); its test accuracy, 80.00%" in markdown
-    assert "best validation accuracy: b" in markdown
+    assert "selected on validation accuracy among runs a, b, c: b." in markdown
     best_row = re.search(r"<tr class='best'>(.*?)</tr>", paths["html"].read_text()).group(1)
     assert "<td>b</td>" in best_row
 

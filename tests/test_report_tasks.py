@@ -173,27 +173,31 @@ def test_every_task_is_reported_none_unfinished(mixed):
 
 
 def test_each_task_has_its_best_run_by_its_own_direction(mixed):
-    """The lower MSE wins (reg-b), though reg-a is listed first and five times faster; runs
-    of different tasks are not compared."""
+    """The lower validation MSE wins (reg-b), though reg-a is listed first and five times
+    faster; runs of different tasks are not compared, and a run alone in its task (cls, ml)
+    is neither ranked nor starred."""
     _, paths, _ = mixed
     summary = json.loads(paths["summary_json"].read_text())
-    best = {"classification": "cls", "multilabel": "ml", "regression": "reg-b"}
-    assert summary["best_by_task"] == best
-    assert summary["best_run"] == "cls"  # the first listed run's task
-    assert [r["run"] for r in summary["runs"] if r["best"]] == ["cls", "ml", "reg-b"]
+    assert summary["best_by_task"] == {"regression": "reg-b"}
+    assert summary["best_run"] is None  # the first listed run (cls) is compared with none
+    assert [r["run"] for r in summary["runs"] if r["best"]] == ["reg-b"]
+    assert [r["group"] for r in summary["runs"]] == [1, 2, 3, 3]
+    assert summary["groups"][2] == {
+        "group": 3, "task": "regression", "selected_by": "val_mse", "higher_is_better": False,
+        "runs": ["reg-a", "reg-b"], "best": "reg-b",
+    }  # fmt: skip
     assert summary["selected_by"]["regression"] == _selection("val_mse", False, "validation MSE")
     markdown = paths["markdown"].read_text()
-    assert "best test accuracy: cls; best test F1 (micro): ml; best test MSE: reg-b." in markdown
-    assert "Runs of different tasks are not compared" in markdown
+    assert (
+        "4 runs; selected on validation MSE (lower is better) among runs reg-a, reg-b: reg-b; "
+        "runs of different tasks are not compared (classification, multilabel, regression)."
+    ) in markdown
+    assert "best test" not in markdown
     page = paths["html"].read_text()
     runs_table = page.split("<h2>Runs</h2>")[1].split("</table>")[0]
     best_rows = re.findall(r"<tr class='best'>(.*?)</tr>", runs_table)
-    assert [re.search(r"<td>(.*?)</td>", r).group(1) for r in best_rows] == [
-        "cls ★ best",
-        "ml ★ best",
-        "reg-b ★ best",
-    ]
-    assert "<td>reg-a</td>" in runs_table
+    assert [re.search(r"<td>(.*?)</td>", r).group(1) for r in best_rows] == ["reg-b ★ best"]
+    assert "<td>reg-a</td>" in runs_table and "<td>cls</td>" in runs_table
 
 
 def test_the_runs_table_shows_each_runs_own_headline(mixed):
@@ -203,10 +207,10 @@ def test_the_runs_table_shows_each_runs_own_headline(mixed):
     assert header.startswith("| Run | Task | Test metrics | Evaluated / test size |")
     row = next(line for line in markdown.splitlines() if line.startswith("| **reg-b"))
     assert "**regression**" in row and "**MSE 0.2, MAE 0.1, R² 0.8800**" in row
-    row = next(line for line in markdown.splitlines() if line.startswith("| **ml"))
+    row = next(line for line in markdown.splitlines() if line.startswith("| ml"))
     assert "exact match 62.00%, F1 (micro) 0.8387, F1 (macro) 0.8277" in row
-    row = next(line for line in markdown.splitlines() if line.startswith("| **cls"))
-    assert "**accuracy 91.00%**" in row
+    row = next(line for line in markdown.splitlines() if line.startswith("| cls"))
+    assert "| accuracy 91.00% |" in row
 
 
 def test_per_label_and_per_target_tables(mixed):
@@ -286,7 +290,8 @@ def test_a_regression_report_heads_with_a_column_per_metric(tmp_path):
     markdown = paths["markdown"].read_text()
     assert "| Run | Task | Test MSE | Test MAE | Test R² | Evaluated / test size |" in markdown
     assert "| **slow-good ★ best** | **regression** | **0.1** | **0.05** | **n/a** |" in markdown
-    assert "best test MSE: slow-good." in markdown and "not compared" not in markdown
+    selected = "selected on validation MSE (lower is better) among runs fast-bad, slow-good: "
+    assert selected + "slow-good." in markdown and "not compared" not in markdown
     assert "Per-class" not in markdown and "Confusion matrix" not in markdown
     summary = json.loads(paths["summary_json"].read_text())
     assert summary["best_run"] == "slow-good" and summary["runs"][1]["r2"] is None
@@ -398,7 +403,7 @@ def test_a_regression_sweep_ranks_the_lowest_validation_mse_first(tmp_path):
     assert "## Sweep: runs ranked by validation MSE" in markdown
     assert "Ranked by validation MSE (lower is better)" in markdown
     assert "Selected: b (validation MSE 0.05); its test MSE, 0.4, is the selection's" in markdown
-    assert "best validation MSE: b" in markdown
+    assert "selected on validation MSE (lower is better) among runs a, b, c: b." in markdown
     assert "| Rank | Run |" in markdown and "| Validation MSE | Test MSE |" in markdown
     stems = {p.stem for p in (tmp_path / "out/plots").glob("sweep_*.png")}
     assert "sweep_parallel" in stems and "sweep_train.optimizer.lr" in stems

@@ -14,9 +14,10 @@ The Markdown and HTML are rendered by render.py, from the same blocks; each run'
 summary.json/.csv's content come from summary.py.
 
 Each run is shown with its task's metrics (ddpflow.report.metrics): classification's accuracy,
-multilabel's exact match and F1, regression's MSE, MAE and R². Runs of different tasks are
-never compared: each task has its own best run, chosen by the task's selection metric in its
-direction (a lower MSE wins).
+multilabel's exact match and F1, regression's MSE, MAE and R². Runs are ranked only inside a
+comparability group (ddpflow.report.compare: same task, selection metric, data and, for a
+language model, vocabulary), on the group's validation metric in its direction (a lower MSE
+wins); the headline says which runs are not compared and why.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ddpflow.paths import EXPORT_FILES, REPORT_FILES, RUN_FILES
-from ddpflow.report import insight, metrics, plots, sweep, sweep_plots
+from ddpflow.report import compare, insight, metrics, plots, sweep, sweep_plots
 from ddpflow.report.inputs import load_eval_metrics, load_runs, load_train_metrics, unrenderable
 from ddpflow.report.render import document, to_html, to_markdown
 from ddpflow.report.summary import (
@@ -140,53 +141,27 @@ def _texts(summary: dict, rows: list[dict], blocks: list, view) -> dict[str, tup
     }
 
 
-def _by_task(rows: list[dict]) -> dict[str, list[dict]]:
-    """The rows of each task, the tasks in the order of their first run."""
-    groups: dict[str, list[dict]] = {}
-    for row in rows:
-        groups.setdefault(row.get("task", metrics.CLASSIFICATION), []).append(row)
-    return groups
-
-
-def _best(rows: list[dict], view: dict | None, selections: dict) -> list[dict]:
-    """The best run of each task, by the task's selection metric in its direction: with a
-    sweep, its final validation figure (selecting on the test set would flatter the
-    winner's test figure), a tie to the sweep's own pick; otherwise, as before sweeps, the
-    evaluation's figure of the same metric (accuracy, mse). Then the faster run; then the
-    first listed. Runs of different tasks are never compared."""
+def _mark_best(rows: list[dict], loaded, view: dict | None) -> list[compare.Group]:
+    """Each run's comparability group and the run selected in each (ddpflow.report.compare):
+    by the final validation figure, a tie to the sweep's own pick. The test figure is
+    reported, never used to select; a run alone in its group is not ranked."""
     pick = (sweep.selected(view) or {}).get("run") if view else None
-    best = []
-    for group in _by_task(rows).values():
-        chosen = selections[group[0]["run"]]
-        key = f"final_{chosen.metric}" if view else metrics.eval_key(chosen)
-        if not all(key in row for row in group):  # a task that does not head with it
-            key = f"final_{chosen.metric}"
-        best.append(min(group, key=_ranking(chosen, key, pick)))
-    return best
-
-
-def _ranking(chosen, key: str, pick: str | None = None):
-    """A sort key of rows (best first): the key's value in the selection's direction, then
-    the sweep's pick, then the faster run."""
-    return lambda r: (metrics.score(chosen, r[key]), r["run"] != pick, -r["train_samples_per_s"])
-
-
-def _mark_best(rows: list[dict], view: dict | None, selections: dict) -> list[dict]:
-    best = _best(rows, view, selections)
-    for row in rows:
-        row["best"] = any(row is b for b in best)
-    return best
+    return compare.groups(rows, {name: ev for name, _, ev in loaded}, pick)
 
 
 def _focus(rows: list[dict], selections: dict) -> list[str] | None:
     """With more than MANY_RUNS runs, the FOCUS_RUNS best by validation accuracy (another
-    task: its selection metric; several tasks: the best of each task first), best first:
-    the runs named in the per-epoch plots and given a confusion matrix and per-class column
-    (100 legend entries, matrices and columns made the report unreadable). None: every run."""
+    task: its selection metric; several comparability groups: the best of each group
+    first), best first: the runs named in the per-epoch plots and given a confusion matrix
+    and per-class column (100 legend entries, matrices and columns made the report
+    unreadable). None: every run."""
     if len(rows) <= MANY_RUNS:
         return None
+    by_group: dict[int, list[dict]] = {}
+    for row in rows:
+        by_group.setdefault(row["group"], []).append(row)
     place = {}
-    for group in _by_task(rows).values():
+    for group in by_group.values():
         chosen = selections[group[0]["run"]]
         final = f"final_{chosen.metric}"
         ranked = sorted(group, key=lambda r, c=chosen, f=final: _focus_key(c, r, f))
@@ -227,7 +202,7 @@ def _render_alone(run: dict, item: tuple) -> None:
     row = summary_row(name, epochs, ev)
     summary_csv([row])
     _add_scaling([row])
-    row["best"] = True
+    row["best"], row["group"] = True, 1
     view = sweep.collect([run], [item])
     inside = insight.blocks({name: insight.entry(run, epochs, ev)})
     shown = sweep.blocks(view, {}) if view else ()
@@ -264,7 +239,7 @@ def build_report(
     baseline = _add_scaling(rows)
     view = sweep.collect(runs, loaded, unfinished)
     selections = {name: metrics.selection(ev) for name, _, ev in loaded}
-    best = _mark_best(rows, view, selections)
+    ranked = _mark_best(rows, loaded, view)
     focus = _focus(rows, selections)
     figures = plots.render_figures(loaded, rows, baseline, focus) if rows else {}
     swept = sweep_plots.render(view) if view else {}
@@ -275,11 +250,12 @@ def build_report(
     models = (exports, _fine_tuning_rows(runs, loaded), _language_models(runs, loaded))
     blocks = document(loaded, rows, figures, generated, unfinished, insight.blocks(found),
                       bad_nodes, trackers, sweep.blocks(view, swept) if view else (), focus,
-                      *models)  # fmt: skip
+                      *models, compared=compare.headline(ranked))  # fmt: skip
     summary = summary_json(loaded, rows, baseline, generated, unfinished)
+    summary["groups"] = compare.summary(ranked)
     summary.update(summary_extras(view, bad_nodes, found, trackers))
     paths = _write_all(Path(out_dir), {**figures, **swept}, _texts(summary, rows, blocks, view))
-    _log_written(rows, unfinished, best, out_dir)
+    _log_written(rows, unfinished, [row for row in rows if row["best"]], out_dir)
     return paths
 
 

@@ -112,21 +112,30 @@ def per_epoch_figure(series, ylabel: str, title: str, log_if_wide=False, focus=N
     return fig
 
 
-def plot_throughput(names: list[str], samples_per_s: list[float]) -> bytes:
+def plot_throughput(names: list[str], samples_per_s: list[float], unit: str = "samples") -> bytes:
     """Training throughput per run: horizontal bars, one fixed-height row per run, so that
-    one run reads as one labelled bar rather than a slab filling the figure."""
+    one run reads as one labelled bar rather than a slab filling the figure; unit: what a
+    rate counts (tokens for language models)."""
     fig = _new_figure(7.0, 1.3 + (0.45 if len(names) <= 20 else 0.2) * len(names))
     ax = fig.add_subplot()
     rows = range(len(names))
     bars = ax.barh(rows, samples_per_s, height=0.6, color="tab:blue")
-    ax.bar_label(bars, fmt="%.0f samples/s", fontsize="small", padding=3)
+    ax.bar_label(bars, fmt=f"%.0f {unit}/s", fontsize="small", padding=3)
     ax.set_yticks(rows, [text_label(n) for n in names])
     ax.set_ylim(len(names) - 0.4, -0.6)  # the first run on top, as in the tables
     ax.set_xlim(0, max(samples_per_s, default=1) * 1.25 or 1)  # room for the labels
-    ax.set_xlabel("train samples/s (whole run, all ranks)")
+    ax.set_xlabel(f"train {unit}/s (whole run, all ranks)")
     ax.set_title("Training throughput")
     ax.grid(axis="x", alpha=0.3)
     return _png(fig)
+
+
+def _rates(rows: list[dict]) -> tuple[str, list[float]]:
+    """What the per-run throughput plot counts: tokens where every run is a language model
+    (a sample is a block of tokens; one without a recorded rate: 0), else samples."""
+    if rows and all("train_tokens_per_s" in row for row in rows):
+        return "tokens", [row["train_tokens_per_s"] or 0.0 for row in rows]
+    return "samples", [row["train_samples_per_s"] for row in rows]
 
 
 def plot_scaling(points: list[tuple[str, int, float]], base_ranks: int, base_rate: float) -> bytes:
@@ -276,7 +285,7 @@ def _figure_plan(loaded, rows: list[dict], baseline, focus) -> list[tuple]:
         shown = focus if focus is None else [n for n in focus if n in per_epoch[key]]
         return lambda: plot_per_epoch(per_epoch[key], ylabel, title, log_if_wide, shown)
 
-    names, rates = [row["run"] for row in rows], [row["train_samples_per_s"] for row in rows]
+    names, (unit, rates) = [row["run"] for row in rows], _rates(rows)
     plan = [
         ("loss", "Training loss per epoch", epochs("train_loss", "train loss", "Training loss",
                                                    True)),
@@ -287,7 +296,8 @@ def _figure_plan(loaded, rows: list[dict], baseline, focus) -> list[tuple]:
          epochs("lr", "learning rate", "Learning rate")),
         ("throughput_epochs", "Training throughput per epoch (all ranks)", epochs(
             "samples_per_s", "train samples/s", "Throughput per epoch")),
-        ("throughput", "Training throughput per run", lambda: plot_throughput(names, rates)),
+        ("throughput", "Training throughput per run",
+         lambda: plot_throughput(names, rates, unit)),
     ]  # fmt: skip
     if baseline:
         base_ranks, base_rate, runs = baseline

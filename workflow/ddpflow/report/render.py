@@ -2,7 +2,7 @@
 
 report.py loads and validates the runs and computes the rows; here they become a list of
 format-neutral blocks, ("h2", text), ("p", text), ("table", headers, body, best_index)
-(best_index: a row index, a tuple of them (each task's best run) or None),
+(best_index: a row index, a tuple of them (each comparability group's best run) or None),
 ("img", caption, path, png), ("details", summary, code), ("fold", summary, block, note) (a
 block folded away in the HTML, the note in its place in the Markdown), so that both formats
 show the same content and a new section is written once. The per-class, per-label and
@@ -84,14 +84,15 @@ def _runs_table(rows: list[dict], scaling: bool, heads: dict | None = None) -> t
 
 def _machine_table(rows: list[dict], scaling: bool) -> tuple:
     """Where and how fast each run trained; speedup only within a scaling group."""
-    headers = ["Run", "World size", "Nodes", "Hosts", "Device", "Train samples/s",
+    unit, rate = _throughput(rows)
+    headers = ["Run", "World size", "Nodes", "Hosts", "Device", unit,
                "Train wall time", "Attempts", "Eval time", "Evaluated by"]  # fmt: skip
     if scaling:
         headers[6:6] = ["Scaling group", "Speedup", "Efficiency"]
     body = []
     for row in rows:
         cells = [row["run"], str(row["world_size"]), str(row["nodes"]), _hosts(row["hosts"]),
-                 row["device"], f"{row['train_samples_per_s']:.1f}",
+                 row["device"], rate(row),
                  _seconds(row["train_wall_seconds"]), str(row["attempts"]),
                  _seconds(row["eval_seconds"]), row["evaluated_by"]]  # fmt: skip
         if scaling:
@@ -101,6 +102,23 @@ def _machine_table(rows: list[dict], scaling: bool) -> tuple:
                           f"{row['efficiency']:.1%}" if grouped else "–"]  # fmt: skip
         body.append(cells)
     return ("table", headers, body, None)
+
+
+def _throughput(rows: list[dict]) -> tuple:
+    """The throughput column's header and cell: tokens/s for language models (a sample is a
+    block of tokens), samples/s for the rest, each cell with its unit where both appear."""
+    tokens = ["train_tokens_per_s" in row for row in rows]
+    if all(tokens):
+        return "Train tokens/s", lambda row: _number(row["train_tokens_per_s"], ",.0f")
+    if not any(tokens):
+        return "Train samples/s", lambda row: f"{row['train_samples_per_s']:.1f}"
+
+    def cell(row: dict) -> str:
+        if "train_tokens_per_s" in row:
+            return f"{_number(row['train_tokens_per_s'], ',.0f')} tokens/s"
+        return f"{row['train_samples_per_s']:.1f} samples/s"
+
+    return "Train throughput", cell
 
 
 def _segments_table(loaded) -> tuple | None:
@@ -223,12 +241,12 @@ def _tracker_blocks(trackers) -> list[tuple]:
 
 def document(
     loaded, rows, figures, generated: str, unfinished=(), inside=(), bad_nodes=(), trackers=(),
-    sweep=(), focus=None, exports=(), fine_tuned=(), language_models=(),
+    sweep=(), focus=None, exports=(), fine_tuned=(), language_models=(), compared: str = "",
 ) -> list[tuple]:  # fmt: skip
-    """The report's blocks; sweep: the sweep section (ddpflow.report.sweep), which makes the
-    headline's best run the one selected on validation accuracy (another task: on its
-    selection metric); focus: with many runs, the best ones, the only ones given a per-class
-    column and a confusion matrix (per-label and per-target tables likewise)."""
+    """The report's blocks; sweep: the sweep section (ddpflow.report.sweep); focus: with many
+    runs, the best ones, the only ones given a per-class column and a confusion matrix
+    (per-label and per-target tables likewise); compared: the headline's words on what was
+    ranked against what (ddpflow.report.compare.headline)."""
     blocks = [("p", f"Generated {generated}.")]
     if unfinished:
         blocks += _unfinished_blocks(unfinished, len(rows))
@@ -240,7 +258,7 @@ def document(
     heads = {name: metrics.headline(ev) for name, _, ev in loaded}
     scaling = any(row["speedup"] is not None for row in rows)
     label = "validation" if sweep else split_label(rows)
-    blocks[0] = _headline(generated, rows, selections, label)
+    blocks[0] = ("p", f"Generated {generated}. {counted(len(rows), 'run')}; {compared}")
     blocks += [*sweep, ("h2", "Runs"), _runs_table(rows, scaling, heads)]
     blocks += _machine_blocks(loaded, rows, scaling)
     blocks += model_blocks(exports, fine_tuned, language_models)
@@ -251,19 +269,6 @@ def document(
     blocks += list(inside)
     blocks += _result_blocks(loaded, rows, figures, label, focus, selections)
     return blocks + [("h2", "Provenance"), *_provenance_blocks(loaded)]
-
-
-def _headline(generated: str, rows: list[dict], selections: dict, label: str) -> tuple:
-    """The report's first paragraph: when, how many runs, and each task's best run."""
-    best = [row["run"] for row in rows if row["best"]]
-    bests = "; ".join(f"best {label} {metrics.metric_name(selections[n])}: {n}" for n in best)
-    text = f"Generated {generated}. {counted(len(rows), 'run')}; {bests}."
-    if len(best) > 1:
-        text += (
-            " Runs of different tasks are not compared: each task's best run "
-            "(by its own selection metric, a lower MSE or a higher accuracy) is marked ★."
-        )
-    return ("p", text)
 
 
 def _machine_blocks(loaded, rows: list[dict], scaling: bool) -> list[tuple]:

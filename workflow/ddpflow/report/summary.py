@@ -16,6 +16,8 @@ from ddpflow.config import VOLATILE_TRAIN_KEYS
 from ddpflow.report import metrics, sweep
 from ddpflow.runtime import PHASES
 
+LANGUAGE_MODEL = "language_model"
+
 __all__ = ["summary_csv", "summary_extras", "summary_json", "summary_row", "with_task"]
 
 
@@ -36,7 +38,7 @@ def summary_row(name: str, epochs: list[dict], ev: dict) -> dict:
         "git_commit": ev["provenance"]["git_commit"],
         # device name and precision: written since the GPU path ran (older files: cpu/cuda)
         "device": train.get("device_name", str(train.get("device", "cpu")).split(":")[0])
-        + (", data streamed" if train.get("data_in_memory") is False else ""),
+        + _data_read(train, task),
         "precision": train.get("precision", "fp32"),
         # what was trained (older metrics files lack some: shown as "?")
         "model": _model_name(ev["provenance"]["config"]), "parameters": train.get("parameters"),
@@ -46,10 +48,20 @@ def summary_row(name: str, epochs: list[dict], ev: dict) -> dict:
         # the training job (one allocation per run) or a job of its own; older files: own
         "evaluated_by": ev.get("evaluated_by", "evaluate job"),
     }  # fmt: skip
+    if task == LANGUAGE_MODEL:  # a sample is a block: tokens/s is the figure that compares
+        row["train_tokens_per_s"] = (train.get("language_model") or {}).get("tokens_per_s")
     # Summed over the kept (deduplicated) epochs: the time of the final, complete history.
     for phase in (*PHASES, "epoch"):
         row[f"{phase}_seconds"] = sum(e["seconds"][phase] for e in epochs)
     return row
+
+
+def _data_read(train: dict, task: str) -> str:
+    """How the ranks read the data, where it is not the usual in-memory copy: a language
+    model's token files are always memory-mapped (ddpflow.training.rankdata)."""
+    if task == LANGUAGE_MODEL:
+        return ", tokens memory-mapped"
+    return ", data streamed" if train.get("data_in_memory") is False else ""
 
 
 def _model_name(config: dict) -> str:
@@ -96,11 +108,13 @@ def summary_csv(rows: list[dict]) -> str:
 
 
 def summary_json(loaded, rows, baseline, generated: str, unfinished) -> dict:
-    """summary.json's content, but for summary_extras' keys: the runs' rows, the best run, the
-    unfinished runs, the scaling baseline, per-class figures and each run's provenance."""
-    # the best run of the first listed run's task (each task's: best_by_task)
-    task = rows[0].get("task") if rows else None
-    best = next((row["run"] for row in rows if row["best"] and row.get("task") == task), None)
+    """summary.json's content, but for summary_extras' keys and groups: the runs' rows, the
+    best run, the unfinished runs, the scaling baseline, per-class figures and each run's
+    provenance."""
+    # the run selected in the first listed run's comparability group (ddpflow.report.compare;
+    # every group's: summary.json's groups); null where that run was compared with none
+    group = rows[0].get("group") if rows else None
+    best = next((row["run"] for row in rows if row["best"] and row.get("group") == group), None)
     classified = [(n, ev) for n, _, ev in loaded if metrics.task_of(ev) == metrics.CLASSIFICATION]
     return {
         "generated": generated, "best_run": best, "runs": rows,
@@ -119,14 +133,15 @@ def summary_json(loaded, rows, baseline, generated: str, unfinished) -> dict:
 
 def _task_summary(loaded, rows: list[dict]) -> dict:
     """summary.json's keys of tasks other than classification (none without such a run): the
-    best run of each task, each multilabel run's per-label F1 and counts, each regression
-    run's per-target errors."""
+    best run of each task (its first comparability group's; none for a run compared with
+    none), each multilabel run's per-label F1 and counts, each regression run's per-target
+    errors."""
     if all("task" not in row for row in rows):
         return {}
     out = {"best_by_task": {}, "selected_by": {}}
     for row in rows:
         if row["best"]:
-            out["best_by_task"][row["task"]] = row["run"]
+            out["best_by_task"].setdefault(row["task"], row["run"])
     for name, _, ev in loaded:
         chosen = metrics.selection(ev)
         out["selected_by"].setdefault(metrics.task_of(ev), chosen.record())
