@@ -81,6 +81,29 @@ def test_ranks_by_validation_not_test_accuracy(tmp_path):
     assert "<td>b</td>" in best_row
 
 
+def test_a_run_of_a_sweep_on_other_data_is_listed_not_ranked(tmp_path):
+    """A sweep over data.path: c, on another file, has the highest validation accuracy but
+    its figure does not compare with a's and b's; it is listed, not ranked nor selected."""
+    runs = []
+    for name, val, path in (("a", 0.90, "x.npz"), ("b", 0.95, "x.npz"), ("c", 0.99, "y.npz")):
+        run = sweep_run(tmp_path, name, val=val, test=0.9, block=_block(0.1, 1e-4, "cnn"))
+        ev = json.loads(run["eval_metrics"].read_text())
+        ev["provenance"]["config"] = {"data": {"source": "npz", "path": path}}
+        run["eval_metrics"].write_text(json.dumps(ev))
+        runs.append(run)
+    paths = build_report(runs, tmp_path / "out")
+    rows = _csv(paths["sweep_csv"])
+    assert [(r["run"], r["rank"], r["status"]) for r in rows] == [
+        ("b", "1", "finished"), ("a", "2", "finished"), ("c", "", "other data"),
+    ]  # fmt: skip
+    summary = json.loads(paths["summary_json"].read_text())
+    assert summary["best_run"] == summary["sweep"]["selected_run"] == "b"
+    markdown = paths["markdown"].read_text()
+    assert "A run on other data or another vocabulary than the sweep's first" in markdown
+    assert "selected on validation accuracy among runs a, b: b" in markdown
+    assert "c (data.path y.npz) were validated and tested on different data" in markdown
+
+
 def test_a_tie_in_validation_accuracy_goes_to_the_lower_validation_loss(tmp_path):
     """Small validation sets tie often (two runs at 100%): the next criterion is still the
     validation split, never the name alone and never the test set."""

@@ -28,7 +28,7 @@ import math
 from pathlib import Path
 
 from ddpflow.paths import RUN_FILES
-from ddpflow.report import metrics
+from ddpflow.report import compare, metrics
 from ddpflow.task import selection_of
 from ddpflow.text import counted
 
@@ -77,11 +77,16 @@ def held_out(chosen) -> str:
     return f"test_{metrics.eval_key(chosen)}"
 
 
-def _finished_row(entry: dict, epochs: list[dict], ev: dict, block: dict, chosen) -> dict:
-    pruned = _pruned(entry, ev)
-    own = metrics.selection(ev).metric == chosen.metric  # else a run of another task
+def _finished_row(entry: dict, epochs: list[dict], ev: dict, block: dict, first) -> dict:
+    """A finished run's row; first: the comparability identity of the sweep's first finished
+    run (ddpflow.report.compare): a run of another task, or on other data or another
+    vocabulary (a swept data.path, data.vocab_size), is listed but not ranked."""
+    pruned, chosen, mine = _pruned(entry, ev), first.selection, compare.identity(ev)
+    own = mine == first
     val, test = chosen.metric, held_out(chosen)
-    status = ("pruned" if pruned else "finished") if own else "other task"
+    status = "pruned" if pruned else "finished"
+    if not own:
+        status = "other task" if mine.selection.metric != chosen.metric else "other data"
     return {
         "run": str(entry["name"]), "values": dict(block["values"]),
         val: epochs[-1][val] if own else None, "val_loss": epochs[-1].get("val_loss"),
@@ -121,7 +126,7 @@ def collect(runs: list[dict], loaded, unfinished=()) -> dict | None:
     chosen = metrics.selection(finished[0][2]) if finished else selection_of(None)
     rows, blocks_seen = [], []
     for entry, epochs, ev, block in finished:
-        rows.append(_finished_row(entry, epochs, ev, block, chosen))
+        rows.append(_finished_row(entry, epochs, ev, block, compare.identity(finished[0][2])))
         blocks_seen.append(block)
     for entry in unfinished:
         if (block := _block(entry, None)) is not None:
@@ -249,7 +254,8 @@ def _split_label(view: dict) -> str:
 
 def _headline(view: dict) -> str:
     counts = {s: sum(r["status"] == s for r in view["rows"]) for s in
-              ("finished", "pruned", "failed", "unfinished", "other task")}  # fmt: skip
+              ("finished", "pruned", "failed", "unfinished", "other task",
+               "other data")}  # fmt: skip
     done = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     origins = ", ".join(view["origins"]) or "sweep"
     chosen = _selection(view)
@@ -259,6 +265,9 @@ def _headline(view: dict) -> str:
             "each run kept: its last epoch's); the test set is never used to select.")  # fmt: skip
     if counts["other task"]:
         text += f" A run of another task than the sweep's ({chosen.metric}) is not ranked."
+    if counts["other data"]:
+        text += (" A run on other data or another vocabulary than the sweep's first finished "
+                 "run is not ranked: its figures do not compare.")  # fmt: skip
     best = selected(view)
     if best is None:
         return text + " No run finished: nothing to select."
