@@ -129,25 +129,28 @@ def memory_verdicts(
     return model_problems, verdicts
 
 
-def input_of(run: dict, manifest: dict | None) -> tuple[list[int], int, int] | None:
-    """(input shape, model outputs, bytes of data the rank holds) of run: from the staged
-    manifest, or from the config before staging where it decides them (data: 0 then);
-    None where only staging tells (npz, plug-in data)."""
+def input_of(run: dict, manifest: dict | None) -> tuple[list[int], int, int, int | None] | None:
+    """(input shape, model outputs, bytes of data the rank holds, the most rows the training
+    job scores in one split) of run: from the staged manifest, or from the config before
+    staging where it decides them (data: 0, rows: None then); None where only staging tells
+    (npz, plug-in data)."""
     if manifest is not None:  # the model's outputs: num_classes for every task (Task.outputs)
-        return manifest["shape"], int(manifest["num_classes"]), _data_bytes(run, manifest)
+        sizes, split = manifest["sizes"], run["eval"]["split"]
+        rows = max(sizes.get("val", 0), sizes.get(split, 0) if run["eval"]["in_train"] else 0)
+        return manifest["shape"], int(manifest["num_classes"]), _data_bytes(run, manifest), rows
     data = run["data"]
     if run["task"] != "classification":
         return None  # the targets' width comes from the staged data
     if data["source"] in BUILT_IN_SHAPES:
         shape, classes = BUILT_IN_SHAPES[data["source"]]
-        return shape, classes, 0
+        return shape, classes, 0, None
     if data["source"] == "synthetic":
         syn = data["synthetic"]
-        return [syn["channels"], syn["height"], syn["width"]], syn["num_classes"], 0
+        return [syn["channels"], syn["height"], syn["width"]], syn["num_classes"], 0, None
     if data["source"] == "image_folder" and data["image_size"]:
         train = Path(data["root"]) / "train"
         classes = len([p for p in train.iterdir() if p.is_dir()]) if train.is_dir() else 0
-        return [data["channels"], *data["image_size"]], max(classes, 2), 0
+        return [data["channels"], *data["image_size"]], max(classes, 2), 0, None
     return None
 
 
@@ -168,8 +171,8 @@ def _data_bytes(run: dict, manifest: dict) -> int:
 def _footprint_request(run: dict, inputs) -> dict | None:
     if inputs is None:
         return None
-    shape, outputs, _ = inputs
-    request = fits.figures_request(run, shape, outputs)
+    shape, outputs = inputs[0], inputs[1]
+    request = fits.figures_request(run, shape, outputs, inputs[3] if len(inputs) > 3 else None)
     name = run["model"]["name"]
     request["code"] = plugin_source_hash(name) if is_plugin(name) else version("torchvision")
     request["torch"] = version("torch")
@@ -333,7 +336,7 @@ def _run_checks(request: Path) -> dict:
     for key, want in asked["footprints"].items():
         try:
             keys = ("shape", "outputs", "micro_batch", "precision", "device_type")
-            args = {k: want[k] for k in (*keys, "checkpointing", "optimizer")}
+            args = {k: want[k] for k in (*keys, "checkpointing", "optimizer", "eval_batch")}
             measured[key] = footprint.measure(want["model"], **args)
         except Exception as err:  # noqa: BLE001 - never blocks a run: it goes unestimated
             measured[key] = {"error": f"{type(err).__name__}: {err}"[:300]}

@@ -13,12 +13,19 @@ memory a rank has:
 
 Per rank, with P parameters, G gradients, O optimizer state (bytes) and N ranks:
 
-    plain (1 rank)  P + G + O + activations
-    ddp             P + G + O + activations (G twice without train.ddp.gradient_as_bucket_view)
-    zero            P + G + O/N + activations
-    fsdp            (P + G + O)/N + activations + two units' parameters gathered (the current
+    plain (1 rank)  P + G + O + A
+    ddp             P + G + O + A (G twice without train.ddp.gradient_as_bucket_view)
+    zero            P + G + O/N + A
+    fsdp            (P + G + O)/N + A + two units' parameters gathered (the current
                     and the prefetched; all of them without reshard_after_forward) + one
                     unit's unsharded gradients
+
+where A, what a step and the evaluation add: on a GPU the larger of a training micro-batch's
+activations and an evaluation forward's (torch's caching allocator hands the blocks the step
+freed to the evaluation); on a CPU rank their sum, since glibc keeps the blocks a step frees
+in its heap (they are below its mmap threshold, which rises to 32 MiB after the first large
+free) while an evaluation's large tensors come from fresh mappings: measured in
+bench/memory_estimate.py and tests/test_fits.py.
 
 On CPU ranks the process itself counts too: its own (anonymous) resident memory after a
 few real steps of a tiny model (the libraries' file-backed pages are not counted: the node's
@@ -86,15 +93,24 @@ class Estimate:
 
     # zero: the optimizer state rank 0 gathers for a checkpoint, when no activations are held
     gather: int = 0
+    # an evaluation forward's activations (validation, the evaluation after training)
+    evaluation: int = 0
+
+    @property
+    def transient(self) -> int:
+        """What a step and the evaluation add to what the rank holds throughout."""
+        if self.device == "cpu":  # glibc keeps the step's freed blocks (module docstring)
+            return max(self.activations + self.evaluation, self.gather)
+        return max(self.activations, self.evaluation, self.gather)
 
     @property
     def total(self) -> int:
         held = self.parameters + self.gradients + self.optimizer + self.data + self.runtime
-        return held + max(self.activations, self.gather)
+        return held + self.transient
 
     def parts(self) -> str:
-        names = ("parameters", "gradients", "optimizer", "activations", "data", "runtime")
-        text = ", ".join(f"{name} {gb(getattr(self, name))}" for name in names)
+        names = ("parameters", "gradients", "optimizer", "activations", "evaluation", "data")
+        text = ", ".join(f"{name} {gb(getattr(self, name))}" for name in (*names, "runtime"))
         if self.gather > self.activations:  # zero's rank 0 at a checkpoint
             text += f"; {gb(self.gather)} of optimizer state gathered for a checkpoint"
         return text
@@ -109,8 +125,9 @@ def device_of(run) -> str:
     return "cuda" if run["machine"]["gpus_per_node"] else "cpu"
 
 
-def figures_request(run, shape: list[int], outputs: int) -> dict:
-    """What ddpflow.training.footprint.measure needs for this run (its cache key too)."""
+def figures_request(run, shape: list[int], outputs: int, eval_rows: int | None = None) -> dict:
+    """What ddpflow.training.footprint.measure needs for this run (its cache key too);
+    eval_rows: the most rows a rank scores in the training job (None: not known yet)."""
     train = run["train"]
     return {
         "model": run["model"],
@@ -120,11 +137,19 @@ def figures_request(run, shape: list[int], outputs: int) -> dict:
         "precision": train["precision"],
         "device_type": device_of(run),
         "checkpointing": bool(train["activation_checkpointing"]),
+        "eval_batch": eval_batch(run, eval_rows),
         "optimizer": {
             k: train["optimizer"][k]
             for k in ("name", "momentum", "nesterov", "weight_decay", "betas")
         },
     }
+
+
+def eval_batch(run, rows: int | None) -> int:
+    """The inputs of one evaluation forward in the training job: eval.batch_size, or a
+    rank's whole shard where that is smaller."""
+    size = int(run["eval"]["batch_size"])
+    return size if rows is None else max(1, min(size, math.ceil(rows / run["world_size"])))
 
 
 def estimate(run, figures: dict, process: dict, data_bytes: int) -> Estimate:
@@ -148,7 +173,18 @@ def estimate(run, figures: dict, process: dict, data_bytes: int) -> Estimate:
         params, grads, opt = _fsdp_share(train, world, device, figures)
     runtime = process["anon"] if device == "cpu" else CUDA_CONTEXT
     shared = process["file"] // ranks_per_node(run["machine"]) if device == "cpu" else 0
-    return Estimate(params, grads, opt, acts, data_bytes, runtime, device, shared, gather)
+    return Estimate(
+        params,
+        grads,
+        opt,
+        acts,
+        data_bytes,
+        runtime,
+        device,
+        shared,
+        gather,
+        evaluation=figures.get("evaluation", 0),
+    )
 
 
 def _fsdp_share(train, world: int, device: str, figures: dict) -> tuple[int, int, int]:

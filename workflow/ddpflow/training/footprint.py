@@ -13,6 +13,10 @@ What is measured, for one unsharded model on one process at the run's micro-batc
   once, with every gradient already allocated (DDP's gradients are views of buckets that
   live from the wrapper's creation, so they coexist with the activations); once at the
   micro-batch and once at micro-batch 2 (what does not grow with it);
+* evaluation: the activations of one forward without gradients in eval mode at the
+  evaluation's batch (the validation after each epoch and the evaluation a training job
+  adds at its end score eval.batch_size inputs per forward, or the rank's whole shard where
+  that is smaller): at 512 images they outgrow a training micro-batch's activations;
 * the largest FSDP unit's parameters (ddpflow.training.sharding.units): what FSDP gathers
   whole for a block's forward and backward.
 
@@ -40,6 +44,7 @@ FIGURES = (
     "optimizer",
     "activations",
     "activations_at_2",
+    "evaluation",
     "largest_unit",
 )
 
@@ -53,10 +58,12 @@ def measure(
     device_type: str,
     checkpointing: bool,
     optimizer: Any,
+    eval_batch: int = 0,
 ) -> dict[str, int]:
     """The figures (FIGURES, bytes) of one training step, measured on fake tensors.
     precision/device_type: autocast as the ranks use it (fp16 on a CPU rank trains in fp32);
-    optimizer: the train.optimizer section (a SectionView or dict with its keys)."""
+    optimizer: the train.optimizer section (a SectionView or dict with its keys);
+    eval_batch: the inputs of one evaluation forward (0: no evaluation measured)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ddpflow.config.typed import OptimizerSpec
@@ -76,6 +83,7 @@ def measure(
         _step(model, opt, _inputs(small, shape), autocast)  # gradients, optimizer state
         at_two = _tracked_step(model, opt, small, shape, autocast)
         peak = _tracked_step(model, opt, micro_batch, shape, autocast)
+        evaluation = _tracked_evaluation(model, eval_batch, shape, autocast)
     return {
         "parameters": sum(_nbytes(p) for p in model.parameters()),
         "buffers": sum(_nbytes(b) for b in model.buffers()),
@@ -86,6 +94,7 @@ def measure(
         # (the weights' gradients before they are added to .grad, bf16 copies of the
         # weights) and what does (ddpflow.config.fits)
         "activations_at_2": at_two.get("Activation", 0) + at_two.get("Temp", 0),
+        "evaluation": evaluation,
         "largest_unit": max(
             (sum(_nbytes(p) for p in unit.parameters()) for unit in sharding.units(model)),
             default=0,
@@ -108,6 +117,26 @@ def _tracked_step(model: nn.Module, opt, micro_batch: int, shape, autocast) -> d
         for device in peak.values()
         for kind, nbytes in device.items()
     }
+
+
+def _tracked_evaluation(model: nn.Module, batch: int, shape, autocast) -> int:
+    """The activations alive at the peak of one evaluation forward (no gradients, eval mode:
+    each layer's input is freed once its output exists) at this batch; 0 for batch 0."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    if batch <= 0:
+        return 0
+    model.eval()
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker, torch.no_grad(), autocast() if autocast else contextlib.nullcontext():
+        model(_inputs(batch, shape))
+    model.train()
+    peak = tracker.get_tracker_snapshot("peak")
+    kinds = {
+        str(getattr(kind, "value", kind)): n for dev in peak.values() for kind, n in dev.items()
+    }
+    return kinds.get("Activation", 0) + kinds.get("Temp", 0)
 
 
 def _inputs(n: int, shape) -> torch.Tensor:
