@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
+import pytest
+from ddpflow import pipeline
 from ddpflow.errors import UserError
-from ddpflow.paths import RunPaths, work_dir
+from ddpflow.paths import RunPaths, staged_dir, work_dir
 from ddpflow.report import outcome
 from test_report import _write_run
 from workflow_helpers import make_run
@@ -105,6 +108,23 @@ def _runs(*runs: dict) -> dict[str, dict]:
     return {run["name"]: run for run in runs}
 
 
+def _stage(run: dict, results, log_file) -> None:
+    """Stage the run's data through the stage rule's function; it fails here."""
+    handlers = list(logging.getLogger().handlers)
+    try:
+        with pytest.raises(SystemExit):
+            pipeline.run_rule(
+                pipeline.stage_data,
+                str(log_file),
+                run["data"],
+                str(staged_dir(results, run["dataset_id"])),
+            )
+    finally:  # run_rule logs to the rule's file: not to this test process's other tests
+        for handler in set(logging.getLogger().handlers) - set(handlers):
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+
+
 def test_a_staging_failure_is_the_cause_of_every_run_of_its_dataset(tmp_path, capsys):
     """A wrong data.path fails the stage rule: no train rule of its runs ever ran, and the
     report names each of them with the staging's cause (not an older failure of their own)."""
@@ -114,14 +134,13 @@ def test_a_staging_failure_is_the_cause_of_every_run_of_its_dataset(tmp_path, ca
     own, twin = {**npz, "name": "own"}, {**npz, "name": "twin"}
     _publish(results, ok, ok)
     outcome.record_failure(work_dir(results, "own"), "train", RuntimeError("old"), "o.log")
-    staging = outcome.staging_work(results, npz["dataset_id"])
-    missing = UserError("data.path missing.npz: no such file")
-    outcome.record_failure(staging, "stage", missing, "logs/stage/npz.log")
+    _stage(npz, results, tmp_path / "stage.log")  # the stage rule's code, as Snakemake runs it
     html = outcome.report_unfinished(_runs(ok, own, twin), results)
     summary = json.loads((html.parent / "summary.json").read_text())
     assert [row["run"] for row in summary["runs"]] == ["ok"]
-    causes = {e["run"]: (e["stage"], e["cause"]) for e in summary["unfinished"]}
-    assert causes == dict.fromkeys(["own", "twin"], ("stage", str(missing)))
+    causes = {e["run"]: (e["stage"], e["cause"], e["log"]) for e in summary["unfinished"]}
+    missing = ("stage", "data.path missing.npz: no such file", str(tmp_path / "stage.log"))
+    assert causes == dict.fromkeys(["own", "twin"], missing)
     said = capsys.readouterr().err
     assert (
         "ddpflow: run 'twin' did not finish (stage failed: data.path missing.npz: no such "

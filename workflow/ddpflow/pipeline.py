@@ -55,6 +55,12 @@ EARLY_CACHE = ".snakemake/ddpflow"  # the parse's checks and measurements (ddpfl
 
 
 def stage_data(data_cfg: dict, out_dir: str, threads: int = 1) -> dict:
+    # a failure is kept for the report, naming it for every run of the dataset
+    with outcome.staging_recorded(out_dir):
+        return _stage_data(data_cfg, out_dir, threads)
+
+
+def _stage_data(data_cfg: dict, out_dir: str, threads: int) -> dict:
     job = os.environ.get("SLURM_JOB_ID")
     where = f"in Slurm job {job} on {socket.gethostname()}" if job else "on this machine"
     if job:  # a staging job decodes on every CPU it was given (Snakemake caps a rule's

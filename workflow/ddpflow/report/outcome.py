@@ -25,7 +25,9 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from logging import FileHandler
 from pathlib import Path
 
 from ddpflow.cluster.nodes import read_ledger
@@ -59,6 +61,26 @@ NOT_RUN = (
 def staging_work(results_dir: str | Path, dataset_id: str) -> Path:
     """Where the stage rule of one dataset keeps why it failed (shared by its runs)."""
     return Path(results_dir) / "work" / ".staging" / dataset_id
+
+
+@contextmanager
+def staging_recorded(out_dir: str | Path) -> Iterator[None]:
+    """Stage into out_dir (results/staged/<dataset>) and, where that fails, keep why for the
+    report of every run that reads the dataset. Called by pipeline.stage_data, not by
+    scripts/stage.py: Snakemake restages every dataset whose rule script is newer than its
+    output, so an upgrade that touched the script would retrain every run."""
+    work = staging_work(Path(out_dir).parent.parent, Path(out_dir).name)
+    clear_failure(work)
+    try:
+        yield
+    except BaseException as exc:
+        # the stage rule's log: pipeline.run_rule sends this process's logging there
+        handlers = logging.getLogger().handlers
+        log_file = next((h.baseFilename for h in handlers if isinstance(h, FileHandler)), None)
+        if log_file and Path(log_file).is_relative_to(Path.cwd()):  # as Snakemake names it
+            log_file = str(Path(log_file).relative_to(Path.cwd()))
+        record_failure(work, "stage", exc, log_file)
+        raise
 
 
 def clear_failure(work: str | Path) -> None:
