@@ -155,6 +155,79 @@ def check_shape(listing: dict, shape: list[int], run_name: str) -> None:
         )
 
 
+def check_can_predict(run: dict) -> None:
+    """Refuse, before any job, a run whose task cannot predict: a language model, or a task
+    that does not define predictions() (optional in the Task protocol: such a task trains,
+    evaluates and reports; only predict needs it)."""
+    from ddpflow.task import Task, run_task
+
+    name = run["name"]
+    if run.get("task") == "language_model":
+        raise ConfigError(
+            f"predict: run {name!r} is a language model; snakemake predict applies "
+            "image models to images. Sample from it with ddpflow.training.gpt.generate on its "
+            "model.pt (docs/language-models.md), or name other runs in predict.runs"
+        )
+    task = run_task(run)
+    method = getattr(type(task), "predictions", None)
+    if callable(method) and method is not Task.predictions:
+        return
+    raise ConfigError(
+        f"predict: run {name!r} has task {run['task']!r} ({task.name}), which does not say "
+        "what a prediction is: snakemake predict calls the task's predictions(self, outputs, "
+        "manifest) -> list[dict], outputs being the model's outputs for a batch (a tensor "
+        "[N, outputs(manifest)]) and each dict one row of predictions.csv, "
+        '{"prediction": ..., "score": ...}. The method is optional: without it the task '
+        "trains, evaluates and reports, and only predict is refused. Add it to the task "
+        "(docs/tasks.md), or name other runs in predict.runs"
+    )
+
+
+SHOWN = 20  # unreadable inputs named in a refusal
+DECODED = "predict-decoded.json"  # the listings' signatures whose every image decoded
+
+
+def check_decodes(listing: dict, predict: dict, cache_dir: str | Path) -> None:
+    """Under predict.on_corrupt: fail, refuse once, before any job, a folder with an image
+    that does not decode, naming each (up to SHOWN) and why. A listing that decoded is
+    kept by its signature (paths, sizes, modification times) in cache_dir/DECODED: the next
+    invocation reads nothing again until a file changes."""
+    if listing["kind"] != "folder" or predict["on_corrupt"] != "fail":
+        return
+    cache, key = Path(cache_dir) / DECODED, signature(listing)
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = []
+    if key in known:
+        return
+    root = Path(listing["root"])
+    bad = [(name, why) for name in listing["files"] if (why := _unreadable(root / name))]
+    if bad:
+        shown = "; ".join(f"{name}: {why}" for name, why in bad[:SHOWN])
+        more = f"; and {len(bad) - SHOWN} more" if len(bad) > SHOWN else ""
+        raise ConfigError(
+            f"predict.input {predict['input']}: {counted(len(bad), 'input')} could not be "
+            f"read: {shown}{more}. Replace or remove them, or set predict.on_corrupt: skip to "
+            "predict the others"
+        )
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(cache, [*known[-9:], key])  # the last few inputs predicted
+
+
+def _unreadable(path: Path) -> str | None:
+    """Why an image does not decode (as the ranks decode it: opened and loaded), or None."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.draft(image.mode, (64, 64))  # a JPEG decoded at a fraction: still read whole
+            image.load()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+        return str(err)
+    return None
+
+
 def write_request(work: str, listing: dict, predict: dict, out: dict) -> Path:
     """The ranks' request in results/work/<run>/predict/ (the work folder: never a declared
     output), and the parts of an earlier attempt removed."""
@@ -173,12 +246,7 @@ def predict_run(run: dict, paths: RunPaths, logs_dir: str, predict: dict, out: d
     from ddpflow import pipeline
     from ddpflow.cluster.jobs import PredictJob
 
-    if run.get("task") == "language_model":
-        raise ConfigError(
-            f"predict: run {run['name']!r} is a language model; snakemake predict applies "
-            "image models to images. Sample from it with ddpflow.training.gpt.generate on its "
-            "model.pt (docs/language-models.md), or name other runs in predict.runs"
-        )
+    check_can_predict(run)  # refused at parse already (predict.smk): here for API callers
     listing = list_input(predict)
     manifest = json.loads((Path(paths.staged) / "manifest.json").read_text())
     check_shape(listing, manifest["shape"], run["name"])

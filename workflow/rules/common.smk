@@ -202,11 +202,13 @@ def safetensors_export(wildcards):
 
 def predict_signature(wildcards=None):
     """predict.input's files (path, size, modification time), hashed: listed once per
-    invocation, when a predict job is planned; an unset, missing or empty input stops
-    Snakemake there, before any job, with the key and the fix."""
+    invocation, when a predict job is planned; an unset, missing or empty input (or, under
+    predict.on_corrupt: fail, an image that does not decode) stops Snakemake there, before
+    any job, with the key and the fix."""
     if PREDICT_LISTING.get("signature") is None:
         try:
             listing = ddppredict.list_input(config["predict"])
+            ddppredict.check_decodes(listing, config["predict"], ".snakemake/ddpflow")
         except ddpconfig.ConfigError as err:
             sys.exit(f"ddpflow: configuration error: {err}")
         PREDICT_LISTING["signature"] = ddppredict.signature(listing)
