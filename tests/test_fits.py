@@ -10,7 +10,7 @@ import os
 
 import pytest
 from ddpflow.cluster.slurm_parse import Node
-from ddpflow.config import fits
+from ddpflow.config import fit_knobs, fits
 from ddpflow.config.slurm import gpu_types
 from ddpflow.early import memory_verdicts
 from ddpflow.training.footprint import measure
@@ -146,13 +146,11 @@ def test_a_run_that_cannot_fit_is_refused_naming_the_estimate_and_the_knobs():
     assert "does not fit the 2.00 GB a rank has (machine.mem_gb 4 over 2 ranks per node)" in text
     # 1.66 GB without activations leaves 0.34 GB: 89 samples' worth, 64 splits the batch
     assert "train.micro_batch_size 64 " in text
-    assert (
-        "train.strategy: fsdp (parameters, gradients and optimizer state divided by the 2 " in text
-    )
-    # on these CPU ranks fsdp keeps the blocks it gathers: the knob says it saves little
-    assert "ranks: 2.64 GB; on CPU ranks, which keep the blocks it gathers, little)" in text
-    assert "train.activation_checkpointing: true" in text and "train.precision: bf16" in text
-    assert "machine.mem_gb 6 or more" in text
+    # only knobs estimated to fit alone: fsdp on CPU ranks keeps the blocks it gathers (no
+    # gain), activation checkpointing and bf16 were not measured here (early measures them)
+    assert "train.strategy" not in text and "activation_checkpointing" not in text
+    assert "machine.mem_gb 5.3 or more" in text
+    assert "machine.cpu_ranks_per_node 1 and machine.nodes 2 (the same world size)" in text
 
 
 def test_above_80_percent_warns_and_below_says_the_share():
@@ -260,7 +258,9 @@ def test_snakemake_refuses_at_parse_a_run_this_machine_cannot_hold(workdir):
     assert result.returncode != 0
     assert "ddpflow: configuration error: run 'default': about " in output, output[-2000:]
     assert "does not fit the " in output and " GB a rank has (this machine's " in output
-    assert "fewer machine.cpu_ranks_per_node" in output
+    # each knob estimated on its own, the model's from its own measurement (bf16 here)
+    assert "train.precision: bf16 (activations in about half the bytes: " in output
+    assert "machine.cpu_ranks_per_node 1 (each needs " in output
     assert not (workdir / "results").exists()
 
 
@@ -326,3 +326,78 @@ def test_the_estimate_is_within_a_quarter_of_a_real_ranks_peak(
     assert abs(est.total / own_peak - 1) < 0.25, (est.parts(), own_peak / 2**30)
     # and as RSS shows it, the libraries' pages counted in full
     assert abs((est.total + got["file_bytes"]) / got["peak_bytes"] - 1) < 0.25
+
+
+def _debug_partition():
+    """The test cluster's partition 'debug' from its captured scontrol text: 2 nodes of
+    8000 MB."""
+    from pathlib import Path
+
+    from ddpflow.cluster import slurm_parse as sp
+    from ddpflow.config.slurm import partition_limits
+
+    golden = Path(__file__).parent / "golden" / "slurm"
+    parts = sp.parse_partitions((golden / "testbed_partitions.txt").read_text())
+    nodes = sp.parse_nodes((golden / "testbed_nodes.txt").read_text())
+    return partition_limits(parts["debug"], [n for n in nodes if "debug" in n.partitions])
+
+
+def _refusal(run, figures, variants=None, partition=None):
+    est = fits.estimate(run, figures, PROCESS, 0)
+    room, where = fits.capacity(run, "slurm", None, [])
+    return fits.judge(run, est, room, where, figures, variants, partition)
+
+
+BIG = {**FIGURES, "activations": 4000 * MB, "activations_at_2": 4000 * MB // 128}
+
+
+def test_a_refusal_offers_only_knobs_the_partition_allows():
+    """A refusal used to suggest `machine.mem_gb N or more` beyond what the partition's nodes
+    have (which the cluster check then refused, suggesting a value that did not fit): a
+    knob is offered only where it alone fits the rank and the partition."""
+    debug = _debug_partition()
+    assert (debug.name, debug.mem_mb, debug.nodes) == ("debug", 8000, 2)
+    run = _slurm_run(mem_gb=3.9, partition="debug")
+    verdict, text = _refusal(run, BIG, partition=debug)
+    assert verdict == "refused"
+    knobs = text.split("To fit: ")[1]
+    # 5.57 GB a rank: 11.2 GB for a node of 2 ranks, more than the partition's 8000 MB
+    assert "machine.mem_gb 11.2" not in knobs and "or more" not in knobs
+    assert "train.micro_batch_size 16 (1.90 GB;" in knobs
+    # one rank per node on the partition's two nodes fits its 8000 MB
+    assert "machine.cpu_ranks_per_node 1 and machine.nodes 2 (the same world size) with " in knobs
+    assert "train.strategy" not in knobs  # fsdp on CPU ranks keeps what it gathers: no gain
+    assert "activation_checkpointing" not in knobs and "bf16" not in knobs  # not measured
+    # without the partition's limits (not asked), more memory is a knob again
+    _, text = _refusal(run, BIG)
+    assert "machine.mem_gb 11.2 or more" in text
+
+
+def test_the_models_own_knobs_are_offered_where_their_figures_fit():
+    """A torchvision ResNet at 224 px with the small stem: its measured variant without it
+    fits, the bf16 and checkpointed variants do not and are left out."""
+    run = _slurm_run(mem_gb=3.9, partition="debug")
+    run = {**run, "model": {**run["model"], "name": "resnet50"}}
+    huge = {**FIGURES, "activations": 8000 * MB, "activations_at_2": 8000 * MB // 128}
+    variants = {
+        "model.small_input_stem: false": {**huge, "activations": 200 * MB},
+        "train.precision: bf16": {**huge, "activations": 7200 * MB},
+        "train.activation_checkpointing: true": {**huge, "activations": 4000 * MB},
+    }
+    assert set(variants) == set(fit_knobs.variant_runs(run))  # the knobs early measures
+    verdict, text = _refusal(run, huge, variants, _debug_partition())
+    assert verdict == "refused"
+    assert "model.small_input_stem: false (the ImageNet stem shrinks" in text
+    assert "first block: different science, a model that sees less: 1.86 GB)" in text
+    assert "bf16" not in text and "activation_checkpointing" not in text
+
+
+def test_where_no_knob_fits_the_refusal_names_the_partitions_limit():
+    run = _slurm_run(mem_gb=3.9, partition="debug")
+    huge = {**FIGURES, "parameters": 4000 * MB, "gradients": 4000 * MB}
+    verdict, text = _refusal(run, huge, {}, _debug_partition())
+    assert verdict == "refused"
+    assert text.endswith(
+        "To fit: nothing fits partition 'debug': a node gives at most 8000 MB (its 2 ranks "
+        "3.91 GB each) on at most 2 nodes: a smaller model or a bigger machine"
+    ), text

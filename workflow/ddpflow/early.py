@@ -66,7 +66,7 @@ def check_before_jobs(
     runs: list[dict],
     results: str,
     cache_dir: str | Path,
-    gpu_types: dict[str, list[str]] | None = None,
+    gpu_types: dict | None = None,  # {run: its Slurm partition, fit_knobs.Partition}
     warn=None,
 ) -> list[str]:
     """Refuse, naming every problem of every run at once, what the train rule would; return
@@ -104,7 +104,7 @@ def memory_verdicts(
     runs: list[dict],
     inputs: dict[str, tuple[list[int], int, int] | None],
     cache_dir: str | Path,
-    gpu_types: dict[str, list[str]] | None = None,
+    gpu_types: dict | None = None,  # {run: its Slurm partition, fit_knobs.Partition}
     models: dict | None = None,
 ) -> tuple[list[str], dict[str, tuple[str, str]]]:
     """(the models' problems, {run: (verdict, line)}) for the runs whose input is known
@@ -124,9 +124,26 @@ def memory_verdicts(
         if "error" in figures:
             log.warning("run %r: memory not estimated: %s", run["name"], figures["error"])
             continue
-        types = (gpu_types or {}).get(run["name"], [])
-        verdicts[run["name"]] = _judge(run, inputs[run["name"]], figures, measured, types)
+        part = (gpu_types or {}).get(run["name"])
+        verdicts[run["name"]] = _judge(run, inputs[run["name"]], figures, measured, part)
+        if verdicts[run["name"]][0] == "refused":  # its model knobs, measured on their own
+            variants = _measure_variants(run, inputs[run["name"]], cache_dir)
+            verdicts[run["name"]] = _judge(
+                run, inputs[run["name"]], figures, measured, part, variants
+            )
     return model_problems, verdicts
+
+
+def _measure_variants(run: dict, inputs, cache_dir: str | Path) -> dict[str, dict]:
+    """The figures of each model-side knob of a refused run (fit_knobs.variant_runs)."""
+    from ddpflow.config.fit_knobs import variant_runs
+
+    keys, requests = {}, {}
+    for knob, variant in variant_runs(run).items():
+        keys[knob] = key = _footprint_key(_footprint_request(variant, inputs))
+        requests[key] = _footprint_request(variant, inputs)
+    _, measured = _measure({}, requests, Path(cache_dir) / CACHE)
+    return {knob: measured[key] for knob, key in keys.items() if key in measured}
 
 
 def input_of(run: dict, manifest: dict | None) -> tuple[list[int], int, int, int | None] | None:
@@ -187,15 +204,17 @@ def _footprint_key(request: dict) -> str:
     return config_hash(request)
 
 
-def _judge(run: dict, inputs, figures: dict, measured: dict, gpu_types: list[str]):
-    """(verdict, line) of run from its measured figures (fits.estimate, capacity, judge)."""
+def _judge(run: dict, inputs, figures: dict, measured: dict, part, variants=None):
+    """(verdict, line) of run from its measured figures (fits.estimate, capacity, judge);
+    part: its Slurm partition's fit_knobs.Partition (None: not on Slurm, or not asked)."""
     process = measured.get(RUNTIME) or {"anon": 0, "file": 0}
     est = fits.estimate(run, figures, process, inputs[2])
     local_gpu = measured.get("gpu_bytes")  # measured only when the subprocess ran: else
     if local_gpu is None and run["launcher"] == "local" and run["machine"]["gpus_per_node"]:
         local_gpu = local_gpu_memory_bytes()  # (cached figures) the driver's answer
-    room, room_text = fits.capacity(run, run["launcher"], local_gpu, gpu_types)
-    return fits.judge(run, est, room, room_text, figures)
+    types = list(part.gpu_types) if part else []
+    room, room_text = fits.capacity(run, run["launcher"], local_gpu, types)
+    return fits.judge(run, est, room, room_text, figures, variants, part)
 
 
 def _manifest(staged: Path) -> dict | None:

@@ -31,8 +31,8 @@ On CPU ranks the process itself counts too: its own (anonymous) resident memory 
 few real steps of a tiny model (the libraries' file-backed pages are not counted: the node's
 ranks share them, and they are page cache the kernel drops under pressure).
 
-A rank that cannot fit is refused naming the estimate and the knobs that would make it fit;
-above WARN_SHARE a warning says so.
+A rank that cannot fit is refused naming the estimate and the knobs that alone would make it
+fit within its partition (ddpflow.config.fit_knobs); above WARN_SHARE a warning says so.
 
     figures_key(run, shape, outputs) -> (key, request)    # the measurement to ask for
     estimate(run, figures, process, data_bytes) -> Estimate
@@ -46,6 +46,7 @@ import math
 import os
 from pathlib import Path
 
+from ddpflow.config import fit_knobs
 from ddpflow.config.machine import ranks_per_node
 
 GIB = 2**30
@@ -246,8 +247,18 @@ def local_memory_bytes(meminfo: str = "/proc/meminfo") -> int | None:
         return None
 
 
-def judge(run, est: Estimate, room: int | None, room_text: str, figures: dict) -> tuple[str, str]:
-    """("fits" | "tight" | "refused" | "unknown", the line or the refusal) for run."""
+def judge(
+    run,
+    est: Estimate,
+    room: int | None,
+    room_text: str,
+    figures: dict,
+    variants: dict | None = None,
+    partition: fit_knobs.Partition | None = None,
+) -> tuple[str, str]:
+    """("fits" | "tight" | "refused" | "unknown", the line or the refusal) for run;
+    variants: the figures of fit_knobs.variant_runs(run) where measured; partition: the
+    run's Slurm partition, whose limits a knob must keep."""
     name, micro = run["name"], run["train"]["micro_batch_size"]
     where = "GPU" if est.device == "cuda" else "rank"
     head = (
@@ -268,71 +279,6 @@ def judge(run, est: Estimate, room: int | None, room_text: str, figures: dict) -
         )
     return "refused", (
         f"{head}: does not fit the {gb(room)} GB a {where} has ({room_text}). "
-        f"To fit: {_knobs(run, est, room, figures)}"
+        "To fit: "
+        + fit_knobs.knobs(fit_knobs.Context(run, est, room, figures, variants or {}, partition))
     )
-
-
-def _knobs(run, est: Estimate, room: int, figures: dict) -> str:
-    """The settings that would make run fit, with figures where the estimate gives them."""
-    train, world = run["train"], run["world_size"]
-    unit = "GPU" if est.device == "cuda" else "rank"
-    fixed = est.total - max(est.activations, est.gather)  # what the micro-batch leaves
-    knobs = []
-    if fixed + est.gather < room and est.activations > 0:
-        micro = _fitting_micro_batch(train, world, figures, room - fixed)
-        if micro is not None:
-            knobs.append(
-                f"train.micro_batch_size {micro} (activations shrink with it; the global batch "
-                "stays, as more micro-batches per step)"
-            )
-    else:
-        knobs.append(f"a smaller model (without any activations a {unit} needs {gb(fixed)} GB)")
-    if world > 1 and train["strategy"] != "fsdp":
-        fsdp = {**run, "train": {**train, "strategy": "fsdp"}}
-        sharded = estimate(fsdp, figures, {"anon": est.runtime, "file": 0}, est.data)
-        saves = sharded.total < 0.95 * est.total
-        knobs.append(
-            f"train.strategy: fsdp (parameters, gradients and optimizer state divided by the "
-            f"{world} ranks: {gb(sharded.total)} GB"
-            + (")" if saves else "; on CPU ranks, which keep the blocks it gathers, little)")
-        )
-    if not train["activation_checkpointing"]:
-        knobs.append(
-            "train.activation_checkpointing: true (each block's activations recomputed in the "
-            "backward instead of kept)"
-        )
-    if train["precision"] == "fp32":
-        knobs.append("train.precision: bf16 (activations in about half the bytes)")
-    if est.device == "cpu" and run["launcher"] == "slurm":
-        need = math.ceil(est.total * ranks_per_node(run["machine"]) / GIB)
-        knobs.append(f"machine.mem_gb {need} or more")
-    elif est.device == "cpu":
-        knobs.append(f"fewer machine.cpu_ranks_per_node (each needs {gb(est.total)} GB)")
-    else:
-        knobs.append(f"a GPU with at least {math.ceil(est.total / GIB)} GB")
-    return "; ".join(knobs)
-
-
-def _fitting_micro_batch(train, world: int, figures: dict, room: int) -> int | None:
-    """The largest micro-batch whose activations (in proportion to it) fit room and which
-    splits the global batch at this world size; None where none smaller does."""
-    from ddpflow.config.machine import splitting_micro_batch
-
-    micro = train["micro_batch_size"]
-    fixed, per_sample = _activation_line(figures, micro)
-    if per_sample <= 0 or room < fixed + per_sample:
-        return None
-    most = int((room - fixed) / per_sample)
-    if most >= micro:
-        return None
-    return splitting_micro_batch(train["global_batch_size"], most, [world])
-
-
-def _activation_line(figures: dict, micro: int) -> tuple[float, float]:
-    """(bytes that do not grow with the micro-batch, bytes per sample): the line through
-    the measurements at micro-batch 2 and at the run's."""
-    at_micro = figures["activations"]
-    if micro <= 2:
-        return 0.0, at_micro / micro
-    per_sample = max(at_micro - figures["activations_at_2"], 0) / (micro - 2)
-    return at_micro - per_sample * micro, per_sample

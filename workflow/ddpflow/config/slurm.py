@@ -31,6 +31,7 @@ from ddpflow.cluster.slurm_parse import (
     parse_partitions,
     parse_slurm_time,
 )
+from ddpflow.config.fit_knobs import Partition as Limits
 from ddpflow.config.machine import DEFAULT_STAGE_CPUS, memory_mb, ranks_per_node
 from ddpflow.config.schema import ConfigError
 from ddpflow.text import counted
@@ -113,10 +114,11 @@ def query_cluster(need_accounting: bool, timeout_s: float = QUERY_TIMEOUT_S) -> 
 
 def check_runs_against_cluster(
     runs: list[dict], timeout_s: float = QUERY_TIMEOUT_S, stage_in_job: bool = False
-) -> dict[str, list[str]]:
+) -> dict[str, Limits]:
     """Raise ConfigError for the first run whose machine section this cluster cannot run
-    (and, stage_in_job, whose machine.stage job it cannot run). Returns each GPU run's GPU
-    types in its partition's GRES (what ddpflow.config.fits reads the GPU memory from)."""
+    (and, stage_in_job, whose machine.stage job it cannot run). Returns each run's partition
+    limits (fit_knobs.Partition: the GPU types in its GRES, what ddpflow.config.fits reads
+    the GPU memory from, and the memory and nodes a memory refusal's knobs must keep)."""
     if not runs:
         return {}
     need_accounting = any(run["machine"]["account"] or run["machine"]["qos"] for run in runs)
@@ -126,10 +128,17 @@ def check_runs_against_cluster(
         check_run(run, cluster)
         if stage_in_job:
             check_stage_job(run, cluster)
-        if run["machine"]["gpus_per_node"]:
-            partition = resolve_partition(run["name"], run["machine"]["partition"], cluster)
-            types[run["name"]] = gpu_types(cluster.nodes_of(partition))
+        partition = resolve_partition(run["name"], run["machine"]["partition"], cluster)
+        types[run["name"]] = partition_limits(partition, cluster.nodes_of(partition))
     return types
+
+
+def partition_limits(partition: Partition, nodes: list[Node]) -> Limits:
+    """The most a job of partition gets: a node's memory, its nodes, the GPU types."""
+    cap, most = partition.max_mem_per_node_mb, max((n.memory_mb for n in nodes), default=0)
+    count = min(len(nodes), partition.max_nodes or len(nodes))
+    mem = cap if cap and cap < most else most
+    return Limits(partition.name, mem, count, tuple(gpu_types(nodes)))
 
 
 def gpu_types(nodes: list[Node]) -> list[str]:

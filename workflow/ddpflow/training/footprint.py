@@ -95,6 +95,7 @@ def measure(
         # weights) and what does (ddpflow.config.fits)
         "activations_at_2": at_two.get("Activation", 0) + at_two.get("Temp", 0),
         "evaluation": evaluation,
+        "eval_batch": eval_batch,  # what `evaluation` was measured at (fit_knobs scales it)
         "largest_unit": max(
             (sum(_nbytes(p) for p in unit.parameters()) for unit in sharding.units(model)),
             default=0,
