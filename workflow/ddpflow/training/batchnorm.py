@@ -11,9 +11,9 @@ would have (momentum, momentum=None's cumulative average and num_batches_tracked
 - while a step runs, each training BatchNorm writes into a scratch vector with momentum 1
   (running = 1 * batch + 0 * scratch: torch's own batch mean and unbiased variance, at no
   extra compute), copied after each micro-step into that micro-batch's global slot;
-- at the step's end one sum all_reduce of the zero-filled [micro-batches, statistics] slots
-  (each rank filled its own rows: x + 0 is exact) gives every rank every micro-batch's
-  statistics, folded into the real buffers in the global order.
+- at the step's end one all_gather of each rank's contiguous block of rows (the
+  micro-batches it computed) gives every rank every micro-batch's statistics, folded into
+  the real buffers in the global order.
 
 Frozen BatchNorm layers (eval mode: fine-tuning) are left alone. Activation checkpointing's
 recomputed forward keeps momentum 0 (sharding.checkpoint_activations), so it records nothing.
@@ -21,37 +21,60 @@ recomputed forward keeps momentum 0 (sharding.checkpoint_activations), so it rec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 _BatchNorm = nn.modules.batchnorm._BatchNorm
+BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
 
-@dataclass(frozen=True)
-class _Saved:
-    """A module's own buffers and momentum, put aside while the step writes into scratch."""
+class _Layout:
+    """The scratch and the slots of one set of training BatchNorm layers (kept across steps:
+    the set changes only when layers are unfrozen), and each layer's own buffers."""
 
-    module: _BatchNorm
-    mean: torch.Tensor
-    var: torch.Tensor
-    tracked: torch.Tensor
-    momentum: float | None
+    def __init__(self, norms: list[_BatchNorm], micro_per_step: int, device):
+        self.norms = norms
+        self.sizes = [m.num_features for m in norms for _ in range(2)]
+        width = sum(self.sizes)
+        self.scratch = torch.zeros(width, device=device)
+        self.slots = torch.zeros(micro_per_step, width, device=device)
+        views = self.scratch.split(self.sizes)
+        # per layer: its scratch buffers (mean, var, batch counter) for the step's forwards
+        self.scratch_buffers = [
+            {"running_mean": views[2 * i], "running_var": views[2 * i + 1],
+             "num_batches_tracked": torch.zeros((), dtype=torch.long, device=device)}
+            for i in range(len(norms))
+        ]  # fmt: skip
+        self.own: list[dict[str, torch.Tensor]] = []
+        self.momenta: list[float | None] = []
+
+    def swap_in(self) -> None:
+        """Each layer writes into its scratch, momentum 1 (its own batch statistics). The
+        buffer dicts are set directly: nn.Module.__setattr__ costs microseconds per call."""
+        self.own = [
+            {k: m._buffers[k] for k in s}
+            for m, s in zip(self.norms, self.scratch_buffers, strict=True)
+        ]
+        self.momenta = [m.momentum for m in self.norms]
+        for m, scratch in zip(self.norms, self.scratch_buffers, strict=True):
+            m._buffers.update(scratch)
+            m.__dict__["momentum"] = 1.0
+
+    def swap_out(self) -> None:
+        for m, own, momentum in zip(self.norms, self.own, self.momenta, strict=True):
+            m._buffers.update(own)
+            m.__dict__["momentum"] = momentum
 
 
-def tracked_norms(model: nn.Module) -> list[_BatchNorm]:
-    """The BatchNorm layers whose running statistics a training forward updates now."""
+def batchnorm_layers(model: nn.Module) -> list[_BatchNorm]:
+    """The model's BatchNorm layers that keep running statistics."""
     return [
         m
         for m in model.modules()
         if isinstance(m, _BatchNorm)
-        and m.training
         and m.track_running_stats
-        and m.running_mean is not None
-        and m.running_var is not None
-        and m.num_batches_tracked is not None
+        and all(m._buffers.get(k) is not None for k in BUFFERS)
     ]
 
 
@@ -72,74 +95,71 @@ class ExactStatistics:
     def __init__(self, model: nn.Module, micro_per_step: int, world_size: int, device):
         self.model, self.micro_per_step = model, micro_per_step
         self.world_size, self.device = world_size, device
-        self._saved: list[_Saved] = []
-        self._scratch = torch.zeros(0, device=device)
-        self._slots = torch.zeros(0, device=device)
+        self._layers = batchnorm_layers(model)  # the training ones of them at each step
+        self._layout: _Layout | None = None
+        self._active = False
+        self._factors: tuple[torch.Tensor, torch.Tensor] | None = None  # fixed momenta only
 
     def begin_step(self) -> None:
         """Point every training BatchNorm at scratch buffers (momentum 1) for this step."""
-        norms = tracked_norms(self.model)
+        # frozen layers are in eval mode (weights.keep_frozen_statistics): left alone
+        norms = [m for m in self._layers if m.training]
         if not norms:
             return
-        width = sum(2 * m.num_features for m in norms)
-        if self._scratch.numel() != width:  # the first step, or after unfreezing
-            self._scratch = torch.zeros(width, device=self.device)
-            self._slots = torch.zeros(self.micro_per_step, width, device=self.device)
-        else:
-            self._slots.zero_()
-        offset = 0
-        for m in norms:
-            c = m.num_features
-            assert m.running_mean is not None and m.running_var is not None
-            assert m.num_batches_tracked is not None  # tracked_norms checked all three
-            self._saved.append(
-                _Saved(m, m.running_mean, m.running_var, m.num_batches_tracked, m.momentum)
-            )
-            m.running_mean = self._scratch[offset : offset + c]
-            m.running_var = self._scratch[offset + c : offset + 2 * c]
-            m.num_batches_tracked = torch.zeros_like(m.num_batches_tracked)
-            m.momentum = 1.0  # the scratch holds this micro-batch's own statistics
-            offset += 2 * c
+        layout = self._layout
+        if layout is None or layout.norms != norms:  # the first step, or after unfreezing
+            layout = self._layout = _Layout(norms, self.micro_per_step, self.device)
+            self._factors = None
+        layout.swap_in()
+        self._active = True
 
     def record(self, micro: int) -> None:
         """After micro-batch `micro`'s forward: its statistics into its slot."""
-        if self._saved:
-            self._slots[micro].copy_(self._scratch)
+        if self._active:
+            assert self._layout is not None
+            self._layout.slots[micro].copy_(self._layout.scratch)
 
     def end_step(self) -> None:
         """Collective: every micro-batch's statistics to every rank, folded in in order."""
-        if not self._saved:
+        if not self._active:
             return
-        if self.world_size > 1:
-            dist.all_reduce(self._slots)
-        saved, self._saved = self._saved, []
-        for s in saved:
-            s.module.running_mean, s.module.running_var = s.mean, s.var
-            s.module.num_batches_tracked, s.module.momentum = s.tracked, s.momentum
-        self._fold(saved)
+        layout = self._layout
+        assert layout is not None
+        if self.world_size > 1:  # rank r computed the contiguous block [r * a, (r + 1) * a)
+            per_rank = self.micro_per_step // self.world_size
+            mine = layout.slots[dist.get_rank() * per_rank : (dist.get_rank() + 1) * per_rank]
+            dist.all_gather_into_tensor(layout.slots, mine.clone())
+        layout.swap_out()
+        self._active = False
+        self._fold(layout)
 
-    def _fold(self, saved: list[_Saved]) -> None:
+    def _fold(self, layout: _Layout) -> None:
         """running = f * batch + (1 - f) * running per micro-batch in the global order, as
         torch's kernels compute it (f: momentum, or 1 / num_batches_tracked when None)."""
-        buffers = [b for s in saved for b in (s.mean, s.var)]
+        buffers = [b for own in layout.own for b in (own["running_mean"], own["running_var"])]
         running = torch.cat([b.float() for b in buffers])
-        factors = self._factors(saved)  # [micro-batches, width], float64
-        keep = (1.0 - factors).float()
-        factors = factors.float()
+        factors, keep = self._update_factors(layout)
         for micro in range(self.micro_per_step):
-            running = factors[micro] * self._slots[micro] + keep[micro] * running
-        sizes = [b.numel() for b in buffers]
-        torch._foreach_copy_(buffers, list(running.split(sizes)))
-        torch._foreach_add_([s.tracked for s in saved], self.micro_per_step)
+            running = factors[micro] * layout.slots[micro] + keep[micro] * running
+        torch._foreach_copy_(buffers, list(running.split(layout.sizes)))
+        torch._foreach_add_([own["num_batches_tracked"] for own in layout.own],
+                            self.micro_per_step)  # fmt: skip
 
-    def _factors(self, saved: list[_Saved]) -> torch.Tensor:
-        """Each micro-batch's update factor per statistic, in float64 like torch's."""
+    def _update_factors(self, layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """(f, 1 - f) per micro-batch and statistic, [micro-batches, width] in float32 from
+        float64 like torch's; computed once unless a layer has momentum None."""
+        if self._factors is not None:
+            return self._factors
         columns = []
         steps = torch.arange(1, self.micro_per_step + 1, device=self.device, dtype=torch.float64)
-        for s in saved:
-            if s.momentum is None:  # cumulative average: 1 / batches seen, this one included
-                factor = 1.0 / (s.tracked.double() + steps)
+        for m, own, momentum in zip(layout.norms, layout.own, layout.momenta, strict=True):
+            if momentum is None:  # cumulative average: 1 / batches seen, this one included
+                factor = 1.0 / (own["num_batches_tracked"].double() + steps)
             else:
-                factor = torch.full_like(steps, s.momentum)
-            columns.append(factor[:, None].expand(-1, 2 * s.module.num_features))
-        return torch.cat(columns, dim=1)
+                factor = torch.full_like(steps, momentum)
+            columns.append(factor[:, None].expand(-1, 2 * m.num_features))
+        factors = torch.cat(columns, dim=1)
+        pair = (factors.float(), (1.0 - factors).float())
+        if all(momentum is not None for momentum in layout.momenta):
+            self._factors = pair
+        return pair

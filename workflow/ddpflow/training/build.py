@@ -19,6 +19,7 @@ from ddpflow.config import trains_sharded, uses_channels_last
 from ddpflow.config.typed import OptimizerSpec, RunSpec, TrainDdpSpec, TrainSpec
 from ddpflow.text import counted
 from ddpflow.training import sharding
+from ddpflow.training.batchnorm import only_batchnorm_buffers
 from ddpflow.training.models import build_model, place
 from ddpflow.training.schedule import effective_lr, lr_schedule
 from ddpflow.training.weights import apply_freeze, load_weights, param_groups
@@ -199,6 +200,9 @@ def wrap_ddp(model: nn.Module, device: torch.device, ddp_cfg: TrainDdpSpec) -> D
         bucket_cap_mb=ddp_cfg.bucket_cap_mb,
         gradient_as_bucket_view=ddp_cfg.gradient_as_bucket_view,
         static_graph=ddp_cfg.static_graph,
+        # BatchNorm statistics are equal on every rank after each step (training.batchnorm):
+        # DDP's broadcast of rank 0's buffers before each step's forward is then redundant
+        broadcast_buffers=not only_batchnorm_buffers(model),
     )
     if ddp_cfg.comm_hook != "none":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
