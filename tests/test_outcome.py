@@ -164,6 +164,12 @@ def test_a_stop_with_no_failure_record_replaces_the_last_configs_report(tmp_path
     assert [row["run"] for row in summary["runs"]] == ["ok"]
     assert [(e["run"], e["cause"]) for e in summary["unfinished"]] == [("new", outcome.NOT_RUN)]
     assert "ddpflow: run 'new' did not finish\n" in capsys.readouterr().err
+    # a failure record older than the result of this config (a failed retraining whose
+    # outputs were given back, then the edit reverted) does not unfinish the run
+    outcome.record_failure(work_dir(results, "ok"), "train", RuntimeError("edit"), "o.log")
+    html = outcome.report_unfinished(_runs(ok, new), results)
+    summary = json.loads((html.parent / "summary.json").read_text())
+    assert [row["run"] for row in summary["runs"]] == ["ok"]
 
 
 def test_a_stopped_retrain_of_a_finished_run_is_an_interrupted_training(tmp_path, capsys):

@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
+from test_rerun_loop import _start, _wait_for
 from workflow_helpers import jobs_planned, snakemake, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -25,6 +29,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 # evaluation mode, on more samples than the login node's check uses (2): the same code (the
 # same fingerprint) before and after, so only the ranks can fail it.
 PLUGIN = """
+import time
 from pathlib import Path
 from torch import nn
 
@@ -38,6 +43,8 @@ class Flaky(nn.Module):
         flag = Path("FAIL_TRAIN" if self.training else "FAIL_EVAL")
         if flag.exists() and x.shape[0] > 2:
             raise RuntimeError(f"{flag} is set")
+        if self.training and Path("SLOW_TRAIN").exists():  # time to stop it mid-training
+            time.sleep(0.3)
         return self.net(x)
 
 
@@ -131,6 +138,64 @@ def test_a_late_failure_gives_the_finished_run_back(finished, stage):
     assert _state(workdir) == before
     assert not (workdir / "results/runs/r/.kept").exists()
     assert jobs_planned(workdir, edited) >= {rule}  # the edit is not forgotten
-    assert jobs_planned(workdir, configfile) == set()
+    # the report written after the failure is redone for the reverted config, nothing else
+    assert jobs_planned(workdir, configfile) == {"report", "all"}
     report = json.loads((workdir / "results/report/summary.json").read_text())
     assert [run["run"] for run in report["runs"]] == ["r"] and not report["unfinished"]
+
+
+def _summary(workdir: Path) -> dict:
+    return json.loads((workdir / "results/report/summary.json").read_text())
+
+
+def test_a_failed_staging_reports_this_config(finished):
+    """A run added with a wrong data.path: its staging fails, and the report afterwards is
+    this config's (the finished run, and the added one with the cause), not the last one's."""
+    workdir, configfile = finished
+    before = _state(workdir)
+    own = {"name": "own", "data": {"source": "npz", "path": "missing.npz"}}
+    added = {**BASE, "runs": [*BASE["runs"], own]}
+    result = snakemake(workdir, write_config(workdir / "added.yaml", added))
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert (
+        "ddpflow: run 'own' did not finish (stage failed: data.path missing.npz: no such "
+        "file); fix that" in output
+    ), output[-3000:]
+    assert "ddpflow: report of the 1 finished of 2 runs" in output, output[-3000:]
+    report = _summary(workdir)
+    assert [run["run"] for run in report["runs"]] == ["r"]
+    (own,) = report["unfinished"]
+    assert (own["run"], own["stage"]) == ("own", "stage") and own["log"].startswith("logs/stage/")
+    assert _state(workdir) == before
+
+
+def test_a_stopped_retrain_is_interrupted_and_gives_the_finished_run_back(finished):
+    """Ctrl-C while the finished run retrains on an edited config: its outputs come back
+    byte-identical, and the terminal and the report say it was interrupted, where, what is
+    kept and the command that goes on (not 'failed ... fix the cause')."""
+    workdir, configfile = finished
+    before = _state(workdir)
+    edited = write_config(workdir / "edited.yaml", _edited(train={"optimizer": {"lr": 0.03}}))
+    (workdir / "SLOW_TRAIN").touch()
+    started, ckpts = time.time(), workdir / "results/work/r/checkpoints"
+    try:
+        proc = _start(workdir, edited, "stopped.out")
+        _wait_for(
+            lambda: any(p.stat().st_mtime > started for p in ckpts.glob("ckpt-*.pt")),
+            proc,
+            "the retraining's first checkpoint",
+        )
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal
+        assert proc.wait(timeout=90) != 0
+    finally:
+        (workdir / "SLOW_TRAIN").unlink()
+    output = (workdir / "stopped.out").read_text()
+    assert "Traceback" not in output and "fix the cause" not in output, output[-3000:]
+    assert "run 'r': its train rule was interrupted; the run's previous model.pt" in output
+    assert "ddpflow: run 'r': train interrupted after epoch 1 of 2; its checkpoint (step " in output
+    assert "is kept; the same command continues it: " in output
+    assert _state(workdir) == before
+    (entry,) = _summary(workdir)["unfinished"]
+    assert entry["run"] == "r" and entry["interrupted"] and entry["stage"] == "train"
+    assert jobs_planned(workdir, configfile) == {"report", "all"}  # reverted: nothing retrains

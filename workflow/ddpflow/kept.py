@@ -114,12 +114,12 @@ def _restored_line(run: str, rule: str, names: tuple[str, ...], interrupted: boo
         return (
             f"ddpflow: run {run!r}: its {rule} rule was interrupted; the run's previous "
             f"{files} are kept as they were until it finishes (or revert the edit: then "
-            "nothing is redone)"
+            "nothing is retrained)"
         )
     return (
         f"ddpflow: run {run!r}: its {rule} rule failed; the run's previous {files} are "
         "kept as they were (fix the cause and rerun, or revert the edit: then nothing is "
-        "redone)"
+        "retrained)"
     )
 
 

@@ -233,7 +233,9 @@ def _sort_runs(runs: dict[str, dict], results_dir, restored=frozenset()) -> tupl
         paths = RunPaths.for_run(results_dir, run)
         failure = run_failure(run, results_dir)
         stopped = bool(failure and failure.get("interrupted"))  # this config's retraining
-        if (name in restored and not stopped) or (failure is None and _current(run, paths)):
+        # a result of this config is finished, whatever an older failure record says (a
+        # failed retraining given back, then the edit reverted)
+        if (name in restored and not stopped) or _current(run, paths):
             finished.append({
                 "name": name, "train_metrics": paths.train_metrics,
                 "eval_metrics": paths.eval_metrics,
