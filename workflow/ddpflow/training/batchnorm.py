@@ -21,6 +21,8 @@ recomputed forward keeps momentum 0 (sharding.checkpoint_activations), so it rec
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -53,7 +55,7 @@ class _Layout:
         """Each layer writes into its scratch, momentum 1 (its own batch statistics). The
         buffer dicts are set directly: nn.Module.__setattr__ costs microseconds per call."""
         self.own = [
-            {k: m._buffers[k] for k in s}
+            {k: cast(torch.Tensor, m._buffers[k]) for k in s}
             for m, s in zip(self.norms, self.scratch_buffers, strict=True)
         ]
         self.momenta = [m.momentum for m in self.norms]
