@@ -4,6 +4,7 @@
   srun python -m ddpflow train default                        # every rank (plain sbatch)
   torchrun --nproc-per-node 2 -m ddpflow evaluate default     # every rank (torchrun)
   python -m ddpflow report                                    # once, after evaluation
+  python -m ddpflow plan --configfile F --nodes 128 --gpus-per-node 8   # a shape, simulated
 
 RUN is a run name of the config (default: its first run); --config picks the file
 (default config/config.yaml). Write the run as a positional argument under torchrun: torchrun
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from ddpflow import config as ddpconfig
 from ddpflow import pipeline
@@ -53,12 +55,55 @@ def parse_args(argv=None) -> argparse.Namespace:
             choices=["local", "slurm"],
             help="override the config's launcher (checks only; ranks come from env)",
         )
+    _add_plan(commands)
     args = parser.parse_args(argv)
-    if args.command != "report":
+    if args.command not in ("report", "plan"):
         if args.run and args.run_name and args.run != args.run_name:
             parser.error(f"two run names: {args.run_name!r} and --run {args.run!r}")
         args.run = args.run or args.run_name
     return args
+
+
+def _add_plan(commands) -> None:
+    help_text = "simulate RUN at a cluster shape in one process: memory, sharding, checkpoint"
+    sub = commands.add_parser("plan", help=help_text, description=help_text)
+    sub.add_argument("--configfile", default="config/config.yaml", help="YAML config file")
+    sub.add_argument("--nodes", type=int, required=True)
+    sub.add_argument(
+        "--gpus-per-node",
+        type=int,
+        required=True,
+        help="GPU ranks per node (0: CPU ranks, machine.cpu_ranks_per_node)",
+    )
+    sub.add_argument("--run", default=None, help="run name (default: the config's first)")
+    sub.add_argument(
+        "--resume-nodes",
+        type=int,
+        default=None,
+        help="the checkpoint's readers at this node count (default: half)",
+    )
+    sub.add_argument("--json", default=None, metavar="OUT", help="write the plan as JSON")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """python -m ddpflow plan (ddpflow.plan: imports torch, so only here)."""
+    from ddpflow import plan
+
+    if args.nodes < 1 or args.gpus_per_node < 0:
+        print("ddpflow: --nodes must be at least 1, --gpus-per-node at least 0", file=sys.stderr)
+        return 2
+    try:
+        doc = plan.plan(
+            args.configfile, args.nodes, args.gpus_per_node, args.run, args.resume_nodes
+        )
+    except ddpconfig.ConfigError as exc:
+        print(f"ddpflow: configuration error: {exc}", file=sys.stderr)
+        return 2
+    print(plan.render(doc))
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"ddpflow: plan in {args.json}")
+    return 0
 
 
 def select_run(cfg: dict, name: str | None) -> dict:
@@ -78,6 +123,8 @@ def already_staged(staged: str, data_cfg: dict) -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.command == "plan":
+        return _plan(args)
     overrides = {"launcher": args.launcher} if args.launcher else {}
     try:
         cfg = ddpconfig.load(args.config, overrides)

@@ -1,0 +1,223 @@
+"""`python -m ddpflow plan`: a run's training at a cluster shape, simulated in one process
+before anything is queued; nothing is allocated.
+
+    python -m ddpflow plan --configfile config/config.yaml --nodes 128 --gpus-per-node 8
+    python -m ddpflow plan --configfile F --nodes 128 --gpus-per-node 8 --json plan.json
+
+For the run (default: the config's first) at nodes x ranks per node:
+
+* the memory estimate per rank and strategy (ddp, zero, fsdp): one training step measured
+  on fake tensors (ddpflow.training.footprint) turned into a rank's peak at this world size
+  (ddpflow.config.fits), for rank 0 and for the others, in bytes (`peak_bytes`);
+* the FSDP units and the device mesh, from FSDP2's fully_shard on a meta-device model in a
+  fake process group of the whole world (ddpflow.training.sharding_plan), and the parameter
+  bytes a rank's shards really hold (FSDP pads each parameter's rows to the shard count);
+* each rank's micro-batches of an optimizer step (ddpflow.training.schedule);
+* the checkpoint: its files, and after a resume at --resume-nodes which files each rank reads.
+
+The strategies planned are those ddpflow trains (ddp, zero, fsdp); HSDP is one more
+sharding_plan.MeshSpec (a replicate x shard mesh) once train.strategy offers it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from ddpflow import config as ddpconfig
+from ddpflow.config import fits
+from ddpflow.config.machine import accumulation_steps, micro_batches_per_step, ranks_per_node
+from ddpflow.early import input_of
+from ddpflow.paths import RunPaths
+
+STRATEGIES = ("ddp", "zero", "fsdp")
+TEXT_VOCABULARY = 257  # data.source text: 256 bytes and the end-of-document token
+
+
+def load_run(configfile: str, nodes: int, per_node: int, name: str | None) -> dict:
+    """The run at this shape, checked as the workflow checks it (a Slurm shape: the local
+    launcher runs one machine). Raises ConfigError naming what does not divide or fit."""
+    shape = {"nodes": nodes, "gpus_per_node": per_node}  # 0 GPUs: machine.cpu_ranks_per_node
+    cfg = ddpconfig.load(configfile, {"launcher": "slurm", "machine": shape})
+    name = name or ddpconfig.run_entries(cfg)[0][0]["name"]
+    run = ddpconfig.run_by_name(cfg, name)
+    given = {k: run["machine"][k] for k in shape}
+    if given != shape:
+        raise ddpconfig.ConfigError(
+            f"run {name!r} sets its own machine {given} under runs:, which --nodes/"
+            "--gpus-per-node do not override: remove it there to plan other shapes"
+        )
+    return {**run, "results_dir": cfg["results_dir"]}
+
+
+def model_input(run: dict) -> tuple[list[int], int, int, int | None]:
+    """(input shape, outputs, data bytes a rank holds, most rows scored) of run: from its
+    staged manifest, else from the config (ddpflow.early.input_of; a language model's block
+    and vocabulary)."""
+    staged = Path(RunPaths.for_run(run["results_dir"], run).staged) / "manifest.json"
+    manifest = json.loads(staged.read_text()) if staged.is_file() else None
+    found = input_of(run, manifest)
+    if found is not None:
+        return found
+    data = run["data"]
+    if run["task"] == "language_model" and data["source"] in ("text", "tokens"):
+        vocab = data["vocab_size"] or TEXT_VOCABULARY
+        return [data["block_size"]], vocab, 0, None
+    raise ddpconfig.ConfigError(
+        f"run {run['name']!r}: its input shape is known only after staging "
+        f"(data.source {data['source']}): run `python -m ddpflow stage` first"
+    )
+
+
+def memory(run: dict, inputs) -> dict[str, dict]:
+    """{strategy: {"peak_bytes": {"rank_0", "other_ranks"}, "parts": ...}} at run's world."""
+    from ddpflow.training import footprint
+
+    shape, outputs, data_bytes, rows = inputs
+    want = fits.figures_request(run, shape, outputs, rows)
+    figures = footprint.measure(want.pop("model"), **{k: v for k, v in want.items() if k != "code"})
+    cpu = fits.device_of(run) == "cpu"
+    process = footprint.process_memory() if cpu else {"anon": 0, "file": 0}
+    out = {}
+    for strategy in STRATEGIES:
+        variant = {**run, "train": {**run["train"], "strategy": strategy}}
+        est = fits.estimate(variant, figures, process, data_bytes)
+        others = dataclasses.replace(est, gather=0)  # only rank 0 gathers for a checkpoint
+        parts = {
+            k: getattr(est, k)
+            for k in (
+                "parameters",
+                "gradients",
+                "optimizer",
+                "activations",
+                "evaluation",
+                "data",
+                "runtime",
+            )
+        }
+        out[strategy] = {
+            "peak_bytes": {"rank_0": est.total, "other_ranks": others.total},
+            "parts": {**parts, "rank_0_checkpoint_gather": est.gather},
+        }
+    return out
+
+
+def plan(configfile: str, nodes: int, per_node: int, name=None, resume_nodes=None) -> dict:
+    """The whole plan (module docstring) as a JSON-ready dict."""
+    from ddpflow.training import sharding_plan as sp
+
+    started = time.perf_counter()
+    run = load_run(configfile, nodes, per_node, name)
+    world, inputs = run["world_size"], model_input(run)
+    resume = resume_nodes or max(1, nodes // 2)
+    per_node = ranks_per_node(run["machine"])
+    mesh = sp.MeshSpec.for_strategy("fsdp", nodes, per_node)
+    layout = sp.shard_layout(run["model"], inputs[0], inputs[1], mesh)
+    shares = sp.micro_batch_shares(micro_batches_per_step(run["train"]), world)
+    strategies = memory(run, inputs)
+    own = run["train"]["strategy"] if world > 1 else "ddp"
+    return {
+        "run": run["name"],
+        "nodes": nodes,
+        "ranks_per_node": per_node,
+        "world_size": world,
+        "strategy": own,
+        "peak_bytes": strategies[own]["peak_bytes"],
+        "strategies": strategies,
+        "fsdp": _fsdp_part(layout),
+        "micro_batches": _micro_part(run, shares),
+        "checkpoint": _checkpoint_part(run, layout, resume * per_node, per_node),
+        "input": {"shape": inputs[0], "outputs": inputs[1]},
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+
+
+def _fsdp_part(layout) -> dict:
+    return {
+        "mesh": {"shape": list(layout.mesh.shape), "names": list(layout.mesh.names)},
+        "units": layout.units,
+        "placements": sorted(set(layout.placements.values())),
+        "parameter_bytes_whole": layout.full_bytes,
+        # what fully_shard's shards hold on a rank (padded: the same on every rank), against
+        # the even split the memory estimate assumes
+        "parameter_bytes_per_rank": layout.rank0_bytes,
+        "even_split_bytes": -(-layout.full_bytes // layout.mesh.world),
+        "ranks_symmetric": True,
+    }
+
+
+def _micro_part(run: dict, shares: list[list[int]]) -> dict:
+    train = run["train"]
+    return {
+        "per_step": micro_batches_per_step(train),
+        "micro_batch_size": train["micro_batch_size"],
+        "per_rank": accumulation_steps(train, run["world_size"]),
+        "by_rank": shares,
+    }
+
+
+def _checkpoint_part(run: dict, layout, resume_world: int, per_node: int) -> dict:
+    """fsdp: one DCP file per rank (its shards) and which ones each rank reads after a resume
+    at resume_world; ddp and zero: rank 0's one file, read whole by every rank."""
+    from ddpflow.training import sharding_plan as sp
+
+    if run["train"]["strategy"] != "fsdp" or run["world_size"] == 1:
+        return {
+            "format": "torch.save (rank 0)",
+            "files": 1,
+            "resume_world_size": resume_world,
+            "reads": "every rank reads rank 0's file whole",
+        }
+    if micro_batches_per_step(run["train"]) % resume_world:
+        return {
+            "format": "DCP",
+            "files": run["world_size"],
+            "resume_world_size": resume_world,
+            "reads": f"{resume_world} ranks do not divide the step's micro-batches",
+        }
+    new = sp.MeshSpec.for_strategy(
+        "fsdp", resume_world // per_node or 1, min(per_node, resume_world)
+    )
+    reads = sp.resharding_reads(layout.sizes, layout.mesh, new)
+    return {
+        "format": "DCP (ckpt-<step>.dcp/__<rank>_0.distcp per rank, rank 0's .pt commits)",
+        "files": run["world_size"],
+        "resume_world_size": resume_world,
+        "reads": reads,
+        "most_files_one_rank_reads": max(len(r["reads_from"]) for r in reads),
+    }
+
+
+def render(doc: dict) -> str:
+    """The terminal's short table."""
+    gib = 2**30
+    lines = [
+        f"run {doc['run']!r} at {doc['nodes']} nodes x {doc['ranks_per_node']} ranks = "
+        f"{doc['world_size']} ranks (planned in {doc['seconds']:.1f} s, nothing allocated)",
+        f"{'strategy':<10}{'rank 0 GiB':>12}{'others GiB':>12}",
+    ]
+    for name, part in doc["strategies"].items():
+        peak = part["peak_bytes"]
+        mark = "  <- train.strategy" if name == doc["strategy"] else ""
+        lines.append(
+            f"{name:<10}{peak['rank_0'] / gib:>12.2f}{peak['other_ranks'] / gib:>12.2f}{mark}"
+        )
+    fsdp, micro, ckpt = doc["fsdp"], doc["micro_batches"], doc["checkpoint"]
+    lines += [
+        f"fsdp mesh {fsdp['mesh']['shape']} {fsdp['mesh']['names']}, {len(fsdp['units'])} "
+        f"units; {fsdp['parameter_bytes_per_rank'] / 2**20:.1f} MiB of parameters per rank "
+        f"(even split {fsdp['even_split_bytes'] / 2**20:.1f} MiB)",
+        f"micro-batches: {micro['per_step']} per step, {micro['per_rank']} per rank "
+        f"(rank r computes [r*{micro['per_rank']}, (r+1)*{micro['per_rank']}))",
+        f"checkpoint: {ckpt['format']}, {ckpt['files']} files; resumed at "
+        f"{ckpt['resume_world_size']} ranks: " + _reads_text(ckpt),
+    ]
+    return "\n".join(lines)
+
+
+def _reads_text(ckpt: dict) -> str:
+    if isinstance(ckpt["reads"], str):
+        return ckpt["reads"]
+    return f"a rank reads at most {ckpt['most_files_one_rank_reads']} ranks' files"
