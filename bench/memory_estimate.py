@@ -67,7 +67,7 @@ STRATEGIES = ("ddp", "zero", "fsdp")
 MODEL_KWARGS = {"vit_b_16": {"image_size": 32}}
 GB = 2**30  # as fits counts them (machine.mem_gb)
 MIB = 2**20
-PARTS = ("parameters", "gradients", "optimizer", "activations", "data", "runtime")
+PARTS = ("parameters", "gradients", "optimizer", "activations", "evaluation", "data", "runtime")
 PROBE_TIMEOUT_S = 600
 
 # the imports whose resident memory each side counts: the estimate's runtime is measured in
@@ -393,6 +393,7 @@ def format_table(report: dict) -> str:
         "grads",
         "optim",
         "acts",
+        "eval",
         "data",
         "runtime",
         "estimate",
