@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from ddpflow.errors import UserError
 from ddpflow.paths import work_dir
 from ddpflow.report import outcome
 from ddpflow.report.build import build_report
@@ -44,6 +45,7 @@ CHECK = """async () => {
     broken: links.filter(h => !h.startsWith("#") || !document.getElementById(h.slice(1))),
     tables: document.querySelectorAll("table").length,
     title: document.title,
+    text: document.body.innerText,
   };
 }"""
 
@@ -94,6 +96,51 @@ def test_the_partial_report_of_a_failed_run_renders(tmp_path):
     outcome.record_failure(work_dir(results, "wild"), "train", RuntimeError("boom"), "w.log")
     result = browse(outcome.report_unfinished({"wild": wild}, results))
     assert result["images"] == 0 and result["undecoded"] == [] and result["tables"] == 1
+
+
+def _stage_failed(results, run: dict) -> None:
+    work = outcome.staging_work(results, run["dataset_id"])
+    outcome.record_failure(work, "stage", UserError("data.path missing.npz: no such file"), "s.log")
+
+
+def _interrupted(results, run: dict) -> None:
+    outcome.record_failure(work_dir(results, run["name"]), "train", KeyboardInterrupt(), "t.log")
+
+
+FAILURES = {  # what each kind of failure leaves for the report (ddpflow.report.outcome)
+    "train-failed": (lambda r, run: outcome.record_failure(
+        work_dir(r, run["name"]), "train", RuntimeError("boom"), "t.log"), "RuntimeError: boom"),
+    "stage-failed": (_stage_failed, "data.path missing.npz: no such file"),
+    "interrupted": (_interrupted, "stopped (Ctrl-C or a signal to Snakemake)"),
+    "not-run": (lambda r, run: None, outcome.NOT_RUN),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", [*FAILURES, "stopped-retrain"])
+def test_the_report_after_each_kind_of_failure_reads_in_the_browser(tmp_path, kind):
+    """A finished run beside one that failed: in its staging, its training, stopped (also
+    while retraining a finished run: its previous outputs given back), or not run at all.
+    Every image of the finished run decodes, no link is broken, the failed run is named with
+    its cause and the page says how to go on."""
+    from test_outcome import _publish
+    from workflow_helpers import make_run
+
+    results = tmp_path / "results"
+    ok = {**make_run(), "name": "ok"}
+    npz = make_run(data={"source": "npz", "path": "missing.npz"})
+    other = {**(npz if kind == "stage-failed" else make_run(train={"epochs": 6})), "name": "other"}
+    _publish(results, ok, ok)
+    restored = []
+    if kind == "stopped-retrain":  # the last config's result, given back by ddpflow.kept
+        _publish(results, other, {**other, "train": {**other["train"], "epochs": 2}})
+        restored = ["other"]
+    record, cause = FAILURES.get(kind, FAILURES["interrupted"])
+    record(results, other)
+    html = outcome.report_unfinished({"ok": ok, "other": other}, results, restored)
+    result = browse(html)
+    assert result["images"] >= 3 and result["undecoded"] == [] and result["broken"] == [], result
+    assert "1 of 2 runs finished" in result["text"] and cause in result["text"], result["text"]
+    assert "run the same snakemake command again" in result["text"]
 
 
 def test_a_sweep_of_100_runs_reads_in_the_browser(tmp_path):
