@@ -655,6 +655,22 @@ def micro_batch_checks(doc: dict, ranks: int) -> list[str]:
     return out
 
 
+def render_store_scale(doc: dict) -> list[str]:
+    """Time to all joined and one barrier per client count, and the fitted growth."""
+    out = []
+    for one in doc["passes"]:
+        rows = [[num(r["clients"]), num(r["joined_s"], 2), num(r["barrier_s"], 2),
+                 num(r["median_join_s"] * 1e3, 1), num(r["stalled_clients"])]
+                for r in one["rows"] if "joined_s" in r]  # fmt: skip
+        header = ["clients", "all joined, s", "+ barrier, s", "median join, ms", "stalled"]
+        out += [f"Resolver: {one['resolver']}.", table(header, rows)]
+        grow = one["growth"].get("barrier_s")
+        if grow:
+            out.append(f"Joined + barrier, {grow['from']} to {grow['to']} clients: "
+                       f"{grow['ratio']:.2f}x (time ~ N^{grow['exponent']:.2f}).")  # fmt: skip
+    return out
+
+
 def render_unknown(doc: dict) -> list[str]:
     keys = ", ".join(f"`{k}`" for k in doc)
     return [f"No table renderer for this benchmark; its top-level keys: {keys}."]
@@ -684,6 +700,8 @@ def renderer(doc: dict):
         return render_sweep_scale
     if doc.get("benchmark") == "slurm_polling":
         return render_slurm_polling
+    if doc.get("benchmark") == "store_scale":
+        return render_store_scale
     if doc.get("benchmark") == "login_cpu":
         return render_login_cpu
     if doc.get("rows") and "estimate_total_gb" in doc["rows"][0]:

@@ -482,3 +482,16 @@ def test_micro_batch_tiny_run_writes_complete_json(tmp_path):
     page = "\n".join(gen.renderer(report)(report))
     assert "| 32 | 1, 2 | 1 / 2 at 1, 1 at 2 |" in page and "| 16 | 4 | 2 / 1 at 4 |" in page
     assert "| 16 | 3 | 4 |" in page
+
+
+def test_store_scale_tiny_run_writes_complete_json(tmp_path):
+    out = tmp_path / "store_scale.json"
+    command = [sys.executable, str(REPO / "bench" / "store_scale.py"), "--sizes", "4", "8",
+               "--res-options", "", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    (only,) = doc["passes"]
+    assert [r["clients"] for r in only["rows"]] == [4, 8]
+    assert all(r["barrier_s"] >= r["joined_s"] > 0 and not r["errors"] for r in only["rows"])
+    assert set(only["growth"]["barrier_s"]) == {"exponent", "ratio", "from", "to"}
