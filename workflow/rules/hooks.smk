@@ -30,5 +30,7 @@ onerror:
     from ddpflow.report.outcome import interrupted_runs, report_unfinished
 
     stopped = interrupted_runs(RUNS, RESULTS)
-    restored = [run for kept in KEPT_OUTPUTS for run in kept.restore_failed(stopped)]
+    restored = [
+        run for kept in KEPT_OUTPUTS for run in kept.restore_failed(stopped)
+    ]
     report_unfinished(RUNS, RESULTS, restored)
