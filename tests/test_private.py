@@ -102,8 +102,7 @@ def test_a_parent_others_can_write_is_refused_before_anything_is_read(tmp_path, 
 def test_parents_are_created_unwritable_by_others_whatever_the_umask(tmp_path):
     old = os.umask(0o002)  # a group project's umask: mkdir would give 0775
     try:
-        folder = private.make(tmp_path / "logs/submitit/run/train", "job folder",
-                              top=tmp_path / "logs/submitit")  # fmt: skip
+        folder = private.make_job_folder(tmp_path / "logs/submitit/run/train")
     finally:
         os.umask(old)
     assert _mode(folder) == 0o700
@@ -133,8 +132,8 @@ def test_the_batch_script_refuses_to_load_pickles_from_an_open_folder(tmp_path):
 
 def test_the_batch_script_refuses_a_job_folder_whose_parent_others_can_write(tmp_path):
     top = tmp_path / "logs/submitit"
-    folder = private.make(top / "run/train", "job folder", top=top)
-    script = private.refusal_script(folder, top=top)
+    folder = private.make_job_folder(top / "run/train")
+    script = private.job_refusal_script(folder)
     for writable in (top, top / "run"):
         os.chmod(writable, 0o777)
         done = subprocess.run(["bash", "-c", script + "\necho loaded"], capture_output=True,

@@ -228,7 +228,7 @@ def test_scaling_compares_only_runs_that_differ_in_machine_shape(tmp_path):
 
 
 def test_hosts_are_listed_once_with_their_rank_count():
-    from ddpflow.report.render import _hosts
+    from ddpflow.report.tables import hosts_text as _hosts
 
     assert _hosts(["vm"] * 4) == "vm ×4"
     assert _hosts(["n1", "n1", "n2", "n2"]) == "n1 ×2, n2 ×2"
@@ -378,13 +378,13 @@ def test_a_run_continued_at_another_world_size_lists_its_segments(tmp_path):
 def test_the_provenance_says_what_staging_upscaled_or_skipped():
     """An image folder's line names corrupt, ignored and small images; a plug-in's has only
     the small ones; a manifest staged before data.on_small existed has none of its keys."""
-    from ddpflow.report.render import _dataset_line
+    from ddpflow.report.tables import dataset_line
 
     folder = {"skipped_corrupt": 1, "skipped_files": ["x.png"], "ignored_files": 2}
     small = {"on_small": "upscale", "image_size": [32, 48], "upscaled_small": 12,
              "skipped_small": 0, "small_per_split": {"train": 12}, "small_files": []}  # fmt: skip
     lines = {
-        name: _dataset_line({"source": "s", "sizes": {"train": 5}, "source_notes": notes})[0][1]
+        name: dataset_line({"source": "s", "sizes": {"train": 5}, "source_notes": notes})[0][1]
         for name, notes in (("old", folder), ("folder", {**folder, **small}), ("plugin", small))
     }
     assert lines["old"] == (

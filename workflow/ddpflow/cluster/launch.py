@@ -42,11 +42,6 @@ class NodeLost(LaunchError):
     """Slurm requeued the job after a node failure; the job was cancelled."""
 
 
-def job_root(folder) -> Path:
-    """ddpflow's own folder above a job folder (logs/submitit/<run>/<stage>): logs/submitit."""
-    return Path(folder).parents[1]
-
-
 def slurm_parameters(machine: dict, job_name: str, exclude=(), folder=None) -> dict:
     """submitit SlurmExecutor parameters for a run's `machine` section; exclude: nodes the
     job must not run on (the bad-node ledger's, ddpflow.cluster.placement), added to any
@@ -68,8 +63,7 @@ def slurm_parameters(machine: dict, job_name: str, exclude=(), folder=None) -> d
         # Slurm >= 22.05: srun no longer inherits --cpus-per-task from the allocation, and
         # one dead rank must end the step instead of leaving the others blocked.
         "srun_args": [f"--cpus-per-task={cpus}", "--kill-on-bad-exit=1"],
-        "setup": ([private.refusal_script(folder, top=job_root(folder))] if folder else [])
-        + list(machine["setup"]),
+        "setup": [private.job_refusal_script(folder)] * bool(folder) + list(machine["setup"]),
         "additional_parameters": extra,
         "stderr_to_stdout": False,
     }
@@ -148,8 +142,7 @@ def launch(task, request: JobRequest, watch: JobWatch | None = None) -> list:
     runs at every status poll while the job runs and once at its end; a Slurm job that fails,
     or is requeued, because of a node records the node in watch.ledger (ddpflow.cluster.nodes)."""
     watch = watch or JobWatch()
-    # 0700: its pickles are code the node runs; its parents up to logs/submitit are checked
-    private.make(request.folder, "job folder", top=job_root(request.folder))
+    private.make_job_folder(request.folder)  # 0700: its pickles are code the node runs
     cancel = request.launcher == "local" or request.machine["cancel_on_interrupt"]
     job = None
     try:

@@ -150,3 +150,20 @@ def refusal_script(
         f'if [ ! -O {quoted} ] || [ -n "$(find {quoted} -maxdepth 0 -perm /022)" ] '
         f'|| [ -n "$({open_parent})" ]; then echo {message} >&2; exit 1; fi'
     )
+
+
+def job_root(folder: str | Path) -> Path:
+    """ddpflow's own folder above a job folder (logs/submitit/<run>/<stage>): logs/submitit,
+    the topmost parent checked."""
+    return Path(folder).parents[1]
+
+
+def make_job_folder(folder: str | Path) -> Path:
+    """A job folder (its pickles are code the node runs), its parents checked up to
+    logs/submitit."""
+    return make(folder, "job folder", top=job_root(folder))
+
+
+def job_refusal_script(folder: str | Path) -> str:
+    """refusal_script for a job folder, its parents checked up to logs/submitit."""
+    return refusal_script(folder, top=job_root(folder))

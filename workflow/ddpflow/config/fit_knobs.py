@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 from ddpflow.config.machine import ranks_per_node, splitting_micro_batch
 
@@ -43,6 +45,8 @@ class Context:
     figures: dict
     variants: dict  # {knob: figures measured with it}
     partition: Partition | None = None
+    # fits.estimate, handed in by fits (which imports this module: no import circle)
+    estimate: Callable[..., Any] | None = None
 
 
 def _with(run: dict, section: str, **changes) -> dict:
@@ -84,10 +88,9 @@ def knobs(ctx: Context) -> str:
 
 def _fits(ctx: Context, run: dict, figures: dict) -> int | None:
     """The estimate of run with figures, where it fits ctx.room; else None."""
-    from ddpflow.config.fits import estimate
-
+    assert ctx.estimate is not None, "fits.refusal hands its estimate in"
     process = {"anon": ctx.est.runtime, "file": 0}
-    total = estimate(run, figures, process, ctx.est.data).total
+    total = ctx.estimate(run, figures, process, ctx.est.data).total
     return total if total <= ctx.room else None
 
 

@@ -280,5 +280,7 @@ def judge(
     return "refused", (
         f"{head}: does not fit the {gb(room)} GB a {where} has ({room_text}). "
         "To fit: "
-        + fit_knobs.knobs(fit_knobs.Context(run, est, room, figures, variants or {}, partition))
+        + fit_knobs.knobs(
+            fit_knobs.Context(run, est, room, figures, variants or {}, partition, estimate)
+        )
     )

@@ -120,8 +120,11 @@ def _ranking(chosen: Selection, pick: str | None):
     """A sort key of rows, best first: the final validation figure in the selection's
     direction, then the sweep's pick, then the faster run (min keeps the first listed)."""
     final = f"final_{chosen.metric}"
-    return lambda r: (metrics.score(chosen, r.get(final)), r["run"] != pick,
-                      -r["train_samples_per_s"])  # fmt: skip
+    return lambda r: (
+        metrics.score(chosen, r.get(final)),
+        r["run"] != pick,
+        -r["train_samples_per_s"],
+    )
 
 
 def _names(group: Group) -> str:
@@ -133,8 +136,10 @@ def _names(group: Group) -> str:
 
 def _selected(group: Group) -> str:
     chosen = group.identity.selection
-    return (f"selected on {chosen.label}{metrics.direction(chosen)} among "
-            f"{_names(group)}: {group.best['run']}")  # fmt: skip
+    return (
+        f"selected on {chosen.label}{metrics.direction(chosen)} among "
+        f"{_names(group)}: {group.best['run']}"
+    )
 
 
 def headline(found: list[Group]) -> str:
@@ -167,8 +172,10 @@ def _why_apart(mine: list[Group]) -> str:
     ids = [group.identity for group in mine]
     if len({i.vocabulary for i in ids}) > 1:
         described = [_vocabulary_words(i.vocabulary) for i in ids]
-        why = ("use different tokenizers: perplexity compares only under the same tokenizer "
-               "(bits per byte compares across them)")  # fmt: skip
+        why = (
+            "use different tokenizers: perplexity compares only under the same tokenizer "
+            "(bits per byte compares across them)"
+        )
     elif len({i.selection for i in ids}) > 1:
         described = [i.selection.label + metrics.direction(i.selection) for i in ids]
         why = "are selected by different metrics"
@@ -190,8 +197,9 @@ def _data_words(datas: list[str]) -> list[str]:
     """Each group's values of the data keys in which the groups differ (at most three)."""
     parsed = [json.loads(d) if d else None for d in datas]
     keys = list(dict.fromkeys(k for p in parsed if p for k in p))
-    differ = [k for k in keys if len({json.dumps((p or {}).get(k), sort_keys=True)
-                                      for p in parsed}) > 1][:3]  # fmt: skip
+    differ = [
+        k for k in keys if len({json.dumps((p or {}).get(k), sort_keys=True) for p in parsed}) > 1
+    ][:3]
     return [
         "data not recorded" if p is None else ", ".join(_data_value(k, p.get(k)) for k in differ)
         for p in parsed

@@ -18,10 +18,16 @@ import base64
 import html
 import re
 
-import yaml
-
 from ddpflow.report import metrics
-from ddpflow.report.tables import Link, class_tables, model_blocks, split_label, task_sections
+from ddpflow.report.tables import (
+    Link,
+    class_tables,
+    hosts_text,
+    model_blocks,
+    provenance_blocks,
+    split_label,
+    task_sections,
+)
 from ddpflow.runtime import PHASES
 from ddpflow.text import counted
 
@@ -34,16 +40,6 @@ def _seconds(value: float) -> str:
     if value < 120:
         return f"{value:.1f} s"
     return f"{value / 60:.1f} min" if value < 7200 else f"{value / 3600:.2f} h"
-
-
-def _hosts(hosts: list) -> str:
-    """One entry per host with its rank count ('node1 ×4, node2 ×4'); a 32-node run would
-    drown the table, so at most 4 hosts (summary.json keeps the full list)."""
-    counts: dict[str, int] = {}
-    for host in map(str, hosts):
-        counts[host] = counts.get(host, 0) + 1
-    shown = ", ".join(f"{h} ×{n}" if n > 1 else h for h, n in list(counts.items())[:4])
-    return shown + (f", … (+{counted(len(counts) - 4, 'host')})" if len(counts) > 4 else "")
 
 
 def _number(value, fmt: str) -> str:
@@ -91,7 +87,7 @@ def _machine_table(rows: list[dict], scaling: bool) -> tuple:
         headers[6:6] = ["Scaling group", "Speedup", "Efficiency"]
     body = []
     for row in rows:
-        cells = [row["run"], str(row["world_size"]), str(row["nodes"]), _hosts(row["hosts"]),
+        cells = [row["run"], str(row["world_size"]), str(row["nodes"]), hosts_text(row["hosts"]),
                  row["device"], rate(row),
                  _seconds(row["train_wall_seconds"]), str(row["attempts"]),
                  _seconds(row["eval_seconds"]), row["evaluated_by"]]  # fmt: skip
@@ -131,7 +127,7 @@ def _segments_table(loaded) -> tuple | None:
             continue
         for number, seg in enumerate(segments, start=1):
             steps = seg["end_step"] - seg["start_step"]
-            body.append([name, str(number), str(seg["world_size"]), _hosts(seg["hosts"]),
+            body.append([name, str(number), str(seg["world_size"]), hosts_text(seg["hosts"]),
                          f"{seg['start_step']}–{seg['end_step']}", str(steps),
                          str(seg["attempt"])])  # fmt: skip
     if not body:
@@ -148,45 +144,6 @@ def _phase_table(rows: list[dict]) -> tuple:
                   for p in PHASES]  # fmt: skip
         body.append([row["run"], *shares, _seconds(row["epoch_seconds"])])
     return ("table", ["Run", *PHASES, "epochs total"], body, None)
-
-
-def _provenance_blocks(loaded) -> list[tuple]:
-    blocks = []
-    for name, _, ev in loaded:
-        prov = ev["provenance"]
-        hosts = _hosts(prov["hostnames"]) or "unknown"
-        dirty = {True: " with uncommitted changes", False: ""}.get(prov.get("git_dirty"), "")
-        blocks += [
-            ("h3", name),
-            ("p", f"git commit: {prov['git_commit'] or 'unknown (not a git checkout)'}{dirty}; "
-                  f"created: {prov['created']}; hosts: {hosts}"),
-            *_dataset_line(prov.get("dataset") or {}),
-            ("table", ["Package", "Version"],
-             [[str(k), str(v)] for k, v in sorted(prov["versions"].items())], None),
-            ("details", "Resolved config (YAML)",
-             yaml.safe_dump(prov["config"], sort_keys=False, allow_unicode=True).rstrip()),
-        ]  # fmt: skip
-    return blocks
-
-
-def _dataset_line(dataset: dict) -> list[tuple]:
-    """The data a run was trained on, with what staging skipped (your own data)."""
-    if not dataset:
-        return []
-    found = dataset.get("sizes", {})
-    sizes = ", ".join(f"{k} {found[k]}" for k in ("train", "val", "test") if k in found)
-    text = f"data: {dataset.get('source')} ({sizes})"
-    notes = dataset.get("source_notes") or {}
-    if "skipped_corrupt" in notes:  # an image folder
-        corrupt, ignored = notes["skipped_corrupt"], notes["ignored_files"]
-        text += (f"; {counted(corrupt, 'corrupt image')} skipped, "
-                 f"{counted(ignored, 'file')} that are not images ignored")  # fmt: skip
-    for done in ("upscaled", "skipped"):  # data.on_small (a manifest staged before: none)
-        if count := notes.get(f"{done}_small"):
-            size, mode = notes["image_size"], notes["on_small"]
-            text += (f"; {counted(count, 'image')} smaller than data.image_size {size} "
-                     f"{done} (data.on_small: {mode})")  # fmt: skip
-    return [("p", text)]
 
 
 def _unfinished_blocks(unfinished, finished: int) -> list[tuple]:
@@ -268,7 +225,7 @@ def document(
     # ddpflow.report.insight: ranks, stragglers, profiles, cluster efficiency
     blocks += list(inside)
     blocks += _result_blocks(loaded, rows, figures, label, focus, selections)
-    return blocks + [("h2", "Provenance"), *_provenance_blocks(loaded)]
+    return blocks + [("h2", "Provenance"), *provenance_blocks(loaded)]
 
 
 def _machine_blocks(loaded, rows: list[dict], scaling: bool) -> list[tuple]:

@@ -253,9 +253,8 @@ def _split_label(view: dict) -> str:
 
 
 def _headline(view: dict) -> str:
-    counts = {s: sum(r["status"] == s for r in view["rows"]) for s in
-              ("finished", "pruned", "failed", "unfinished", "other task",
-               "other data")}  # fmt: skip
+    statuses = ("finished", "pruned", "failed", "unfinished", "other task", "other data")
+    counts = {s: sum(r["status"] == s for r in view["rows"]) for s in statuses}
     done = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     origins = ", ".join(view["origins"]) or "sweep"
     chosen = _selection(view)
@@ -266,8 +265,8 @@ def _headline(view: dict) -> str:
     if counts["other task"]:
         text += f" A run of another task than the sweep's ({chosen.metric}) is not ranked."
     if counts["other data"]:
-        text += (" A run on other data or another vocabulary than the sweep's first finished "
-                 "run is not ranked: its figures do not compare.")  # fmt: skip
+        text += " A run on other data or another vocabulary than the sweep's first finished "
+        text += "run is not ranked: its figures do not compare."
     best = selected(view)
     if best is None:
         return text + " No run finished: nothing to select."

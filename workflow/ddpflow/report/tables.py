@@ -1,7 +1,8 @@
 """The task tables of the report: each classification run's per-class accuracy, each multilabel
 run's per-label F1 and counts, each regression run's per-target errors, as render.py's
 format-neutral blocks; split_label, what the figures were measured on; and the table of
-each run's model and exports (Link: a cell that links a file). Pure, like render.py.
+each run's model and exports (Link: a cell that links a file); each run's provenance.
+Pure, like render.py.
 
     blocks = task_sections(loaded, rows, focus, note)  # per-label and per-target
     blocks = class_tables(classified, focus)  # one per class list
@@ -11,9 +12,19 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ddpflow.report import metrics
+import yaml
 
-__all__ = ["class_tables", "split_label", "task_sections"]
+from ddpflow.report import metrics
+from ddpflow.text import counted
+
+__all__ = [
+    "class_tables",
+    "dataset_line",
+    "hosts_text",
+    "provenance_blocks",
+    "split_label",
+    "task_sections",
+]
 
 
 def split_label(rows: list[dict]) -> str:
@@ -200,3 +211,53 @@ def model_blocks(exports, fine_tuned, language_models=()) -> list[tuple]:
         + (fine_tuning_blocks(fine_tuned) if fine_tuned else [])
         + (language_model_blocks(language_models) if language_models else [])
     )
+
+
+def hosts_text(hosts: list) -> str:
+    """One entry per host with its rank count ('node1 ×4, node2 ×4'); a 32-node run would
+    drown the table, so at most 4 hosts (summary.json keeps the full list)."""
+    counts: dict[str, int] = {}
+    for host in map(str, hosts):
+        counts[host] = counts.get(host, 0) + 1
+    shown = ", ".join(f"{h} ×{n}" if n > 1 else h for h, n in list(counts.items())[:4])
+    return shown + (f", … (+{counted(len(counts) - 4, 'host')})" if len(counts) > 4 else "")
+
+
+def provenance_blocks(loaded) -> list[tuple]:
+    """Each run's provenance: commit, hosts, data, package versions, resolved config."""
+    blocks = []
+    for name, _, ev in loaded:
+        prov = ev["provenance"]
+        hosts = hosts_text(prov["hostnames"]) or "unknown"
+        dirty = {True: " with uncommitted changes", False: ""}.get(prov.get("git_dirty"), "")
+        blocks += [
+            ("h3", name),
+            ("p", f"git commit: {prov['git_commit'] or 'unknown (not a git checkout)'}{dirty}; "
+                  f"created: {prov['created']}; hosts: {hosts}"),
+            *dataset_line(prov.get("dataset") or {}),
+            ("table", ["Package", "Version"],
+             [[str(k), str(v)] for k, v in sorted(prov["versions"].items())], None),
+            ("details", "Resolved config (YAML)",
+             yaml.safe_dump(prov["config"], sort_keys=False, allow_unicode=True).rstrip()),
+        ]  # fmt: skip
+    return blocks
+
+
+def dataset_line(dataset: dict) -> list[tuple]:
+    """The data a run was trained on, with what staging skipped (your own data)."""
+    if not dataset:
+        return []
+    found = dataset.get("sizes", {})
+    sizes = ", ".join(f"{k} {found[k]}" for k in ("train", "val", "test") if k in found)
+    text = f"data: {dataset.get('source')} ({sizes})"
+    notes = dataset.get("source_notes") or {}
+    if "skipped_corrupt" in notes:  # an image folder
+        corrupt, ignored = notes["skipped_corrupt"], notes["ignored_files"]
+        text += (f"; {counted(corrupt, 'corrupt image')} skipped, "
+                 f"{counted(ignored, 'file')} that are not images ignored")  # fmt: skip
+    for done in ("upscaled", "skipped"):  # data.on_small (a manifest staged before: none)
+        if count := notes.get(f"{done}_small"):
+            size, mode = notes["image_size"], notes["on_small"]
+            text += (f"; {counted(count, 'image')} smaller than data.image_size {size} "
+                     f"{done} (data.on_small: {mode})")  # fmt: skip
+    return [("p", text)]

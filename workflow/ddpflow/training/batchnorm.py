@@ -44,10 +44,13 @@ class _Layout:
         views = self.scratch.split(self.sizes)
         # per layer: its scratch buffers (mean, var, batch counter) for the step's forwards
         self.scratch_buffers = [
-            {"running_mean": views[2 * i], "running_var": views[2 * i + 1],
-             "num_batches_tracked": torch.zeros((), dtype=torch.long, device=device)}
+            {
+                "running_mean": views[2 * i],
+                "running_var": views[2 * i + 1],
+                "num_batches_tracked": torch.zeros((), dtype=torch.long, device=device),
+            }
             for i in range(len(norms))
-        ]  # fmt: skip
+        ]
         self.own: list[dict[str, torch.Tensor]] = []
         self.momenta: list[float | None] = []
 
@@ -144,8 +147,7 @@ class ExactStatistics:
         for micro in range(self.micro_per_step):
             running = factors[micro] * layout.slots[micro] + keep[micro] * running
         torch._foreach_copy_(buffers, list(running.split(layout.sizes)))
-        torch._foreach_add_([own["num_batches_tracked"] for own in layout.own],
-                            self.micro_per_step)  # fmt: skip
+        torch._foreach_add_([own["num_batches_tracked"] for own in layout.own], self.micro_per_step)
 
     def _update_factors(self, layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
         """(f, 1 - f) per micro-batch and statistic, [micro-batches, width] in float32 from

@@ -90,9 +90,7 @@ def measure(
         "gradients": sum(_nbytes(p) for p in params),
         "optimizer": peak.get("Optstate", 0),
         "activations": peak.get("Activation", 0) + peak.get("Temp", 0),
-        # at micro-batch 2: with the figure above, what does not grow with the micro-batch
-        # (the weights' gradients before they are added to .grad, bf16 copies of the
-        # weights) and what does (ddpflow.config.fits)
+        # at micro-batch 2: with `activations`, what grows with the micro-batch (config.fits)
         "activations_at_2": at_two.get("Activation", 0) + at_two.get("Temp", 0),
         "evaluation": evaluation,
         "eval_batch": eval_batch,  # what `evaluation` was measured at (fit_knobs scales it)

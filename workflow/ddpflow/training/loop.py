@@ -44,6 +44,15 @@ from ddpflow.training.schedule import micro_batch_seed, rank_micro_batches, step
 log = logging.getLogger(__name__)
 
 
+def _train_feed(data: RankData) -> feed.MemoryFeed | feed.StreamFeed | TokenFeed:
+    """The training batches: load_data's feed, or, for tensors given directly (tests,
+    benchmarks), one over the train images in memory."""
+    if data.feed is not None:
+        return data.feed
+    assert isinstance(data.train.images, torch.Tensor)  # load_data streams its own
+    return feed.MemoryFeed(data.train.images)
+
+
 class Loop(Resumable):
     """One run's training state and its epoch loop (state is what a checkpoint holds)."""
 
@@ -58,14 +67,7 @@ class Loop(Resumable):
     ):
         self.run, self.data, self.env, self.device = run, data, env, device
         self.loaded, self.frozen = loaded, weights.freeze(model, run.train.freeze)  # fine-tuning
-        # the training batches: load_data's feed, or, for tensors given directly (tests,
-        # benchmarks), one over the train images in memory; the Loop's own from here on
-        self.feed: feed.MemoryFeed | feed.StreamFeed | TokenFeed
-        if data.feed is not None:
-            self.feed = data.feed
-        else:
-            assert isinstance(data.train.images, torch.Tensor)  # load_data streams its own
-            self.feed = feed.MemoryFeed(data.train.images)
+        self.feed = _train_feed(data)  # the Loop's own from here on
         self.tcfg = tcfg = run.train
         # resolved for this world size by config.checks (never "auto" once a run is resolved)
         assert isinstance(tcfg.micro_batch_size, int), tcfg.micro_batch_size
@@ -96,8 +98,7 @@ class Loop(Resumable):
         self._on_step: Callable[[Loop], None] | None = None
         self.last_loss: torch.Tensor | None = None  # the last micro-step's, on the device
         watched = None if self.fsdp else output_parameter(self.model)
-        # BatchNorm running statistics as one rank stepping through every micro-batch would
-        # have them, whatever the world size (training.batchnorm)
+        # BatchNorm's running statistics, the same at any world size (training.batchnorm)
         self.norm_stats = ExactStatistics(self.model, self.micro_per_step, env.world_size, device)
         self.nonfinite = NonfiniteWatch(run, self.lr, device, env.world_size, watched, self.scaler)
 
