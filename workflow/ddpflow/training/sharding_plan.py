@@ -19,10 +19,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import typing
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ddpflow.training import sharding
 from ddpflow.training.models import build_model
@@ -87,7 +89,8 @@ def shard_layout(model_cfg: dict, shape: list[int], outputs: int, mesh: MeshSpec
         for unit in sharding.units(model):
             fully_shard(unit, mesh=device_mesh)
         fully_shard(model, mesh=device_mesh)
-        params = dict(model.named_parameters())
+        # fully_shard made every parameter a DTensor (its placements and local shard)
+        params = {n: typing.cast(DTensor, p) for n, p in model.named_parameters()}
         placements = {n: str(tuple(p.placements)) for n, p in params.items()}
         held = sum(p.to_local().numel() * p.element_size() for p in params.values())
     sizes = {
