@@ -200,6 +200,17 @@ def safetensors_export(wildcards):
     return [export_file("safetensors").format(run=wildcards.run)]
 
 
+def predict_checked(wildcards):
+    """predict.input's signature (predict_signature: listed, and every image decoded, once
+    per invocation), after the run's task was checked to predict: each refusal stops
+    Snakemake here, while it plans, before any job starts."""
+    try:
+        ddppredict.check_can_predict(RUNS[wildcards.run])
+    except ddpconfig.ConfigError as err:
+        sys.exit(f"ddpflow: configuration error: {err}")
+    return predict_signature()
+
+
 def predict_signature(wildcards=None):
     """predict.input's files (path, size, modification time), hashed: listed once per
     invocation, when a predict job is planned; an unset, missing or empty input (or, under

@@ -1,14 +1,3 @@
-def predict_checked(wildcards):
-    """predict.input's signature (predict_signature: listed, and every image decoded, once
-    per invocation), after the run's task was checked to predict: each refusal stops
-    Snakemake here, while it plans, before any job starts."""
-    try:
-        ddppredict.check_can_predict(RUNS[wildcards.run])
-    except ddpconfig.ConfigError as err:
-        sys.exit(f"ddpflow: configuration error: {err}")
-    return predict_signature()
-
-
 rule predict_run:
     """Apply one run's model to predict.input on the run's machine (one Slurm job, or the
     local ranks): each input scored once by one rank, merged in input order into
