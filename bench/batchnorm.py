@@ -1,5 +1,5 @@
 """What the exact BatchNorm running statistics cost per optimizer step
-(ddpflow.training.batchnorm: every micro-batch's statistics, one all_reduce per step).
+(ddpflow.training.batchnorm: every micro-batch's statistics, one all_gather per step).
 
 The default job's shape: the shipped config's CNN on 1x8x8 images (the digits' size), global
 batch 64, micro-batch 32 (--micro-batch), at --world-sizes 1 and 2 CPU ranks (a real gloo
@@ -10,7 +10,7 @@ torch does, and rank 0's are saved). The two alternate epoch by epoch (order fli
 repeat) after --warmup untimed epochs each; an epoch's time is the slowest rank's. Two
 figures: the epoch time's ratio (exact / rank0, median over repeats: noisy on a shared
 machine) and the fold's own time, measured around its three calls (begin_step, record, end_step,
-the all_reduce included) in the exact loop, per optimizer step and as a share of the step.
+the all_gather included) in the exact loop, per optimizer step and as a share of the step.
 
     python bench/batchnorm.py              # ~1 minute on 2 cores
     python bench/batchnorm.py --quick      # fewer repeats
@@ -27,7 +27,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from ddpflow import runtime
 from ddpflow.training.batchnorm import ExactStatistics
 from throughput import (
@@ -82,6 +81,9 @@ class _Timed:
 
     def end_step(self) -> None:
         self._timed(self.inner.end_step)
+
+    def put_back(self) -> None:
+        self.inner.put_back()
 
 
 def run_worker(cfg: dict) -> int:
@@ -145,11 +147,14 @@ def main(argv: list[str] | None = None) -> int:
         "provenance": runtime.provenance(),
         "conditions": {
             "case": "cnn 1x8x8 (the digits' shape), synthetic uint8 images, random labels",
-            "global_batch": args.global_batch, "micro_batch": args.micro_batch,
-            "samples": CASE["samples"], "repeats": args.repeats, "warmup": args.warmup,
+            "global_batch": args.global_batch,
+            "micro_batch": args.micro_batch,
+            "samples": CASE["samples"],
+            "repeats": args.repeats,
+            "warmup": args.warmup,
             "loops": "exact: ddpflow's Loop; rank0: the same without the fold (torch's own "
             "update per rank); alternating epochs, order flipped every repeat; 1 thread/rank",
-        },  # fmt: skip
+        },
     }
     start = time.perf_counter()
     report["runs"] = [measure(args, world) for world in args.world_sizes]

@@ -6,7 +6,9 @@ On one rank the fold is checked against torch's own BatchNorm (momentum and mome
 within float rounding); on real gloo groups, the Loop at 1 and 2 ranks with two micro-batches
 a step (where training is bitwise equal) gives the same buffers and validation metrics, for
 a classification and a regression CNN, with activation checkpointing and with frozen
-(fine-tuned) BatchNorm layers. 2 and 4 ranks under ddp, zero and fsdp and a 4 -> 2 resume:
+(fine-tuned) BatchNorm layers, and read mid-epoch (a checkpoint's state_dict) while the last
+step's all_gather may still be in flight. An exception mid-step puts the layers' own buffers
+back. 2 and 4 ranks under ddp, zero and fsdp and a 4 -> 2 resume:
 tests/test_world_size.py.
 """
 
@@ -14,9 +16,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config.typed import RunSpec
 from ddpflow.training import sharding
 from ddpflow.training.batchnorm import ExactStatistics, only_batchnorm_buffers
+from ddpflow.training.faults import InjectedFault
 from ddpflow.training.loop import Loop, fit
 from ddpflow.training.models import build_model, mlp
 from distributed_helpers import make_data, make_task_data, run_group
@@ -24,6 +28,7 @@ from torch import nn
 from workflow_helpers import make_run
 
 CPU = torch.device("cpu")
+SINGLE = DistEnv(0, 1, 0, 1, 0, 1, "127.0.0.1", 29500, "0", "single")
 # 128 samples in steps of 32 and micro-batches of 16: two micro-batches a step (1 rank
 # accumulates both, 2 ranks one each), 2 epochs
 TRAIN = {"epochs": 2, "global_batch_size": 32, "micro_batch_size": 16, "progress": False}
@@ -34,6 +39,7 @@ CASES = {
     "frozen": ("classification", {"freeze": ["0", "1"]}),  # the first conv and its BatchNorm
 }
 METRIC_RTOL = 1e-6
+MID_EPOCH_STEP = 3  # of 4 in the first epoch: a checkpoint's read between two steps
 
 
 def _net(momentum: float | None) -> nn.Module:
@@ -45,7 +51,11 @@ def _net(momentum: float | None) -> nn.Module:
 
 
 def _statistics(model: nn.Module) -> dict:
-    return {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "tracked" in k}
+    return _statistics_of(model.state_dict())
+
+
+def _statistics_of(state: dict) -> dict:
+    return {k: v.clone() for k, v in state.items() if "running" in k or "tracked" in k}
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
@@ -123,10 +133,18 @@ def _train(env, case: str) -> dict:
     torch.manual_seed(run["train"]["seed"])
     model = build_model(run["model"], data.shape, data.num_classes)
     loop = Loop(RunSpec.from_run(run), data, env, CPU, model)
+    mid_epoch: dict = {}
+
+    def on_step(lp: Loop) -> None:  # what a checkpoint between two steps holds
+        if lp.scheduler.last_epoch == MID_EPOCH_STEP:
+            mid_epoch.update(_statistics_of(lp.state_dict()["model"]))
+
+    loop.watch_steps(on_step)
     fit(loop, lambda record: None)
     state = loop.full_model_state()
     names = {name for name, _ in loop.model.named_parameters()}
     return {
+        "mid_epoch": mid_epoch,
         "buffers": {k: v.clone() for k, v in state.items() if k not in names},
         "params": {k: v.clone() for k, v in state.items() if k in names},
         "val": [{k: v for k, v in r.items() if k.startswith("val_")} for r in loop.history],
@@ -153,6 +171,9 @@ def test_one_and_two_ranks_evaluate_the_same_model(worlds, case):
             assert torch.equal(two["params"][key], value), (case, rank, key)
         for key, value in one["buffers"].items():
             torch.testing.assert_close(two["buffers"][key], value, msg=f"{case} {key}")
+        assert one["mid_epoch"].keys() == two["mid_epoch"].keys() != set()
+        for key, value in one["mid_epoch"].items():
+            torch.testing.assert_close(two["mid_epoch"][key], value, msg=f"{case} {key}")
     for epoch, record in enumerate(one["val"]):
         assert record and record.keys() == twos[0]["val"][epoch].keys()
         for key, value in record.items():
@@ -162,3 +183,22 @@ def test_one_and_two_ranks_evaluate_the_same_model(worlds, case):
         assert tracked.pop("1.num_batches_tracked") == 0
         assert torch.equal(one["buffers"]["1.running_var"], torch.ones(8))
     assert set(tracked.values()) == {16}  # 2 micro-batches x 4 steps x 2 epochs
+
+
+def test_an_exception_mid_step_puts_the_buffers_back(monkeypatch):
+    """A step that raises between its micro-batches (here the fault injection, at the second
+    of two) leaves the layers' own buffers and momentum in place, not the step's scratch."""
+    monkeypatch.setenv("DDPFLOW_FAULT", "raise:0:0:1")
+    run = make_run(model={"name": "cnn", "cnn_channels": 8}, train=TRAIN)
+    data = make_data(128, 48)
+    torch.manual_seed(0)
+    model = build_model(run["model"], data.shape, data.num_classes)
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    own = [(m.running_mean, m.running_var, m.momentum) for m in norms]
+    before = _statistics(model)
+    loop = Loop(RunSpec.from_run(run), data, SINGLE, CPU, model)
+    with pytest.raises(InjectedFault):
+        loop.train_epoch()
+    assert norms and [(m.running_mean, m.running_var, m.momentum) for m in norms] == own
+    after = _statistics(model)  # no step finished: nothing folded in
+    assert all(torch.equal(after[k], before[k]) for k in before)

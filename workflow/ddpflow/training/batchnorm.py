@@ -95,7 +95,8 @@ def only_batchnorm_buffers(model: nn.Module) -> bool:
 class ExactStatistics:
     """A rank's side of the exact running statistics: begin_step before a step's first
     micro-step, record(micro) after each (micro: its index in the step, of all ranks),
-    end_step after the last (a collective at several ranks)."""
+    end_step after the last (a collective at several ranks), put_back() after an exception
+    mid-step."""
 
     def __init__(self, model: nn.Module, micro_per_step: int, world_size: int, device):
         self.model, self.micro_per_step = model, micro_per_step
@@ -137,6 +138,14 @@ class ExactStatistics:
         layout.swap_out()
         self._active = False
         self._fold(layout)
+
+    def put_back(self) -> None:
+        """Mid-step (an exception): the layers' own buffers and momenta back in place, the
+        unfinished step's statistics dropped."""
+        if self._active:
+            assert self._layout is not None
+            self._layout.swap_out()
+            self._active = False
 
     def _fold(self, layout: _Layout) -> None:
         """running = f * batch + (1 - f) * running per micro-batch in the global order, as

@@ -134,7 +134,7 @@ class Loop(Resumable):
         self.wrapped.train()
         if self.frozen:  # frozen BatchNorm layers keep their running statistics
             weights.keep_frozen_statistics(self.model)
-        tcfg, env, accum = self.tcfg, self.env, self.accum
+        tcfg, env = self.tcfg, self.env
         batches = step_micro_batches(
             self.data.train.images.shape[0],
             tcfg.global_batch_size,
@@ -146,24 +146,33 @@ class Loop(Resumable):
         feed_ = self.feed
         assert feed_ is not None  # __init__ made one
         device_batches = mine.to(self.device)
-        start = self.epoch_step * accum
+        start = self.epoch_step * self.accum
         images = feed_.epoch(device_batches if not feed_.streamed else mine, start)
         if progress is not None:
             progress.update(start)
-        for index in range(start, len(mine)):
-            step, within = divmod(index, accum)
-            self.last_loss = self._timed_micro_step(index, device_batches[index], images)
-            self.step_losses[step] += self.last_loss
-            if progress is not None:
-                progress.update(1)
-            if within == accum - 1:
-                self.epoch_step = step + 1
-                if self._on_step is not None:
-                    self._on_step(self)
+        try:
+            self._micro_steps(range(start, len(mine)), device_batches, images, progress)
+        except BaseException:  # mid-step: the BatchNorm layers get their own buffers back
+            self.norm_stats.put_back()
+            raise
         self.nonfinite.read(None)  # the epoch's last step (the host syncs here anyway)
         # One host sync per epoch, not per step (the tutorials' .item() every step stalls).
         self.clock.settle()
         return self._close_epoch(batches, mine)
+
+    def _micro_steps(self, indices: range, device_batches, images, progress) -> None:
+        """This rank's micro-steps `indices` of the epoch, the step callbacks after each
+        optimizer step."""
+        for index in indices:
+            step, within = divmod(index, self.accum)
+            self.last_loss = self._timed_micro_step(index, device_batches[index], images)
+            self.step_losses[step] += self.last_loss
+            if progress is not None:
+                progress.update(1)
+            if within == self.accum - 1:
+                self.epoch_step = step + 1
+                if self._on_step is not None:
+                    self._on_step(self)
 
     def _timed_micro_step(self, index: int, batch, images) -> torch.Tensor:
         """The epoch's micro-step `index` of this rank, with the fault injection of the tests
