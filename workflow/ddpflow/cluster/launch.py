@@ -63,10 +63,11 @@ def slurm_parameters(machine: dict, job_name: str, exclude=(), folder=None) -> d
         # Slurm >= 22.05: srun no longer inherits --cpus-per-task from the allocation, and
         # one dead rank must end the step instead of leaving the others blocked.
         "srun_args": [f"--cpus-per-task={cpus}", "--kill-on-bad-exit=1"],
-        "setup": [private.job_refusal_script(folder)] * bool(folder) + list(machine["setup"]),
+        "setup": [private.job_refusal_script(folder)] if folder else [],
         "additional_parameters": extra,
         "stderr_to_stdout": False,
     }
+    params["setup"] += list(machine["setup"])  # the job folder's check first
     if machine["gpus_per_node"]:
         params["gpus_per_node"] = machine["gpus_per_node"]
     for key in ("account", "qos", "constraint"):
