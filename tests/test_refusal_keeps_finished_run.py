@@ -5,7 +5,8 @@ a model that cannot take the data, a global batch larger than the staged split. 
 refused while Snakemake parses, before any job: the run's files stay byte-identical (same
 bytes, same modification time), and reverting the edit plans nothing. Edits that fail late, in
 the ranks of the train or evaluate job, get the run's previous outputs back (ddpflow.kept):
-byte-identical, the report still shows the run finished, and reverting plans nothing.
+byte-identical; the report describes the edited config (the run did not finish, why, and
+that its previous result is kept), and reverting plans only the report.
 
 Real Snakemake, real submitit local jobs, 2 real gloo ranks, a real plug-in model.
 """
@@ -117,8 +118,8 @@ def test_a_refusal_comes_before_any_job_and_touches_nothing(finished, edit, said
 def test_a_late_failure_gives_the_finished_run_back(finished, stage):
     """The ranks fail on an edited config (a retrain, or a re-evaluation): Snakemake removed
     the outputs to redo them; they come back byte-identical, the report written after the
-    failure shows the run finished, the edit is retried by the next run, and reverting it
-    plans nothing."""
+    failure describes the edited config (the run did not finish: why, and that the previous
+    result is kept), the edit is retried by the next run, and reverting it plans nothing."""
     workdir, configfile = finished
     before = _state(workdir)
     edit = (
@@ -140,8 +141,12 @@ def test_a_late_failure_gives_the_finished_run_back(finished, stage):
     assert jobs_planned(workdir, edited) >= {rule}  # the edit is not forgotten
     # the report written after the failure is redone for the reverted config, nothing else
     assert jobs_planned(workdir, configfile) == {"report", "all"}
-    report = json.loads((workdir / "results/report/summary.json").read_text())
-    assert [run["run"] for run in report["runs"]] == ["r"] and not report["unfinished"]
+    report = _summary(workdir)
+    assert report["runs"] == []
+    (entry,) = report["unfinished"]
+    assert entry["run"] == "r" and entry["stage"] == rule, entry
+    assert f"FAIL_{stage} is set" in entry["cause"], entry
+    assert "the previous config's result is kept in" in entry["cause"], entry
 
 
 def _summary(workdir: Path) -> dict:

@@ -42,6 +42,7 @@ from ddpflow.paths import (
     RunPaths,
     bad_nodes_file,
     report_dir,
+    run_dir,
     staged_dir,
     work_dir,
 )
@@ -232,10 +233,10 @@ def _sort_runs(runs: dict[str, dict], results_dir, restored=frozenset()) -> tupl
     for name, run in runs.items():
         paths = RunPaths.for_run(results_dir, run)
         failure = run_failure(run, results_dir)
-        stopped = bool(failure and failure.get("interrupted"))  # this config's retraining
         # a result of this config is finished, whatever an older failure record says (a
-        # failed retraining given back, then the edit reverted)
-        if (name in restored and not stopped) or _current(run, paths):
+        # failed retraining given back, then the edit reverted); a retraining that failed
+        # or was stopped is this config's unfinished run, whatever was given back
+        if (name in restored and failure is None) or _current(run, paths):
             finished.append({
                 "name": name, "train_metrics": paths.train_metrics,
                 "eval_metrics": paths.eval_metrics,
@@ -248,6 +249,9 @@ def _sort_runs(runs: dict[str, dict], results_dir, restored=frozenset()) -> tupl
                 tracking_failures.append({"run": name, **tracked})
         else:
             entry = {"run": name, **(failure or {"stage": "-", "cause": NOT_RUN})}
+            if name in restored and not entry.get("interrupted"):
+                kept = run_dir(results_dir, name)
+                entry["cause"] += f"; the previous config's result is kept in {kept}"
             unfinished.append({**entry, "sweep": slim(run.get("sweep"))})
     return finished, unfinished, tracking_failures
 
