@@ -671,6 +671,61 @@ def render_store_scale(doc: dict) -> list[str]:
     return out
 
 
+def render_batchnorm(doc: dict) -> list[str]:
+    """The exact BatchNorm statistics' cost per optimizer step, by world size."""
+    header = [
+        "ranks",
+        "micro-batches/rank/step",
+        "step, ms",
+        "fold + all_gather, us/step",
+        "share of the step",
+        "epoch time, exact / rank 0's",
+    ]
+    rows = [
+        [
+            num(r["world_size"]),
+            num(r["micro_per_rank"]),
+            num(r["step_s"] * 1e3, 2),
+            num(r["fold_step_s"] * 1e6),
+            pct(r["fold_share"]),
+            ratio(r["epoch_ratio"]),
+        ]
+        for r in doc["runs"]
+    ]
+    return [table(header, rows)]
+
+
+def render_accumulation_drift(doc: dict) -> list[str]:
+    """Each world size's losses, and the parameters' distance between world sizes."""
+    epochs = len(doc["runs"][0]["epochs"])
+    header = [
+        "ranks",
+        "micro-batches added per rank",
+        *(f"epoch {e + 1} train loss" for e in range(epochs)),
+        f"epoch {epochs} val accuracy",
+    ]
+    rows = [
+        [
+            num(r["world_size"]),
+            num(r["micro_batches_per_rank"]),
+            *(f"{e['train_loss']:.7f}" for e in r["epochs"]),
+            f"{r['epochs'][-1].get('val_accuracy', float('nan')):.4f}",
+        ]
+        for r in doc["runs"]
+    ]
+    pairs = [
+        [
+            f"{d['a']} vs {d['b']}",
+            f"{d['relative_l2']:.3g}",
+            f"{d['max_abs']:.3g}",
+            "yes" if d["bitwise_equal"] else "no",
+        ]
+        for d in doc["distances"]
+    ]
+    distance = ["ranks", "parameters, relative distance", "largest difference", "bitwise equal"]
+    return [table(header, rows), f"After epoch {epochs}:", table(distance, pairs)]
+
+
 def render_unknown(doc: dict) -> list[str]:
     keys = ", ".join(f"`{k}`" for k in doc)
     return [f"No table renderer for this benchmark; its top-level keys: {keys}."]
@@ -702,6 +757,10 @@ def renderer(doc: dict):
         return render_slurm_polling
     if doc.get("benchmark") == "store_scale":
         return render_store_scale
+    if doc.get("benchmark") == "accumulation_drift":
+        return render_accumulation_drift
+    if runs and "fold_share" in runs[0]:
+        return render_batchnorm
     if doc.get("benchmark") == "login_cpu":
         return render_login_cpu
     if doc.get("rows") and "estimate_total_gb" in doc["rows"][0]:

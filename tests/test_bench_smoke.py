@@ -1,6 +1,6 @@
 """The benchmarks (bench/throughput.py, end_to_end.py, memory.py, data.py, layout.py,
-finetune.py, lm.py, scaling.py, micro_batch.py, memory_estimate.py) run in a tiny configuration and
-write complete JSON.
+finetune.py, lm.py, scaling.py, micro_batch.py, memory_estimate.py, store_scale.py,
+accumulation_drift.py) run in a tiny configuration and write complete JSON.
 
 Speed is measured by the benchmarks and never asserted here: only that the numbers exist.
 """
@@ -495,3 +495,22 @@ def test_store_scale_tiny_run_writes_complete_json(tmp_path):
     assert [r["clients"] for r in only["rows"]] == [4, 8]
     assert all(r["barrier_s"] >= r["joined_s"] > 0 and not r["errors"] for r in only["rows"])
     assert set(only["growth"]["barrier_s"]) == {"exponent", "ratio", "from", "to"}
+
+
+def test_accumulation_drift_tiny_run_compares_the_world_sizes(tmp_path):
+    """One epoch at 1 and 2 ranks: each world size's loss, and the parameters' distance (not
+    asserted small: the page shows it; only that it is a measured number)."""
+    out = tmp_path / "accumulation_drift.json"
+    script = str(REPO / "bench" / "accumulation_drift.py")
+    command = [sys.executable, script, "--world-sizes", "1", "2", "--epochs", "1"]
+    done = subprocess.run(
+        [*command, "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    shapes = [(r["world_size"], r["micro_batches_per_rank"]) for r in doc["runs"]]
+    assert shapes == [(1, 4), (2, 2)]  # micro-batch 16 of 64: added in sequence per rank
+    assert all(len(r["epochs"]) == 1 and r["epochs"][0]["train_loss"] > 0 for r in doc["runs"])
+    (pair,) = doc["distances"]
+    assert (pair["a"], pair["b"]) == (1, 2) and math.isfinite(pair["relative_l2"])
+    assert pair["max_abs"] >= 0 and isinstance(pair["bitwise_equal"], bool)
