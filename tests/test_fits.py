@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 from ddpflow.cluster.slurm_parse import Node
@@ -401,3 +402,43 @@ def test_where_no_knob_fits_the_refusal_names_the_partitions_limit():
         "To fit: nothing fits partition 'debug': a node gives at most 8000 MB (its 2 ranks "
         "3.91 GB each) on at most 2 nodes: a smaller model or a bigger machine"
     ), text
+
+
+def _together(text: str) -> str:
+    head = "To fit: no single knob fits partition 'debug': a node gives at most 8000 MB"
+    assert head in text and "; together they do: " in text, text
+    return text.split("; together they do: ")[1]
+
+
+def test_where_no_single_knob_fits_a_combination_that_does_is_offered():
+    """At 224 px with evaluation at 512 neither a smaller micro-batch nor a smaller
+    evaluation batch fits alone; both together do, and the combination is checked against
+    the estimate it names. Where the batches cannot fit either, the model's own measured knob
+    joins them (the stem that shrinks the image first)."""
+    run = _slurm_run(mem_gb=3.9, partition="debug")
+    run = {**run, "model": {**run["model"], "name": "resnet50"}}
+    big = {**FIGURES, "parameters": 50 * MB, "gradients": 50 * MB, "optimizer": 100 * MB,
+           "activations": 8000 * MB, "activations_at_2": 8000 * MB // 128,
+           "evaluation": 8000 * MB, "eval_batch": 512}  # fmt: skip
+    verdict, text = _refusal(run, big, {}, _debug_partition())
+    assert verdict == "refused"
+    combo = _together(text)
+    micro, size = (
+        int(x) for x in re.findall(r"(?:micro_batch_size|eval\.batch_size) (\d+)", combo)
+    )
+    assert combo.startswith("train.micro_batch_size") and 1 <= micro < 256 and size < 512
+    smaller = {**run, "train": {**run["train"], "micro_batch_size": micro},
+               "eval": {**run["eval"], "batch_size": size}}  # fmt: skip
+    cut = {**big, "activations": 8000 * MB * micro // 256, "evaluation": 8000 * MB * size // 512}
+    room, _ = fits.capacity(smaller, "slurm", None, [])
+    assert fits.estimate(smaller, cut, PROCESS, 0).total <= room
+    # a fixed part no batch removes (what the small stem's full-size maps keep): the stem
+    # variant's figures are needed, and named first
+    stuck = {**big, "activations_at_2": 4000 * MB, "activations": 8000 * MB}
+    stem = {**big, "activations": 400 * MB, "activations_at_2": 400 * MB // 128}
+    variants = {"model.small_input_stem: false": stem}
+    _, text = _refusal(run, stuck, variants, _debug_partition())
+    assert _together(text).startswith("model.small_input_stem: false, ")
+    # nothing at all: the partition's limit, as before
+    _, text = _refusal(run, {**stuck, "parameters": 4000 * MB}, {}, _debug_partition())
+    assert "nothing fits partition 'debug'" in text

@@ -79,11 +79,63 @@ WHY = {
 
 
 def knobs(ctx: Context) -> str:
-    """The knobs that alone make ctx.run fit, with their estimates; else what none fits."""
+    """The knobs that alone make ctx.run fit, with their estimates; else the smallest
+    combination that does; else what none fits."""
     found = [*_batch_knobs(ctx), *_strategy_knobs(ctx), *_model_knobs(ctx), *_machine_knobs(ctx)]
     if found:
         return "; ".join(found)
+    if together := _together(ctx):
+        return f"no single knob fits {_limit_text(ctx)}; together they do: {together}"
     return f"nothing fits {_limit_text(ctx)}: a smaller model or a bigger machine"
+
+
+def _together(ctx: Context) -> str | None:
+    """Smaller micro- and evaluation batches alone, and with each of the model's own
+    measured knobs: for each, the largest batches that fit, as one combination (the same
+    science first; a model knob can leave far larger batches)."""
+    bases = [([], ctx.run, ctx.figures)] + [
+        ([knob], run, ctx.variants[knob])
+        for knob, run in variant_runs(ctx.run).items()
+        if ctx.variants.get(knob) and "error" not in ctx.variants[knob]
+    ]
+    found = []
+    for changes, run, figures in bases:
+        if fitted := _smallest_batches(ctx, run, figures):
+            knobs_, total = fitted
+            found.append(f"{', '.join(changes + knobs_)} ({_gb(total)} GB)")
+            if not changes:
+                break  # the same science fits: no reason to change the model
+    return "; or ".join(found) or None
+
+
+def _smallest_batches(ctx: Context, run: dict, figures: dict) -> tuple[list[str], int] | None:
+    """The largest micro-batch, then evaluation batch, with which run fits, or None."""
+    train, world = run["train"], run["world_size"]
+    fixed, per_sample = _activation_line(figures, train["micro_batch_size"])
+    per_eval = figures.get("evaluation", 0) / max(figures.get("eval_batch", 0), 1)
+    micros = [
+        m
+        for m in range(train["micro_batch_size"], 0, -1)
+        if splitting_micro_batch(train["global_batch_size"], m, [world]) == m
+    ]
+    current = figures.get("eval_batch", 0)  # 0: no evaluation measured, nothing to cut
+    evals = [current] + [
+        2**k for k in range(int(math.log2(current or 1)), -1, -1) if 2**k < current
+    ]
+    for micro in micros:
+        for size in evals:
+            cut = {
+                **figures,
+                "activations": int(fixed + per_sample * micro),
+                "evaluation": int(per_eval * size),
+            }
+            smaller = _with(run, "train", micro_batch_size=micro)
+            smaller = _with(smaller, "eval", batch_size=size) if current else smaller
+            if (total := _fits(ctx, smaller, cut)) is not None:
+                changed = [f"train.micro_batch_size {micro}"] * (micro != train["micro_batch_size"])
+                changed += [f"eval.batch_size {size}"] * (size != current)
+                return changed, total
+    return None
 
 
 def _fits(ctx: Context, run: dict, figures: dict) -> int | None:

@@ -268,11 +268,12 @@ def _shown(runs: list[dict], unfinished) -> tuple[list, list[dict], list[dict]]:
 
 
 def _log_written(rows: list[dict], unfinished: list[dict], best: list[dict], out_dir) -> None:
+    selected = ", ".join(row["run"] for row in best)
     log.info(
-        "report: %s%s, best %s -> %s",
+        "report: %s%s, %s -> %s",
         counted(len(rows), "run"),
         f", {len(unfinished)} unfinished" if unfinished else "",
-        ", ".join(row["run"] for row in best) or None,
+        f"selected on validation: {selected}" if selected else "no runs compared",
         out_dir,
     )
 
