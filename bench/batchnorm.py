@@ -1,5 +1,5 @@
 """What the exact BatchNorm running statistics cost per optimizer step
-(ddpflow.training.batchnorm: every micro-batch's statistics, one all_gather per step).
+(ddpflow.training.batchnorm: every micro-batch's statistics, one all_gather per few steps).
 
 The default job's shape: the shipped config's CNN on 1x8x8 images (the digits' size), global
 batch 64, micro-batch 32 (--micro-batch), at --world-sizes 1 and 2 CPU ranks (a real gloo
@@ -9,8 +9,10 @@ builds ddpflow's Loop twice, as throughput.py builds it: ``exact`` (today's loop
 torch does, and rank 0's are saved). The two alternate epoch by epoch (order flipped every
 repeat) after --warmup untimed epochs each; an epoch's time is the slowest rank's. Two
 figures: the epoch time's ratio (exact / rank0, median over repeats: noisy on a shared
-machine) and the fold's own time, measured around its three calls (begin_step, record, end_step,
-the all_gather included) in the exact loop, per optimizer step and as a share of the step.
+machine) and the fold's own time, measured around its calls (begin_step, record, end_step and
+settle, the all_gather included) in the exact loop, per optimizer step and as a share of the
+step. At 2 ranks an epoch's 16 steps wait for one all_gather, at the epoch's end (up to
+batchnorm.STEPS_PER_GATHER steps share one).
 
     python bench/batchnorm.py              # ~1 minute on 2 cores
     python bench/batchnorm.py --quick      # fewer repeats
@@ -81,6 +83,9 @@ class _Timed:
 
     def end_step(self) -> None:
         self._timed(self.inner.end_step)
+
+    def settle(self) -> None:
+        self._timed(self.inner.settle)
 
     def put_back(self) -> None:
         self.inner.put_back()

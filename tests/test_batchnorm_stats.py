@@ -6,10 +6,10 @@ On one rank the fold is checked against torch's own BatchNorm (momentum and mome
 within float rounding); on real gloo groups, the Loop at 1 and 2 ranks with two micro-batches
 a step (where training is bitwise equal) gives the same buffers and validation metrics, for
 a classification and a regression CNN, with activation checkpointing and with frozen
-(fine-tuned) BatchNorm layers, and read mid-epoch (a checkpoint's state_dict) while the last
-step's all_gather may still be in flight. An exception mid-step puts the layers' own buffers
-back. 2 and 4 ranks under ddp, zero and fsdp and a 4 -> 2 resume:
-tests/test_world_size.py.
+(fine-tuned) BatchNorm layers, and read mid-epoch (a checkpoint's state_dict) while steps
+wait for their gather. Gathered every few steps at 2 ranks, the statistics are bitwise one
+rank's; an exception mid-step puts the layers' own buffers back. 2 and 4 ranks under ddp,
+zero and fsdp and a 4 -> 2 resume: tests/test_world_size.py.
 """
 
 from __future__ import annotations
@@ -202,3 +202,34 @@ def test_an_exception_mid_step_puts_the_buffers_back(monkeypatch):
     assert norms and [(m.running_mean, m.running_var, m.momentum) for m in norms] == own
     after = _statistics(model)  # no step finished: nothing folded in
     assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+def _gathered_every_few_steps(env, momentum: float | None, steps: int, per_gather: int) -> dict:
+    """`steps` steps of 4 micro-batches, this rank's share of each (its contiguous block),
+    gathered every `per_gather` steps (None: ExactStatistics' default) and settled."""
+    model = _net(momentum)
+    folder = ExactStatistics(model, 4, env.world_size, CPU, steps_per_gather=per_gather)
+    batches = torch.randn(steps, 4, 8, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    a = 4 // env.world_size
+    for step in batches:
+        folder.begin_step()
+        for micro in range(env.rank * a, (env.rank + 1) * a):
+            model(step[micro])
+            folder.record(micro)
+        folder.end_step()
+    folder.settle()
+    folder.settle()  # idempotent: nothing pending, no collective
+    return _statistics(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_a_gather_every_few_steps_folds_as_one_rank_does_every_step(tmp_path, momentum):
+    """7 steps gathered in threes (3, 3, then 1 at settle) at 2 ranks: bitwise the statistics
+    one rank folds step by step, on both ranks (the same micro-batches in the same order)."""
+    (one,) = run_group(1, _gathered_every_few_steps, (momentum, 7, None), tmp_path)
+    twos = run_group(2, _gathered_every_few_steps, (momentum, 7, 3), tmp_path)
+    for two in twos:
+        assert two.keys() == one.keys()
+        assert all(torch.equal(two[k], one[k]) for k in one), momentum
+    assert int(one["1.num_batches_tracked"]) == 28

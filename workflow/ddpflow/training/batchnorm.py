@@ -4,16 +4,25 @@ Training normalises each micro-batch with its own statistics (no SyncBatchNorm: 
 change the science), but torch's BatchNorm also folds each batch's mean and unbiased variance
 into its running statistics, the ones the evaluated and saved model normalises with. Under
 DDP each rank folds in only the micro-batches it computed, and rank 0's are saved: at W ranks
-they have seen 1/W of every step. Here every rank ends each optimizer step with exactly the
-running statistics one rank computing every micro-batch of the step in the global order
+they have seen 1/W of every step. Here, whenever they are read, every rank holds exactly the
+running statistics one rank computing every micro-batch of every step in the global order
 would have (momentum, momentum=None's cumulative average and num_batches_tracked included):
 
 - while a step runs, each training BatchNorm writes into a scratch vector with momentum 1
   (running = 1 * batch + 0 * scratch: torch's own batch mean and unbiased variance, at no
   extra compute), copied after each micro-step into that micro-batch's global slot;
-- at the step's end one all_gather of each rank's contiguous block of rows (the
-  micro-batches it computed) gives every rank every micro-batch's statistics, folded into
-  the real buffers in the global order.
+- every few steps one all_gather of each rank's rows (the micro-batches it computed) gives
+  every rank every micro-batch's statistics of those steps, folded into the real buffers step
+  by step in the global order.
+
+Why every few steps, not every step: a training forward normalises with the batch's own
+statistics and never reads the running ones, and at 2 CPU ranks the collective's host time
+was most of the cost (bench/batchnorm.py; issuing it asynchronously did not help where the
+gloo thread competes for the same cores). So the rows of up to STEPS_PER_GATHER steps
+(within GATHER_BYTES) wait for one collective, and whatever reads the running statistics
+(validation, a checkpoint, the saved model, unfreezing, loading a state, the end of an
+epoch) calls settle() first, on every rank: ddpflow.training.loop and .resume do. At one
+rank each step folds at once.
 
 Frozen BatchNorm layers (eval mode: fine-tuning) are left alone. Activation checkpointing's
 recomputed forward keeps momentum 0 (sharding.checkpoint_activations), so it records nothing.
@@ -29,18 +38,25 @@ from torch import nn
 
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+STEPS_PER_GATHER = 64  # at most; 1 at one rank
+GATHER_BYTES = 16 * 2**20  # the statistics held for one gather, at most
 
 
 class _Layout:
     """The scratch and the slots of one set of training BatchNorm layers (kept across steps:
     the set changes only when layers are unfrozen), and each layer's own buffers."""
 
-    def __init__(self, norms: list[_BatchNorm], micro_per_step: int, device):
+    def __init__(self, norms: list[_BatchNorm], micro_per_step: int, ranks: int, steps, device):
         self.norms = norms
         self.sizes = [m.num_features for m in norms for _ in range(2)]
         width = sum(self.sizes)
         self.scratch = torch.zeros(width, device=device)
-        self.slots = torch.zeros(micro_per_step, width, device=device)
+        if steps is None:  # as many steps as fit GATHER_BYTES, up to STEPS_PER_GATHER
+            steps = 1 if ranks == 1 else GATHER_BYTES // (4 * micro_per_step * width)
+            steps = max(1, min(STEPS_PER_GATHER, steps))
+        # [rank, step, micro-batch of the rank, width]: each rank's rows are contiguous
+        self.slots = torch.zeros(ranks, steps, micro_per_step // ranks, width, device=device)
+        self.pending = 0  # steps recorded, not yet folded in
         views = self.scratch.split(self.sizes)
         # per layer: its scratch buffers (mean, var, batch counter) for the step's forwards
         self.scratch_buffers = [
@@ -95,12 +111,21 @@ def only_batchnorm_buffers(model: nn.Module) -> bool:
 class ExactStatistics:
     """A rank's side of the exact running statistics: begin_step before a step's first
     micro-step, record(micro) after each (micro: its index in the step, of all ranks),
-    end_step after the last (a collective at several ranks), put_back() after an exception
-    mid-step."""
+    end_step after the last (a collective every few steps at several ranks), settle() on
+    every rank before anything reads the running statistics, put_back() after an exception
+    mid-step. steps_per_gather: None for GATHER_BYTES' worth."""
 
-    def __init__(self, model: nn.Module, micro_per_step: int, world_size: int, device):
+    def __init__(
+        self,
+        model: nn.Module,
+        micro_per_step: int,
+        world_size: int,
+        device,
+        steps_per_gather: int | None = None,
+    ):
         self.model, self.micro_per_step = model, micro_per_step
         self.world_size, self.device = world_size, device
+        self._steps_per_gather = steps_per_gather
         self._layers = batchnorm_layers(model)  # the training ones of them at each step
         self._layout: _Layout | None = None
         self._active = False
@@ -114,7 +139,10 @@ class ExactStatistics:
             return
         layout = self._layout
         if layout is None or layout.norms != norms:  # the first step, or after unfreezing
-            layout = self._layout = _Layout(norms, self.micro_per_step, self.device)
+            self.settle()  # the previous layers' steps first
+            layout = self._layout = _Layout(
+                norms, self.micro_per_step, self.world_size, self._steps_per_gather, self.device
+            )
             self._factors = None
         layout.swap_in()
         self._active = True
@@ -122,22 +150,37 @@ class ExactStatistics:
     def record(self, micro: int) -> None:
         """After micro-batch `micro`'s forward: its statistics into its slot."""
         if self._active:
-            assert self._layout is not None
-            self._layout.slots[micro].copy_(self._layout.scratch)
+            layout = self._layout
+            assert layout is not None
+            rank, within = divmod(micro, layout.slots.shape[2])  # rank r: [r * a, (r + 1) * a)
+            layout.slots[rank, layout.pending, within].copy_(layout.scratch)
 
     def end_step(self) -> None:
-        """Collective: every micro-batch's statistics to every rank, folded in in order."""
+        """The step's statistics wait for the gather; a collective once the slots are full."""
         if not self._active:
             return
         layout = self._layout
         assert layout is not None
-        if self.world_size > 1:  # rank r computed the contiguous block [r * a, (r + 1) * a)
-            per_rank = self.micro_per_step // self.world_size
-            mine = layout.slots[dist.get_rank() * per_rank : (dist.get_rank() + 1) * per_rank]
-            dist.all_gather_into_tensor(layout.slots, mine.clone())
         layout.swap_out()
         self._active = False
-        self._fold(layout)
+        layout.pending += 1
+        if layout.pending == layout.slots.shape[1]:
+            self.settle()
+
+    def settle(self) -> None:
+        """Every finished step's statistics folded into the buffers. A collective where steps
+        are pending at several ranks: every rank calls it at the same point (they all have
+        the same steps pending); otherwise nothing happens."""
+        layout = self._layout
+        if layout is None or layout.pending == 0:
+            return
+        if self.world_size > 1:  # every rank's rows of the pending steps (of every slot)
+            slots = layout.slots
+            mine = slots[dist.get_rank()].clone()
+            dist.all_gather_into_tensor(slots.view(-1, *slots.shape[2:]), mine)
+        for step in range(layout.pending):
+            self._fold(layout, step)
+        layout.pending = 0
 
     def put_back(self) -> None:
         """Mid-step (an exception): the layers' own buffers and momenta back in place, the
@@ -147,14 +190,16 @@ class ExactStatistics:
             self._layout.swap_out()
             self._active = False
 
-    def _fold(self, layout: _Layout) -> None:
-        """running = f * batch + (1 - f) * running per micro-batch in the global order, as
-        torch's kernels compute it (f: momentum, or 1 / num_batches_tracked when None)."""
+    def _fold(self, layout: _Layout, step: int) -> None:
+        """running = f * batch + (1 - f) * running per micro-batch of the step in the global
+        order, as torch's kernels compute it (f: momentum, or 1 / num_batches_tracked when
+        None)."""
         buffers = [b for own in layout.own for b in (own["running_mean"], own["running_var"])]
         running = torch.cat([b.float() for b in buffers])
         factors, keep = self._update_factors(layout)
+        rows = layout.slots[:, step].reshape(self.micro_per_step, -1)  # in the global order
         for micro in range(self.micro_per_step):
-            running = factors[micro] * layout.slots[micro] + keep[micro] * running
+            running = factors[micro] * rows[micro] + keep[micro] * running
         torch._foreach_copy_(buffers, list(running.split(layout.sizes)))
         torch._foreach_add_([own["num_batches_tracked"] for own in layout.own], self.micro_per_step)
 

@@ -155,6 +155,7 @@ class Loop(Resumable):
         except BaseException:  # mid-step: the BatchNorm layers get their own buffers back
             self.norm_stats.put_back()
             raise
+        self.norm_stats.settle()  # the epoch's last steps' BatchNorm statistics (collective)
         self.nonfinite.read(None)  # the epoch's last step (the host syncs here anyway)
         # One host sync per epoch, not per step (the tutorials' .item() every step stalls).
         self.clock.settle()
@@ -217,6 +218,7 @@ class Loop(Resumable):
         due = self.tcfg.unfreeze_at_epoch
         if not self.frozen or due is None or epoch < due - 1:
             return
+        self.norm_stats.settle()  # into the layers trained so far
         self.frozen = []
         self.wrapped, self.optimizer, self.scheduler = unfrozen(
             self.run, self.env, self.device, self.model, self.wrapped, self.steps_per_epoch,
@@ -282,6 +284,7 @@ class Loop(Resumable):
         return loss
 
     def validate(self) -> dict:
+        self.norm_stats.settle()
         sync_buffers(self.model, self.env.world_size)
         scoring = self.data.scoring(self.run.eval.batch_size, self.autocast)
         result = evaluate.evaluate_split(self.model, self.data.val, scoring, self.env)

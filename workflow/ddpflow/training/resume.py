@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from ddpflow.cluster.distenv import DistEnv
     from ddpflow.config.typed import TrainSpec
     from ddpflow.runtime import PhaseClock
+    from ddpflow.training.batchnorm import ExactStatistics
     from ddpflow.training.rankdata import RankData
 
 
@@ -49,6 +50,7 @@ class Resumable:
     epoch_seconds: dict[str, float]
     history: list[dict]
     segments: list[dict]
+    norm_stats: ExactStatistics  # settled (every rank) before its buffers are read or replaced
 
     if TYPE_CHECKING:
 
@@ -61,6 +63,7 @@ class Resumable:
         shards, which rank 0 collects (a checkpoint holds the whole state, as with ddp, so a
         run resumes under either strategy and at any world size's sharding); the epoch's
         step losses so far are summed over the ranks (a checkpoint holds the global sums)."""
+        self.norm_stats.settle()  # the BatchNorm statistics of every finished step
         if self.sharded_optimizer:  # its tensors sent as tensors, not pickled
             zero_state.consolidate(self.optimizer)
         self._global_step_losses = self.global_step_losses()
@@ -75,15 +78,18 @@ class Resumable:
     def full_model_state(self) -> dict:
         """Collective under FSDP: the whole model's state dict, on rank 0 (what model.pt
         holds; the other ranks get an empty dict). Elsewhere the local state dict."""
+        self.norm_stats.settle()
         if self.fsdp:
             return sharding.full_model_state(self.model)
         return self.model.state_dict()
 
     def state_dict(self) -> dict:
         """Everything an exact resume needs (the caller adds RNG states and the config hash).
-        Rank 0 only where the optimizer is sharded, after gather_state() on every rank.
+        Rank 0 only where the optimizer is sharded, after gather_state() on every rank;
+        without gather_state(), every rank calls it (BatchNorm statistics may be pending).
         FSDP: without the model and optimizer, which sharding.save writes (every rank)."""
         self.clock.settle()  # the partial epoch's phase seconds are part of the state
+        self.norm_stats.settle()  # a collective only where gather_state() did not settle
         tensors = {} if self.checkpoints_sharded else {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -114,6 +120,7 @@ class Resumable:
         ranks' sums (rank 0 takes them, the others start from zero), ZeRO's optimizer state
         is whole and DCP reshards. FSDP: the model and optimizer shards are read from the
         DCP directory next to the checkpoint at path."""
+        self.norm_stats.settle()  # nothing pending folds into the loaded buffers later
         self.unfreeze_if_due(state["epoch"])  # the checkpoint's optimizer holds every parameter
         kernels = _kernel_choices(self.optimizer)
         if "sharded" in state:
