@@ -134,7 +134,8 @@ def test_a_run_that_cannot_fit_its_memory_is_refused_before_anything_is_queued(
 ):
     """ResNet-50 at micro-batch 256 with Adam in machine.mem_gb 1 (2 ranks a node): refused
     while Snakemake parses, naming the estimate, before the staging job (the default under
-    Slurm) or the training job is queued; nothing is written under logs/ or results/."""
+    Slurm) or the training job is queued; nothing is written under logs/ or results/. The
+    knobs offered fit the partition, and following them is accepted."""
     machine = {**CLUSTER_MACHINE, "stage": {}}  # staging would be the first job queued
     train = {**SCIENCE["train"], "global_batch_size": 1024, "micro_batch_size": 256}
     science = {"model": {"name": "resnet50"}, "train": {**train, "optimizer": {"name": "adam"}}}
@@ -149,15 +150,24 @@ def test_a_run_that_cannot_fit_its_memory_is_refused_before_anything_is_queued(
     assert found, output[-3000:]
     assert float(found[1]) > 0.5, output[-3000:]  # the activations alone are gigabytes
     assert "does not fit the 0.50 GB a rank has (machine.mem_gb 1 over 2 ranks per node)" in output
-    for knob in (
-        "train.micro_batch_size",
-        "train.strategy: fsdp",
-        "train.activation_checkpointing: true",
-        "train.precision: bf16",
-    ):
-        assert knob in output, (knob, output[-3000:])
     assert _my_job_count() == before  # neither the staging nor the training job was queued
     assert not (tmp_path / "logs").exists() and not (tmp_path / "results").exists()
+    # only knobs that fit alone and within partition 'debug' (8000 MB nodes): more memory,
+    # here; fsdp, checkpointing and bf16 leave the rank over its 0.50 GB and are not offered
+    knobs = output.split("To fit: ")[1].splitlines()[0]
+    offered = re.search(r"machine\.mem_gb ([\d.]+) or more", knobs)
+    assert offered and 1 < float(offered[1]) <= 8000 / 1024, knobs
+    for knob in ("train.strategy: fsdp", "activation_checkpointing", "bf16"):
+        assert knob not in knobs, knobs
+    # and following it is accepted by the cluster check and the estimate alike
+    followed = {**machine, "mem_gb": float(offered[1])}
+    configfile = write_config(
+        tmp_path / "config.yaml", {**science, "machine": followed, "runs": [{"name": "big"}]}
+    )
+    result = slurm_snakemake(tmp_path, configfile, "-n")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "does not fit" not in output, output[-3000:]
+    assert not re.search(r": 1\d\d% of the", output), output[-3000:]  # no warning over 100%
 
 
 def _my_job_count() -> int:

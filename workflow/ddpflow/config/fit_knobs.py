@@ -214,7 +214,9 @@ def _machine_knobs(ctx: Context) -> list[str]:
     machine, per_node = run["machine"], ranks_per_node(run["machine"])
     out = []
     if est.device == "cpu" and run["launcher"] == "slurm":
-        need = math.ceil(est.total * per_node / GIB * 10) / 10
+        # with the library pages: the memory suggested must not warn again once set
+        held = est.total + getattr(est, "shared", 0)
+        need = math.ceil(held * per_node / GIB * 10) / 10
         if part is None or need * 1024 <= part.mem_mb:
             out.append(f"machine.mem_gb {need:g} or more")
         for fewer in range(per_node - 1, 0, -1):
@@ -222,7 +224,7 @@ def _machine_knobs(ctx: Context) -> list[str]:
             most = part.mem_mb * 2**20 if part else None
             if (machine["nodes"] * per_node) % fewer or (part and nodes > part.nodes):
                 continue
-            mem_gb = math.ceil(est.total * fewer / GIB * 10) / 10
+            mem_gb = math.ceil(held * fewer / GIB * 10) / 10
             if most is None or mem_gb * GIB <= most:
                 out.append(
                     f"machine.cpu_ranks_per_node {fewer} and machine.nodes {nodes} (the same "
