@@ -14,7 +14,7 @@ workflow measures every figure and the process's runtime afresh.
 
 Per run, afterwards:
 
-* measured: the largest peak_rss_mib (getrusage ru_maxrss at each epoch's end) over the
+* measured: the largest peak_rss_mib (VmHWM at each epoch's end) over the
   ranks and epochs of results/runs/<run>/train_metrics.jsonl; beside it the largest RSS the
   monitor sampled (results/runs/<run>/system/rank-<r>.jsonl, every 2 s), which also sees
   what comes after the last epoch's record (rank 0's checkpoint write);
@@ -298,9 +298,7 @@ def probe_rank(cfg: dict) -> dict:
     """In a fresh process (one rank at world size 1: no wrapper, no process group): the
     resident memory after each stage as the training builds it (ddpflow's build_model,
     channels_last where ddpflow uses it, make_optimizer) and after each part of its steps at
-    the run's micro-batch, MiB; and the peak (ru_maxrss) at the end."""
-    import resource
-
+    the run's micro-batch, MiB; and the peak (VmHWM) at the end."""
     exec(RANK_IMPORTS, {})
     import torch
     import torch.nn.functional as F
@@ -331,7 +329,7 @@ def probe_rank(cfg: dict) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=False)
         stages[f"step{step}_optimizer"] = resident()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = runtime.peak_rss_bytes() / 2**20  # VmHWM: ru_maxrss has the launcher's peak
     return {"stages": stages, "peak_rss_mib": peak}
 
 
@@ -459,7 +457,7 @@ def conditions(args: argparse.Namespace, config: dict, wall: float, sources: dic
         "CUDA context)"
         if args.gpus
         else "max over ranks and epochs of peak_rss_mib in train_metrics.jsonl's "
-        "`ranks` lists: getrusage(RUSAGE_SELF).ru_maxrss at each epoch's end (after the "
+        "`ranks` lists: /proc/self/status VmHWM at each epoch's end (after the "
         "epoch's training and validation), MiB x 2^20; it counts the libraries' "
         "file-backed pages in full in every rank",
         "estimate": "ddpflow.config.fits.estimate(run, figures, process, data_bytes), as "

@@ -7,14 +7,14 @@ process figure comes from, so the two start alike), then the model built and lai
 training does (ddpflow's build_model, channels_last, make_optimizer with its fused kernels),
 `steps` training steps at the micro-batch (gradients set to None after each step, as the loop
 does), then one evaluation forward in eval mode without gradients at the evaluation's batch.
-It reports its peak resident memory (getrusage ru_maxrss: what the ranks record as
-peak_rss_mib) and its file-backed resident memory at the end (the libraries' pages).
+It reports its peak resident memory (VmHWM: what the ranks record as peak_rss_mib; not
+ru_maxrss, which carries the launching pytest process's peak across exec) and its
+file-backed resident memory at the end (the libraries' pages).
 """
 
 from __future__ import annotations
 
 import json
-import resource
 import sys
 from pathlib import Path
 
@@ -29,6 +29,7 @@ def rss_file_bytes() -> int:
 def probe(spec: dict) -> dict:
     import torch
     import torch.nn.functional as F
+    from ddpflow.runtime import peak_rss_bytes
     from ddpflow.training import footprint
     from ddpflow.training.build import make_optimizer
     from ddpflow.training.models import build_model
@@ -50,7 +51,7 @@ def probe(spec: dict) -> dict:
     model.eval()
     with torch.no_grad():
         model(torch.randn(spec["eval_batch"], *shape))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     return {"process": process, "peak_bytes": peak, "file_bytes": rss_file_bytes()}
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -18,6 +19,25 @@ import torch
 from ddpflow.monitoring.rankstats import combine_epochs, stragglers
 from ddpflow.monitoring.sampler import SystemSampler
 from workflow_helpers import BIN, jobs_planned, snakemake, write_config
+
+
+def test_a_ranks_peak_memory_is_its_own_not_its_launchers():
+    """A rank is started by a process that may hold far more (the train rule's, submitit's):
+    Linux carries the launcher's peak into the child's ru_maxrss across exec, so a rank's
+    peak_rss_mib is read from VmHWM, the process's own high-water mark."""
+    ballast = bytearray(768 * 2**20)
+    ballast[::4096] = b"\1" * len(range(0, len(ballast), 4096))  # resident, page by page
+    code = (
+        "import resource; from ddpflow.runtime import peak_memory_mib; "
+        "print(peak_memory_mib()['peak_rss_mib'], "
+        "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=True)  # fmt: skip
+    own, inherited = map(float, done.stdout.split())
+    assert inherited >= 768  # what ru_maxrss says of a 100 MB process: the launcher's peak
+    assert own < 300, own
+    del ballast
 
 
 def _rank(rank, train_s, compute_s, **extra):

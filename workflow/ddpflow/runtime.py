@@ -351,13 +351,27 @@ def git_commit() -> str | None:
     return (_git("rev-parse", "HEAD") or "").strip() or None
 
 
+def peak_rss_bytes() -> int:
+    """This process's own peak resident memory: Linux's VmHWM. getrusage's ru_maxrss is not
+    it: Linux carries the launching process's peak across exec (a rank started by a 1.5 GB
+    process reports 1.5 GB however little it uses); elsewhere it is all there is."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def peak_memory_mib() -> dict[str, float]:
     """This process's peaks so far, in MiB: resident memory (peak_rss_mib) and, once CUDA is
     in use, the GPU memory its tensors took (gpu_peak_alloc_mib): what ddpflow.config.fits
     estimates before a run is queued."""
-    import resource
-
-    peaks = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    peaks = {"peak_rss_mib": peak_rss_bytes() / 2**20}
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         peaks["gpu_peak_alloc_mib"] = torch.cuda.max_memory_allocated() / 2**20
