@@ -8,7 +8,6 @@ against a real 4-rank gloo run of the same model.
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -118,6 +117,7 @@ def _rank_peak(env, run: dict) -> dict:
     """On a real gloo rank: the process before the model, then training as the ranks do;
     its peak resident memory less the libraries' pages (what the estimate counts)."""
     from ddpflow.config.typed import RunSpec
+    from ddpflow.runtime import peak_rss_bytes
     from ddpflow.training import footprint
     from ddpflow.training.loop import Loop, fit
     from ddpflow.training.models import build_model
@@ -130,8 +130,7 @@ def _rank_peak(env, run: dict) -> dict:
     model = build_model(run["model"], data.shape, 4)
     loop = Loop(RunSpec.from_run(run), data, env, torch.device("cpu"), model)
     fit(loop, lambda record: None)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"own_peak": peak - rss_file_bytes(), "process": process}
+    return {"own_peak": peak_rss_bytes() - rss_file_bytes(), "process": process}
 
 
 @pytest.mark.slow

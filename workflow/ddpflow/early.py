@@ -281,7 +281,7 @@ def _measure(
     in one subprocess; remember the models that pass and every measurement. Returns (the
     models' problems, every footprint by key plus RUNTIME and gpu_bytes)."""
     passed = set(_read_cache(cache))
-    known = _read_footprints()
+    known = read_footprints()
     todo = {key: check for key, (check, _) in models.items() if key not in passed}
     measure = {key: request for key, request in footprints.items() if key not in known}
     # the subprocess also measures a rank's process (RUNTIME), once for all footprints
@@ -317,7 +317,8 @@ def _measure(
     ], known
 
 
-def _read_footprints() -> dict:
+def read_footprints() -> dict:
+    """What was measured before (this user's cache): footprints by key, and RUNTIME."""
     try:
         known = json.loads((user_cache_dir() / FOOTPRINTS).read_text())
         return known if isinstance(known, dict) else {}

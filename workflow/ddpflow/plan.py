@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from ddpflow import config as ddpconfig
 from ddpflow.config import fits
 from ddpflow.config.machine import accumulation_steps, micro_batches_per_step, ranks_per_node
-from ddpflow.early import input_of
+from ddpflow.early import RUNTIME, input_of, read_footprints
 from ddpflow.paths import RunPaths
 
 STRATEGIES = ("ddp", "zero", "fsdp")
@@ -71,6 +73,20 @@ def model_input(run: dict) -> tuple[list[int], int, int, int | None]:
     )
 
 
+def rank_process() -> dict:
+    """A fresh rank's own memory after its imports (training.footprint.process_memory): the
+    workflow's measurement where it made one (ddpflow.early's cache), else measured in a
+    fresh process. Never this process's: a login-node process that has built models since
+    its start holds far more than a rank starts with."""
+    known = read_footprints().get(RUNTIME)
+    if isinstance(known, dict) and {"anon", "file"} <= set(known):
+        return known
+    code = "import json; from ddpflow.training import footprint as f; "
+    code += "print(json.dumps(f.process_memory()))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 def memory(run: dict, inputs) -> dict[str, dict]:
     """{strategy: {"peak_bytes": {"rank_0", "other_ranks"}, "parts": ...}} at run's world."""
     from ddpflow.training import footprint
@@ -79,7 +95,7 @@ def memory(run: dict, inputs) -> dict[str, dict]:
     want = fits.figures_request(run, shape, outputs, rows)
     figures = footprint.measure(want.pop("model"), **{k: v for k, v in want.items() if k != "code"})
     cpu = fits.device_of(run) == "cpu"
-    process = footprint.process_memory() if cpu else {"anon": 0, "file": 0}
+    process = rank_process() if cpu else {"anon": 0, "file": 0}
     out = {}
     for strategy in STRATEGIES:
         variant = {**run, "train": {**run["train"], "strategy": strategy}}
