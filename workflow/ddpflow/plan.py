@@ -31,11 +31,11 @@ from pathlib import Path
 from ddpflow import config as ddpconfig
 from ddpflow.config import fits
 from ddpflow.config.machine import accumulation_steps, micro_batches_per_step, ranks_per_node
+from ddpflow.config.runs import TEXT_VOCABULARY
 from ddpflow.early import RUNTIME, input_of, read_footprints
 from ddpflow.paths import RunPaths
 
 STRATEGIES = ("ddp", "zero", "fsdp")
-TEXT_VOCABULARY = 257  # data.source text: 256 bytes and the end-of-document token
 
 
 def load_run(configfile: str, nodes: int, per_node: int, name: str | None) -> dict:

@@ -154,6 +154,7 @@ def _resolve_task(run: dict, where: str) -> None:
 
 
 LANGUAGE_MODEL = "language_model"
+TEXT_VOCABULARY = 257  # data.source text: 256 bytes and the end-of-document token
 
 
 def _check_language_model(run: dict, where: str) -> None:
@@ -193,7 +194,7 @@ def _check_language_model(run: dict, where: str) -> None:
             f"{where}: data.vocab_size is required for data.source tokens: your tokenizer's "
             "vocabulary size (every token id must be below it; GPT-2's is 50257)"
         )
-    if source == "text" and data["vocab_size"] not in (None, 257):
+    if source == "text" and data["vocab_size"] not in (None, TEXT_VOCABULARY):
         raise ConfigError(
             f"{where}: data.vocab_size {data['vocab_size']}: data.source text is tokenised "
             "as bytes, 257 tokens (256 bytes and the end-of-document token); remove it"

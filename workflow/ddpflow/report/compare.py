@@ -18,13 +18,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ddpflow.config.runs import LANGUAGE_MODEL
+from ddpflow.config.runs import TEXT_VOCABULARY as BYTE_VOCABULARY
 from ddpflow.report import metrics
 from ddpflow.task import Selection
 
 __all__ = ["Group", "Identity", "groups", "headline", "identity", "summary"]
 
-LANGUAGE_MODEL = "language_model"
-BYTE_VOCABULARY = 257  # data.source text: 256 bytes and the end-of-document token
 # data keys that change how samples are prepared or read, or how many training samples are
 # used, not which samples are validated and tested: runs that differ in them still compare
 PREPARATION_KEYS = (

@@ -61,7 +61,7 @@ NOT_RUN = (
 
 def staging_work(results_dir: str | Path, dataset_id: str) -> Path:
     """Where the stage rule of one dataset keeps why it failed (shared by its runs)."""
-    return Path(results_dir) / "work" / ".staging" / dataset_id
+    return work_dir(results_dir, ".staging") / dataset_id
 
 
 @contextmanager
@@ -165,8 +165,8 @@ def report_unfinished(
     naming every run that did not and why (its failure record, else NOT_RUN). Returns the
     HTML report's path, or None where it could not be written. Never raises: it runs in
     Snakemake's error hook, after the failure was reported. restored: runs whose rerun failed
-    and whose previous outputs came back (ddpflow.kept): finished, as they were, unless the
-    rerun was stopped: then it is an interrupted training of this config, told as such."""
+    or was stopped and whose previous outputs came back (ddpflow.kept): this config's run did
+    not finish (a failed one's entry says where the previous config's result is kept)."""
     try:
         return _report_unfinished(runs, results_dir, set(restored))
     except Exception as exc:  # noqa: BLE001 - the hook must not hide the original failure

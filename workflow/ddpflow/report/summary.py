@@ -13,10 +13,9 @@ import io
 import json
 
 from ddpflow.config import VOLATILE_TRAIN_KEYS
+from ddpflow.config.runs import LANGUAGE_MODEL
 from ddpflow.report import metrics, sweep
 from ddpflow.runtime import PHASES
-
-LANGUAGE_MODEL = "language_model"
 
 __all__ = ["summary_csv", "summary_extras", "summary_json", "summary_row", "with_task"]
 
