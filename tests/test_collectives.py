@@ -172,7 +172,7 @@ def _worker(rank, world_size, init_method, results):
         _subgroup_cases(rank, world_size, counts, failures)
         dist.barrier()
         dist.destroy_process_group()
-    except Exception:  # e.g. a hang that hit the timeout: the group is unusable, stop
+    except Exception:  # noqa: BLE001 - e.g. a hang that hit the timeout: the group is unusable, stop
         failures.append(("fatal", f"rank={rank}", traceback.format_exc()))
     results.put({"rank": rank, "counts": dict(counts), "failures": failures})
 

@@ -105,4 +105,4 @@ def test_a_typed_run_is_slotted_and_reads_as_the_dict_did_for_shared_helpers():
     assert spec.train["optimizer"]["lr"] == spec.train.optimizer.lr
     assert spec.train.get("no_such_key", 7) == 7 and "epochs" in spec.train
     with pytest.raises(KeyError, match="epoch"):
-        spec.train["epoch"]  # noqa: B018 (a typo fails as the dict's lookup did)
+        spec.train["epoch"]  # a typo fails as the dict's lookup did

@@ -338,7 +338,7 @@ def wait(
     log.info("%s job %s ended after %.1fs", job_name, job.job_id, time.monotonic() - start)
     try:
         return job.results()
-    except Exception as exc:  # noqa: BLE001 - every submitit failure becomes one clear error
+    except Exception as exc:  # every submitit failure becomes one clear error
         raise LaunchError(failure_message(job, job_name, cancelled)) from exc
 
 

@@ -38,7 +38,7 @@ def read_config_file(path: str | Path) -> dict:
     path = Path(path)
     text = path.read_text(encoding="utf-8")
     try:
-        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
     except yaml.MarkedYAMLError as exc:
         raise ConfigError(_where(path, text, exc)) from None
     except yaml.YAMLError as exc:

@@ -90,7 +90,7 @@ class LanguageModel(Task):
         )
 
 
-def NextTokenLoss(label_smoothing: float = 0.0):  # noqa: N802
+def NextTokenLoss(label_smoothing: float = 0.0):
     """Training's loss: the mean cross-entropy over the micro-batch's scored positions."""
     import torch.nn.functional as F
     from torch import nn

@@ -217,7 +217,7 @@ def _loss(name: str, delta: float, standard, target, reduction: str = "mean"):
     return F.mse_loss(standard, target, reduction=reduction)
 
 
-def StandardisedLoss(manifest: dict, loss_name: str, huber_delta: float):  # noqa: N802
+def StandardisedLoss(manifest: dict, loss_name: str, huber_delta: float):
     """The training loss on standardised targets: (y - train mean) / train std."""
     import torch
     from torch import nn

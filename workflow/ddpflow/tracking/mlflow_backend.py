@@ -110,7 +110,7 @@ def log_run(record, uri: str, experiment: str, live: dict | None = None) -> dict
         return _log_run(record, uri, experiment, live)
     except TrackerUnreachable:
         raise
-    except Exception as exc:  # noqa: BLE001 - any client failure: name the URI and cause
+    except Exception as exc:  # any client failure: name the URI and cause
         first = (str(exc).strip().splitlines() or [""])[0][:500]
         raise TrackerUnreachable(
             f"MLflow at {uri} (experiment {experiment!r}) failed: {type(exc).__name__}: {first}"

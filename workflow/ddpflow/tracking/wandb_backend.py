@@ -52,7 +52,7 @@ def _init(wandb, record, mode: str, project: str, entity, root: Path, previous):
             tags=[f"{k}={v}"[:64] for k, v in record.tags.items()],
             reinit="create_new",
         )
-    except Exception as exc:  # noqa: BLE001 - name the destination and the cause
+    except Exception as exc:  # name the destination and the cause
         first = (str(exc).strip().splitlines() or [""])[0][:500]
         raise TrackerUnreachable(
             f"W&B ({mode}, project {project!r}) failed: {type(exc).__name__}: {first}"

@@ -196,7 +196,7 @@ def process_memory(status: str = "/proc/self/status") -> dict[str, int]:
     kernels, thread pools and allocator arenas a rank's first step loads). Anonymous (the
     process's own) and file-backed (library pages: shared by the node's ranks, and page
     cache the kernel can drop) bytes, from /proc (0 where unknown)."""
-    import ddpflow.cluster.jobs  # noqa: F401 - what a rank imports
+    import ddpflow.cluster.jobs  # what a rank imports
     import ddpflow.training.tasks  # noqa: F401
 
     model = build_model({"name": "cnn", "cnn_channels": 8}, [1, 8, 8], 2)
