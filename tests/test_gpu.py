@@ -429,3 +429,42 @@ def test_a_four_rank_nccl_run_killed_continues_at_two(workdir):
     assert "resumed at epoch 2 step 24 on 2 ranks; the checkpoint was written on 4" in rank0
     metrics = _eval(workdir, "cnn")
     assert metrics["samples_evaluated"] == metrics["test_size"] and metrics["accuracy"] > 0.85
+
+
+# --- BatchNorm statistics at any world size, on CUDA tensors ---------------------------------
+
+
+def _batchnorm_on_cuda(env):
+    """Two epochs of the CNN (BatchNorm) at 2 micro-batches a step on this rank's GPU: the
+    trained parameters, every buffer and the validation records."""
+    loop = _loop(env, _run(epochs=2))
+    fit(loop, lambda record: None)
+    params = _parameters(loop)
+    state = loop.full_model_state()
+    return {
+        "params": params,
+        "buffers": {k: v.detach().cpu().clone() for k, v in state.items() if k not in params},
+        "val": [{k: v for k, v in r.items() if k.startswith("val_")} for r in loop.history],
+        "device": str(next(loop.model.parameters()).device),
+    }
+
+
+def test_batchnorm_statistics_on_cuda_are_the_same_at_one_and_two_ranks(tmp_path):
+    """The exact BatchNorm statistics' gather on CUDA tensors: 1 rank computing both
+    micro-batches of each step and 2 ranks computing one each hold the same parameters
+    (bitwise), the same running statistics on every rank, and validate the same. One GPU
+    holds both ranks (gloo over CUDA tensors; NCCL refuses two ranks on one GPU): this proves
+    the CUDA code path, not NCCL's all-gather or two devices' kernels."""
+    (one,) = run_group(1, _batchnorm_on_cuda, (), tmp_path / "one")
+    twos = run_group(2, _batchnorm_on_cuda, (), tmp_path / "two")
+    assert one["device"] == "cuda:0" and {two["device"] for two in twos} == {"cuda:0"}
+    for rank, two in enumerate(twos):
+        for key, value in one["params"].items():
+            assert torch.equal(two["params"][key], value), (rank, key)
+        assert one["buffers"].keys() == two["buffers"].keys()
+        for key, value in one["buffers"].items():
+            torch.testing.assert_close(two["buffers"][key], value, msg=f"rank {rank} {key}")
+    for epoch, record in enumerate(one["val"]):
+        assert record and record.keys() == twos[0]["val"][epoch].keys()
+        for key, value in record.items():
+            assert twos[0]["val"][epoch][key] == pytest.approx(value, rel=1e-6), (epoch, key)
