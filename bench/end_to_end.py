@@ -22,7 +22,6 @@ background load hits all of them; the table gives the median and the range.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import shutil
 import statistics
@@ -32,11 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness
 import overhead
 import yaml
 from ddpflow import config as ddpconfig
-from ddpflow import runtime
-from workers import lightning_version, machine_info, peers_env
+from workers import lightning_version, peers_env
 
 REPO = Path(__file__).resolve().parents[1]
 PEERS = ("ddpflow", "lightning", "raw")
@@ -51,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="runs of each")
     p.add_argument("--only", nargs="+", choices=PEERS, default=list(PEERS))
     p.add_argument("--cores", type=int, default=2, help="snakemake --cores")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out/peers.json")
+    p.add_argument("--out", type=Path, default=harness.OUT / "peers.json")
     return p.parse_args(argv)
 
 
@@ -183,16 +182,13 @@ def main(argv: list[str] | None = None) -> int:
         if "lightning" in peers and version is None:
             peers.remove("lightning")
         runs = run_all(args, peers, config, job_file)
-    report = {
-        "benchmark": "end to end: ddpflow's default workflow vs Lightning and raw DDP scripts",
-        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "provenance": runtime.provenance(),
-        "conditions": conditions(args, job),
-        "job": job,
-        "runs": runs,
-        "summary": {p: summarize(runs, p) for p in PEERS if p in args.only},
-    }
+    report = harness.head(
+        "end to end: ddpflow's default workflow vs Lightning and raw DDP scripts",
+        conditions=conditions(args, job),
+        job=job,
+        runs=runs,
+        summary={p: summarize(runs, p) for p in PEERS if p in args.only},
+    )
     report["provenance"]["versions"]["lightning"] = version
     if "lightning" in args.only and version is None:
         report["summary"]["lightning"] = {
@@ -202,9 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if None not in walls.values():
         report["ddpflow_vs_lightning_wall"] = walls["ddpflow"] / walls["lightning"]
     print(format_table(report), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    harness.write(report, args.out)
     return 1 if any("error" in r for r in runs) else 0
 
 
