@@ -33,6 +33,40 @@ from ddpflow.text import counted
 
 __all__ = ["PHASES", "document", "to_html", "to_markdown"]
 
+# the tables' fixed headers and the report's fixed paragraphs
+_RECIPE_HEADS = ("Model", "Parameters", "Epochs", "Global batch", "LR (effective)", "Precision")
+_TIME_HEADS = ("Train wall time", "Attempts", "Eval time", "Evaluated by")
+_RERUN = (
+    "Fix the cause, then run the same snakemake command again: it redoes the unfinished runs "
+    "and this report, nothing else."
+)
+_UNRENDERABLE = (
+    "A run that failed in 'report' trained and was evaluated, but its records cannot be "
+    "shown: a rerun does not redo it. Fix or remove the file named, then build the report "
+    "again (python -m ddpflow report)."
+)
+_EXCLUDED = (
+    "later jobs exclude them (and run on fewer nodes with machine.min_nodes). Once they are "
+    "repaired: snakemake clean_bad_nodes."
+)
+_LOGGED = (
+    "Where each run was logged (results/runs/<run>/tracking.json). A failed tracker failed "
+    "only its logging: the run trained and was evaluated; fix the cause and run the same "
+    "snakemake command again."
+)
+_SPEEDUP = (
+    "Speedup and efficiency compare only runs that differ in machine shape alone (same data, "
+    "model and training settings, the global batch included: one scaling group, so this is "
+    "strong scaling of the same training), each against its group's fastest run at the "
+    "group's smallest world size (ideal: linear in ranks). Runs without a group have nothing "
+    "to compare with."
+)
+_SEGMENTS = (
+    "Each segment trained the optimizer steps shown, from the checkpoint the previous one "
+    "left, at its own world size; the steps are the same training at any size (the global "
+    "batch and the data order are the recipe's)."
+)
+
 
 def _seconds(value: float) -> str:
     if value < 1:  # a small split evaluates in milliseconds: "0.0 s" read as unmeasured
@@ -56,10 +90,9 @@ def _runs_table(rows: list[dict], scaling: bool, heads: dict | None = None) -> t
     shared = len({row.get("task") for row in rows}) == 1
     keys = heads[rows[0]["run"]] if shared else []
     scores = [f"{label.capitalize()} {metrics.label(key)}" for key in keys]
-    headers = ["Run", *(["Task"] if "task" in rows[0] else []),
-               *(scores if shared else [f"{label.capitalize()} metrics"]),
-               f"Evaluated / {label} size", "Model", "Parameters",
-               "Epochs", "Global batch", "LR (effective)", "Precision"]  # fmt: skip
+    task_head = ["Task"] if "task" in rows[0] else []
+    score_heads = scores if shared else [f"{label.capitalize()} metrics"]
+    headers = ["Run", *task_head, *score_heads, f"Evaluated / {label} size", *_RECIPE_HEADS]
     body, best = [], []
     for index, row in enumerate(rows):
         task = [row["task"]] if "task" in row else []
@@ -68,36 +101,43 @@ def _runs_table(rows: list[dict], scaling: bool, heads: dict | None = None) -> t
         else:
             own = heads[row["run"]]
             shown = [", ".join(f"{metrics.label(k)} {metrics.shown(k, row.get(k))}" for k in own)]
-        cells = [row["run"] + (" ★ best" if row["best"] else ""), *task, *shown,
-                 f"{row['samples_evaluated']} / {row['test_size']}", row["model"],
-                 _number(row["parameters"], ","), str(row["epochs"]),
-                 _number(row["global_batch"], "d"), _number(row["lr"], ".4g"),
-                 row["precision"]]  # fmt: skip
-        body.append(cells)
+        name = row["run"] + (" ★ best" if row["best"] else "")
+        evaluated = f"{row['samples_evaluated']} / {row['test_size']}"
+        body.append([name, *task, *shown, evaluated, *_recipe_cells(row)])
         best += [index] if row["best"] else []
     return ("table", headers, body, best[0] if len(best) == 1 else tuple(best) or None)
+
+
+def _recipe_cells(row: dict) -> list[str]:
+    """A run's model, parameters, epochs, global batch, learning rate and precision, shown."""
+    parameters, batch = _number(row["parameters"], ","), _number(row["global_batch"], "d")
+    lr = _number(row["lr"], ".4g")
+    return [row["model"], parameters, str(row["epochs"]), batch, lr, row["precision"]]
 
 
 def _machine_table(rows: list[dict], scaling: bool) -> tuple:
     """Where and how fast each run trained; speedup only within a scaling group."""
     unit, rate = _throughput(rows)
-    headers = ["Run", "World size", "Nodes", "Hosts", "Device", unit,
-               "Train wall time", "Attempts", "Eval time", "Evaluated by"]  # fmt: skip
+    headers = ["Run", "World size", "Nodes", "Hosts", "Device", unit, *_TIME_HEADS]
     if scaling:
         headers[6:6] = ["Scaling group", "Speedup", "Efficiency"]
     body = []
     for row in rows:
-        cells = [row["run"], str(row["world_size"]), str(row["nodes"]), hosts_text(row["hosts"]),
-                 row["device"], rate(row),
-                 _seconds(row["train_wall_seconds"]), str(row["attempts"]),
-                 _seconds(row["eval_seconds"]), row["evaluated_by"]]  # fmt: skip
+        shape = [str(row["world_size"]), str(row["nodes"]), hosts_text(row["hosts"])]
+        train = [_seconds(row["train_wall_seconds"]), str(row["attempts"])]
+        evaluated = [_seconds(row["eval_seconds"]), row["evaluated_by"]]
+        cells = [row["run"], *shape, row["device"], rate(row), *train, *evaluated]
         if scaling:
-            grouped = row["speedup"] is not None
-            cells[6:6] = [str(row["scaling_group"]) if grouped else "–",
-                          f"{row['speedup']:.2f}×" if grouped else "–",
-                          f"{row['efficiency']:.1%}" if grouped else "–"]  # fmt: skip
+            cells[6:6] = _group_cells(row)
         body.append(cells)
     return ("table", headers, body, None)
+
+
+def _group_cells(row: dict) -> list[str]:
+    """A run's scaling group, speedup and efficiency; dashes for a run in no group."""
+    if row["speedup"] is None:
+        return ["–", "–", "–"]
+    return [str(row["scaling_group"]), f"{row['speedup']:.2f}×", f"{row['efficiency']:.1%}"]
 
 
 def _throughput(rows: list[dict]) -> tuple:
@@ -126,10 +166,10 @@ def _segments_table(loaded) -> tuple | None:
         if len(segments) < 2:
             continue
         for number, seg in enumerate(segments, start=1):
-            steps = seg["end_step"] - seg["start_step"]
-            body.append([name, str(number), str(seg["world_size"]), hosts_text(seg["hosts"]),
-                         f"{seg['start_step']}–{seg['end_step']}", str(steps),
-                         str(seg["attempt"])])  # fmt: skip
+            shape = [str(seg["world_size"]), hosts_text(seg["hosts"])]
+            span = f"{seg['start_step']}–{seg['end_step']}"
+            steps = str(seg["end_step"] - seg["start_step"])
+            body.append([name, str(number), *shape, span, steps, str(seg["attempt"])])
     if not body:
         return None
     headers = ["Run", "Segment", "World size", "Hosts", "Optimizer steps", "Steps", "Attempt"]
@@ -140,66 +180,66 @@ def _phase_table(rows: list[dict]) -> tuple:
     body = []
     for row in rows:
         total = row["epoch_seconds"] or 1.0  # a zero total would divide by zero; shares are 0
-        shares = [f"{_seconds(row[f'{p}_seconds'])} ({row[f'{p}_seconds'] / total:.0%})"
-                  for p in PHASES]  # fmt: skip
+        shares = [_share(row[f"{p}_seconds"], total) for p in PHASES]
         body.append([row["run"], *shares, _seconds(row["epoch_seconds"])])
     return ("table", ["Run", *PHASES, "epochs total"], body, None)
+
+
+def _share(seconds: float, total: float) -> str:
+    return f"{_seconds(seconds)} ({seconds / total:.0%})"
 
 
 def _unfinished_blocks(unfinished, finished: int) -> list[tuple]:
     """The runs that did not finish, each with the stage that failed and why."""
     total = finished + len(unfinished)
-    blocks = [
-        ("h2", "Runs that did not finish"),
-        ("p", f"Partial report: {finished} of {counted(total, 'run')} finished. Fix the cause, "
-              "then run the same snakemake command again: it redoes the unfinished runs and "
-              "this report, nothing else."),
-        ("table", ["Run", "Failed in", "Cause", "Log"],
-         [[u["run"], u.get("stage", "-"), u.get("cause", "?"), u.get("log") or "-"]
-          for u in unfinished], None),
-    ]  # fmt: skip
-    blocks += [("details", f"{u['run']}: {u['cause']}", u["detail"])
-               for u in unfinished if u.get("detail")]  # fmt: skip
+    partial = f"Partial report: {finished} of {counted(total, 'run')} finished. {_RERUN}"
+    table = [
+        [u["run"], u.get("stage", "-"), u.get("cause", "?"), u.get("log") or "-"]
+        for u in unfinished
+    ]
+    headers = ["Run", "Failed in", "Cause", "Log"]
+    blocks = [("h2", "Runs that did not finish"), ("p", partial), ("table", headers, table, None)]
+    detailed = [u for u in unfinished if u.get("detail")]
+    blocks += [("details", f"{u['run']}: {u['cause']}", u["detail"]) for u in detailed]
     if any(u.get("stage") == "report" for u in unfinished):  # inputs.unrenderable
         blocks.insert(2, ("p", _UNRENDERABLE))
     return blocks
 
 
-_UNRENDERABLE = (
-    "A run that failed in 'report' trained and was evaluated, but its records cannot be "
-    "shown: a rerun does not redo it. Fix or remove the file named, then build the report "
-    "again (python -m ddpflow report)."
-)
-
-
 def _bad_node_blocks(bad_nodes) -> list[tuple]:
     """The nodes of the bad-node ledger (ddpflow.cluster.nodes), which later Slurm jobs avoid."""
-    return [
-        ("h2", "Bad nodes"),
-        ("p", f"{counted(len(bad_nodes), 'node')} failed under this workflow's Slurm jobs; "
-              "later jobs exclude them (and run on fewer nodes with machine.min_nodes). Once "
-              "they are repaired: snakemake clean_bad_nodes."),
-        ("table", ["Node", "Reason", "Job", "Run", "Time"],
-         [[e["node"], e.get("reason", "?"), e.get("job_id", "-"), e.get("run", "-"),
-           e.get("time", "-")] for e in bad_nodes], None),
-    ]  # fmt: skip
+    failed = f"{counted(len(bad_nodes), 'node')} failed under this workflow's Slurm jobs; "
+    table = [[e["node"], e.get("reason", "?"), *_ledger_cells(e)] for e in bad_nodes]
+    headers = ["Node", "Reason", "Job", "Run", "Time"]
+    return [("h2", "Bad nodes"), ("p", failed + _EXCLUDED), ("table", headers, table, None)]
+
+
+def _ledger_cells(entry: dict) -> list:
+    return [entry.get(key, "-") for key in ("job_id", "run", "time")]
 
 
 def _tracker_blocks(trackers) -> list[tuple]:
     """Each run's tracker runs (ddpflow.tracking): where to look at it in MLflow or W&B."""
-    return [
-        ("h2", "Experiment trackers"),
-        ("p", "Where each run was logged (results/runs/<run>/tracking.json). A failed tracker "
-              "failed only its logging: the run trained and was evaluated; fix the cause and "
-              "run the same snakemake command again."),
-        ("table", ["Run", "Tracker", "Tracker run id", "URL, or where"], trackers, None),
-    ]  # fmt: skip
+    headers = ["Run", "Tracker", "Tracker run id", "URL, or where"]
+    return [("h2", "Experiment trackers"), ("p", _LOGGED), ("table", headers, trackers, None)]
 
 
 def document(
-    loaded, rows, figures, generated: str, unfinished=(), inside=(), bad_nodes=(), trackers=(),
-    sweep=(), focus=None, exports=(), fine_tuned=(), language_models=(), compared: str = "",
-) -> list[tuple]:  # fmt: skip
+    loaded,
+    rows,
+    figures,
+    generated: str,
+    unfinished=(),
+    inside=(),
+    bad_nodes=(),
+    trackers=(),
+    sweep=(),
+    focus=None,
+    exports=(),
+    fine_tuned=(),
+    language_models=(),
+    compared: str = "",
+) -> list[tuple]:
     """The report's blocks; sweep: the sweep section (ddpflow.report.sweep); focus: with many
     runs, the best ones, the only ones given a per-class column and a confusion matrix
     (per-label and per-target tables likewise); compared: the headline's words on what was
@@ -233,18 +273,10 @@ def _machine_blocks(loaded, rows: list[dict], scaling: bool) -> list[tuple]:
     the segments of runs continued on another allocation."""
     blocks = [("h2", "Machine and speed"), _machine_table(rows, scaling)]
     if scaling:
-        blocks.append(("p", "Speedup and efficiency compare only runs that differ in machine "
-                            "shape alone (same data, model and training settings, the global "
-                            "batch included: one scaling group, so this is strong scaling of "
-                            "the same training), each against its group's fastest run at the "
-                            "group's smallest world size (ideal: linear in ranks). Runs without "
-                            "a group have nothing to compare with."))  # fmt: skip
+        blocks.append(("p", _SPEEDUP))
     if (segments := _segments_table(loaded)) is not None:
-        blocks += [("h3", "Segments: runs continued on another allocation"), segments,
-                   ("p", "Each segment trained the optimizer steps shown, from the checkpoint "
-                         "the previous one left, at its own world size; the steps are the "
-                         "same training at any size (the global batch and the data order are "
-                         "the recipe's).")]  # fmt: skip
+        title = "Segments: runs continued on another allocation"
+        blocks += [("h3", title), segments, ("p", _SEGMENTS)]
     return blocks
 
 
@@ -268,8 +300,8 @@ def _result_blocks(loaded, rows, figures, label: str, focus, selections: dict) -
 def _focus_note(focus, runs: int, selections: dict | None = None) -> str:
     chosen = {s.label for s in (selections or {}).values()} or {"validation accuracy"}
     what = chosen.pop() if len(chosen) == 1 else "validation figure of each task"
-    return (f"{runs} runs: the {len(focus)} with the best {what} are shown here "
-            f"({', '.join(focus)}); summary.json and summary.csv hold every run.")  # fmt: skip
+    shown = f"the {len(focus)} with the best {what} are shown here ({', '.join(focus)})"
+    return f"{runs} runs: {shown}; summary.json and summary.csv hold every run."
 
 
 def _md(text) -> str:
@@ -312,8 +344,8 @@ def to_markdown(title: str, blocks: list[tuple]) -> str:
                 # A fence longer than any backtick run inside keeps the block closed.
                 fence = "`" * max(3, 1 + max(map(len, re.findall(r"`+", code)), default=0))
                 fence_open = fence + (language or ["yaml"])[0]
-                out.append(f"<details><summary>{html.escape(summary)}</summary>\n\n"
-                           f"{fence_open}\n{code}\n{fence}\n\n</details>")  # fmt: skip
+                opening = f"<details><summary>{html.escape(summary)}</summary>"
+                out.append(f"{opening}\n\n{fence_open}\n{code}\n{fence}\n\n</details>")
     return "\n\n".join(out) + "\n"
 
 
@@ -340,14 +372,12 @@ def _html_block(block: tuple) -> str:
             return f"<{tag}>{esc(str(text))}</{tag}>"
         case ("table", headers, body, best):
             head = "".join(f"<th>{esc(h)}</th>" for h in headers)
-            trs = [("<tr class='best'>" if _is_best(index, best) else "<tr>")
-                   + "".join(f"<td>{_html_cell(c)}</td>" for c in cells) + "</tr>"
-                   for index, cells in enumerate(body)]  # fmt: skip
+            trs = [_html_row(cells, _is_best(index, best)) for index, cells in enumerate(body)]
             return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(trs)}</tbody></table>"
         case ("img", caption, _, png):
-            data = base64.b64encode(png).decode("ascii")
-            return (f"<figure><img alt='{esc(caption)}' src='data:image/png;base64,{data}'>"
-                    f"<figcaption>{esc(caption)}</figcaption></figure>")  # fmt: skip
+            src = "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+            figcaption = f"<figcaption>{esc(caption)}</figcaption>"
+            return f"<figure><img alt='{esc(caption)}' src='{src}'>{figcaption}</figure>"
         case ("details", summary, code, *_):
             return f"<details><summary>{esc(summary)}</summary><pre>{esc(code)}</pre></details>"
         case ("fold", summary, inner, _):
@@ -355,8 +385,13 @@ def _html_block(block: tuple) -> str:
     raise ValueError(f"unknown report block {block[0]!r}")
 
 
+def _html_row(cells, best: bool) -> str:
+    tds = "".join(f"<td>{_html_cell(c)}</td>" for c in cells)
+    return f"<tr class='best'>{tds}</tr>" if best else f"<tr>{tds}</tr>"
+
+
 def to_html(title: str, blocks: list[tuple]) -> str:
     body = "\n".join(_html_block(block) for block in blocks)
-    return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-            f"<title>{html.escape(title)}</title><style>{_CSS}</style></head>\n"
-            f"<body><h1>{html.escape(title)}</h1>\n{body}\n</body></html>\n")  # fmt: skip
+    head = f"<meta charset='utf-8'><title>{html.escape(title)}</title><style>{_CSS}</style>"
+    page = f"<body><h1>{html.escape(title)}</h1>\n{body}\n</body>"
+    return f"<!DOCTYPE html>\n<html lang='en'><head>{head}</head>\n{page}</html>\n"
