@@ -88,21 +88,32 @@ def _finished_row(entry: dict, epochs: list[dict], ev: dict, block: dict, first)
     if not own:
         status = "other task" if mine.selection.metric != chosen.metric else "other data"
     return {
-        "run": str(entry["name"]), "values": dict(block["values"]),
-        val: epochs[-1][val] if own else None, "val_loss": epochs[-1].get("val_loss"),
+        "run": str(entry["name"]),
+        "values": dict(block["values"]),
+        val: epochs[-1][val] if own else None,
+        "val_loss": epochs[-1].get("val_loss"),
         test: ev.get(metrics.eval_key(chosen)) if own else None,
-        "split": ev.get("split", "test"), "epochs": len(epochs),
-        "status": status, "pruned": pruned, "rank": None,
-    }  # fmt: skip
+        "split": ev.get("split", "test"),
+        "epochs": len(epochs),
+        "status": status,
+        "pruned": pruned,
+        "rank": None,
+    }
 
 
 def _unfinished_row(entry: dict, block: dict, chosen) -> dict:
     return {
-        "run": str(entry["run"]), "values": dict(block["values"]), chosen.metric: None,
-        held_out(chosen): None, "split": None, "epochs": None,
+        "run": str(entry["run"]),
+        "values": dict(block["values"]),
+        chosen.metric: None,
+        held_out(chosen): None,
+        "split": None,
+        "epochs": None,
         # a failure record names its log; a run that never ran (a step it needs failed) has none
-        "status": "failed" if entry.get("log") else "unfinished", "pruned": None, "rank": None,
-    }  # fmt: skip
+        "status": "failed" if entry.get("log") else "unfinished",
+        "pruned": None,
+        "rank": None,
+    }
 
 
 def _ordered_union(lists) -> list:
@@ -121,10 +132,13 @@ def collect(runs: list[dict], loaded, unfinished=()) -> dict | None:
     view's "selection" is the runs' (the first finished sweep run's: classification's
     validation accuracy where none finished)."""
     entries = {str(entry["name"]): entry for entry in runs}
-    finished = [(entries[name], epochs, ev) for name, epochs, ev in loaded]
-    finished = [(*item, block) for item in finished if (block := _block(item[0], item[2]))]
+    finished = []
+    for name, epochs, ev in loaded:
+        if block := _block(entries[name], ev):
+            finished.append((entries[name], epochs, ev, block))
     chosen = metrics.selection(finished[0][2]) if finished else selection_of(None)
-    rows, blocks_seen = [], []
+    rows: list[dict] = []
+    blocks_seen: list[dict] = []
     for entry, epochs, ev, block in finished:
         rows.append(_finished_row(entry, epochs, ev, block, compare.identity(finished[0][2])))
         blocks_seen.append(block)
@@ -138,11 +152,13 @@ def collect(runs: list[dict], loaded, unfinished=()) -> dict | None:
     keys = _ordered_union([b.get("keys") or [] for b in blocks_seen] + [r["values"] for r in rows])
     log_keys = _ordered_union(b.get("log_keys") or [] for b in blocks_seen)
     return {
-        "keys": keys, "log_keys": [k for k in log_keys if k in keys],
+        "keys": keys,
+        "log_keys": [k for k in log_keys if k in keys],
         "origins": _ordered_union([b.get("origin")] for b in blocks_seen if b.get("origin")),
         "prune": next((b["prune"] for b in blocks_seen if b.get("prune")), None),
-        "selection": chosen, "rows": _ranked(rows, chosen),
-    }  # fmt: skip
+        "selection": chosen,
+        "rows": _ranked(rows, chosen),
+    }
 
 
 def _ranked(rows: list[dict], chosen=None) -> list[dict]:
@@ -191,12 +207,11 @@ def csv_text(view: dict) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     val, test = _selection(view).metric, held_out(_selection(view))
-    writer.writerow(["run", *view["keys"], val, test, "epochs", "status",
-                     "rank"])  # fmt: skip
+    writer.writerow(["run", *view["keys"], val, test, "epochs", "status", "rank"])
     for row in view["rows"]:
-        writer.writerow([row["run"], *(_cell(row["values"].get(k)) for k in view["keys"]),
-                         _cell(row.get(val)), _cell(row.get(test)),
-                         _cell(row["epochs"]), row["status"], _cell(row["rank"])])  # fmt: skip
+        values = [_cell(row["values"].get(k)) for k in view["keys"]]
+        figures = [_cell(row.get(val)), _cell(row.get(test)), _cell(row["epochs"])]
+        writer.writerow([row["run"], *values, *figures, row["status"], _cell(row["rank"])])
     return buffer.getvalue()
 
 
@@ -205,13 +220,16 @@ def summary(view: dict) -> dict:
     names the selection metric, and higher_is_better: false says where lower wins."""
     best, chosen = selected(view), _selection(view)
     direction = {} if chosen.higher_is_better else {"higher_is_better": False}
+    fields = ("run", "rank", "status", chosen.metric, held_out(chosen), "epochs", "values")
     return {
-        "keys": view["keys"], "log_keys": view["log_keys"], "origins": view["origins"],
-        "selected_run": best and best["run"], "selected_by": chosen.metric, **direction,
-        "ranking": [{k: row.get(k) for k in ("run", "rank", "status", chosen.metric,
-                                             held_out(chosen), "epochs", "values")}
-                    for row in view["rows"]],
-    }  # fmt: skip
+        "keys": view["keys"],
+        "log_keys": view["log_keys"],
+        "origins": view["origins"],
+        "selected_run": best and best["run"],
+        "selected_by": chosen.metric,
+        **direction,
+        "ranking": [{k: row.get(k) for k in fields} for row in view["rows"]],
+    }
 
 
 def _value(value) -> str:
@@ -235,13 +253,17 @@ def _figure(key: str, value) -> str:
 def _table(view: dict, rows: list[dict]) -> tuple:
     split, chosen = _split_label(view), _selection(view)
     val, test, name = chosen.metric, held_out(chosen), metrics.metric_name(chosen)
-    headers = ["Rank", "Run", *view["keys"], f"Validation {name}",
-               f"{split.capitalize()} {name}", "Epochs", "Status"]  # fmt: skip
-    body = [[_value(r["rank"]), r["run"], *(_value(r["values"].get(k)) for k in view["keys"]),
-             _figure(val, r.get(val)), _figure(test, r.get(test)),
-             _value(r["epochs"]), _status(r)] for r in rows]  # fmt: skip
+    figures = [f"Validation {name}", f"{split.capitalize()} {name}"]
+    headers = ["Rank", "Run", *view["keys"], *figures, "Epochs", "Status"]
+    body = [_table_row(r, view["keys"], val, test) for r in rows]
     best = 0 if rows and rows[0]["rank"] == 1 else None
     return ("table", headers, body, best)
+
+
+def _table_row(r: dict, keys: list[str], val: str, test: str) -> list[str]:
+    values = [_value(r["values"].get(k)) for k in keys]
+    figures = [_figure(val, r.get(val)), _figure(test, r.get(test))]
+    return [_value(r["rank"]), r["run"], *values, *figures, _value(r["epochs"]), _status(r)]
 
 
 def _split_label(view: dict) -> str:
@@ -257,11 +279,10 @@ def _headline(view: dict) -> str:
     counts = {s: sum(r["status"] == s for r in view["rows"]) for s in statuses}
     done = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     origins = ", ".join(view["origins"]) or "sweep"
-    chosen = _selection(view)
-    text = (f"{counted(len(view['rows']), 'run')} of a sweep ({origins}) "
-            f"over {', '.join(view['keys'])}: {done}. Ranked by {chosen.label}"
-            f"{metrics.direction(chosen)} (of the model "
-            "each run kept: its last epoch's); the test set is never used to select.")  # fmt: skip
+    chosen, keys = _selection(view), ", ".join(view["keys"])
+    runs = counted(len(view["rows"]), "run")
+    ranked = f"Ranked by {chosen.label}{metrics.direction(chosen)} {_KEPT}"
+    text = f"{runs} of a sweep ({origins}) over {keys}: {done}. {ranked}"
     if counts["other task"]:
         text += f" A run of another task than the sweep's ({chosen.metric}) is not ranked."
     if counts["other data"]:
@@ -274,22 +295,23 @@ def _headline(view: dict) -> str:
     val = metrics.shown(chosen.metric, best[chosen.metric])
     test = metrics.shown(chosen.metric, best.get(held_out(chosen)))
     where = "held-out figure" if split == "test" else f"{split} figure (eval.split)"
-    return text + (f" Selected: {best['run']} ({chosen.label} {val}); "
-                   f"its {split} {name}, {test}, is the selection's "
-                   f"{where}.")  # fmt: skip
+    selection = f"Selected: {best['run']} ({chosen.label} {val})"
+    return f"{text} {selection}; its {split} {name}, {test}, is the selection's {where}."
+
+
+_KEPT = "(of the model each run kept: its last epoch's); the test set is never used to select."
 
 
 def blocks(view: dict, figures: dict[str, tuple[str, bytes]]) -> list[tuple]:
     """The sweep section: headline, ranking (the top TOP_IN_TABLE, all of it folded in the
     HTML; the Markdown points to sweep.csv), then the figures (plots/sweep_*.png)."""
     rows, chosen = view["rows"], _selection(view)
-    out = [("h2", f"Sweep: runs ranked by {chosen.label}"), ("p", _headline(view))]
+    out: list[tuple] = [("h2", f"Sweep: runs ranked by {chosen.label}"), ("p", _headline(view))]
     if view["prune"]:
         where = "below" if chosen.higher_is_better else "above"
-        out.append(("p", f"Median pruning ({_cell(view['prune'])}): a pruned run stopped {where} "
-                         f"the median {chosen.label} of the runs that had reached the same "
-                         "epoch; it kept its last model and is ranked on it. Which runs are "
-                         "pruned depends on the order in which runs finish."))  # fmt: skip
+        median = f"the median {chosen.label} of the runs that had reached the same epoch"
+        stopped = f"Median pruning ({_cell(view['prune'])}): a pruned run stopped {where} {median}"
+        out.append(("p", f"{stopped}; {_PRUNED}"))
     out.append(_table(view, rows[:TOP_IN_TABLE]))
     if len(rows) > TOP_IN_TABLE:
         note = (
@@ -299,3 +321,9 @@ def blocks(view: dict, figures: dict[str, tuple[str, bytes]]) -> list[tuple]:
         out.append(("fold", f"All {len(rows)} runs of the sweep", _table(view, rows), note))
     out += [("img", caption, f"plots/{key}.png", png) for key, (caption, png) in figures.items()]
     return out
+
+
+_PRUNED = (
+    "it kept its last model and is ranked on it. Which runs are pruned depends on the order in "
+    "which runs finish."
+)
