@@ -172,14 +172,15 @@ def atomic_torch_save(obj, path: str | Path) -> str:
     The bytes are hashed as torch writes them to the file: no copy of the whole checkpoint
     is held in memory (a ViT-B/16's with Adam is 1 GB: rank 0 peaked that much higher)."""
     import hashlib
+    from typing import IO, cast
 
     import torch
 
     digest = hashlib.sha256()
     with atomic_writer(path) as fh:
         writer = _HashingWriter(fh, digest)
-        try:
-            torch.save(obj, writer)
+        try:  # torch.save only writes and flushes: the writer is a binary file to it
+            torch.save(obj, cast(IO[bytes], writer))
         except RuntimeError as err:
             if writer.error is not None:  # torch reports a failed write as its own error:
                 raise writer.error from err  # the OSError (a full disk) is what happened
@@ -287,11 +288,11 @@ class PhaseClock:
             return
         import torch
 
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
         yield
         end.record()
-        self._pending.append((store, key, start, end))
+        self._pending.append((store, key, begin, end))
 
     def settle(self) -> None:
         """Add the recorded CUDA intervals, scaled to all steps since the last settle."""
@@ -304,19 +305,29 @@ class PhaseClock:
         self._steps = self._sampled = 0
 
 
+# provenance's versions: the name each is recorded under -> the distribution that holds it
+_DISTRIBUTIONS = {
+    "torchvision": "torchvision",
+    "submitit": "submitit",
+    "snakemake": "snakemake",
+    "numpy": "numpy",
+    "sklearn": "scikit-learn",
+    "yaml": "PyYAML",
+    "tensorboard": "tensorboard",
+}
+
+
 def provenance() -> dict:
     """Where a result came from: code version, package versions, machine."""
     from importlib import metadata
 
     import torch
 
-    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    versions["torch"] = torch.__version__
     # the installed distributions' versions, read from their metadata: importing them to
     # ask (torchvision, snakemake, scikit-learn) cost a rank 1-2 s of start-up
-    for name, dist in (("torchvision", "torchvision"), ("submitit", "submitit"),
-                       ("snakemake", "snakemake"), ("numpy", "numpy"),
-                       ("sklearn", "scikit-learn"), ("yaml", "PyYAML"),
-                       ("tensorboard", "tensorboard")):  # fmt: skip
+    for name, dist in _DISTRIBUTIONS.items():
         try:
             versions[name] = metadata.version(dist)
         except metadata.PackageNotFoundError:  # absence is information

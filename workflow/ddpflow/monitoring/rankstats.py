@@ -59,7 +59,7 @@ def unpack_summary(values: list[float], rank: int, host: str) -> dict:
     return {"rank": rank, "host": host, **figures}
 
 
-def combine_epochs(epochs: list[list[dict]]) -> list[dict]:
+def combine_epochs(epochs: list[list[dict] | None]) -> list[dict]:
     """Per-rank totals over epochs (times summed, system figures averaged or maximised), for
     the report's table; epochs without per-rank data are skipped."""
     by_rank: dict[int, list[dict]] = {}
@@ -102,9 +102,10 @@ def stragglers(ranks: list[dict], margin: float) -> list[dict]:
             why = f"own work {own[r['rank']]:.2f} s vs the others' {typical:.2f} s"
             flagged.append({"rank": r["rank"], "host": r["host"], "reason": why})
             continue
-        utils = [o.get("gpu_util_percent") for o in ranks if o["rank"] != r["rank"]]
+        reported = [o.get("gpu_util_percent") for o in ranks if o["rank"] != r["rank"]]
+        utils = [u for u in reported if u is not None]
         mine = r.get("gpu_util_percent")
-        if mine is not None and None not in utils and utils:
+        if mine is not None and utils and len(utils) == len(reported):
             typical_util = statistics.median(utils)
             if typical_util >= 10 and mine < (1 - margin) * typical_util:
                 why = f"GPU utilisation {mine:.0f}% vs the others' {typical_util:.0f}%"

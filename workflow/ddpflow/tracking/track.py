@@ -116,15 +116,13 @@ def _log(name, record, tracking: dict, results_dir: str, old: dict | None, run: 
         from ddpflow.tracking import live, mlflow_backend
 
         # the run the train rule streamed this training's epochs to, if any: completed
-        streamed = live.live_state(work)
-        if streamed.get("training") != live.training_key(run):
-            streamed = None
+        state = live.live_state(work)
+        streamed = state if state.get("training") == live.training_key(run) else None
         entry = mlflow_backend.log_run(record, where["uri"], where["experiment"], streamed)
         if streamed and entry["run_id"] == streamed["run_id"]:
             entry["streamed_epochs"] = streamed["epochs"]
-            (Path(work) / LIVE_TRACKING).unlink(
-                missing_ok=True
-            )  # ended: the next training opens its own
+            # ended: the next training opens its own
+            (Path(work) / LIVE_TRACKING).unlink(missing_ok=True)
         return entry
     from ddpflow.tracking import wandb_backend
 
