@@ -17,8 +17,12 @@ from ddpflow.monitoring.rankstats import combine_epochs, stragglers
 
 PROFILE_TOP_OPS = Path("profile") / "top_ops-rank0.json"
 DEFAULT_MARGIN = 0.25
-_GPU_COLUMNS = (("gpu_util_percent", ".0f"), ("gpu_mem_mib", ",.0f"), ("gpu_power_w", ".0f"),
-                ("gpu_temp_c", ".0f"))  # fmt: skip
+_GPU_COLUMNS = (
+    ("gpu_util_percent", ".0f"),
+    ("gpu_mem_mib", ",.0f"),
+    ("gpu_power_w", ".0f"),
+    ("gpu_temp_c", ".0f"),
+)
 
 
 def _train_config(ev: dict) -> dict:
@@ -88,9 +92,10 @@ def _rank_table(entry: dict) -> tuple:
     body = []
     for r in ranks:
         waited = r["compute_s"] - least
-        cells = [str(r["rank"]), str(r["host"]), f"{r.get('samples_per_s', 0):.1f}",
-                 f"{r['train_s'] - waited:.2f} s", f"{waited:.2f} s",
-                 _cell(r.get("cpu_percent"), ".0f"), _cell(r.get("rss_mib"), ",.0f")]  # fmt: skip
+        rate = f"{r.get('samples_per_s', 0):.1f}"
+        work = [f"{r['train_s'] - waited:.2f} s", f"{waited:.2f} s"]
+        use = [_cell(r.get("cpu_percent"), ".0f"), _cell(r.get("rss_mib"), ",.0f")]
+        cells = [str(r["rank"]), str(r["host"]), rate, *work, *use]
         if gpu:
             cells += [_cell(r.get(key), fmt) for key, fmt in _GPU_COLUMNS]
         cells.append(f"yes: {flagged[r['rank']]}" if r["rank"] in flagged else "no")
@@ -118,23 +123,9 @@ def blocks(found: dict[str, dict]) -> list[tuple]:
     out = []
     measured = {name: e for name, e in found.items() if e["ranks"]}
     if measured:
-        out += [("h2", "Ranks: system use and stragglers"),
-                ("p", "Per rank, over all epochs: training samples per second, its own work "
-                      "(epoch time less the time it waited for the slowest rank inside the "
-                      "gradient all-reduce, estimated against the rank that waited least), "
-                      "mean CPU use (100 = one core), peak resident memory and, on GPUs, NVML's "
-                      "mean utilisation and power, peak memory and temperature. A straggler "
-                      "is a rank whose own work exceeds the other ranks' median by more than "
-                      "train.monitor.straggler_margin (or, on GPUs, whose utilisation lags "
-                      "by as much); the others wait for it at every step. The samples over "
-                      "time are in results/runs/<run>/system/rank-<r>.jsonl.")]  # fmt: skip
+        out += [("h2", "Ranks: system use and stragglers"), ("p", _RANKS)]
         for name, entry in measured.items():
-            verdict = (
-                "; ".join(f"rank {f['rank']} on {f['host']} is a straggler ({f['reason']})"
-                          for f in entry["stragglers"])
-                or f"No straggler (margin {entry['margin']:.0%})."
-            )  # fmt: skip
-            out += [("h3", name), _rank_table(entry), ("p", verdict)]
+            out += [("h3", name), _rank_table(entry), ("p", _verdict(entry))]
     out += _efficiency_blocks(found)
     profiled = {name: e for name, e in found.items() if "top_ops" in e}
     if profiled:
@@ -142,16 +133,39 @@ def blocks(found: dict[str, dict]) -> list[tuple]:
         for name, entry in profiled.items():
             p, top = entry["profile"], entry["top_ops"]
             first = p["wait"] + p["warmup"] + 1
-            where = (f"{name}: torch.profiler over optimizer steps {first}–"
-                     f"{first + p['active'] - 1} of the last training attempt; trace "
-                     f"(ui.perfetto.dev, chrome://tracing) in {entry['profile_dir']}")  # fmt: skip
+            last = first + p["active"] - 1
+            steps = f"optimizer steps {first}–{last} of the last training attempt"
+            trace = f"trace (ui.perfetto.dev, chrome://tracing) in {entry['profile_dir']}"
+            where = f"{name}: torch.profiler over {steps}; {trace}"
             if top is None:
-                out.append(("p", f"{name}: profiling was on, but no profile was written (the "
-                                 "run ended before its profiled steps: lower "
-                                 "train.profile.wait and warmup)."))  # fmt: skip
+                out.append(("p", f"{name}: {_NO_PROFILE}"))
                 continue
             out += [("p", where), _top_ops_table(top)]
     return out
+
+
+def _verdict(entry: dict) -> str:
+    """The run's stragglers and why, or that it had none."""
+    flagged = [
+        f"rank {f['rank']} on {f['host']} is a straggler ({f['reason']})"
+        for f in entry["stragglers"]
+    ]
+    return "; ".join(flagged) or f"No straggler (margin {entry['margin']:.0%})."
+
+
+_RANKS = (
+    "Per rank, over all epochs: training samples per second, its own work (epoch time less the "
+    "time it waited for the slowest rank inside the gradient all-reduce, estimated against the "
+    "rank that waited least), mean CPU use (100 = one core), peak resident memory and, on GPUs, "
+    "NVML's mean utilisation and power, peak memory and temperature. A straggler is a rank whose "
+    "own work exceeds the other ranks' median by more than train.monitor.straggler_margin (or, "
+    "on GPUs, whose utilisation lags by as much); the others wait for it at every step. The "
+    "samples over time are in results/runs/<run>/system/rank-<r>.jsonl."
+)
+_NO_PROFILE = (
+    "profiling was on, but no profile was written (the run ended before its profiled steps: "
+    "lower train.profile.wait and warmup)."
+)
 
 
 def _duration(seconds) -> str:
@@ -165,32 +179,39 @@ def _efficiency_blocks(found: dict[str, dict]) -> list[tuple]:
     rows = []
     for name, entry in found.items():
         for job in entry.get("slurm_jobs", []):
+            job_of = [name, job["stage"], job["job_id"]]
             if "state" not in job:
-                rows.append([name, job["stage"], job["job_id"], "not in sacct", *["?"] * 5])
+                rows.append([*job_of, "not in sacct", *["?"] * 5])
                 continue
-            limit = f" of {_duration(job['limit_s'])}" if job["limit_s"] else ""
-            used = f" ({job['time_used']:.0%})" if job["time_used"] is not None else ""
-            memory = "not gathered"
-            if job["mem_used_mib"] is not None:
-                asked = job["mem_asked_mib"]
-                memory = f"{job['mem_used_mib']:,.0f} MiB" + (
-                    f" of {asked:,.0f} MiB ({job['mem_efficiency']:.0%})" if asked else ""
-                )
-            cpu = (
-                "not gathered" if job["cpu_efficiency"] is None else f"{job['cpu_efficiency']:.0%}"
-            )
-            rows.append([name, job["stage"], job["job_id"], job["state"],
-                         f"{job['nodes']}: {job['node_list']}",
-                         _duration(job["elapsed_s"]) + limit + used, cpu, memory,
-                         "; ".join(job["advice"]) or "–"])  # fmt: skip
+            rows.append([*job_of, job["state"], *_job_use(job)])
     if not rows:
         return []
-    note = ("From the cluster's accounting (sacct) at report time, as seff shows it: elapsed "
-            "time of the time limit, CPU efficiency (CPU time used / (elapsed x CPUs "
-            "allocated)), peak memory (largest task's MaxRSS x tasks per node) of the memory "
-            "asked per node, and what to change in config.yaml when a request is far above "
-            "use. CPU time and memory need job accounting gathering on the cluster "
-            "(JobAcctGatherType); without it they read 'not gathered'.")  # fmt: skip
-    headers = ["Run", "Job of", "Slurm job", "State", "Nodes", "Elapsed", "CPU efficiency",
-               "Peak memory per node", "Suggestion"]  # fmt: skip
-    return [("h2", "Cluster efficiency (Slurm)"), ("p", note), ("table", headers, rows, None)]
+    headers = ["Run", "Job of", "Slurm job", "State", "Nodes", "Elapsed", "CPU efficiency"]
+    headers += ["Peak memory per node", "Suggestion"]
+    table = ("table", headers, rows, None)
+    return [("h2", "Cluster efficiency (Slurm)"), ("p", _ACCOUNTING), table]
+
+
+def _job_use(job: dict) -> list[str]:
+    """An accounted job's nodes, elapsed time (of its limit), CPU and memory use, advice."""
+    limit = f" of {_duration(job['limit_s'])}" if job["limit_s"] else ""
+    used = f" ({job['time_used']:.0%})" if job["time_used"] is not None else ""
+    memory = "not gathered"
+    if job["mem_used_mib"] is not None:
+        asked = job["mem_asked_mib"]
+        of = f" of {asked:,.0f} MiB ({job['mem_efficiency']:.0%})" if asked else ""
+        memory = f"{job['mem_used_mib']:,.0f} MiB{of}"
+    efficiency = job["cpu_efficiency"]
+    cpu = "not gathered" if efficiency is None else f"{efficiency:.0%}"
+    nodes = f"{job['nodes']}: {job['node_list']}"
+    elapsed = _duration(job["elapsed_s"]) + limit + used
+    return [nodes, elapsed, cpu, memory, "; ".join(job["advice"]) or "–"]
+
+
+_ACCOUNTING = (
+    "From the cluster's accounting (sacct) at report time, as seff shows it: elapsed time of "
+    "the time limit, CPU efficiency (CPU time used / (elapsed x CPUs allocated)), peak memory "
+    "(largest task's MaxRSS x tasks per node) of the memory asked per node, and what to change "
+    "in config.yaml when a request is far above use. CPU time and memory need job accounting "
+    "gathering on the cluster (JobAcctGatherType); without it they read 'not gathered'."
+)
