@@ -19,8 +19,20 @@ import time
 
 log = logging.getLogger(__name__)
 
-FIELDS = ("JobID", "JobName", "State", "ElapsedRaw", "TimelimitRaw", "TotalCPU", "AllocCPUS",
-          "MaxRSS", "ReqMem", "NodeList", "NNodes", "NTasks")  # fmt: skip
+FIELDS = (
+    "JobID",
+    "JobName",
+    "State",
+    "ElapsedRaw",
+    "TimelimitRaw",
+    "TotalCPU",
+    "AllocCPUS",
+    "MaxRSS",
+    "ReqMem",
+    "NodeList",
+    "NNodes",
+    "NTasks",
+)
 # a job in one of these may still gain CPU time and memory in the accounting
 UNSETTLED = ("PENDING", "RUNNING", "REQUEUED", "SUSPENDED", "COMPLETING", "CONFIGURING")
 # a request this far above use earns a suggestion (seff's rule of thumb)
@@ -91,25 +103,38 @@ def _derive(e: dict) -> dict:
     used = e["max_rss_mib"] * e["tasks_per_node"] if e["max_rss_mib"] is not None else None
     e["mem_used_mib"], e["mem_asked_mib"] = used, per_node
     e["mem_efficiency"] = used / per_node if used is not None and per_node else None
-    advice = []
-    if e["state"] == "TIMEOUT":
-        advice.append("the job hit its time limit: raise machine.time_min")
-    elif e["time_used"] is not None and e["time_used"] < WASTE and e["limit_s"] > 600:
-        minutes = max(10, round(e["elapsed_s"] / 60 * 2))
-        advice.append(f"used {e['time_used']:.0%} of its time limit: machine.time_min: "
-                      f"{minutes} would still leave twice the time (a shorter limit often "
-                      "starts sooner)")  # fmt: skip
-    if e["state"] == "OUT_OF_MEMORY":
-        advice.append("the job ran out of memory: raise machine.mem_gb")
-    elif e["mem_efficiency"] is not None and e["mem_efficiency"] < WASTE:
-        gb = max(1, -(-used * 2 // 1024))
-        advice.append(f"used {e['mem_efficiency']:.0%} of the memory asked for: "
-                      f"machine.mem_gb: {gb:.0f} would still leave twice the peak")  # fmt: skip
-    if e["cpu_efficiency"] is not None and e["cpu_efficiency"] < WASTE and e["elapsed_s"] >= 60:
-        advice.append(f"CPU efficiency {e['cpu_efficiency']:.0%}: fewer machine.cpus_per_task "
-                      "would do (on GPUs low CPU use is normal)")  # fmt: skip
-    e["advice"] = advice
+    e["advice"] = [*_time_advice(e), *_memory_advice(e), *_cpu_advice(e)]
     return e
+
+
+def _time_advice(e: dict) -> list[str]:
+    if e["state"] == "TIMEOUT":
+        return ["the job hit its time limit: raise machine.time_min"]
+    used = e["time_used"]
+    if used is None or used >= WASTE or e["limit_s"] <= 600:
+        return []
+    minutes = max(10, round(e["elapsed_s"] / 60 * 2))
+    twice = f"machine.time_min: {minutes} would still leave twice the time"
+    return [f"used {used:.0%} of its time limit: {twice} (a shorter limit often starts sooner)"]
+
+
+def _memory_advice(e: dict) -> list[str]:
+    if e["state"] == "OUT_OF_MEMORY":
+        return ["the job ran out of memory: raise machine.mem_gb"]
+    efficiency, used = e["mem_efficiency"], e["mem_used_mib"]
+    if efficiency is None or efficiency >= WASTE or used is None:
+        return []
+    gb = max(1, -(-used * 2 // 1024))
+    twice = f"machine.mem_gb: {gb:.0f} would still leave twice the peak"
+    return [f"used {efficiency:.0%} of the memory asked for: {twice}"]
+
+
+def _cpu_advice(e: dict) -> list[str]:
+    efficiency = e["cpu_efficiency"]
+    if efficiency is None or efficiency >= WASTE or e["elapsed_s"] < 60:
+        return []
+    fewer = "fewer machine.cpus_per_task would do (on GPUs low CPU use is normal)"
+    return [f"CPU efficiency {efficiency:.0%}: {fewer}"]
 
 
 def job_efficiency(job_ids: list[str], settle_s: float = 20.0) -> dict[str, dict]:
@@ -122,17 +147,15 @@ def job_efficiency(job_ids: list[str], settle_s: float = 20.0) -> dict[str, dict
         log.warning("cluster efficiency: sacct not found; section left out")
         return {}
     deadline = time.monotonic() + settle_s
+    columns = f"--format={','.join(FIELDS)}"
+    command = ["sacct", "-j", ",".join(ids), "--parsable2", "--noheader", columns]
     while True:
         try:
-            out = subprocess.run(
-                ["sacct", "-j", ",".join(ids), "--parsable2", "--noheader",
-                 f"--format={','.join(FIELDS)}"],
-                capture_output=True, text=True, timeout=30, check=True,
-            ).stdout  # fmt: skip
+            out = subprocess.run(command, capture_output=True, text=True, timeout=30, check=True)
         except (OSError, subprocess.SubprocessError) as err:
             log.warning("cluster efficiency: sacct failed (%s); section left out", err)
             return {}
-        jobs = parse(out)
+        jobs = parse(out.stdout)
         unsettled = [j for j in ids if j not in jobs or jobs[j]["state"] in UNSETTLED]
         if not unsettled or time.monotonic() > deadline:
             for job in unsettled:
