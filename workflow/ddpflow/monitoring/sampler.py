@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 TENSORBOARD_DIR, SYSTEM_DIR, PROFILE_DIR = "tensorboard", "system", "profile"
 TOP_OPS = "top_ops-rank{rank}.json"
 TRACE = "trace-rank{rank}.json"
+_STRAGGLER = "straggler: rank %d on %s holds the others up in epoch %d (%s)"
 
 
 def _rss_mib() -> float:
@@ -70,10 +71,9 @@ class _Gpu:
         pynvml.nvmlInit()
         props = torch.cuda.get_device_properties(device)
         uuid = str(getattr(props, "uuid", "") or "")
+        uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
         try:
-            self.handle = pynvml.nvmlDeviceGetHandleByUUID(
-                uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
-            )
+            self.handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
         except pynvml.NVMLError:
             self.handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
         self.name = pynvml.nvmlDeviceGetName(self.handle)
@@ -157,8 +157,8 @@ class SystemSampler:
                     with open(self.series, "a") as f:
                         f.write(json.dumps(now) + "\n")
                 except OSError as err:  # a full disk must not stop the training
-                    log.warning("system metrics: cannot write %s (%s); not writing more",
-                                self.series, err)  # fmt: skip
+                    why = f"cannot write {self.series} ({err})"
+                    log.warning("system metrics: %s; not writing more", why)
                     self.series = None
 
     def take(self) -> dict:
@@ -289,8 +289,8 @@ class StepProfiler:
         prof.export_chrome_trace(str(trace))
         top = top_operators(prof.key_averages(), self.cuda)
         (self.out_dir / TOP_OPS.format(rank=self.rank)).write_text(json.dumps(top, indent=1))
-        log.info("profile: rank %d trace in %s (open in ui.perfetto.dev or chrome://tracing)",
-                 self.rank, trace)  # fmt: skip
+        viewers = "ui.perfetto.dev or chrome://tracing"
+        log.info("profile: rank %d trace in %s (open in %s)", self.rank, trace, viewers)
 
     def close(self) -> None:
         try:
@@ -341,12 +341,8 @@ class RunMonitor:
         self.system = SystemSampler(device, cfg.system_interval_s, env.rank, series)
         self.tensorboard = None
         if env.is_master and cfg.tensorboard:
-            self.tensorboard = TensorBoardLog(
-                run_dir / TENSORBOARD_DIR,
-                cfg.log_every_steps,
-                resumed_step,
-                flush_every=run.train.checkpoint.every_steps,
-            )
+            board, flush = run_dir / TENSORBOARD_DIR, run.train.checkpoint.every_steps
+            self.tensorboard = TensorBoardLog(board, cfg.log_every_steps, resumed_step, flush)
         self.profiler = None
         if env.is_master and resumed_step is None:  # a fresh start: no earlier run's trace
             shutil.rmtree(run_dir / PROFILE_DIR, ignore_errors=True)
@@ -384,9 +380,8 @@ class RunMonitor:
         now = {f["rank"] for f in flagged}
         for f in flagged:
             if f["rank"] not in self._flagged:
-                log.warning("straggler: rank %d on %s holds the others up in epoch %d (%s; "
-                            "margin %.0f%%)", f["rank"], f["host"], record["epoch"], f["reason"],
-                            100 * self.margin)  # fmt: skip
+                why = f"{f['reason']}; margin {100 * self.margin:.0f}%"
+                log.warning(_STRAGGLER, f["rank"], f["host"], record["epoch"], why)
         self._flagged = now
         if self.tensorboard is not None:
             self.tensorboard.on_epoch(record)
