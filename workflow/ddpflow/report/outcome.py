@@ -181,8 +181,8 @@ def _unfinished_line(entry: dict, runs: dict[str, dict], results_dir) -> str:
     if not entry.get("interrupted"):
         if "log" not in entry:  # no rule of it failed: one it needs did (see above)
             return f"ddpflow: run {name!r} did not finish"
-        return (f"ddpflow: run {name!r} did not finish ({entry['stage']} failed: "
-                f"{entry['cause']}); fix that, then run the same command again")  # fmt: skip
+        failed, again = f"{entry['stage']} failed: {entry['cause']}", "run the same command again"
+        return f"ddpflow: run {name!r} did not finish ({failed}); fix that, then {again}"
     work = work_dir(results_dir, name)
     epochs = _lines(work / LIVE_METRICS) if entry["stage"] == "train" else 0
     total = runs.get(name, {}).get("train", {}).get("epochs", "?")
@@ -222,8 +222,8 @@ def _command() -> str:
 def bad_nodes_line(bad_nodes: list[dict]) -> str:
     """The ledger in one line for the terminal."""
     names = ", ".join(f"{e['node']} ({e.get('reason', '?')})" for e in bad_nodes)
-    return (f"bad nodes, excluded from later Slurm jobs: {names}; once repaired: "
-            "snakemake clean_bad_nodes")  # fmt: skip
+    repaired = "once repaired: snakemake clean_bad_nodes"
+    return f"bad nodes, excluded from later Slurm jobs: {names}; {repaired}"
 
 
 def _sort_runs(runs: dict[str, dict], results_dir, restored=frozenset()) -> tuple[list, list, list]:
@@ -237,12 +237,7 @@ def _sort_runs(runs: dict[str, dict], results_dir, restored=frozenset()) -> tupl
         # failed retraining given back, then the edit reverted); a retraining that failed
         # or was stopped is this config's unfinished run, whatever was given back
         if (name in restored and failure is None) or _current(run, paths):
-            finished.append({
-                "name": name, "train_metrics": paths.train_metrics,
-                "eval_metrics": paths.eval_metrics,
-                "tracking": str(Path(paths.eval_metrics).parent / TRACKING_FILE),
-                "sweep": slim(run.get("sweep")),
-            })  # fmt: skip
+            finished.append(_finished_entry(name, run, paths))
             # only its logging to a tracker failed: a finished run, named in the trackers'
             # section (the report rule, after every track rule, could not run)
             if tracked := read_tracking_failure(paths.work):
@@ -256,14 +251,22 @@ def _sort_runs(runs: dict[str, dict], results_dir, restored=frozenset()) -> tupl
     return finished, unfinished, tracking_failures
 
 
+def _finished_entry(name: str, run: dict, paths: RunPaths) -> dict:
+    """A finished run's report entry: its records, its tracking file, its sweep point."""
+    records = {"train_metrics": paths.train_metrics, "eval_metrics": paths.eval_metrics}
+    tracking = str(Path(paths.eval_metrics).parent / TRACKING_FILE)
+    return {"name": name, **records, "tracking": tracking, "sweep": slim(run.get("sweep"))}
+
+
 def _report_unfinished(runs: dict[str, dict], results_dir: str | Path, restored) -> Path | None:
-    finished, unfinished, tracking_failures = _sort_runs(runs, results_dir, restored)
+    finished, unfinished, untracked = _sort_runs(runs, results_dir, restored)
     from ddpflow.report.build import build_report  # matplotlib: only once a report is written
 
     out = report_dir(results_dir)
     bad_nodes = read_ledger(bad_nodes_file(results_dir))
-    written = build_report(finished, out, unfinished=unfinished, bad_nodes=bad_nodes,
-                           tracking_failures=tracking_failures)  # fmt: skip
+    written = build_report(
+        finished, out, unfinished=unfinished, bad_nodes=bad_nodes, tracking_failures=untracked
+    )
     # Older than any input: Snakemake's report rule must redo this report on the next run
     # even when no input changes (the failed run removed from config.yaml, say).
     for key in ("markdown", "html", "summary_json", "summary_csv"):
@@ -271,9 +274,9 @@ def _report_unfinished(runs: dict[str, dict], results_dir: str | Path, restored)
     (out / REPORT_FILES["plots"] / ".snakemake_timestamp").unlink(missing_ok=True)
     for entry in unfinished:
         print(_unfinished_line(entry, runs, results_dir), file=sys.stderr)
-    for entry in tracking_failures:
-        print(f"ddpflow: run {entry['run']!r} finished; its tracking failed: {entry['cause']}",
-              file=sys.stderr)  # fmt: skip
+    for entry in untracked:
+        line = f"ddpflow: run {entry['run']!r} finished; its tracking failed: {entry['cause']}"
+        print(line, file=sys.stderr)
     if bad_nodes:
         print(f"ddpflow: {bad_nodes_line(bad_nodes)}", file=sys.stderr)
     print(
