@@ -340,8 +340,8 @@ def test_workflow_on_the_gpu(workdir, precision):
     assert metrics["samples_evaluated"] == metrics["test_size"]
     assert metrics["accuracy"] > 0.9
     report = (workdir / "results/report/report.md").read_text()
-    runs_row = next(line for line in report.splitlines() if line.startswith("| **gpu"))
-    assert f"**{precision}** |" in runs_row, runs_row  # the Runs table's precision column
+    runs_row = next(line for line in report.splitlines() if line.startswith("| gpu |"))
+    assert f"| {precision} |" in runs_row, runs_row  # the Runs table's precision column
     assert f"| {torch.cuda.get_device_name(0)} |" in report  # Machine and speed: the device
     # GPU metrics through NVML, every epoch, and in the report's per-rank table (issue 14)
     lines = (workdir / "results/runs/gpu/train_metrics.jsonl").read_text().splitlines()
@@ -452,9 +452,11 @@ def _batchnorm_on_cuda(env):
 def test_batchnorm_statistics_on_cuda_are_the_same_at_one_and_two_ranks(tmp_path):
     """The exact BatchNorm statistics' gather on CUDA tensors: 1 rank computing both
     micro-batches of each step and 2 ranks computing one each hold the same parameters
-    (bitwise), the same running statistics on every rank, and validate the same. One GPU
-    holds both ranks (gloo over CUDA tensors; NCCL refuses two ranks on one GPU): this proves
-    the CUDA code path, not NCCL's all-gather or two devices' kernels."""
+    (bitwise), the same running statistics on every rank, and validate the same (within
+    1e-5: cuDNN picks its kernels per batch shape, and a 2-rank evaluation shard holds
+    half the rows). One GPU holds both ranks (gloo over CUDA tensors; NCCL refuses two
+    ranks on one GPU): this proves the CUDA code path, not NCCL's all-gather or two
+    devices' kernels."""
     (one,) = run_group(1, _batchnorm_on_cuda, (), tmp_path / "one")
     twos = run_group(2, _batchnorm_on_cuda, (), tmp_path / "two")
     assert one["device"] == "cuda:0" and {two["device"] for two in twos} == {"cuda:0"}
@@ -464,7 +466,10 @@ def test_batchnorm_statistics_on_cuda_are_the_same_at_one_and_two_ranks(tmp_path
         assert one["buffers"].keys() == two["buffers"].keys()
         for key, value in one["buffers"].items():
             torch.testing.assert_close(two["buffers"][key], value, msg=f"rank {rank} {key}")
+    buffers = {k: (twos[0]["buffers"][k] - v).abs().max().item() for k, v in one["buffers"].items()}
+    print("max |buffer difference| 2 vs 1 rank:", max(buffers.values()))
     for epoch, record in enumerate(one["val"]):
         assert record and record.keys() == twos[0]["val"][epoch].keys()
+        print(f"epoch {epoch + 1}: 1 rank {record}, 2 ranks {twos[0]['val'][epoch]}")
         for key, value in record.items():
-            assert twos[0]["val"][epoch][key] == pytest.approx(value, rel=1e-6), (epoch, key)
+            assert twos[0]["val"][epoch][key] == pytest.approx(value, rel=1e-5), (epoch, key)
