@@ -13,3 +13,11 @@ class UserError(Exception):
 
 class ReportInputError(UserError, ValueError):
     """A run's metrics file is missing, unreadable or malformed (names the file and key)."""
+
+
+class DataError(UserError):
+    """A dataset problem the user can fix; the message names the file or key and the fix."""
+
+
+class TaskError(UserError):
+    """A task that cannot run: an unknown name, bad task_kwargs, a plug-in's broken return."""

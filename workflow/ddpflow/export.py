@@ -28,6 +28,7 @@ from ddpflow.config.checks import ONNX_MODULES
 from ddpflow.config.weights import input_normalisation
 from ddpflow.errors import UserError
 from ddpflow.paths import EXPORT_FILES
+from ddpflow.task import DEFAULT_TASK, run_task
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def metadata(run: dict, checkpoint: dict, manifest: dict, model_sha256: str) -> 
         "format": "ddpflow",
         "ddpflow_version": __version__,
         "run": run["name"],
-        "task": run.get("task", "classification"),
+        "task": run.get("task") or DEFAULT_TASK,
         "model": json.dumps(checkpoint["model"], sort_keys=True),
         "class_names": json.dumps(manifest["class_names"]),
         "input_shape": json.dumps(list(checkpoint["shape"])),
@@ -72,10 +73,12 @@ def export_run(run: dict, model_path: str, staged: str, out: str, fmt: str) -> d
 
     if fmt not in EXPORT_FILES:
         raise UserError(f"export.formats: unknown format {fmt!r}; one of {sorted(EXPORT_FILES)}")
-    if fmt != "safetensors" and run.get("task") == "language_model":
+    task = run_task(run)
+    applies = task.exports  # a language model's: safetensors only
+    if applies is not None and fmt not in applies:
         raise UserError(
-            f"run {run['name']!r} is a language model: ddpflow exports it as "
-            "safetensors only (docs/language-models.md)"
+            f"run {run['name']!r}: task {task.name} exports {', '.join(applies)} "
+            f"only, not {fmt} (its Task.exports; docs/tasks.md)"
         )
     checkpoint = runtime.safe_torch_load(model_path, torch.device("cpu"))
     manifest = json.loads((Path(staged) / "manifest.json").read_text())

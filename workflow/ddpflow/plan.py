@@ -30,10 +30,11 @@ from pathlib import Path
 
 from ddpflow import config as ddpconfig
 from ddpflow.config import fits
+from ddpflow.config.fingerprint import TOKEN_SOURCES
 from ddpflow.config.machine import accumulation_steps, micro_batches_per_step, ranks_per_node
-from ddpflow.config.runs import TEXT_VOCABULARY
 from ddpflow.early import RUNTIME, input_of, read_footprints
 from ddpflow.paths import RunPaths
+from ddpflow.task.builtin_views import TEXT_VOCABULARY
 
 STRATEGIES = ("ddp", "zero", "fsdp")
 
@@ -64,7 +65,7 @@ def model_input(run: dict) -> tuple[list[int], int, int, int | None]:
     if found is not None:
         return found
     data = run["data"]
-    if run["task"] == "language_model" and data["source"] in ("text", "tokens"):
+    if data["source"] in TOKEN_SOURCES:  # a task that reads tokens (config.runs checks)
         vocab = data["vocab_size"] or TEXT_VOCABULARY
         return [data["block_size"]], vocab, 0, None
     raise ddpconfig.ConfigError(

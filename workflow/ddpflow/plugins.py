@@ -1,6 +1,7 @@
-"""Your code, named in the config as "package.module:function" (model.name, data.source):
-imported from the working directory (where a user's file lives, and where the ranks run) or
-the environment. Imports no torch."""
+"""Your code, named in the config as "package.module:function" (model.name, data.source,
+task): imported from the working directory (where a user's file lives, and where the ranks
+run) or the environment, and called by call_plugin, which turns every failure into the
+caller's error naming the key. Imports no torch."""
 
 from __future__ import annotations
 
@@ -36,3 +37,25 @@ def import_factory(spec: str, key: str, error: type[UserError] = UserError):
         raise error(f"{key} {spec!r}: {module_name} ({module.__file__}) has no "
                     f"function {attr!r}")  # fmt: skip
     return factory
+
+
+def call_plugin(
+    spec: str,
+    key: str,
+    error: type[UserError],
+    *args,
+    kwargs: dict | None = None,
+    given: str,
+    what: str = "function",
+):
+    """Import 'package.module:function' (the config key `key`), call it with args and kwargs
+    and return what it returns; its import failure or its exception becomes `error` naming
+    the key, the exception and `given` (what it was called with: "data.kwargs {...}");
+    `what` names the function in that message ("factory": a model's)."""
+    factory = import_factory(spec, key, error)
+    try:
+        return factory(*args, **(kwargs or {}))
+    except Exception as err:
+        raise error(
+            f"{key} {spec!r}: the {what} raised {type(err).__name__}: {err} (called with {given})"
+        ) from err

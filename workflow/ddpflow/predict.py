@@ -156,21 +156,16 @@ def check_shape(listing: dict, shape: list[int], run_name: str) -> None:
 
 
 def check_can_predict(run: dict) -> None:
-    """Refuse, before any job, a run whose task cannot predict: a language model, or a task
-    that does not define predictions() (optional in the Task protocol: such a task trains,
-    evaluates and reports; only predict needs it)."""
-    from ddpflow.task import Task, run_task
+    """Refuse, before any job, a run whose task cannot predict: one that says why
+    (Task.no_prediction: a language model), or one that does not define predictions()
+    (optional in the Task protocol: such a task trains, evaluates and reports; only predict
+    needs it)."""
+    from ddpflow.task import run_task
 
-    name = run["name"]
-    if run.get("task") == "language_model":
-        raise ConfigError(
-            f"predict: run {name!r} is a language model; snakemake predict applies "
-            "image models to images. Sample from it with ddpflow.training.gpt.generate on its "
-            "model.pt (docs/language-models.md), or name other runs in predict.runs"
-        )
-    task = run_task(run)
-    method = getattr(type(task), "predictions", None)
-    if callable(method) and method is not Task.predictions:
+    name, task = run["name"], run_task(run)
+    if task.no_prediction is not None:
+        raise ConfigError(f"predict: run {name!r} {task.no_prediction}")
+    if task.can_predict():
         return
     raise ConfigError(
         f"predict: run {name!r} has task {run['task']!r} ({task.name}), which does not say "

@@ -15,7 +15,8 @@ from ddpflow.config.schema import ConfigError, deep_merge, validate
 from ddpflow.config.sweep import has_sweep, sweep_entries
 from ddpflow.config.yamlfile import read_config_file
 from ddpflow.plugins import is_plugin
-from ddpflow.task import DEFAULT_TASK
+from ddpflow.task import DEFAULT_TASK, Task, TaskError, get_task
+from ddpflow.task.builtin_views import TEXT_VOCABULARY
 
 SECTIONS = ("data", "model", "train", "eval", "machine")
 
@@ -54,11 +55,15 @@ def check_runs(config: dict) -> tuple[dict, list[dict]]:
 
 
 def export_formats(run: dict, formats: list[str]) -> list[str]:
-    """The export.formats that apply to a run: a language model's is safetensors only (the
-    traced formats take an image batch); docs/language-models.md."""
-    if run["task"] == LANGUAGE_MODEL:
-        return [fmt for fmt in formats if fmt == "safetensors"]
-    return list(formats)
+    """The export.formats that apply to a run, as its task says (Task.exports: a language
+    model's is safetensors only, the traced formats take an image batch)."""
+    from ddpflow.task import TaskError, run_task
+
+    try:
+        applies = run_task(run).exports
+    except TaskError as err:
+        raise ConfigError(f"run {run['name']!r}: {err}") from err
+    return list(formats) if applies is None else [fmt for fmt in formats if fmt in applies]
 
 
 def run_entries(config: dict) -> list[tuple[dict, str]]:
@@ -120,17 +125,11 @@ def _resolve_task(run: dict, where: str) -> None:
     than classification stages its targets its own way: the data section carries its name
     (and a plug-in task's kwargs), so its staged dataset and fingerprint are its own, while a
     classification run's stay what they were before tasks existed."""
-    from ddpflow.task import TaskError, get_task
-
-    name = run["task"]
-    if not is_plugin(name):
-        try:
-            get_task(name, run["task_kwargs"])
-        except TaskError as err:
-            raise ConfigError(f"{where}: {err}") from err
+    name, task = run["task"], _built_in_task(run, where)
+    own = task is None or task.stages_targets  # a plug-in stages its targets
     source, table = run["data"]["source"], run["data"]["labels_csv"]
-    _check_language_model(run, where)
-    if table and (source != "image_folder" or name == DEFAULT_TASK):
+    _check_language_model(run, task, where)
+    if table and (source != "image_folder" or not own):
         raise ConfigError(
             f"{where}: data.labels_csv {table!r} gives an image folder's targets under task "
             f"multilabel or regression (here: task {name}, data.source {source}); remove it, "
@@ -138,7 +137,7 @@ def _resolve_task(run: dict, where: str) -> None:
         )
     labelled = source == "image_folder" and table
     own_targets = source in ("npz", *TOKEN_SOURCES) or is_plugin(source) or labelled
-    if name != DEFAULT_TASK and not own_targets:
+    if own and not own_targets:
         held = "class folders: one class per image"
         if source != "image_folder":
             held = f"one class per image (the built-in {source})"
@@ -147,21 +146,28 @@ def _resolve_task(run: dict, where: str) -> None:
             "targets in an npz (data.source: npz), a data plug-in or, for an image folder, "
             "data.labels_csv (docs/tasks.md), or set task: classification"
         )
-    if name != DEFAULT_TASK:
+    if own:
         run["data"]["task"] = name
         if is_plugin(name):
             run["data"]["task_kwargs"] = run["task_kwargs"]
 
 
-LANGUAGE_MODEL = "language_model"
-TEXT_VOCABULARY = 257  # data.source text: 256 bytes and the end-of-document token
+def _built_in_task(run: dict, where: str) -> Task | None:
+    """The run's built-in task with its task_kwargs, checked (None: a plug-in task)."""
+    if is_plugin(run["task"]):
+        return None
+    try:
+        return get_task(run["task"], run["task_kwargs"])
+    except TaskError as err:
+        raise ConfigError(f"{where}: {err}") from err
 
 
-def _check_language_model(run: dict, where: str) -> None:
-    """task: language_model takes token data (data.source text or tokens) and a model that
-    reads tokens (gpt or a plug-in); token data takes no other task (docs/language-models.md)."""
+def _check_language_model(run: dict, task: Task | None, where: str) -> None:
+    """A task that reads tokens (task: language_model) takes token data (data.source text or
+    tokens) and a model that reads tokens (gpt or a plug-in); token data takes no other task
+    (docs/language-models.md)."""
     data, model, name = run["data"], run["model"]["name"], run["task"]
-    source, lm = data["source"], run["task"] == LANGUAGE_MODEL
+    source, lm = data["source"], task is not None and task.reads == "tokens"
     if lm and source not in TOKEN_SOURCES:
         raise ConfigError(
             f"{where}: task language_model on data.source {source}, which holds images; set "

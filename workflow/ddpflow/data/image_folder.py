@@ -156,7 +156,7 @@ DECODE_CHUNK = 256  # images per task of the staging processes
 Decoded = tuple[np.ndarray | None, tuple[int, int] | str]
 
 
-def _decode_all(
+def decode_all(
     paths: list[Path], height: int, width: int, mode: str, upscale: bool
 ) -> list[Decoded]:
     """Each image as (pixels fitted to height x width in mode, or None, (width, height)); a
@@ -203,10 +203,10 @@ class ImageFiles:
         paths = [self.files[i] for i in np.asarray(indices).tolist()]
         fit = (self.height, self.width, self.mode, self.small.on_small == "upscale")
         if pool is None:
-            results = _decode_all(paths, *fit)
+            results = decode_all(paths, *fit)
         else:  # in order (map keeps it): the staged bytes do not depend on the process count
             chunks = [paths[i : i + DECODE_CHUNK] for i in range(0, len(paths), DECODE_CHUNK)]
-            parts = pool.map(_decode_all, chunks, *([value] * len(chunks) for value in fit))
+            parts = pool.map(decode_all, chunks, *([value] * len(chunks) for value in fit))
             results = [result for part in parts for result in part]
         keep = np.array([pixels is not None for pixels, _ in results], dtype=bool)
         for path, (_, detail) in zip(paths, results, strict=True):

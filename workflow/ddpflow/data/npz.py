@@ -51,15 +51,15 @@ def load_npz(cfg: dict) -> RawSource:
                 f"data.path {path}: test_images and test_labels come together; "
                 "give both or neither (then the test split is carved out)"
             )
-        train_x = _npz_images(arrays, "train_images", path)
+        train_x = npz_images(arrays, "train_images", path)
         names = [str(n) for n in arrays["class_names"]] if "class_names" in keys else None
         task = run_task(cfg)
-        if task.name != "classification":  # the task stages the targets (ddpflow.task)
+        if task.stages_targets:  # the task stages the targets (ddpflow.task)
             return _task_npz(task, arrays, keys, path, train_x, names)
         train_y = _npz_labels(arrays, "train_labels", path, len(train_x))
         test_x = test_y = None
         if "test_images" in keys:
-            test_x = _npz_images(arrays, "test_images", path)
+            test_x = npz_images(arrays, "test_images", path)
             test_y = _npz_labels(arrays, "test_labels", path, len(test_x))
             if test_x.shape[1:] != train_x.shape[1:]:
                 raise DataError(
@@ -81,7 +81,7 @@ def _task_npz(task, arrays, keys, path: Path, train_x, names) -> RawSource:
     train_y, names = task_targets(task, arrays["train_labels"], names, where, len(train_x))
     test_x = test_y = None
     if "test_images" in keys:
-        test_x = _npz_images(arrays, "test_images", path)
+        test_x = npz_images(arrays, "test_images", path)
         where = f"data.path {path}: test_labels"
         test_y, _ = task_targets(task, arrays["test_labels"], names, where, len(test_x))
         if test_x.shape[1:] != train_x.shape[1:] or test_y.shape[1:] != train_y.shape[1:]:
@@ -93,7 +93,9 @@ def _task_npz(task, arrays, keys, path: Path, train_x, names) -> RawSource:
     return RawSource(train_x, train_y, test_x, test_y, names)
 
 
-def _npz_images(arrays, key: str, path: Path) -> np.ndarray:
+def npz_images(arrays, key: str, path: Path) -> np.ndarray:
+    """arrays[key] (an opened npz) as uint8 images [N, C, H, W], checked (a DataError names
+    path and key): the decoder of the npz source and of snakemake predict's npz inputs."""
     x = arrays[key]
     if x.dtype != np.uint8:
         raise DataError(

@@ -20,6 +20,7 @@ from ddpflow.data.raw import (
     check_labels,
     one_class_per_sample,
 )
+from ddpflow.plugins import call_plugin
 from ddpflow.task import run_task, task_targets
 
 
@@ -34,7 +35,7 @@ def load_plugin(cfg: dict) -> RawSource:
     # PIL images are fitted to image_size: the small ones as data.on_small says
     small = SmallImages(cfg, f"data.source {spec!r}") if cfg["image_size"] is not None else None
     task = run_task(cfg)
-    own = task.name != "classification"  # the task stages the targets (ddpflow.task)
+    own = task.stages_targets  # the task stages the targets (ddpflow.task)
     names = parts.get("class_names")
     names = [str(n) for n in names] if names is not None else None
     where = f"data.source {spec!r} train"
@@ -59,17 +60,8 @@ def load_plugin(cfg: dict) -> RawSource:
 
 def _call_plugin(spec: str, cfg: dict) -> dict:
     """The plug-in's return as {"train": ..., "test": ..., "class_names": ...}."""
-    from ddpflow.plugins import import_factory
-
     kwargs = dict(cfg["kwargs"])
-    factory = import_factory(spec, "data.source", DataError)
-    try:
-        out = factory(**kwargs)
-    except Exception as err:
-        raise DataError(
-            f"data.source {spec!r}: the function raised {type(err).__name__}: {err} (called "
-            f"with data.kwargs {kwargs})"
-        ) from err
+    out = call_plugin(spec, "data.source", DataError, kwargs=kwargs, given=f"data.kwargs {kwargs}")
     parts = out if isinstance(out, dict) else {"train": out}
     if parts.get("train") is None:
         raise DataError(

@@ -24,6 +24,7 @@ import numpy as np
 
 from ddpflow.data.raw import DataError
 from ddpflow.runtime import sha256_file
+from ddpflow.task import manifest_task
 
 if TYPE_CHECKING:
     import torch
@@ -62,7 +63,9 @@ def read_manifest(staged_dir) -> dict:
     return manifest
 
 
-def _check_file(staged_dir: Path, manifest: dict, name: str, verify: bool) -> Path:
+def check_file(staged_dir: Path, manifest: dict, name: str, verify: bool) -> Path:
+    """The staged file `name`, checked against the manifest's size (and sha256 if verify): a
+    DataError names the file and the fix (restage)."""
     path = staged_dir / name
     entry = manifest.get("files", {}).get(name)
     if entry is None:
@@ -123,7 +126,7 @@ def verify_staged(staged_dir) -> dict:
     manifest = read_manifest(staged_dir)
     if manifest.get("kind") == "tokens":  # a language model's tokens (ddpflow.data.text)
         for name in manifest["files"]:
-            _check_file(staged_dir, manifest, name, verify=True)
+            check_file(staged_dir, manifest, name, verify=True)
         return manifest
     for split in SPLITS:
         open_split(staged_dir, split, verify=True, manifest=manifest)
@@ -219,9 +222,9 @@ def open_split(
     shape = tuple(manifest["shape"])
     shards = []
     for name, count in shard_files(manifest, split):
-        path = _check_file(staged_dir, manifest, name, verify)
+        path = check_file(staged_dir, manifest, name, verify)
         shards.append((path, _data_offset(staged_dir, path, (count, *shape), np.uint8), count))
-    path = _check_file(staged_dir, manifest, f"{split}_labels.npy", verify)
+    path = check_file(staged_dir, manifest, f"{split}_labels.npy", verify)
     try:
         labels = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
@@ -238,23 +241,11 @@ def open_split(
     return images, labels, manifest
 
 
-# the staged targets of each task: (dtype, per-sample shape from the class count K)
-TARGET_LAYOUTS = {
-    "classification": (np.int64, False),
-    "multilabel": (np.uint8, True),
-    "regression": (np.float32, True),
-}
-
-
 def target_layout(manifest: dict, n: int) -> tuple[np.dtype, tuple[int, ...]]:
-    """The dtype and shape of a split's staged targets: int64 [n] for classification (every
-    manifest without a task), uint8 [n, K] for multilabel, float32 [n, K] for regression; a
-    plug-in task's as its manifest records them (target_dtype, target_shape)."""
-    task = manifest.get("task", "classification")
-    if task in TARGET_LAYOUTS:
-        dtype, vector = TARGET_LAYOUTS[task]
-        return np.dtype(dtype), (n, manifest["num_classes"]) if vector else (n,)
-    return np.dtype(manifest["target_dtype"]), (n, *manifest["target_shape"])
+    """The dtype and shape of a split's staged targets, as the manifest's task says
+    (Task.target_layout: int64 [n] for classification, every manifest without a task; a
+    plug-in task's as its manifest records them, target_dtype and target_shape)."""
+    return manifest_task(manifest).target_layout(manifest, n)
 
 
 def _data_offset(staged_dir: Path, path: Path, shape: tuple, dtype) -> int:

@@ -22,9 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from ddpflow.config.fingerprint import TOKEN_SOURCES
 from ddpflow.data.raw import DataError, RawSource
 from ddpflow.data.sources import load_source
-from ddpflow.data.staged import FORMAT_VERSION, MANIFEST, TARGET_LAYOUTS
+from ddpflow.data.staged import FORMAT_VERSION, MANIFEST
 from ddpflow.runtime import fsync_dir, replace_dir, sha256_file
 from ddpflow.task import run_task
 
@@ -46,7 +47,7 @@ def stage_dataset(
     shard at a time, by `threads` threads), so memory stays bounded by a few shards whatever
     the dataset's size."""
     out_dir = Path(out_dir)
-    if data_cfg["source"] in ("text", "tokens"):  # task: language_model's token data
+    if data_cfg["source"] in TOKEN_SOURCES:  # the token data of a task that reads tokens
         from ddpflow.data.text import stage_tokens
 
         return stage_tokens(data_cfg, out_dir, seed)
@@ -180,16 +181,8 @@ def _base_manifest(raw: RawSource, written: dict, data_cfg: dict, seed: int, tas
     mean = total / max(count, 1)
     std = np.sqrt(np.maximum(squares / max(count, 1) - mean * mean, 0.0))
     labels = written["labels"]
-    if task.name == "classification":  # its manifest is the one written before tasks
-        counts = {
-            name: np.bincount(y, minlength=num_classes).tolist() for name, y in labels.items()
-        }
-        targets: dict[str, Any] = {"class_counts": counts}
-    else:  # the task's own record of its targets
-        targets = {"task": task.name, **task.manifest_fields(labels, raw.class_names)}
-        sample = labels["train"]
-        if task.name not in TARGET_LAYOUTS:  # a plug-in task: how its targets are stored
-            targets.update(target_dtype=str(sample.dtype), target_shape=list(sample.shape[1:]))
+    # the task's record of its targets (classification's: the manifest written before tasks)
+    targets = task.manifest_record(labels, raw.class_names)
     return {
         "format_version": FORMAT_VERSION,
         "source": data_cfg["source"],

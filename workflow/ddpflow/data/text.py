@@ -34,8 +34,9 @@ from pathlib import Path
 import numpy as np
 
 from ddpflow.data.raw import DataError
-from ddpflow.data.staged import FORMAT_VERSION, MANIFEST, SPLITS, _check_file
+from ddpflow.data.staged import FORMAT_VERSION, MANIFEST, SPLITS, check_file
 from ddpflow.runtime import atomic_write_json, fsync_dir, replace_dir, sha256_file
+from ddpflow.task.lm import LanguageModel
 from ddpflow.text import counted
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ def _manifest(data_cfg, seed, counts, vocab, sources, files) -> dict:
     return {
         "format_version": FORMAT_VERSION,
         "kind": "tokens",
-        "task": "language_model",
+        "task": LanguageModel.name,  # the task that reads token data
         "source": data_cfg["source"],
         "vocab_size": vocab,
         "num_classes": vocab,  # the model's output width
@@ -293,7 +294,7 @@ def _check_ids(array: np.ndarray, vocab: int, path) -> None:
 
 def open_tokens(staged_dir, split: str, manifest: dict, verify: bool) -> np.ndarray:
     """A staged split's tokens by memory map (uint16/uint32 [n]), checked first."""
-    path = _check_file(Path(staged_dir), manifest, f"{split}.tokens.npy", verify)
+    path = check_file(Path(staged_dir), manifest, f"{split}.tokens.npy", verify)
     tokens = np.load(path, mmap_mode="r", allow_pickle=False)
     n = manifest["tokens"][split]
     if tokens.shape != (n,) or tokens.dtype != np.dtype(manifest["dtype"]):

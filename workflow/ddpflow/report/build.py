@@ -42,6 +42,7 @@ from ddpflow.report.summary import (
 )
 from ddpflow.report.tables import Link
 from ddpflow.runtime import atomic_write_bytes, sha256_file
+from ddpflow.task import record_task
 from ddpflow.text import counted
 
 __all__ = ["build_report", "load_eval_metrics", "load_train_metrics"]
@@ -294,12 +295,14 @@ def _export_rows(runs: list[dict], loaded, out_dir: Path) -> list[list]:
 
 
 def _language_models(runs: list[dict], loaded) -> list[tuple[str, dict]]:
-    """(run, its train_summary.json's language_model record) of each shown language model."""
-    shown, found = {name for name, _, _ in loaded}, []
-    for run in (run for run in runs if run["name"] in shown):
+    """(run, its task's own train_summary.json record: Task.train_record_key, a language
+    model's) of each shown run whose task keeps one."""
+    keys = {name: record_task(ev).train_record_key for name, _, ev in loaded}
+    found = []
+    for run in (run for run in runs if keys.get(run["name"])):
         summary_file = Path(run["train_metrics"]).parent / RUN_FILES["train_summary"]
         try:
-            record = json.loads(summary_file.read_text()).get("language_model")
+            record = json.loads(summary_file.read_text()).get(keys[run["name"]])
         except (OSError, ValueError):
             continue
         if isinstance(record, dict):

@@ -18,10 +18,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from ddpflow.config.runs import LANGUAGE_MODEL
-from ddpflow.config.runs import TEXT_VOCABULARY as BYTE_VOCABULARY
 from ddpflow.report import metrics
-from ddpflow.task import Selection
+from ddpflow.task import Selection, record_task
+from ddpflow.task.builtin_views import TEXT_VOCABULARY as BYTE_VOCABULARY
 
 __all__ = ["Group", "Identity", "groups", "headline", "identity", "summary"]
 
@@ -45,7 +44,7 @@ class Identity:
     task: str
     selection: Selection
     data: str  # canonical JSON of the data that is validated and tested ("" unrecorded)
-    vocabulary: int | None  # a language model's; None for other tasks
+    vocabulary: int | None  # Task.compared_by: a language model's; None for other tasks
 
 
 @dataclass
@@ -66,7 +65,8 @@ def _data(ev: dict) -> dict:
     if not isinstance(data, dict):
         return {}
     kept = {k: v for k, v in data.items() if k not in PREPARATION_KEYS}
-    lm = ev.get("train", {}).get("language_model")
+    key = record_task(ev).train_record_key  # a language model's counts its split's tokens
+    lm = ev.get("train", {}).get(key) if key else None
     if isinstance(lm, dict) and isinstance(lm.get("tokens"), dict):
         kept["tokens"] = {s: lm["tokens"].get(s) for s in ("val", "test")}
     else:
@@ -75,26 +75,15 @@ def _data(ev: dict) -> dict:
     return kept
 
 
-def _vocabulary(ev: dict) -> int | None:
-    lm = ev.get("train", {}).get("language_model")
-    if isinstance(lm, dict) and isinstance(lm.get("vocab_size"), int):
-        return lm["vocab_size"]
-    data = ev.get("provenance", {}).get("config", {}).get("data") or {}
-    if data.get("source") == "text":
-        return BYTE_VOCABULARY
-    vocab = data.get("vocab_size")
-    return vocab if isinstance(vocab, int) else None
-
-
 def identity(ev: dict) -> Identity:
     """The run's comparability key, from its eval_metrics.json record."""
-    task = metrics.task_of(ev)
+    task = record_task(ev)
     data = _data(ev)
     return Identity(
-        task=task,
+        task=task.name,
         selection=metrics.selection(ev),
         data=json.dumps(data, sort_keys=True, default=str) if data else "",
-        vocabulary=_vocabulary(ev) if task == LANGUAGE_MODEL else None,
+        vocabulary=task.compared_by(ev),  # a language model's: other tokenizers differ
     )
 
 

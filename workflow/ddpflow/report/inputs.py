@@ -1,8 +1,7 @@
 """The report's inputs: every run's train_metrics.jsonl and eval_metrics.json, read and
 checked for every key and type the report reads, for the run's task (its eval_metrics.json
-names it; classification where it names none): classification's accuracy, per-class accuracy
-and confusion matrix, multilabel's F1 and per-label counts, regression's errors per target
-and predicted-vs-true histogram, and for any other task its headline metrics. A run whose
+names it; classification where it names none): the keys every record has, and those the
+task's Task.record_fields and Task.check_record name (ddpflow.task). A run whose
 files cannot be read is not an error of the report: load_runs returns it as an
 unfinished-runs entry naming the run, the file and what is wrong, and the report is written
 without it.
@@ -17,8 +16,9 @@ import logging
 from pathlib import Path
 
 from ddpflow.errors import ReportInputError
-from ddpflow.report import metrics
 from ddpflow.report.render import PHASES
+from ddpflow.task import Task, record_task
+from ddpflow.task.views import OPTIONAL as _OPTIONAL
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +41,6 @@ _EVAL_SPEC = {
         "created": str,
     },
 }  # fmt: skip
-_OPTIONAL = (int, float, type(None))  # a metric a task may leave undefined (r2 of a constant)
-# each task's epoch keys in place of classification's val_accuracy (its val_loss stays)
-_TASK_EPOCH = {
-    "multilabel": {"val_f1_micro": _NUM, "val_f1_macro": _NUM, "val_exact_match": _NUM},
-    "regression": {"val_mse": _NUM, "val_mae": _NUM, "val_r2": _OPTIONAL},
-    "language_model": {"val_perplexity": _NUM, "val_token_accuracy": _NUM},
-}
 # what a task other than classification records about itself (training.records.task_fields)
 _TASK_SPEC = {
     "task": str,
@@ -56,22 +49,6 @@ _TASK_SPEC = {
 }
 _CLASSES_ONLY = ("accuracy", "per_class_accuracy", "confusion_matrix")
 _COMMON_EVAL = {key: kind for key, kind in _EVAL_SPEC.items() if key not in _CLASSES_ONLY}
-_TASK_EVAL = {
-    "multilabel": {
-        **dict.fromkeys(("exact_match", "f1_micro", "f1_macro"), _NUM),
-        **dict.fromkeys(("per_label_f1", "true_positives", "false_positives"), list),
-        "false_negatives": list,
-    },
-    "regression": {
-        "mse": _NUM,
-        "mae": _NUM,
-        "r2": _OPTIONAL,
-        "per_target": dict.fromkeys(("mse", "mae", "r2"), list),
-        "predicted_vs_true": {"bins": int, "range": list, "counts": list},
-    },
-    "language_model": {"perplexity": _NUM, "token_accuracy": _NUM, "tokens": int},
-}
-_NAMELESS = ("language_model",)  # tasks whose outputs have no names (a vocabulary's ids)
 
 
 def _check(obj: dict, spec: dict, where: str, prefix: str = "") -> None:
@@ -94,13 +71,9 @@ def _read_text(path, where: str) -> str:
 
 
 def _train_spec(evaluation: dict | None) -> dict:
-    """The keys of an epoch record of the run's task: classification's val_accuracy, another
-    task's val_* keys (one it does not know: its selection metric)."""
-    task = metrics.task_of(evaluation or {})
-    if task == metrics.CLASSIFICATION:
-        return _TRAIN_SPEC
-    chosen = metrics.selection(evaluation)
-    own = _TASK_EPOCH.get(task, {chosen.metric: _NUM})
+    """The keys of an epoch record of the run's task: its own val_* keys in place of
+    classification's val_accuracy (ddpflow.task: Task.epoch_fields)."""
+    own = record_task(evaluation or {}).epoch_fields()
     spec = {}
     for key, kind in _TRAIN_SPEC.items():
         spec.update(own if key == "val_accuracy" else {key: kind})
@@ -141,93 +114,24 @@ def load_eval_metrics(name: str, path) -> dict:
         raise ReportInputError(f"{where}: not a JSON object")
     if "task" in data and not isinstance(data["task"], str):
         raise ReportInputError(f"{where}: key 'task' has type {type(data['task']).__name__}")
-    if metrics.task_of(data) != metrics.CLASSIFICATION:
-        return _task_eval(data, where)
-    _check(data, _EVAL_SPEC, where)
-    n, matrix = len(data["class_names"]), data["confusion_matrix"]
-    if not n:
-        raise ReportInputError(f"{where}: no class (class_names is empty)")
-    if len(data["per_class_accuracy"]) != n or len(matrix) != n:
-        raise ReportInputError(f"{where}: class_names, per_class_accuracy, confusion_matrix differ")
-    if any(not isinstance(row, list) or len(row) != n for row in matrix):
-        raise ReportInputError(f"{where}: confusion_matrix is not {n}x{n}")
-    if any(not isinstance(c, int) or isinstance(c, bool) for row in matrix for c in row):
-        raise ReportInputError(f"{where}: confusion_matrix holds a value that is not a count")
-    # None: a class with no sample in the evaluated split (shown as n/a)
-    numbers = [a for a in data["per_class_accuracy"] if a is not None]
-    if any(isinstance(a, bool) or not isinstance(a, _NUM) for a in numbers):
-        raise ReportInputError(f"{where}: per_class_accuracy holds a value that is not a number")
-    # Padded samplers double-count (README: Exact evaluation): a count mismatch is loud, not fatal.
-    total = sum(sum(row) for row in matrix)
-    if not data["samples_evaluated"] == data["test_size"] == total:
-        log.warning("%s: %d samples evaluated, test size %d, confusion total %d", where,
-                    data["samples_evaluated"], data["test_size"], total)  # fmt: skip
-    return data
+    return _task_eval(data, record_task(data), where)
 
 
-def _task_eval(data: dict, where: str) -> dict:
-    """The evaluation record of a task other than classification, checked as its task writes it."""
-    task = data["task"]
-    _check(data, {**_COMMON_EVAL, **_TASK_SPEC, **_TASK_EVAL.get(task, {})}, where)
+def _task_eval(data: dict, task: Task, where: str) -> dict:
+    """The evaluation record checked as its task writes it (ddpflow.task: Task.record_fields,
+    Task.check_record): the keys every record has, what a task other than classification
+    says about itself, the task's own keys and their consistency."""
+    own = _TASK_SPEC if task.named_in_records else {}
+    _check(data, {**_COMMON_EVAL, **own, **task.record_fields()}, where)
     n = len(data["class_names"])
-    if not n and task not in _NAMELESS:
-        what = {"multilabel": "label", "regression": "target"}.get(task, "class")
-        raise ReportInputError(f"{where}: no {what} (class_names is empty)")
-    for key in data["headline"]:
+    if not n and task.names_word is not None:
+        raise ReportInputError(f"{where}: no {task.names_word} (class_names is empty)")
+    for key in data.get("headline", ()) if task.named_in_records else ():
         value = data.get(key, False)
         if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, _OPTIONAL):
             raise ReportInputError(f"{where}: headline metric {key!r} is not a number")
-    if task == "multilabel":
-        _multilabel(data, n, where)
-    elif task == "regression":
-        _regression(data, n, where)
-    if data["samples_evaluated"] != data["test_size"]:
-        evaluated, size = data["samples_evaluated"], data["test_size"]
-        log.warning("%s: %d samples evaluated, test size %d", where, evaluated, size)
+    task.check_record(data, n, where)
     return data
-
-
-def _numbers(values: list, n: int, what: str, where: str, kinds=_OPTIONAL) -> None:
-    """n values, each of kinds (never a bool)."""
-    if len(values) != n:
-        raise ReportInputError(f"{where}: {what} has {len(values)} entries for {n} names")
-    if any(isinstance(v, bool) or not isinstance(v, kinds) for v in values):
-        kind = "count" if kinds is int else "number"
-        raise ReportInputError(f"{where}: {what} holds a value that is not a {kind}")
-
-
-def _multilabel(data: dict, n: int, where: str) -> None:
-    _numbers(data["per_label_f1"], n, "per_label_f1", where)
-    for key in ("true_positives", "false_positives", "false_negatives"):
-        _numbers(data[key], n, key, where, int)
-
-
-def _regression(data: dict, n: int, where: str) -> None:
-    for key in ("mse", "mae", "r2"):
-        values = data["per_target"][key]
-        _numbers(values, n, f"per_target.{key}", where, _OPTIONAL if key == "r2" else _NUM)
-    histogram = data["predicted_vs_true"]
-    bins, ranges, counts = histogram["bins"], histogram["range"], histogram["counts"]
-    if bins < 1 or len(ranges) != len(counts) or len(counts) > n:
-        raise ReportInputError(
-            f"{where}: predicted_vs_true has {bins} bins, {len(ranges)} ranges and "
-            f"{len(counts)} histograms for {n} targets"
-        )
-    for span in ranges:
-        if (
-            not isinstance(span, list)
-            or len(span) != 2
-            or any(isinstance(v, bool) or not isinstance(v, _NUM) for v in span)
-            or not span[0] < span[1]
-        ):
-            raise ReportInputError(f"{where}: predicted_vs_true.range holds {span!r}: no [lo, hi]")
-    for grid in counts:
-        if not isinstance(grid, list) or len(grid) != bins:
-            raise ReportInputError(f"{where}: predicted_vs_true.counts is not {bins}x{bins}")
-        if any(not isinstance(row, list) or len(row) != bins for row in grid):
-            raise ReportInputError(f"{where}: predicted_vs_true.counts is not {bins}x{bins}")
-        for row in grid:
-            _numbers(row, bins, "predicted_vs_true.counts", where, int)
 
 
 def load_runs(runs: list[dict], unfinished=()) -> tuple[list[tuple], list[dict]]:

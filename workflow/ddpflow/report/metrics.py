@@ -5,7 +5,8 @@ A classification record carries no task (classification's records are those writ
 tasks existed): its headline is accuracy and its selection validation accuracy, higher
 better. A record of another task names its task, its headline metrics and its selection
 (ddpflow.training.records.task_fields). Runs of different tasks are never compared with
-each other: each task has its own best run. Pure: no matplotlib, no torch.
+each other: each task has its own best run. What else the report shows of a task, the task
+says (ddpflow.task.record_task(ev): Task's report hooks). Pure: no matplotlib, no torch.
 
     task_of(ev); headline(ev); selection(ev)        # from an eval_metrics.json record
     shown("mse", 0.0123)                            # "0.0123"
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 import math
 
-from ddpflow.task import Selection, selection_of
+from ddpflow.task import DEFAULT_TASK, Selection, record_task, selection_of
+from ddpflow.task.views import label, shown
 
 __all__ = [
     "CLASSIFICATION",
@@ -29,33 +31,18 @@ __all__ = [
     "task_of",
 ]
 
-CLASSIFICATION = "classification"
-
-# a metric key -> (its name in the report, its format); any other key reads as itself, .4g
-_READ = {
-    "accuracy": ("accuracy", ".2%"),
-    "exact_match": ("exact match", ".2%"),
-    "f1_micro": ("F1 (micro)", ".4f"),
-    "f1_macro": ("F1 (macro)", ".4f"),
-    "mse": ("MSE", ".4g"),
-    "mae": ("MAE", ".4g"),
-    "r2": ("R²", ".4f"),
-    "perplexity": ("perplexity", ".4f"),
-    "token_accuracy": ("token accuracy", ".2%"),
-}
+CLASSIFICATION = DEFAULT_TASK  # the task of a record that names none
 
 
 def task_of(ev: dict) -> str:
     """The run's task, as its evaluation record names it (classification where it names none)."""
     task = ev.get("task")
-    return task if isinstance(task, str) and task else CLASSIFICATION
+    return task if isinstance(task, str) and task else DEFAULT_TASK
 
 
 def headline(ev: dict) -> list[str]:
     """The evaluation record's headline metric keys: ["accuracy"] for classification."""
-    if task_of(ev) == CLASSIFICATION:
-        return ["accuracy"]
-    return [str(key) for key in ev.get("headline") or ()]
+    return record_task(ev).record_headline(ev)
 
 
 def selection(ev: dict) -> Selection:
@@ -66,23 +53,6 @@ def selection(ev: dict) -> Selection:
 def eval_key(chosen: Selection) -> str:
     """The evaluation record's key of the selection metric ("val_mse" -> "mse")."""
     return chosen.metric.removeprefix("val_")
-
-
-def _bare(key: str) -> str:
-    return key.removeprefix("val_").removeprefix("test_").removeprefix("final_val_")
-
-
-def label(key: str) -> str:
-    """A metric's name in the report: "MSE", "F1 (micro)", "accuracy"."""
-    bare = _bare(key)
-    return _READ[bare][0] if bare in _READ else bare.replace("_", " ")
-
-
-def shown(key: str, value) -> str:
-    """A metric's value as the report shows it (n/a where it is undefined)."""
-    if value is None or isinstance(value, bool) or not isinstance(value, int | float):
-        return "n/a"
-    return format(value, _READ.get(_bare(key), ("", ".4g"))[1])
 
 
 def metric_name(chosen: Selection) -> str:

@@ -22,6 +22,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FormatStrFormatter, FuncFormatter, MaxNLocator, ScalarFormatter
 
 from ddpflow.report import metrics
+from ddpflow.task import record_task
+from ddpflow.task.views import PlotSpec
 from ddpflow.text import counted
 
 __all__ = [
@@ -49,13 +51,13 @@ def text_label(text: str) -> str:
     return " " + text if text.startswith("_") else text
 
 
-def _new_figure(width: float = 7.0, height: float = 4.2) -> Figure:
+def new_figure(width: float = 7.0, height: float = 4.2) -> Figure:
     fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)  # Agg for this figure only: no global backend switch
     return fig
 
 
-def _png(fig: Figure) -> bytes:
+def png_bytes(fig: Figure) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     return buffer.getvalue()
@@ -84,11 +86,11 @@ def plot_per_epoch(
     """One line per run: series maps run name -> [(epoch, value), ...] sorted by epoch.
     log_if_wide: a logarithmic y axis where the values span a factor of 10 or more.
     focus: the runs drawn in colour and named (many runs: the best); the rest in grey."""
-    return _png(per_epoch_figure(series, ylabel, title, log_if_wide, focus))
+    return png_bytes(per_epoch_figure(series, ylabel, title, log_if_wide, focus))
 
 
 def per_epoch_figure(series, ylabel: str, title: str, log_if_wide=False, focus=None) -> Figure:
-    fig = _new_figure()
+    fig = new_figure()
     ax = fig.add_subplot()
     if focus is not None:  # a legend of 100 runs fills the figure: name the best only
         for name in [n for n in series if n not in focus]:
@@ -116,7 +118,7 @@ def plot_throughput(names: list[str], samples_per_s: list[float], unit: str = "s
     """Training throughput per run: horizontal bars, one fixed-height row per run, so that
     one run reads as one labelled bar rather than a slab filling the figure; unit: what a
     rate counts (tokens for language models)."""
-    fig = _new_figure(7.0, 1.3 + (0.45 if len(names) <= 20 else 0.2) * len(names))
+    fig = new_figure(7.0, 1.3 + (0.45 if len(names) <= 20 else 0.2) * len(names))
     ax = fig.add_subplot()
     rows = range(len(names))
     bars = ax.barh(rows, samples_per_s, height=0.6, color="tab:blue")
@@ -127,7 +129,7 @@ def plot_throughput(names: list[str], samples_per_s: list[float], unit: str = "s
     ax.set_xlabel(f"train {unit}/s (whole run, all ranks)")
     ax.set_title("Training throughput")
     ax.grid(axis="x", alpha=0.3)
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def _rates(rows: list[dict]) -> tuple[str, list[float]]:
@@ -144,7 +146,7 @@ def plot_scaling(points: list[tuple[str, int, float]], base_ranks: int, base_rat
     points: (run name, world size, samples/s). Log2 axes make linear scaling a straight line
     and keep 1 to 64 ranks readable.
     """
-    fig = _new_figure()
+    fig = new_figure()
     ax = fig.add_subplot()
     sizes = sorted({ranks for _, ranks, _ in points})
     ideal = [base_rate * ranks / base_ranks for ranks in sizes]
@@ -165,7 +167,7 @@ def plot_scaling(points: list[tuple[str, int, float]], base_ranks: int, base_rat
     ax.set_title("Scaling")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize="small")
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def plot_confusion(
@@ -175,7 +177,7 @@ def plot_confusion(
     counts = np.asarray(matrix, dtype=np.int64)
     rates = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
     size = min(3.5 + 0.45 * len(classes), 12.0)
-    fig = _new_figure(size + 1.2, size)
+    fig = new_figure(size + 1.2, size)
     ax = fig.add_subplot()
     image = ax.imshow(rates, cmap="Blues", vmin=0.0, vmax=1.0)
     ticks = range(len(classes))
@@ -191,13 +193,13 @@ def plot_confusion(
     label = {"val": "validation", "train": "training"}.get(split, split)
     ax.set_title(f"{text_label(name)}: {label} accuracy {accuracy:.2%}")
     fig.colorbar(image, ax=ax, label="fraction of true class")
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def plot_predicted_vs_true(
     name: str, histogram: dict, targets: list[str], split: str = "test"
 ) -> bytes:
-    return _png(predicted_vs_true_figure(name, histogram, targets, split))
+    return png_bytes(predicted_vs_true_figure(name, histogram, targets, split))
 
 
 def predicted_vs_true_figure(
@@ -211,7 +213,7 @@ def predicted_vs_true_figure(
     grids, spans = histogram["counts"], histogram["range"]
     if not grids:
         raise ValueError("no target was binned")
-    fig = _new_figure(1.2 + 3.6 * len(grids), 4.0)
+    fig = new_figure(1.2 + 3.6 * len(grids), 4.0)
     axes = fig.subplots(1, len(grids), squeeze=False)[0]
     peak = max(max(max(row) for row in grid) for grid in grids)
     norm = LogNorm(vmin=1, vmax=max(peak, 10))
@@ -323,20 +325,17 @@ def _selection_plans(chosen: dict, epochs) -> list[tuple]:
 
 
 def _evaluation_plans(name: str, ev: dict) -> list[tuple]:
-    """A run's evaluation figure: classification's confusion matrix, regression's predicted
-    against true values; none for other tasks (their tables say it)."""
-    task = metrics.task_of(ev)
-    if task == metrics.CLASSIFICATION:
-        return [(f"confusion_{safe_name(name)}", f"Confusion matrix: {name}", _confusion(name, ev))]
-    if task == "regression" and ev["predicted_vs_true"]["counts"]:
-        histogram, targets, split = ev["predicted_vs_true"], ev["class_names"], ev.get("split")
-        caption = f"Predicted against true values: {name} (the red diagonal: predicted = true)"
-        draw = functools.partial(plot_predicted_vs_true, name, histogram, targets, split or "test")
-        return [(f"predicted_vs_true_{safe_name(name)}", caption, draw)]
-    return []
+    """A run's evaluation figures, as its task says (Task.evaluation_plots: classification's
+    confusion matrix, regression's predicted against true values)."""
+    return [
+        (f"{spec.slug}_{safe_name(name)}", spec.caption, _drawn(spec))
+        for spec in record_task(ev).evaluation_plots(name, ev)
+    ]
 
 
-def _confusion(name: str, ev: dict):
-    split = ev.get("split", "test")
-    matrix, classes = ev["confusion_matrix"], ev["class_names"]
-    return lambda: plot_confusion(name, matrix, classes, ev["accuracy"], split)
+def _drawn(spec: PlotSpec):
+    return functools.partial(DRAWERS[spec.kind], *spec.args)
+
+
+# the plots a task's evaluation_plots names (PlotSpec.kind) -> the function that draws them
+DRAWERS = {"confusion_matrix": plot_confusion, "predicted_vs_true": plot_predicted_vs_true}

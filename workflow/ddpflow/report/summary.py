@@ -13,9 +13,9 @@ import io
 import json
 
 from ddpflow.config import VOLATILE_TRAIN_KEYS
-from ddpflow.config.runs import LANGUAGE_MODEL
 from ddpflow.report import metrics, sweep
 from ddpflow.runtime import PHASES
+from ddpflow.task import DEFAULT_TASK, Task, get_task, record_task
 
 __all__ = ["summary_csv", "summary_extras", "summary_json", "summary_row", "with_task"]
 
@@ -23,8 +23,8 @@ __all__ = ["summary_csv", "summary_extras", "summary_json", "summary_row", "with
 def summary_row(name: str, epochs: list[dict], ev: dict) -> dict:
     """A run's row: its task's headline metrics (classification: accuracy), the final epoch's
     selection metric (final_val_accuracy, final_val_mse, ...), what trained it and how fast."""
-    train, task, chosen = ev["train"], metrics.task_of(ev), metrics.selection(ev)
-    own = {} if task == metrics.CLASSIFICATION else {"task": task}
+    train, task, chosen = ev["train"], record_task(ev), metrics.selection(ev)
+    own = {"task": task.name} if task.named_in_records else {}
     row = {
         "run": name, **own, **{key: ev.get(key) for key in metrics.headline(ev)},
         "samples_evaluated": ev["samples_evaluated"],
@@ -47,19 +47,19 @@ def summary_row(name: str, epochs: list[dict], ev: dict) -> dict:
         # the training job (one allocation per run) or a job of its own; older files: own
         "evaluated_by": ev.get("evaluated_by", "evaluate job"),
     }  # fmt: skip
-    if task == LANGUAGE_MODEL:  # a sample is a block: tokens/s is the figure that compares
-        row["train_tokens_per_s"] = (train.get("language_model") or {}).get("tokens_per_s")
+    row.update(task.summary_fields(ev))  # a language model's tokens/s
     # Summed over the kept (deduplicated) epochs: the time of the final, complete history.
     for phase in (*PHASES, "epoch"):
         row[f"{phase}_seconds"] = sum(e["seconds"][phase] for e in epochs)
     return row
 
 
-def _data_read(train: dict, task: str) -> str:
-    """How the ranks read the data, where it is not the usual in-memory copy: a language
-    model's token files are always memory-mapped (ddpflow.training.rankdata)."""
-    if task == LANGUAGE_MODEL:
-        return ", tokens memory-mapped"
+def _data_read(train: dict, task: Task) -> str:
+    """How the ranks read the data, where it is not the usual in-memory copy: as the task
+    says (a language model's token files are always memory-mapped), else as recorded."""
+    fixed = task.data_read(train)
+    if fixed is not None:
+        return fixed
     return ", data streamed" if train.get("data_in_memory") is False else ""
 
 
@@ -68,7 +68,7 @@ def _model_name(config: dict) -> str:
     return str(model.get("name", "?")) if isinstance(model, dict) else str(model or "?")
 
 
-def _science(config: dict, task: str = "classification") -> str:
+def _science(config: dict, task: Task | None = None) -> str:
     """What a run trained, apart from the machine shape: data, model, training settings (less
     those that cannot change a result), CPU vs GPU and a task other than classification. Runs
     that agree on it form a scaling study; runs that differ in it are not compared by
@@ -83,8 +83,8 @@ def _science(config: dict, task: str = "classification") -> str:
         "train": train,
         "gpu": bool(machine.get("gpus_per_node")),
     }
-    if task != metrics.CLASSIFICATION:  # its data section names it too (config.runs)
-        science["task"] = task
+    if task is not None and task.named_in_records:  # its data section names it too
+        science["task"] = task.name
     return json.dumps(science, sort_keys=True, default=str)
 
 
@@ -92,7 +92,7 @@ def with_task(rows: list[dict]) -> list[dict]:
     """Where any run is not classification, every row names its task (after its name)."""
     if all("task" not in row for row in rows):
         return rows
-    return [{"run": r["run"], "task": r.get("task", metrics.CLASSIFICATION), **r} for r in rows]
+    return [{"run": r["run"], "task": r.get("task", DEFAULT_TASK), **r} for r in rows]
 
 
 def summary_csv(rows: list[dict]) -> str:
@@ -114,55 +114,45 @@ def summary_json(loaded, rows, baseline, generated: str, unfinished) -> dict:
     # every group's: summary.json's groups); null where that run was compared with none
     group = rows[0].get("group") if rows else None
     best = next((row["run"] for row in rows if row["best"] and row.get("group") == group), None)
-    classified = [(n, ev) for n, _, ev in loaded if metrics.task_of(ev) == metrics.CLASSIFICATION]
     return {
         "generated": generated, "best_run": best, "runs": rows,
         # without the sweep point an entry may carry: summary.json's sweep has the ranking
         "unfinished": [{k: v for k, v in u.items() if k != "sweep"} for u in unfinished],
         "scaling_baseline": {"world_size": baseline[0], "samples_per_s": baseline[1],
                              "runs": baseline[2]} if baseline else None,
-        "per_class_accuracy": {
-            name: dict(zip(map(str, ev["class_names"]), ev["per_class_accuracy"], strict=True))
-            for name, ev in classified
-        },
+        **_per_run(loaded, named=False),
         **_task_summary(loaded, rows),
         "provenance": {name: ev["provenance"] for name, _, ev in loaded},
     }  # fmt: skip
 
 
+def _per_run(loaded, named: bool) -> dict:
+    """summary.json's per-run keys (Task.summary_record) of the tasks whose records name
+    them (named) or not (classification): {key: {run: its value}}; those of the default task
+    are there even without a run of it (as they were before tasks existed)."""
+    out: dict[str, dict] = {} if named else {k: {} for k in get_task().summary_keys}
+    for name, _, ev in loaded:
+        task = record_task(ev)
+        if task.named_in_records == named:
+            for key, value in task.summary_record(ev).items():
+                out.setdefault(key, {})[name] = value
+    return out
+
+
 def _task_summary(loaded, rows: list[dict]) -> dict:
     """summary.json's keys of tasks other than classification (none without such a run): the
     best run of each task (its first comparability group's; none for a run compared with
-    none), each multilabel run's per-label F1 and counts, each regression run's per-target
-    errors."""
+    none), the task's own per-run keys (Task.summary_record: each multilabel run's per-label
+    F1 and counts, each regression run's per-target errors)."""
     if all("task" not in row for row in rows):
         return {}
     out = {"best_by_task": {}, "selected_by": {}}
     for row in rows:
         if row["best"]:
             out["best_by_task"].setdefault(row["task"], row["run"])
-    for name, _, ev in loaded:
-        chosen = metrics.selection(ev)
-        out["selected_by"].setdefault(metrics.task_of(ev), chosen.record())
-        names = list(map(str, ev["class_names"]))
-        if metrics.task_of(ev) == "multilabel":
-            out.setdefault("per_label", {})[name] = {
-                label: {
-                    "f1": ev["per_label_f1"][i],
-                    "true_positives": ev["true_positives"][i],
-                    "false_positives": ev["false_positives"][i],
-                    "false_negatives": ev["false_negatives"][i],
-                    "support": ev["true_positives"][i] + ev["false_negatives"][i],
-                }
-                for i, label in enumerate(names)
-            }
-        elif metrics.task_of(ev) == "regression":
-            errors = ev["per_target"]
-            out.setdefault("per_target", {})[name] = {
-                target: {key: errors[key][i] for key in ("mse", "mae", "r2")}
-                for i, target in enumerate(names)
-            }
-    return out
+    for _, _, ev in loaded:
+        out["selected_by"].setdefault(record_task(ev).name, metrics.selection(ev).record())
+    return {**out, **_per_run(loaded, named=True)}
 
 
 def summary_extras(view, bad_nodes, found, trackers) -> dict:

@@ -21,7 +21,7 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
 from ddpflow.report import metrics
-from ddpflow.report.plots import _new_figure, _png, safe_name, text_label
+from ddpflow.report.plots import new_figure, png_bytes, safe_name, text_label
 from ddpflow.task import Selection, selection_of
 from ddpflow.text import counted
 
@@ -84,7 +84,7 @@ def _unit(axis: dict) -> tuple[list[float], list[tuple[float, str]]]:
 def plot_parallel(
     keys: list[str], log_keys: list[str], points: list[dict], pick, chosen: Selection = ACCURACY
 ) -> bytes:
-    return _png(parallel_figure(keys, log_keys, points, pick, chosen))
+    return png_bytes(parallel_figure(keys, log_keys, points, pick, chosen))
 
 
 def parallel_figure(
@@ -97,7 +97,7 @@ def parallel_figure(
     columns = [_unit(_axis([p["values"].get(k) for p in points], k in log_keys)) for k in keys]
     columns.append(_unit({"kind": "linear", "pos": accuracy}))
     names = [*keys, chosen.label]
-    fig = _new_figure(max(7.0, 1.9 * len(names)), 4.8)
+    fig = new_figure(max(7.0, 1.9 * len(names)), 4.8)
     ax = fig.add_subplot()
     norm = Normalize(min(accuracy), max(accuracy) if max(accuracy) > min(accuracy) else 1.0)
     cmap = colormaps["viridis" if chosen.higher_is_better else "viridis_r"]
@@ -145,7 +145,7 @@ def _wrap(key: str, width: int = 16) -> str:
 def plot_key(
     key: str, log: bool, points: list[dict], pick: str | None, chosen: Selection = ACCURACY
 ) -> bytes:
-    return _png(key_figure(key, log, points, pick, chosen))
+    return png_bytes(key_figure(key, log, points, pick, chosen))
 
 
 def key_figure(
@@ -155,7 +155,7 @@ def key_figure(
     one key's value: a dot per run (a cross if pruned), the best run per value joined by a
     line, the selected run in red."""
     axis = _axis([p["values"].get(key) for p in points], log)
-    fig = _new_figure(6.4, 3.8)
+    fig = new_figure(6.4, 3.8)
     ax = fig.add_subplot()
     xs = np.array([np.nan if p is None else p for p in axis["pos"]], dtype=float)
     ys = np.array([p[chosen.metric] for p in points], dtype=float)

@@ -1,11 +1,10 @@
-"""The task tables of the report: each classification run's per-class accuracy, each multilabel
-run's per-label F1 and counts, each regression run's per-target errors, as render.py's
-format-neutral blocks; split_label, what the figures were measured on; and the table of
-each run's model and exports (Link: a cell that links a file); each run's provenance.
-Pure, like render.py.
+"""The task tables of the report, each as its task draws them (Task.report_section:
+classification's per-class accuracy, multilabel's per-label F1 and counts, regression's
+per-target errors), as render.py's format-neutral blocks; split_label, what the figures were
+measured on; and the table of each run's model and exports (Link: a cell that links a
+file); each run's provenance. Pure, like render.py.
 
-    blocks = task_sections(loaded, rows, focus, note)  # per-label and per-target
-    blocks = class_tables(classified, focus)  # one per class list
+    blocks = result_tables(loaded, rows, label, focus, note)  # every task's tables
 """
 
 from __future__ import annotations
@@ -14,7 +13,8 @@ from typing import NamedTuple
 
 import yaml
 
-from ddpflow.report import metrics
+from ddpflow.task import BUILT_IN_TASKS, Task, record_task
+from ddpflow.task.builtin_views import class_tables
 from ddpflow.text import counted
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "dataset_line",
     "hosts_text",
     "provenance_blocks",
+    "result_tables",
     "split_label",
     "task_sections",
 ]
@@ -35,102 +36,32 @@ def split_label(rows: list[dict]) -> str:
     return {"val": "validation", "train": "training"}.get(splits.pop(), "test")
 
 
-def class_tables(loaded, focus=None) -> list[tuple]:
-    """One table per distinct class list (runs on the same dataset share a table), a column
-    per run: with many runs, only the focus runs' (summary.json has every run's)."""
-    groups: dict[tuple, list] = {}
-    for name, _, ev in loaded:
-        if focus is not None and name not in focus:
-            continue
-        groups.setdefault(tuple(map(str, ev["class_names"])), []).append((name, ev))
-    tables = []
-    for classes, members in groups.items():
-        body = [[cls, *(_class_cell(ev, i) for _, ev in members)] for i, cls in enumerate(classes)]
-        tables.append(("table", ["Class", *(name for name, _ in members)], body, None))
-    return tables
-
-
-def _class_cell(ev: dict, index: int) -> str:
-    """A class's accuracy and support; a class with no sample in the split: n/a."""
-    accuracy, support = ev["per_class_accuracy"][index], sum(ev["confusion_matrix"][index])
-    if accuracy is None or not support:
-        return "n/a (0 samples)"
-    return f"{accuracy:.2%} ({support})"
-
-
-def _label_tables(loaded, focus=None) -> list[tuple]:
-    """Each multilabel run's labels: F1, true and false positives, false negatives and the
-    support (true positives + false negatives: the samples that carry the label)."""
-    out = []
-    headers = ["Label", "F1", "True positives", "False positives", "False negatives", "Support"]
-    for name, _, ev in loaded:
-        if metrics.task_of(ev) != "multilabel" or (focus is not None and name not in focus):
-            continue
-        body = []
-        for i, label in enumerate(ev["class_names"]):
-            tp, fp, fn = (
-                ev[k][i] for k in ("true_positives", "false_positives", "false_negatives")
-            )
-            f1 = ev["per_label_f1"][i]
-            f1 = "n/a (never present, never predicted)" if f1 is None else f"{f1:.4f}"
-            body.append([str(label), f1, str(tp), str(fp), str(fn), str(tp + fn)])
-        overall = _overall(ev, ("exact_match", "f1_micro", "f1_macro"))
-        if isinstance(ev.get("exact_matches"), int):
-            overall += f" ({ev['exact_matches']} of {ev['samples_evaluated']} samples exact)"
-        if isinstance(ev.get("threshold"), int | float):
-            overall += f"; a label is predicted at probability ≥ {ev['threshold']:g}"
-        out += [("h3", name), ("p", overall + "."), ("table", headers, body, None)]
-    return out
-
-
-def _target_tables(loaded, focus=None) -> list[tuple]:
-    """Each regression run's targets: MSE, MAE and R² in the targets' own units."""
-    out = []
-    for name, _, ev in loaded:
-        if metrics.task_of(ev) != "regression" or (focus is not None and name not in focus):
-            continue
-        errors = ev["per_target"]
-        keys = ("mse", "mae", "r2")
-        body = [
-            [str(target), *(metrics.shown(k, errors[k][i]) for k in keys)]
-            for i, target in enumerate(ev["class_names"])
-        ]
-        overall = _overall(ev, keys)
-        if len(body) > 1:
-            overall += " (the mean over the targets)"
-        if isinstance(ev.get("loss_name"), str):
-            overall += f"; trained with {ev['loss_name']} loss"
-        table = ("table", ["Target", "MSE", "MAE", "R²"], body, None)
-        out += [("h3", name), ("p", overall + "."), table]
-    return out
-
-
-def _overall(ev: dict, keys) -> str:
-    """The run's metrics in words: "MSE 0.0123, MAE 0.0871, R² 0.9512"."""
-    return ", ".join(f"{metrics.label(k)} {metrics.shown(k, ev.get(k))}" for k in keys)
+def result_tables(loaded, rows: list[dict], label: str, focus, note: list) -> list[tuple]:
+    """Each task's tables of its runs, as the task draws them (Task.report_section: per-class
+    accuracy, per-label F1, per-target errors): the built-in tasks first, in their order."""
+    return _sections(loaded, rows, label, focus, note, lambda task: True)
 
 
 def task_sections(loaded, rows: list[dict], focus, note: list) -> list[tuple]:
-    """The per-label tables of multilabel runs and per-target tables of regression runs."""
+    """The tables of the tasks whose records name them (result_tables less classification's
+    per-class tables, which class_tables draws)."""
+    return _sections(loaded, rows, "", focus, note, lambda task: task.named_in_records)
+
+
+def _sections(loaded, rows, label, focus, note, shown_task) -> list[tuple]:
+    by_task: dict[str, tuple[Task, list]] = {}
+    for item in loaded:
+        task = record_task(item[2])
+        by_task.setdefault(task.name, (task, []))[1].append(item)
+    built_in = [n for n in BUILT_IN_TASKS if n in by_task]
+    order = built_in + [n for n in by_task if n not in built_in]
     blocks = []
-    for task, heading, tables in (
-        ("multilabel", "Per-label {} F1 and counts", _label_tables),
-        ("regression", "Per-target {} errors", _target_tables),
-    ):
-        members = [item for item in loaded if metrics.task_of(item[2]) == task]
-        if not members:
-            continue
-        label = split_label([r for r in rows if r.get("task") == task])
-        blocks += [("h2", heading.format(label)), *note, *tables(members, focus)]
-        if task == "regression":
-            blocks.append(("p", _TARGET_NOTE))
+    for name in order:
+        task, members = by_task[name]
+        if shown_task(task):
+            own = split_label([r for r in rows if r.get("task") == name])
+            blocks += task.report_section(members, label, own, focus, note)
     return blocks
-
-
-_TARGET_NOTE = (
-    "MSE and MAE are in the targets' units (MSE squared); R² is 1 - MSE / the variance of "
-    "the evaluated split's targets: n/a where that target is constant."
-)
 
 
 class Link(NamedTuple):

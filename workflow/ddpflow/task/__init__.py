@@ -22,8 +22,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
-from ddpflow.errors import UserError
-from ddpflow.plugins import import_factory, is_plugin
+from ddpflow.errors import DataError, TaskError
+from ddpflow.plugins import call_plugin, is_plugin
 from ddpflow.task.base import Selection, Task
 
 if TYPE_CHECKING:
@@ -38,16 +38,14 @@ __all__ = [
     "Task",
     "TaskError",
     "get_task",
+    "manifest_task",
+    "record_task",
     "run_task",
     "selection_of",
 ]
 
 DEFAULT_TASK = "classification"
 BUILT_IN_TASKS = ("classification", "multilabel", "regression", "language_model")
-
-
-class TaskError(UserError):
-    """A task that cannot run: an unknown name, bad task_kwargs, a plug-in's broken return."""
 
 
 def get_task(name: str = DEFAULT_TASK, kwargs: dict | None = None) -> Task:
@@ -79,14 +77,7 @@ def _get_task(name: str, frozen: tuple) -> Task:
             f"task {name!r}: not a task; use one of {', '.join(BUILT_IN_TASKS)} "
             "or your own, written 'package.module:function'"
         )
-    factory = import_factory(name, "task", TaskError)
-    try:
-        task = factory(**kwargs)
-    except Exception as err:
-        raise TaskError(
-            f"task {name!r}: the function raised {type(err).__name__}: {err} "
-            f"(called with task_kwargs {kwargs})"
-        ) from err
+    task = call_plugin(name, "task", TaskError, kwargs=kwargs, given=f"task_kwargs {kwargs}")
     missing = [attr for attr in Task.REQUIRED if not hasattr(task, attr)]
     if missing:
         raise TaskError(
@@ -107,8 +98,6 @@ def task_targets(
     task: Task, labels, names: list[str] | None, where: str, n: int
 ) -> tuple[np.ndarray, list[str]]:
     """A source's targets as `task` stages them (checked), one per image, and their names."""
-    from ddpflow.data.raw import DataError
-
     targets, names = task.stage_targets(labels, names, where)
     if len(targets) != n:
         raise DataError(f"{where} has {len(targets)} entries but there are {n} images")
@@ -139,3 +128,38 @@ def selection_of(record: dict | None) -> Selection:
             str(chosen.get("label", chosen["metric"])),
         )
     return get_task(DEFAULT_TASK).selection
+
+
+def manifest_task(manifest: dict) -> Task:
+    """The task that reads a staged manifest's targets: the built-in one it names (a
+    manifest without a task: classification's), else the protocol's defaults, which read
+    the layout the manifest records (a plug-in task's target_dtype and target_shape)."""
+    name = manifest.get("task", DEFAULT_TASK)
+    return get_task(name) if name in BUILT_IN_TASKS else Task()
+
+
+def record_task(ev: dict) -> Task:
+    """The task of an evaluation record (eval_metrics.json), for the report and trackers:
+    classification where it names none; a plug-in task resolved from the run's config as it
+    trained (task, task_kwargs); where that no longer resolves (the code moved), the
+    record's own headline and selection with the protocol's defaults."""
+    name = ev.get("task") if isinstance(ev.get("task"), str) and ev.get("task") else None
+    if name is None or name in BUILT_IN_TASKS:
+        return get_task(name or DEFAULT_TASK)
+    config = (ev.get("provenance") or {}).get("config") or {}
+    spec = config.get("task") if isinstance(config, dict) else None
+    if isinstance(spec, str) and is_plugin(spec):
+        try:
+            task = get_task(spec, config.get("task_kwargs") or {})
+        except TaskError:
+            task = None
+        if task is not None and task.name == name:
+            return task
+    return _Recorded(name, selection_of(ev), tuple(ev.get("headline") or ()))
+
+
+class _Recorded(Task):
+    """A task known only from its records: their name, headline and selection."""
+
+    def __init__(self, name: str, selection: Selection, headline: tuple[str, ...]):
+        self.name, self.selection, self.headline = name, selection, headline

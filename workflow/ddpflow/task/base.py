@@ -28,15 +28,33 @@ A task is an object with these attributes (subclass Task to inherit the defaults
         # optional: the form of a prediction, one dict per sample (a class name and its
         # probability; a list of label names; a target's value)
 
+What a task decides beyond training and evaluation has a default here (a user's task
+overrides only what it needs; docs/tasks.md lists every hook):
+
+    reads: "images" | "tokens"        # the data sources it learns from (tokens: text, tokens)
+    stages_targets: bool              # True: stage_targets stages the sources' labels
+    target_layout(manifest, n)        # the staged targets' dtype and shape
+    manifest_record(targets, names)   # what the manifest says about the targets
+    named_in_records: bool            # its records name it (False: classification's)
+    exports: tuple | None             # the export.formats that apply (None: all)
+    no_prediction: str | None         # why it cannot predict (None: predictions() says how)
+    prediction_options(settings)      # predict settings its predictions() takes
+    train_record(loop, generated)     # its own train_summary.json record
+    throughput(summary)               # the training speed in the log
+    and the report's and trackers' view of it (ddpflow.task.views.ReportView)
+
 Nothing else in ddpflow knows which task runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+
+from ddpflow.errors import TaskError
+from ddpflow.task.selection import Selection
+from ddpflow.task.views import ReportView
 
 if TYPE_CHECKING:  # the login node resolves a task without importing torch
     import torch
@@ -45,30 +63,7 @@ if TYPE_CHECKING:  # the login node resolves a task without importing torch
     from ddpflow.config.typed import TrainSpec
 
 
-@dataclass(frozen=True)
-class Selection:
-    """The validation metric that selects: the epoch record key, its direction, its label."""
-
-    metric: str  # "val_accuracy", "val_mse", ...
-    higher_is_better: bool
-    label: str  # "validation accuracy"
-
-    def record(self) -> dict:
-        return {
-            "metric": self.metric,
-            "higher_is_better": self.higher_is_better,
-            "label": self.label,
-        }
-
-    def key(self, value: float) -> float:
-        """A sort key: smaller is better (sorted(..., key=selection.key) puts the best first)."""
-        return -value if self.higher_is_better else value
-
-    def worse_than(self, value: float, reference: float) -> bool:
-        return value < reference if self.higher_is_better else value > reference
-
-
-class Task:
+class Task(ReportView):
     """Defaults of the protocol; the built-in tasks subclass it."""
 
     REQUIRED: ClassVar[tuple[str, ...]] = (
@@ -85,6 +80,11 @@ class Task:
     name: str = "task"
     selection: Selection
     headline: tuple[str, ...] = ()  # the metrics' scalar keys, in the order logs show them
+    reads: ClassVar[str] = "images"  # "tokens": data.source text or tokens
+    stages_targets: ClassVar[bool] = True  # False: the sources' class labels, as they stage them
+    named_in_records: ClassVar[bool] = True  # False: its records are those before tasks existed
+    exports: ClassVar[tuple[str, ...] | None] = None  # the export.formats that apply; None: all
+    no_prediction: ClassVar[str | None] = None  # why snakemake predict cannot run it
 
     if TYPE_CHECKING:
         # the protocol's methods without a default, declared for the type checker only: a
@@ -111,8 +111,6 @@ class Task:
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> Task:
         if kwargs:
-            from ddpflow.task import TaskError
-
             raise TaskError(
                 f"task {cls.name}: task_kwargs {sorted(kwargs)} are not its keys; it takes none"
             )
@@ -130,6 +128,37 @@ class Task:
 
     def outputs(self, manifest: dict) -> int:
         return int(manifest["num_classes"])
+
+    def target_layout(self, manifest: dict, n: int) -> tuple[np.dtype, tuple[int, ...]]:
+        """The dtype and shape of a split's n staged targets: as the manifest records them
+        (manifest_record writes target_dtype and target_shape)."""
+        return np.dtype(manifest["target_dtype"]), (n, *manifest["target_shape"])
+
+    def manifest_record(self, targets: dict[str, np.ndarray], names: list[str]) -> dict:
+        """The manifest's record of the staged targets: the task, its manifest_fields and how
+        the targets are stored where the task does not say it (target_layout reads it)."""
+        record = {"task": self.name, **self.manifest_fields(targets, names)}
+        if type(self).target_layout is Task.target_layout:
+            sample = targets["train"]
+            record.update(target_dtype=str(sample.dtype), target_shape=list(sample.shape[1:]))
+        return record
+
+    def can_predict(self) -> bool:
+        """Whether snakemake predict can run it: it says what a prediction is."""
+        method = getattr(type(self), "predictions", None)
+        return self.no_prediction is None and callable(method) and method is not Task.predictions
+
+    def prediction_options(self, settings: dict) -> dict:
+        """The keyword arguments predictions() takes from the predict section (settings)."""
+        return {}
+
+    def train_record(self, loop: Any, generated: Any) -> dict:
+        """Its own keys of train_summary.json, from the finished loop (rank 0)."""
+        return {}
+
+    def throughput(self, summary: dict) -> str:
+        """The training speed as the log says it, from train_summary.json."""
+        return f"{summary['samples_per_s']:.0f} samples/s"
 
     def fingerprint(self) -> dict[str, Any]:
         """What of this task changes a trained model (the training fingerprint's task keys)."""

@@ -7,17 +7,31 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ddpflow.data.raw import check_labels, one_class_per_sample
+from ddpflow.errors import DataError
 from ddpflow.task.base import Selection, Task
+from ddpflow.task.builtin_views import ClassificationView
 
 if TYPE_CHECKING:
     from ddpflow.config.typed import TrainSpec
 
 
-class Classification(Task):
+class Classification(ClassificationView, Task):
     name = "classification"
     selection = Selection("val_accuracy", True, "validation accuracy")
     headline = ("accuracy",)
+    stages_targets = False  # the sources check and stage their class labels themselves
+    named_in_records = False  # its records and manifests are those written before tasks
+
+    def target_layout(self, manifest: dict, n: int) -> tuple[np.dtype, tuple[int, ...]]:
+        return np.dtype(np.int64), (n,)
+
+    def manifest_record(self, targets: dict, names: list[str]) -> dict:
+        k = len(names)
+        counts = {split: np.bincount(y, minlength=k).tolist() for split, y in targets.items()}
+        return {"class_counts": counts}
+
+    def prediction_options(self, settings: dict) -> dict:
+        return {"top": settings["top_k"]}
 
     def stage_targets(self, labels: np.ndarray, names, where: str):
         labels = check_labels(one_class_per_sample(np.asarray(labels), where), where)
@@ -89,3 +103,37 @@ class Classification(Task):
 
     def validation(self, metrics: dict) -> dict:
         return {"val_accuracy": metrics["accuracy"], "val_loss": metrics["loss"]}
+
+
+def check_labels(labels: np.ndarray, where: str) -> np.ndarray:
+    """Labels as int64, or a DataError naming `where` if they are not integers 0..K-1."""
+    if not np.issubdtype(labels.dtype, np.integer) or (len(labels) and labels.min() < 0):
+        raise DataError(
+            f"{where}: labels must be integers 0..K-1 (got {labels.dtype}, "
+            f"min {labels.min() if len(labels) else '-'})"
+        )
+    return labels.astype(np.int64)
+
+
+# what a label must be: more than one value per sample is refused, never cut to one of them
+ONE_CLASS = (
+    "a label is one integer class 0..K-1 per sample under task: classification (for several "
+    "labels per sample set task: multilabel; for float or vector targets task: regression)"
+)
+
+
+def one_class_per_sample(labels: np.ndarray, where: str) -> np.ndarray:
+    """Labels [n] as they are, a column [n, 1] as [n] (Keras's layout); any other shape, e.g.
+    [n, 3] (three values per sample), a DataError naming it."""
+    if labels.ndim == 2 and labels.shape[1] == 1:
+        return labels[:, 0]
+    if labels.ndim == 1:
+        return labels
+    one_hot = (
+        labels.ndim == 2
+        and labels.size
+        and np.isin(labels, (0, 1)).all()
+        and (labels.sum(axis=1) == 1).all()
+    )
+    hint = "; they look one-hot: give labels.argmax(axis=1)" if one_hot else ""
+    raise DataError(f"{where}: labels have shape {list(labels.shape)}; {ONE_CLASS}{hint}")

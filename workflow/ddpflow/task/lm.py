@@ -15,7 +15,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from ddpflow.errors import DataError
 from ddpflow.task.base import Selection, Task
+from ddpflow.task.builtin_views import LanguageModelView
 
 if TYPE_CHECKING:
     from ddpflow.config.typed import TrainSpec
@@ -23,14 +25,19 @@ if TYPE_CHECKING:
 PAD = -1  # ddpflow.data.text.PAD: a scored block's padding
 
 
-class LanguageModel(Task):
+class LanguageModel(LanguageModelView, Task):
     name = "language_model"
     selection = Selection("val_perplexity", False, "validation perplexity")
     headline = ("perplexity", "loss", "token_accuracy")
+    reads = "tokens"
+    exports = ("safetensors",)  # the traced formats take an image batch
+    no_prediction = (
+        "is a language model; snakemake predict applies image models to images. Sample from "
+        "it with ddpflow.training.gpt.generate on its model.pt (docs/language-models.md), or "
+        "name other runs in predict.runs"
+    )
 
     def stage_targets(self, labels, names, where: str):
-        from ddpflow.data.raw import DataError
-
         raise DataError(f"task language_model: {where} holds images and labels; it learns "
                         "from data.source text or tokens (docs/language-models.md)")  # fmt: skip
 
@@ -88,6 +95,30 @@ class LanguageModel(Task):
             f"perplexity {metrics['perplexity']:.4f}, loss {metrics['loss']:.4f} nats/token, "
             f"token accuracy {metrics['token_accuracy']:.4f} ({metrics['tokens']:,} tokens)"
         )
+
+    def train_record(self, loop, generated) -> dict:
+        """train_summary's "language_model": the block and the vocabulary, the tokens of each
+        split and those trained on, the training tokens/s, and for text, `generated`:
+        samples from a fixed prompt with fixed seeds (training.gpt)."""
+        data = loop.data
+        if not data.tokens:
+            return {}
+        block, records = int(data.shape[0]), loop.history
+        trained = sum(r["samples"] for r in records) * block
+        seconds = sum(r["seconds"]["train"] for r in records)
+        record = {
+            "block_size": block,
+            "vocab_size": int(data.num_classes),
+            "tokens": data.manifest["tokens"],
+            "tokens_trained": trained,
+            "tokens_per_s": trained / seconds if seconds else 0.0,
+            "generated": generated,
+        }
+        return {self.train_record_key: record}
+
+    def throughput(self, summary: dict) -> str:
+        lm = summary.get(self.train_record_key)
+        return f"{lm['tokens_per_s']:.0f} tokens/s" if lm else super().throughput(summary)
 
 
 def NextTokenLoss(label_smoothing: float = 0.0):

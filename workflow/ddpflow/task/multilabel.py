@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ddpflow.data.raw import DataError
+from ddpflow.errors import DataError, TaskError
 from ddpflow.task.base import Selection, Task
+from ddpflow.task.builtin_views import MultilabelView
 
 if TYPE_CHECKING:
     from ddpflow.config.typed import TrainSpec
@@ -26,18 +27,19 @@ if TYPE_CHECKING:
 THRESHOLD = 0.5
 
 
-class Multilabel(Task):
+class Multilabel(MultilabelView, Task):
     name = "multilabel"
     selection = Selection("val_f1_micro", True, "validation F1 (micro)")
     headline = ("exact_match", "f1_micro", "f1_macro")
+
+    def target_layout(self, manifest: dict, n: int) -> tuple[np.dtype, tuple[int, ...]]:
+        return np.dtype(np.uint8), (n, manifest["num_classes"])
 
     def __init__(self, threshold: float = THRESHOLD):
         self.threshold = threshold
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> Multilabel:
-        from ddpflow.task import TaskError
-
         unknown = sorted(set(kwargs) - {"threshold"})
         if unknown:
             raise TaskError(f"task_kwargs {unknown}: task multilabel takes threshold only")

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ddpflow.data.raw import DataError
+from ddpflow.errors import DataError, TaskError
 from ddpflow.task.base import Selection, Task
+from ddpflow.task.builtin_views import RegressionView
 
 if TYPE_CHECKING:
     from ddpflow.config.typed import TrainSpec
@@ -31,18 +32,19 @@ SPAN = 4.0  # its grid: the train mean +- SPAN train standard deviations
 PLOTTED = 4  # targets with a histogram (the first ones)
 
 
-class Regression(Task):
+class Regression(RegressionView, Task):
     name = "regression"
     selection = Selection("val_mse", False, "validation MSE")
     headline = ("mse", "mae", "r2")
+
+    def target_layout(self, manifest: dict, n: int) -> tuple[np.dtype, tuple[int, ...]]:
+        return np.dtype(np.float32), (n, manifest["num_classes"])
 
     def __init__(self, loss: str = "mse", huber_delta: float = 1.0):
         self.loss_name, self.huber_delta = loss, huber_delta
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> Regression:
-        from ddpflow.task import TaskError
-
         unknown = sorted(set(kwargs) - {"loss", "huber_delta"})
         if unknown:
             raise TaskError(f"task_kwargs {unknown}: task regression takes loss and huber_delta")

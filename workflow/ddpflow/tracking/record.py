@@ -24,12 +24,11 @@ from pathlib import Path
 from ddpflow.config.fingerprint import flatten
 from ddpflow.paths import EXPORT_FILES
 from ddpflow.runtime import sha256_file
-from ddpflow.task import selection_of
+from ddpflow.task import record_task, selection_of
 
 # per-epoch figures of train_metrics.jsonl logged as they are (and every other val_* key: a
 # task's validation figures)
 EPOCH_FIGURES = ("train_loss", "val_loss", "val_accuracy", "lr", "samples_per_s")
-CLASSIFICATION = "classification"
 
 
 @dataclass
@@ -90,12 +89,12 @@ def epoch_metrics(lines: list[dict]) -> list[tuple[str, float, int]]:
 def _plots(name: str, lines: list[dict], evaluation: dict, out_dir: Path) -> list[Path]:
     """The run's own plots (the report's, for this run alone): the losses, the task's
     selection metric per epoch (val_accuracy.png, val_mse.png, ...), the learning rate, and
-    classification's confusion matrix or regression's predicted against true values."""
+    the task's evaluation figures (Task.evaluation_plots: classification's confusion matrix,
+    regression's predicted against true values)."""
     from ddpflow.report import plots  # matplotlib: only when a tracker is fed
 
     out_dir.mkdir(parents=True, exist_ok=True)
     chosen = selection_of(evaluation)
-    split = evaluation.get("split", "test")
     figures = {
         "loss": plots.plot_per_epoch(
             {name: [(e["epoch"], e["train_loss"]) for e in lines]},
@@ -113,19 +112,8 @@ def _plots(name: str, lines: list[dict], evaluation: dict, out_dir: Path) -> lis
             {name: [(e["epoch"], e["lr"]) for e in lines]}, "learning rate", "Learning rate"
         ),
     }
-    task = evaluation.get("task", CLASSIFICATION)
-    if task == CLASSIFICATION:
-        figures["confusion_matrix"] = plots.plot_confusion(
-            name,
-            evaluation["confusion_matrix"],
-            evaluation["class_names"],
-            evaluation["accuracy"],
-            split,
-        )
-    elif task == "regression" and (evaluation.get("predicted_vs_true") or {}).get("counts"):
-        figures["predicted_vs_true"] = plots.plot_predicted_vs_true(
-            name, evaluation["predicted_vs_true"], evaluation["class_names"], split
-        )
+    for spec in record_task(evaluation).evaluation_plots(name, evaluation):
+        figures[spec.kind] = plots.DRAWERS[spec.kind](*spec.args)
     written = []
     for key, png in figures.items():
         (out_dir / f"{key}.png").write_bytes(png)
@@ -137,9 +125,9 @@ def _tags(run: dict, config: dict, evaluation: dict, summary: dict) -> dict[str,
     """What a tracker filters runs by: commit, dataset, machine shape, strategy, precision
     (and a task other than classification)."""
     hosts = sorted(set(summary.get("hosts") or evaluation["provenance"].get("hostnames") or []))
-    task = evaluation.get("task", CLASSIFICATION)
+    task = record_task(evaluation)
     return {
-        **({} if task == CLASSIFICATION else {"task": str(task)}),
+        **({"task": task.name} if task.named_in_records else {}),
         "ddpflow.run": run["name"],
         "git_commit": str(evaluation["provenance"].get("git_commit")),
         "dataset_id": str(config.get("dataset_id", run["dataset_id"])),
@@ -151,19 +139,11 @@ def _tags(run: dict, config: dict, evaluation: dict, summary: dict) -> dict[str,
 
 
 def final_metrics(evaluation: dict) -> dict[str, float]:
-    """The evaluation's figures as step-0 metrics named by the split: classification's
-    test_accuracy, another task's headline metrics (test_mse, test_mae, test_r2; one that is
+    """The evaluation's figures as step-0 metrics named by the split, as its task says
+    (Task.tracker_metrics: the headline metrics, test_accuracy, test_mse, ...; one that is
     undefined, an r2 of a constant target, is left out), then the loss."""
     split = evaluation.get("split", "test")
-    if evaluation.get("task", CLASSIFICATION) == CLASSIFICATION:
-        final = {f"{split}_accuracy": float(evaluation["accuracy"])}
-    else:
-        final = {
-            f"{split}_{key}": float(evaluation[key])
-            for key in evaluation.get("headline") or ()
-            if isinstance(evaluation.get(key), int | float)
-            and not isinstance(evaluation.get(key), bool)
-        }
+    final = record_task(evaluation).tracker_metrics(evaluation)
     if isinstance(evaluation.get("loss"), int | float):
         final[f"{split}_loss"] = float(evaluation["loss"])
     return final
@@ -185,17 +165,9 @@ def collect(run: dict, paths, out_dir: str | Path) -> RunRecord:
     tags = _tags(run, config, evaluation, summary)
     out_dir.mkdir(parents=True, exist_ok=True)
     matrix = []
-    if evaluation.get("task", CLASSIFICATION) == CLASSIFICATION:
-        matrix = [out_dir / "confusion_matrix.json"]
-        matrix[0].write_text(
-            json.dumps(
-                {
-                    "class_names": evaluation["class_names"],
-                    "confusion_matrix": evaluation["confusion_matrix"],
-                }
-            )
-            + "\n"
-        )
+    for file, content in record_task(evaluation).tracker_files(evaluation).items():
+        matrix.append(out_dir / file)  # classification's confusion_matrix.json
+        matrix[-1].write_text(json.dumps(content) + "\n")
     artifacts = [
         Path(paths.eval_metrics),
         Path(paths.train_metrics),

@@ -18,7 +18,7 @@ from torch import nn
 from ddpflow.config import BUILT_IN_MODELS
 from ddpflow.config.weights import kind as weights_kind
 from ddpflow.errors import UserError
-from ddpflow.plugins import import_factory, is_plugin
+from ddpflow.plugins import call_plugin, is_plugin
 
 BUILT_IN = tuple(BUILT_IN_MODELS)
 
@@ -83,12 +83,10 @@ def imagenet_architecture(model_cfg: Mapping[str, Any]) -> bool:
 
 def _plugin(spec: str, args: tuple, called: str, kwargs: dict) -> nn.Module:
     """The plug-in's factory(*args, **model.kwargs), checked; `called` says the args."""
-    factory = import_factory(spec, "model.name", ModelError)
-    try:
-        model = factory(*args, **kwargs)
-    except Exception as err:
-        raise ModelError(f"model.name {spec!r}: the factory raised {type(err).__name__}: {err} "
-                         f"(called with {called}, model.kwargs {kwargs})") from err  # fmt: skip
+    given = f"{called}, model.kwargs {kwargs}"
+    model = call_plugin(
+        spec, "model.name", ModelError, *args, kwargs=kwargs, given=given, what="factory"
+    )
     if not isinstance(model, nn.Module):
         raise ModelError(f"model.name {spec!r}: the factory returned a "
                          f"{type(model).__name__}, not a torch.nn.Module")  # fmt: skip

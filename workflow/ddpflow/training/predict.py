@@ -32,8 +32,8 @@ from ddpflow import runtime
 from ddpflow.cluster.distenv import DistEnv, any_rank
 from ddpflow.config import uses_channels_last
 from ddpflow.config.typed import RunSpec
-from ddpflow.data.image_folder import _decode_all
-from ddpflow.data.npz import _npz_images
+from ddpflow.data.image_folder import decode_all
+from ddpflow.data.npz import npz_images
 from ddpflow.data.raw import DataError
 from ddpflow.paths import PREDICT_WORK
 from ddpflow.predict import REQUEST, input_count
@@ -99,9 +99,7 @@ class PredictTask(DistributedTask):
 def _predict(model, task, manifest, pixels: np.ndarray, norm, device, settings) -> list[dict]:
     x = evaluate.normalize(torch.from_numpy(pixels).to(device), *norm)
     outputs = model(x).float().cpu()
-    if task.name == "classification":
-        return task.predictions(outputs, manifest, top=settings["top_k"])
-    return task.predictions(outputs, manifest)
+    return task.predictions(outputs, manifest, **task.prediction_options(settings))
 
 
 class Inputs:
@@ -112,7 +110,7 @@ class Inputs:
         self.images = None
         if listing["kind"] == "npz":
             with np.load(listing["path"]) as arrays:
-                self.images = _npz_images(arrays, "images", Path(listing["path"]))
+                self.images = npz_images(arrays, "images", Path(listing["path"]))
 
     def read(self, first: int, last: int) -> tuple[np.ndarray, dict[int, str]]:
         """(pixels of the inputs that decode, {index: why} of those that do not)."""
@@ -122,7 +120,7 @@ class Inputs:
         root = Path(self.listing["root"])
         paths = [root / name for name in self.listing["files"][first:last]]
         mode = "L" if channels == 1 else "RGB"
-        decoded = _decode_all(paths, height, width, mode, True)
+        decoded = decode_all(paths, height, width, mode, True)
         failed = {
             first + i: str(detail) for i, (pixels, detail) in enumerate(decoded) if pixels is None
         }

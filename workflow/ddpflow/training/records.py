@@ -11,7 +11,7 @@ from ddpflow.config import plugin_source, plugin_source_hash
 from ddpflow.config.typed import RunSpec, RunView
 from ddpflow.config.weights import input_normalisation
 from ddpflow.plugins import is_plugin
-from ddpflow.task import DEFAULT_TASK, run_task
+from ddpflow.task import run_task
 
 
 def evaluation_record(
@@ -59,9 +59,9 @@ def task_fields(run: RunView) -> dict:
     classification: its name and the validation metric that selects (with its direction),
     which the report, sweeps and trackers read (ddpflow.task.selection_of). Nothing for
     classification: its records are those written before tasks existed."""
-    if run.get("task", DEFAULT_TASK) == DEFAULT_TASK:
-        return {}
     task = run_task(run)
+    if not task.named_in_records:
+        return {}
     selection = task.selection.record()
     return {"task": task.name, "selection": selection, "headline": list(task.headline)}
 
@@ -126,7 +126,7 @@ def train_summary(
         "data_in_memory": data.in_memory,
         "parameters": parameters,
         **fine_tuning_record(run, loop),  # model.weights, train.freeze: only where set
-        **language_model_record(loop, generated),  # task: language_model only
+        **run_task(run).train_record(loop, generated),  # a language model's tokens/s
         "lr": loop.lr,
         "global_batch": run.train.global_batch_size,
         "micro_batch": run.train.micro_batch_size,
@@ -140,27 +140,6 @@ def train_summary(
         **pruned,
         **task_fields(run),
     }
-
-
-def language_model_record(loop, generated) -> dict:
-    """train_summary's "language_model" (task: language_model only): the block and the
-    vocabulary, the tokens of each split and those trained on, the training tokens/s, and
-    for text, `generated`: samples from a fixed prompt with fixed seeds (training.gpt)."""
-    data = loop.data
-    if not data.tokens:
-        return {}
-    block, records = int(data.shape[0]), loop.history
-    trained = sum(r["samples"] for r in records) * block
-    seconds = sum(r["seconds"]["train"] for r in records)
-    record = {
-        "block_size": block,
-        "vocab_size": int(data.num_classes),
-        "tokens": data.manifest["tokens"],
-        "tokens_trained": trained,
-        "tokens_per_s": trained / seconds if seconds else 0.0,
-        "generated": generated,
-    }
-    return {"language_model": record}
 
 
 def fine_tuning_record(run, loop) -> dict:
