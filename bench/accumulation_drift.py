@@ -21,24 +21,22 @@ epoch, the largest absolute difference, and whether they are bitwise equal.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import harness
 import numpy as np
 import torch
-from ddpflow import runtime
+import workers
 from ddpflow.data.sources import load_digits
 from ddpflow.data.staging import split_indices
 from ddpflow.training.loop import fit
 from ddpflow.training.rankdata import Split
-from throughput import ddpflow_epoch, ddpflow_run, launch, process_group, rank_device
-from workers import machine_info
+from loops import ddpflow_epoch, ddpflow_run, process_group, rank_device
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -47,8 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--epochs", type=int, default=3)
-    default_out = Path(__file__).parent / "out" / "accumulation_drift.json"
-    p.add_argument("--out", type=Path, default=default_out)
+    p.add_argument("--out", type=Path, default=harness.OUT / "accumulation_drift.json")
     p.add_argument("--worker", type=json.loads, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -84,10 +81,9 @@ def run_worker(cfg: dict) -> int:
     if cfg["rank"] == 0:
         names = [name for name, _ in loop.model.named_parameters()]
         torch.save({k: state[k].detach().cpu() for k in names}, cfg["params_file"])
-        keep = ("train_loss", "val_loss", "val_accuracy")
-        history = [{k: r[k] for k in keep if k in r} for r in loop.history]
-        Path(cfg["result_file"]).write_text(json.dumps({"history": history, "lr": loop.lr}))
-    return 0
+    keep = ("train_loss", "val_loss", "val_accuracy")
+    history = [{k: r[k] for k in keep if k in r} for r in loop.history]
+    return workers.answer(cfg, {"history": history, "lr": loop.lr})
 
 
 def distance(a: dict, b: dict) -> dict:
@@ -101,13 +97,13 @@ def distance(a: dict, b: dict) -> dict:
 
 
 def measure(args: argparse.Namespace, world: int, params_file: Path) -> dict:
-    # throughput.ddpflow_run's keys: the epochs are warmup + repeats
+    # loops.ddpflow_run's keys: the epochs are warmup + repeats
     shape = {"case": {"model": "cnn", "shape": [1, 8, 8]}, "world_size": world, "warmup": 0}
     batch = {"batch": args.micro_batch, "global_batch": args.global_batch}
     machine = {"threads": 1, "device": "cpu", "precision": "fp32"}
     mine = {"repeats": args.epochs, "params_file": str(params_file)}
     cfg = {**shape, **batch, **machine, **mine}
-    got = launch(cfg, __file__)
+    got = workers.launch(__file__, cfg)
     micro_per_step = args.global_batch // args.micro_batch
     return {
         "world_size": world,
@@ -121,14 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
         return run_worker(args.worker)
-    report = {
-        "benchmark": "accumulation_drift",
-        "description": "the same training at several world sizes: losses and parameter "
+    report = harness.head(
+        "accumulation_drift",
+        description="the same training at several world sizes: losses and parameter "
         "distance from the order of gradient additions",
-        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "provenance": runtime.provenance(),
-        "conditions": {
+        conditions={
             "case": "the shipped config's cnn, optimizer and data (scikit-learn's 8x8 digits, "
             "its train and val splits as staged), fp32, 1 thread/rank",
             "global_batch": args.global_batch,
@@ -136,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             "epochs": args.epochs,
             "world_sizes": args.world_sizes,
         },
-    }
+    )
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ddpflow-drift-") as tmp:
         files = {w: Path(tmp) / f"params-{w}.pt" for w in args.world_sizes}
@@ -144,18 +137,14 @@ def main(argv: list[str] | None = None) -> int:
         params = {w: torch.load(f, weights_only=True) for w, f in files.items()}
     pairs = itertools.combinations(args.world_sizes, 2)
     report["distances"] = [{"a": a, "b": b, **distance(params[a], params[b])} for a, b in pairs]
-    report["conditions"]["loadavg_after"] = os.getloadavg()
-    report["wall_s"] = time.perf_counter() - start
+    report["conditions"]["loadavg_after"] = harness.loadavg()
     for r in report["runs"]:
         losses = ", ".join(f"{e['train_loss']:.7f}" for e in r["epochs"])
         print(f"world {r['world_size']}: train loss per epoch {losses}")
     for d in report["distances"]:
         close = f"relative distance {d['relative_l2']:.3g}, largest {d['max_abs']:.3g}"
         print(f"{d['a']} vs {d['b']} ranks: {close}, bitwise {d['bitwise_equal']}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out} ({report['wall_s']:.0f} s)")
-    return 0
+    return harness.write(report, args.out, wall_since=start)
 
 
 if __name__ == "__main__":

@@ -21,20 +21,18 @@ batchnorm.STEPS_PER_GATHER steps share one).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from ddpflow import runtime
+import harness
+import workers
 from ddpflow.training.batchnorm import ExactStatistics
-from throughput import (
+from loops import (
     ddpflow_epoch,
     ddpflow_run,
-    launch,
     process_group,
     rank_device,
     schedule,
@@ -42,10 +40,10 @@ from throughput import (
     timed_epoch,
 )
 from torch import nn
-from workers import machine_info
 
 CASE = {"model": "cnn", "shape": [1, 8, 8], "samples": 1024}
 LOOPS = ("exact", "rank0")
+CPU_RANK = {"threads": 1, "device": "cpu", "precision": "fp32"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -56,7 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="timed epochs per loop (8; 3)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "batchnorm.json")
+    p.add_argument("--out", type=Path, default=harness.OUT / "batchnorm.json")
     p.add_argument("--worker", type=json.loads, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.repeats is None:
@@ -112,20 +110,15 @@ def run_worker(cfg: dict) -> int:
                 seconds[name].append(samples / rate)
                 if name == "exact":
                     fold.append(timer.seconds)
-    if cfg["rank"] == 0:
-        steps = CASE["samples"] // cfg["global_batch"]
-        Path(cfg["result_file"]).write_text(json.dumps({"epoch_s": seconds, "fold_s": fold,
-                                                        "steps": steps}))  # fmt: skip
-    return 0
+    steps = CASE["samples"] // cfg["global_batch"]
+    return workers.answer(cfg, {"epoch_s": seconds, "fold_s": fold, "steps": steps})
 
 
 def measure(args: argparse.Namespace, world: int) -> dict:
-    cfg = {
-        "case": CASE, "world_size": world, "batch": args.micro_batch,
-        "global_batch": args.global_batch, "warmup": args.warmup, "repeats": args.repeats,
-        "threads": 1, "device": "cpu", "precision": "fp32",
-    }  # fmt: skip
-    got = launch(cfg, __file__)
+    batches = {"batch": args.micro_batch, "global_batch": args.global_batch}
+    epochs = {"warmup": args.warmup, "repeats": args.repeats}
+    cfg = {"case": CASE, "world_size": world, **batches, **epochs, **CPU_RANK}
+    got = workers.launch(__file__, cfg)
     exact, rank0 = (statistics.median(got["epoch_s"][n]) for n in LOOPS)
     step_s = exact / got["steps"]
     fold_step_s = statistics.median(got["fold_s"]) / got["steps"]
@@ -146,10 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker is not None:
         return run_worker(args.worker)
     report = {
-        "benchmark": "cost of the exact BatchNorm running statistics per optimizer step",
-        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "provenance": runtime.provenance(),
+        **harness.head("cost of the exact BatchNorm running statistics per optimizer step"),
         "conditions": {
             "case": "cnn 1x8x8 (the digits' shape), synthetic uint8 images, random labels",
             "global_batch": args.global_batch,
@@ -163,16 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     }
     start = time.perf_counter()
     report["runs"] = [measure(args, world) for world in args.world_sizes]
-    report["conditions"]["loadavg_after"] = os.getloadavg()
+    report["conditions"]["loadavg_after"] = harness.loadavg()
     report["wall_s"] = time.perf_counter() - start
     for r in report["runs"]:
-        print(f"world {r['world_size']}: step {r['step_s'] * 1e3:.2f} ms, fold "
-              f"{r['fold_step_s'] * 1e6:.0f} us per step ({r['fold_share']:.2%}), epoch "
-              f"exact/rank0 {r['epoch_ratio']:.3f}")  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out} ({report['wall_s']:.0f} s)")
-    return 0
+        step, fold = f"{r['step_s'] * 1e3:.2f} ms", f"{r['fold_step_s'] * 1e6:.0f} us"
+        print(
+            f"world {r['world_size']}: step {step}, fold {fold} per step ({r['fold_share']:.2%}),"
+            f" epoch exact/rank0 {r['epoch_ratio']:.3f}"
+        )
+    return harness.write(report, args.out)
 
 
 if __name__ == "__main__":

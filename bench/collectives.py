@@ -20,22 +20,20 @@ the benchmark behaves the same whether run as a script or called via ``main()``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+import harness
 import torch
 import torch.distributed as dist
-from ddpflow import runtime
+import workers
 from ddpflow.cluster.preflight import bus_bandwidth
 from ddpflow.tutorial.collectives import naive_all_reduce, ring_all_reduce
-from workers import machine_info, spawn_ranks
 
 IMPLS = ("torch", "ring", "naive")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
@@ -160,16 +158,13 @@ def run_worker(cfg: dict) -> int:
         def sync():
             pass
 
-    dist.init_process_group(
-        backend, init_method=cfg["init_method"], rank=rank, world_size=world_size
-    )
+    init_method = f"file://{cfg['work']}/rendezvous"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     try:
         rows = [_measure_size(n, cfg, device, sync) for n in cfg["sizes"]]
     finally:
         dist.destroy_process_group()
-    if rank == 0:
-        Path(cfg["result_file"]).write_text(json.dumps(rows))
-    return 0
+    return workers.answer(cfg, rows)
 
 
 # --- driver ------------------------------------------------------------------------
@@ -177,9 +172,7 @@ def run_worker(cfg: dict) -> int:
 
 def launch(cfg: dict) -> list[dict]:
     """Run one (backend, world size) in fresh worker processes; rank 0's rows."""
-    with tempfile.TemporaryDirectory(prefix="ddpflow-bench-") as tmp:
-        cfg = {**cfg, "init_method": f"file://{tmp}/rendezvous", "result_file": f"{tmp}/r.json"}
-        return spawn_ranks(__file__, cfg, WORKER_TIMEOUT_S)
+    return workers.launch(__file__, cfg, WORKER_TIMEOUT_S)
 
 
 def format_table(run: dict) -> str:
@@ -233,10 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker is not None:
         return run_worker(args.worker)
     report = {
-        "benchmark": "all_reduce: torch.distributed vs ddpflow.tutorial.collectives (p2p)",
-        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "provenance": runtime.provenance(),
+        **harness.head("all_reduce: torch.distributed vs ddpflow.tutorial.collectives (p2p)"),
         "conditions": {
             "timing": "per-iteration wall time after a barrier, slowest rank, median",
             "busbw": "algbw * 2(n-1)/n (nccl-tests all_reduce)",
@@ -249,9 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         run = {**cfg, "results": launch(cfg)}
         report["runs"].append(run)
         print(format_table(run), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    harness.write(report, args.out)
     failed = any(not row["check_ok"] for run in report["runs"] for row in run["results"])
     return 1 if failed else 0
 

@@ -49,7 +49,6 @@ On an image folder that Pillow writes into a temporary directory (--images PNG f
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -62,16 +61,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import harness
 import numpy as np
 import torch
 from ddpflow import config as ddpconfig
-from ddpflow import runtime
 from ddpflow.data import feed
 from ddpflow.data.staged import choose_in_memory, open_split, read_manifest
 from ddpflow.data.staging import stage_dataset
 from ddpflow.training.evaluate import normalize
 from ddpflow.training.schedule import rank_micro_batches, step_micro_batches
-from workers import machine_info
 
 WORLD, RANK, SEED = 2, 0, 0  # one rank of a 2-rank job, the sampler's seed
 TARGET = 5.0  # streamed vs the tutorial loader, images/s (the issue)
@@ -103,7 +101,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the rank")
     p.add_argument("--quick", action="store_true", help="2,000 images, smaller memory case")
     p.add_argument("--tmp", type=Path, default=None, help="where the image folders go")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "data.json")
+    p.add_argument("--out", type=Path, default=harness.OUT / "data.json")
     p.add_argument("--worker", type=json.loads, default=None, help=argparse.SUPPRESS)
     p.add_argument("--stage-worker", type=json.loads, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -114,10 +112,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.memory_budget_gb is None:
         args.memory_budget_gb = 0.01 if args.quick else 0.05
     return args
-
-
-def loadavg():
-    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
 
 def data_cfg(overrides: dict) -> dict:
@@ -332,7 +326,7 @@ def loader_case(root: Path, staged: Path, size: int, args: argparse.Namespace) -
     row["streamed_over_tutorial"] = p["streamed"]["images_per_s"] / p["tutorial"]["images_per_s"]
     row["in_memory_over_streamed"] = p["in_memory"]["images_per_s"] / p["streamed"]["images_per_s"]
     row["meets_target"] = row["streamed_over_tutorial"] >= TARGET
-    row["loadavg_after"] = loadavg()
+    row["loadavg_after"] = harness.loadavg()
     return row
 
 
@@ -625,11 +619,10 @@ def main(argv: list[str] | None = None) -> int:
     import torchvision
 
     report = {
-        "benchmark": "data loading: ddpflow's streamed feed vs ImageFolder + DataLoader; "
-        "peak RSS of a streamed rank against the memory budget; staging throughput",
-        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "provenance": runtime.provenance(),
+        **harness.head(
+            "data loading: ddpflow's streamed feed vs ImageFolder + DataLoader; "
+            "peak RSS of a streamed rank against the memory budget; staging throughput"
+        ),
         "conditions": {
             "device": "cpu",
             "images": args.images,
@@ -690,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
             "stage_threads": args.stage_threads,
             "pillow": PIL.__version__,
             "torchvision": torchvision.__version__,
-            "loadavg_at_start": loadavg(),
+            "loadavg_at_start": harness.loadavg(),
             "quick": args.quick,
         },
     }
@@ -717,12 +710,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.memory_budget_gb > 0:
             report["memory"] = memory_case(work, args)
     report["wall_s"] = time.perf_counter() - start
-    report["conditions"]["loadavg_after"] = loadavg()
+    report["conditions"]["loadavg_after"] = harness.loadavg()
     print(format_table(report), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out} ({report['wall_s']:.0f} s)")
-    return 0
+    return harness.write(report, args.out)
 
 
 if __name__ == "__main__":

@@ -31,26 +31,22 @@ channels_last (ddpflow's default for convolutional models); 1 torch thread.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import harness
 import torch
 from ddpflow import config as ddpconfig
-from ddpflow import runtime
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config.typed import RunSpec
 from ddpflow.training.build import placed_model
 from ddpflow.training.loop import Loop
 from ddpflow.training.models import build_model
 from ddpflow.training.rankdata import RankData, Split
-from throughput import NUM_CLASSES, schedule, synthetic
-from workers import machine_info
+from loops import NUM_CLASSES, schedule, synthetic
 
 REPO = Path(__file__).resolve().parents[1]
 # steps: optimizer steps per epoch (= per repeat) at the default batch; ResNet-18 is kept to
@@ -76,7 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed epochs per mode")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--quick", action="store_true", help="the CNN only, 3 repeats")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "finetune.json")
+    p.add_argument("--out", type=Path, default=harness.OUT / "finetune.json")
     args = p.parse_args(argv)
     if args.quick:
         args.cases, args.repeats = ["cnn"], min(args.repeats, 3)
@@ -221,7 +217,7 @@ def measure(name: str, args: argparse.Namespace, work: Path) -> dict:
         # the frozen mode trained its head alone: backbone weights and statistics as loaded
         "frozen_backbone_unchanged": before.keys() == after.keys()
         and all(torch.equal(before[k], after[k]) for k in before),
-        "loadavg_after": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "loadavg_after": harness.loadavg(),
     }
 
 
@@ -280,25 +276,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    report = {
-        "benchmark": "fine-tuning's training step: from scratch vs full fine-tuning vs "
-        "train.freeze: backbone",
-        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "provenance": runtime.provenance(),
-        "conditions": conditions(args),
-        "runs": [],
-    }
+    report = harness.head(
+        "fine-tuning's training step: from scratch vs full fine-tuning vs train.freeze: backbone",
+        conditions=conditions(args),
+        runs=[],
+    )
     with tempfile.TemporaryDirectory(prefix="ddpflow-bench-finetune-") as tmp:
         for name in args.cases:
             print(f"measuring {name} ...", flush=True)
             report["runs"].append(measure(name, args, Path(tmp)))
     report["wall_s"] = time.perf_counter() - start
     print(format_table(report), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return 0
+    return harness.write(report, args.out)
 
 
 if __name__ == "__main__":

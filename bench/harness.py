@@ -87,20 +87,24 @@ def head(benchmark: str, *, devices: bool = True, **fields) -> dict:
 
 def write(report: dict, out: Path | str, *, wall_since: float | None = None, indent=2) -> int:
     """Write `report` as JSON to `out` (its folder made), with "wall_s" since the
-    perf_counter() reading `wall_since` when given; say where. Returns 0 (main's exit)."""
+    perf_counter() reading `wall_since` when given; say where and how long it took. Returns 0
+    (main's exit status)."""
     out = Path(out)
     if wall_since is not None:
         report["wall_s"] = time.perf_counter() - wall_since
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=indent) + "\n")
-    took = f" ({report['wall_s']:.0f} s)" if wall_since is not None else ""
+    took = f" ({report['wall_s']:.0f} s)" if "wall_s" in report else ""
     print(f"wrote {out}{took}", flush=True)
     return 0
 
 
-def markdown_table(header: Iterable[object], rows: Iterable[Iterable[object]]) -> str:
-    """A Markdown table: one header row, its rule, a row per item (cells as str())."""
+def markdown_table(
+    header: Iterable[object], rows: Iterable[Iterable[object]], *, rule: str = "---"
+) -> str:
+    """A Markdown table: one header row, its rule ("--:" aligns numbers right), a row per
+    item (cells as str())."""
     header = [str(h) for h in header]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = ["| " + " | ".join(header) + " |", "|" + f"{rule}|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)

@@ -17,18 +17,15 @@ over repeats of the mean step time of `--steps` steps, after two untimed steps.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import harness
 import torch
 from ddpflow import config as ddpconfig
-from ddpflow import runtime
 from ddpflow.training.models import build_model, place
-from workers import machine_info
 
 # model:CxHxW; the default digits are 1x8x8, the throughput benchmark's images 1x28x28 / 3x32x32
 CASES = ["cnn:1x8x8", "cnn:1x28x28", "resnet18:1x8x8", "resnet18:3x32x32",
@@ -46,7 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4, help="timed steps per repeat")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="small cases, 2 steps, 2 repeats")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "layout.json")
+    p.add_argument("--out", type=Path, default=harness.OUT / "layout.json")
     args = p.parse_args(argv)
     if args.quick:
         args.cases, args.steps, args.repeats = args.cases or QUICK_CASES, 2, 2
@@ -125,10 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     bf16_native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     report = {
-        "benchmark": "CPU training step: fp32 NCHW vs fp32 channels_last vs bf16 channels_last",
-        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {**machine_info(), "cpu_bf16_instructions": bf16_native},
-        "provenance": runtime.provenance(),
+        **harness.head("CPU training step: fp32 NCHW vs fp32 channels_last vs bf16 channels_last"),
         "conditions": {
             "threads": 1,
             "batch": BATCH,
@@ -144,16 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         },
         "runs": [],
     }
+    report["machine"]["cpu_bf16_instructions"] = bf16_native
     for case in args.cases:
         print(f"measuring {case} ...", flush=True)
         report["runs"].append(measure(case, args.steps, args.repeats))
     print(format_table(report), flush=True)
     if not bf16_native:
         print("# this CPU has no bf16 instructions: bf16 is emulated by oneDNN", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return 0
+    return harness.write(report, args.out)
 
 
 if __name__ == "__main__":

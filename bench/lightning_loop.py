@@ -31,7 +31,9 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from ddpflow.training.evaluate import normalize
+from ddpflow.training.models import build_model
 from lightning.pytorch.plugins.environments import LightningEnvironment
+from loops import peer_layout
 from peers.digits_job import NUM_CLASSES, lightning_optimizers, sgd_schedule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -103,9 +105,6 @@ class LightningLoop:
         )
         steps = math.ceil(self.per_rank / cfg["batch"])
         torch.manual_seed(run["train"]["seed"])  # same initial weights as the other loops
-        from ddpflow.training.models import build_model
-        from throughput import peer_layout
-
         model = peer_layout(cfg, build_model(run["model"], cfg["case"]["shape"], NUM_CLASSES))
         self.module = Module(model, run, lr, norm, steps)
         self.precision = "bf16-mixed" if cfg["precision"] == "bf16" else "32-true"

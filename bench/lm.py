@@ -37,18 +37,17 @@ FLOP/s / `--peak-tflops` (a CPU has no datasheet peak: without it only GFLOP/s i
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import harness
 import torch
+import workers
 from ddpflow import config as ddpconfig
-from ddpflow import runtime
 from ddpflow.config.typed import RunSpec
 from ddpflow.data.staging import stage_dataset
 from ddpflow.data.text import open_tokens, split_tokens, train_blocks
@@ -58,9 +57,8 @@ from ddpflow.training.gpt import gpt
 from ddpflow.training.loop import Loop
 from ddpflow.training.rankdata import load_data
 from ddpflow.training.schedule import lr_schedule
+from loops import process_group, rank_device, schedule, timed_epoch
 from nanogpt_loop import NanoGPTLoop
-from throughput import launch, process_group, rank_device, schedule, timed_epoch
-from workers import machine_info
 
 LOOPS = ("nanogpt", "ddpflow")
 OPTIMIZER = {"name": "adamw", "betas": [0.9, 0.95], "weight_decay": 0.1}  # nanoGPT's
@@ -84,12 +82,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=6e-4, help="AdamW lr (no batch scaling)")
     p.add_argument("--gpu", action="store_true", help="on CUDA (nccl), world size 1 default")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak for MFU (datasheet)")
-    p.add_argument(
-        "--peer-fused-adamw", action="store_true",
-        help="the nanoGPT loop with fused AdamW on CPU too (isolates the loop from the kernel)",
-    )  # fmt: skip
+    fused = "the nanoGPT loop with fused AdamW on CPU too (isolates the loop from the kernel)"
+    p.add_argument("--peer-fused-adamw", action="store_true", help=fused)
     p.add_argument("--quick", action="store_true", help="a tiny GPT, 2 steps, 1 repeat")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "lm.json")
+    p.add_argument("--out", type=Path, default=harness.OUT / "lm.json")
     p.add_argument("--worker", type=json.loads, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -180,12 +176,22 @@ def build_loops(cfg: dict, precision: str, env, device):
     factor = lr_schedule(tcfg.schedule, round(tcfg.warmup_epochs * loop.steps_per_epoch), total)
     tokens = open_tokens(cfg["staged"], "train", data.manifest, verify=False)
     peer = NanoGPTLoop(
-        peer_model, tokens, block=cfg["block"], batch=cfg["batch"], steps=cfg["steps"],
-        lr=loop.lr, lr_factor=factor, betas=OPTIMIZER["betas"],
-        weight_decay=OPTIMIZER["weight_decay"], precision=precision, device=device,
-        world_size=env.world_size, seed=env.rank, master=env.is_master,
+        peer_model,
+        tokens,
+        block=cfg["block"],
+        batch=cfg["batch"],
+        steps=cfg["steps"],
+        lr=loop.lr,
+        lr_factor=factor,
+        betas=OPTIMIZER["betas"],
+        weight_decay=OPTIMIZER["weight_decay"],
+        precision=precision,
+        device=device,
+        world_size=env.world_size,
+        seed=env.rank,
+        master=env.is_master,
         fused=True if cfg["peer_fused_adamw"] else None,
-    )  # fmt: skip
+    )
     return loop, peer, same
 
 
@@ -269,9 +275,7 @@ def run_worker(cfg: dict) -> int:
     with process_group(cfg, backend) as env:
         for precision in cfg["precisions"]:
             results[precision] = measure(cfg, precision, env, device, sync)
-    if cfg["rank"] == 0:
-        Path(cfg["result_file"]).write_text(json.dumps(results))
-    return 0
+    return workers.answer(cfg, results)
 
 
 # --- driver ---------------------------------------------------------------------------------
@@ -304,12 +308,9 @@ def stage(args: argparse.Namespace, world: int, tmp: Path) -> tuple[dict, str, d
     """The corpus for this world size (train: steps x global batch blocks), staged."""
     blocks = args.steps * args.batch * world
     corpus = write_corpus(tmp / f"corpus-{world}.txt", corpus_length(blocks, args.block))
-    data = {"source": "text", "path": str(corpus), "block_size": args.block,
-            "val_fraction": VAL_FRACTION, "test_fraction": TEST_FRACTION}  # fmt: skip
-    cfg = {"data": data, "gpt": gpt_kwargs(args), "batch": args.batch, "world_size": world,
-           "warmup": args.warmup, "repeats": args.repeats, "lr": args.lr,
-           "threads": args.threads, "device": "cuda" if args.gpu else "cpu"}  # fmt: skip
-    run = ddpflow_run(cfg, "fp32")
+    fractions = {"val_fraction": VAL_FRACTION, "test_fraction": TEST_FRACTION}
+    data = {"source": "text", "path": str(corpus), "block_size": args.block, **fractions}
+    run = ddpflow_run({"data": data, "world_size": world, **launch_args(args)}, "fp32")
     staged = tmp / f"staged-{world}"
     manifest = stage_dataset(run["data"], staged, seed=0)
     return data, str(staged), manifest
@@ -336,7 +337,7 @@ def finish_row(cfg: dict, precision: str, result: dict, flops: dict, peak: float
         "speedup": result["ddpflow"]["tokens_per_s"] / result["nanogpt"]["tokens_per_s"],
         "cpu_time_speedup": result["ddpflow"]["tokens_per_cpu_s"]
         / result["nanogpt"]["tokens_per_cpu_s"],
-        "loadavg_after": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "loadavg_after": harness.loadavg(),
     }
 
 
@@ -434,42 +435,39 @@ def main(argv: list[str] | None = None) -> int:
         print("--gpu: no CUDA device visible", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    load_before = harness.loadavg()
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None
-    report = {
-        "benchmark": "language-model training step: ddpflow (task: language_model) vs a "
-        "nanoGPT-style loop",
-        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "provenance": runtime.provenance(),
-        "conditions": conditions(args, load_before),
-        "runs": [],
-    }
+    report = harness.head(
+        "language-model training step: ddpflow (task: language_model) vs a nanoGPT-style loop",
+        conditions=conditions(args, load_before),
+        runs=[],
+    )
     with tempfile.TemporaryDirectory(prefix="ddpflow-bench-lm-") as tmp:
         for world in args.world_sizes:
             data, staged, manifest = stage(args, world, Path(tmp))
             report.setdefault("model", model_flops(args, manifest["vocab_size"]))
-            cfg = {
-                "data": data, "staged": staged, "gpt": gpt_kwargs(args), "block": args.block,
-                "batch": args.batch, "steps": args.steps, "world_size": world,
-                "threads": args.threads, "warmup": args.warmup, "repeats": args.repeats,
-                "lr": args.lr, "precisions": args.precisions,
-                "device": "cuda" if args.gpu else "cpu",
-                "peer_fused_adamw": args.peer_fused_adamw,
-            }  # fmt: skip
+            cfg = {"data": data, "staged": staged, "world_size": world, **launch_args(args)}
             print(f"measuring world size {world} ({', '.join(args.precisions)}) ...", flush=True)
-            results = launch(cfg, __file__)
+            results = workers.launch(__file__, cfg)
             for precision in args.precisions:
                 row = finish_row(cfg, precision, results[precision], report["model"], peak)
                 report["runs"].append(row)
-    load_after = os.getloadavg() if hasattr(os, "getloadavg") else None
+    load_after = harness.loadavg()
     report["conditions"]["load"] = load_note(load_before, load_after, report["runs"])
     report["wall_s"] = time.perf_counter() - start
     print(format_table(report), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return 0
+    return harness.write(report, args.out)
+
+
+def launch_args(args: argparse.Namespace) -> dict:
+    """What every rank of every world size gets from the command line."""
+    keys = ("block", "batch", "steps", "threads", "warmup", "repeats", "lr", "precisions")
+    return {
+        **{k: getattr(args, k) for k in keys},
+        "gpt": gpt_kwargs(args),
+        "device": "cuda" if args.gpu else "cpu",
+        "peer_fused_adamw": args.peer_fused_adamw,
+    }
 
 
 def load_note(before, after, runs: list[dict]) -> dict:

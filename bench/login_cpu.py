@@ -32,14 +32,12 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import harness
 import numpy as np
 import yaml
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-from ddpflow.runtime import provenance  # noqa: E402
-from workers import machine_info  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -138,7 +136,7 @@ def main() -> None:
     workdir = Path(args.tmp)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    started = datetime.now(UTC).isoformat(timespec="seconds")
+    started = harness.now()
     began = time.monotonic()
     write_images(workdir / "images", args.images)
     print(f"wrote {args.images} images in {time.monotonic() - began:.0f}s", flush=True)
@@ -156,15 +154,12 @@ def main() -> None:
         row["training"] = {k: train.get(k) for k in keys}
     print(json.dumps(row, indent=2))
     if args.out:
+        sinfo = subprocess.run(["sinfo", "--version"], capture_output=True, text=True)
         result = {
-            "benchmark": "login_cpu",
+            **harness.head("login_cpu"),
             "started": started,
             "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "provenance": provenance(),
-            "machine": machine_info(),
-            "slurm": subprocess.run(
-                ["sinfo", "--version"], capture_output=True, text=True
-            ).stdout.strip(),  # fmt: skip
+            "slurm": sinfo.stdout.strip(),
             "conditions": {
                 "cluster": "tests/slurm/cluster.sh: 2 slurmd nodes in network namespaces on "
                 "the same 2-core machine (the login node's processes and the jobs share it)",
@@ -177,8 +172,7 @@ def main() -> None:
             },
             "rows": [row],
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        harness.write(result, args.out)
 
 
 if __name__ == "__main__":

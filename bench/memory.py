@@ -39,26 +39,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import json
 import os
 import resource
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+import harness
 import torch
 import torch.distributed as dist
 import torchvision
-from ddpflow import runtime
+import workers
 from ddpflow.config.typed import OptimizerSpec, TrainDdpSpec, TrainFsdpSpec
 from ddpflow.training import sharding
 from ddpflow.training.build import make_optimizer, wrap_ddp
 from ddpflow.training.models import build_model as ddpflow_model
-from throughput import free_port
-from workers import machine_info, spawn_ranks
 
 NUM_CLASSES = 10
 IMAGE_SHAPE = [3, 32, 32]
@@ -67,16 +64,11 @@ MODELS = {
     "vit_b_16": "torchvision.models.vit_b_16(weights=None, num_classes=10, image_size=32)",
 }
 # the config's optimizer keys (make_optimizer reads them); k = state tensors per parameter
-OPTIMIZERS = {
-    "adamw": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0, "betas": [0.9, 0.999],
-              "momentum": 0.9, "nesterov": False},
-    "sgd": {"name": "sgd", "lr": 1e-3, "weight_decay": 0.0, "betas": [0.9, 0.999],
-            "momentum": 0.9, "nesterov": False},
-}  # fmt: skip
+_OPTIMIZER = {"lr": 1e-3, "weight_decay": 0.0, "betas": [0.9, 0.999], "momentum": 0.9}
+OPTIMIZERS = {name: {"name": name, **_OPTIMIZER, "nesterov": False} for name in ("adamw", "sgd")}
 STATE_TENSORS = {"adamw": 2, "sgd": 1}
 STRATEGIES = ("ddp", "zero", "fsdp")
 MB = 1e6
-WORKER_TIMEOUT_S = 1800
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -93,7 +85,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--throughput-world", type=int, default=2)
     p.add_argument("--throughput-batch", type=int, default=32)
     p.add_argument("--throughput-steps", type=int, default=8)
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "memory.json")
+    p.add_argument("--out", type=Path, default=harness.OUT / "memory.json")
     p.add_argument("--worker", type=json.loads, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -106,8 +98,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def build_model(name: str) -> torch.nn.Module:
     if name not in MODELS:  # the throughput case: a ddpflow model by name
-        return ddpflow_model({"name": name, "cnn_channels": 32, "mlp_hidden": [200, 200],
-                              "kwargs": {}}, IMAGE_SHAPE, NUM_CLASSES)  # fmt: skip
+        model = {"name": name, "cnn_channels": 32, "mlp_hidden": [200, 200], "kwargs": {}}
+        return ddpflow_model(model, IMAGE_SHAPE, NUM_CLASSES)
     if name == "resnet50":
         return torchvision.models.resnet50(weights=None, num_classes=NUM_CLASSES)
     return torchvision.models.vit_b_16(
@@ -248,9 +240,7 @@ def run_worker(cfg: dict) -> int:
 def launch(cfg: dict) -> list[dict]:
     """One (model, optimizer, strategy, world size) in fresh worker processes; every rank's
     figures."""
-    with tempfile.TemporaryDirectory(prefix="ddpflow-bench-") as tmp:
-        cfg = {**cfg, "port": free_port(), "result_file": f"{tmp}/result.json"}
-        return spawn_ranks(__file__, cfg, WORKER_TIMEOUT_S)
+    return workers.launch(__file__, cfg)
 
 
 def theory_bytes(param_bytes: int, k: int, strategy: str, world: int) -> float:
@@ -261,16 +251,20 @@ def theory_bytes(param_bytes: int, k: int, strategy: str, world: int) -> float:
     return 2 * param_bytes + k * param_bytes / (world if strategy == "zero" else 1)
 
 
+RANK_FIGURES = (
+    *("params_bytes", "grads_bytes", "optimizer_bytes", "total_bytes"),
+    *("peak_rss_bytes", "peak_rss_above_base_bytes", "rss_bytes", "rss_base_bytes"),
+    *("step_seconds", "setup_peak_rss_bytes"),
+)
+
+
 def summarize(cfg: dict, ranks: list[dict], seconds: float) -> dict:
     """The row: every rank's figures, the largest rank's, theory and their ratio."""
     k = STATE_TENSORS[cfg["optimizer"]]
     param_bytes = ranks[0]["param_bytes_numel"]
     theory = theory_bytes(param_bytes, k, cfg["strategy"], cfg["world_size"])
     state_theory = k * param_bytes / (1 if cfg["strategy"] == "ddp" else cfg["world_size"])
-    top = {key: max(r[key] for r in ranks) for key in (
-        "params_bytes", "grads_bytes", "optimizer_bytes", "total_bytes", "peak_rss_bytes",
-        "peak_rss_above_base_bytes", "rss_bytes", "rss_base_bytes", "step_seconds",
-        "setup_peak_rss_bytes")}  # fmt: skip
+    top = {key: max(r[key] for r in ranks) for key in RANK_FIGURES}
     return {
         **{key: cfg[key] for key in ("model", "optimizer", "strategy", "world_size")},
         "state_tensors_per_param": k,
@@ -351,33 +345,41 @@ def format_table(report: dict) -> str:
             "",
             f"# throughput: {t['model']}, {t['world_size']} ranks x {t['batch_per_rank']} "
             f"images of 3x32x32, SGD, {t['steps']} timed steps after 2 warm-up",
-            "| strategy | s/step (slowest rank) | samples/s | vs ddp |",
-            "|---|--:|--:|--:|",
+            harness.markdown_table(
+                ["strategy", "s/step (slowest rank)", "samples/s", "vs ddp"],
+                map(throughput_cells, t["rows"]),
+                rule="--:",
+            ),
         ]
-        for r in t["rows"]:
-            lines.append(f"| {r['strategy']} | {r['step_seconds']:.3f} | "
-                         f"{r['samples_per_s']:.0f} | {r['vs_ddp']:.2f}x |")  # fmt: skip
     return "\n".join(lines)
+
+
+def throughput_cells(r: dict) -> list[str]:
+    rates = [f"{r['samples_per_s']:.0f}", f"{r['vs_ddp']:.2f}x"]
+    return [r["strategy"], f"{r['step_seconds']:.3f}", *rates]
 
 
 def throughput(args: argparse.Namespace) -> dict:
     """Each strategy on the same model, batch and world size: samples/s and the ratio to ddp."""
     rows = []
     for strategy in args.strategies:
-        cfg = {"model": args.throughput_model, "optimizer": "sgd", "strategy": strategy,
-               "world_size": args.throughput_world, "steps": args.throughput_steps,
-               "warmup": 2, "batch": args.throughput_batch, "threads": args.threads}  # fmt: skip
+        case = {"model": args.throughput_model, "optimizer": "sgd", "strategy": strategy}
+        cfg = {**case, "world_size": args.throughput_world, "steps": args.throughput_steps}
+        cfg.update(warmup=2, batch=args.throughput_batch, threads=args.threads)
         print(f"running throughput {strategy} ...", flush=True)
         seconds = max(r["step_seconds"] for r in launch(cfg))
-        samples = args.throughput_batch * args.throughput_world
-        rows.append({"strategy": strategy, "step_seconds": seconds,
-                     "samples_per_s": samples / seconds})  # fmt: skip
+        rate = args.throughput_batch * args.throughput_world / seconds
+        rows.append({"strategy": strategy, "step_seconds": seconds, "samples_per_s": rate})
     base = next((r["samples_per_s"] for r in rows if r["strategy"] == "ddp"), None)
     for row in rows:
         row["vs_ddp"] = row["samples_per_s"] / base if base else float("nan")
-    return {"model": args.throughput_model, "world_size": args.throughput_world,
-            "batch_per_rank": args.throughput_batch, "steps": args.throughput_steps,
-            "rows": rows}  # fmt: skip
+    return {
+        "model": args.throughput_model,
+        "world_size": args.throughput_world,
+        "batch_per_rank": args.throughput_batch,
+        "steps": args.throughput_steps,
+        "rows": rows,
+    }
 
 
 def plan(args: argparse.Namespace) -> list[dict]:
@@ -387,8 +389,8 @@ def plan(args: argparse.Namespace) -> list[dict]:
         for optim in args.optimizers:
             for world in args.world_sizes:
                 if world * args.threads > cores:
-                    print(f"note: {world} ranks x {args.threads} threads > {cores} cores "
-                          "(memory is unaffected; steps are slower)", file=sys.stderr)  # fmt: skip
+                    over = f"{world} ranks x {args.threads} threads > {cores} cores"
+                    print(f"note: {over} (memory is unaffected; steps are slower)", file=sys.stderr)
                 for strategy in args.strategies:
                     if strategy == "fsdp" and world == 1:
                         continue  # one rank trains plain: the ddp row
@@ -410,48 +412,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
         return run_worker(args.worker)
-    report = {
-        "benchmark": "per-rank memory of the training state and throughput: ddp, zero "
+    report = harness.head(
+        "per-rank memory of the training state and throughput: ddp, zero "
         "(ZeRO stage 1), fsdp (FSDP2)",
-        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "provenance": runtime.provenance(),
-        "conditions": {
-            "device": "cpu",
-            "backend": "gloo",
-            "launch": "one process group launch per configuration (one process per rank, "
-            "tcp rendezvous on 127.0.0.1), so peak RSS is that configuration's alone",
-            "models": {name: MODELS[name] for name in args.models},
-            "optimizers": {name: OPTIMIZERS[name] for name in args.optimizers},
-            "optimizer_factory": "ddpflow.training.build.make_optimizer (fused kernels; "
-            "sharded=True for "
-            "zero: torch.distributed.optim.ZeroRedundancyOptimizer)",
-            "state_tensors_per_param": {name: STATE_TENSORS[name] for name in args.optimizers},
-            "strategies": args.strategies,
-            "world_sizes": args.world_sizes,
-            "ddp": "ddpflow.training.build.wrap_ddp when world > 1, settings: "
-            + json.dumps(dataclasses.asdict(TrainDdpSpec())),
-            "world_1": "no DDP wrapper (as Loop); zero at world 1 is a ZeroRedundancyOptimizer "
-            "on a 1-rank group (Loop itself trains plain at 1 rank)",
-            "steps": args.steps,
-            "batch_per_rank": args.batch,
-            "image_shape": IMAGE_SHAPE,
-            "data": "torch.randn images, random labels, generator seeded per rank",
-            "threads_per_rank": args.threads,
-            "counting": "storage bytes behind parameters, p.grad and the optimizer state this "
-            "rank holds (zero: opt.optim.state), each storage once (data_ptr)",
-            "rss": "peak: getrusage(RUSAGE_SELF).ru_maxrss; current: /proc/self/status VmRSS; "
-            "base: VmRSS after init_process_group, before the model",
-            "theory": "P = parameter bytes, k state tensors per parameter: ddp (2 + k)P, "
-            "zero 2P + kP/N, fsdp (2 + k)P/N per rank",
-            "fsdp": "ddpflow.training.sharding.shard (fully_shard per block, then the root; "
-            "reshard_after_forward, fp32), optimizer on the DTensor shards (foreach)",
-            "row": "max over ranks of each figure; measured/theory = largest rank's total / theory",
-            "mb": "10^6 bytes",
-            "quick": args.quick,
-        },
-        "runs": [],
-    }
+        conditions=conditions(args),
+        runs=[],
+    )
     start = time.perf_counter()
     for cfg in plan(args):
         name = f"{cfg['model']} {cfg['optimizer']} {cfg['strategy']} x{cfg['world_size']}"
@@ -463,12 +429,46 @@ def main(argv: list[str] | None = None) -> int:
     if args.throughput_steps > 0:
         report["throughput"] = throughput(args)
     report["wall_s"] = time.perf_counter() - start
-    report["loadavg_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    report["loadavg_after"] = harness.loadavg()
     print(format_table(report), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out} ({report['wall_s']:.0f} s)")
-    return 0
+    return harness.write(report, args.out)
+
+
+def conditions(args: argparse.Namespace) -> dict:
+    return {
+        "device": "cpu",
+        "backend": "gloo",
+        "launch": "one process group launch per configuration (one process per rank, "
+        "tcp rendezvous on 127.0.0.1), so peak RSS is that configuration's alone",
+        "models": {name: MODELS[name] for name in args.models},
+        "optimizers": {name: OPTIMIZERS[name] for name in args.optimizers},
+        "optimizer_factory": "ddpflow.training.build.make_optimizer (fused kernels; "
+        "sharded=True for "
+        "zero: torch.distributed.optim.ZeroRedundancyOptimizer)",
+        "state_tensors_per_param": {name: STATE_TENSORS[name] for name in args.optimizers},
+        "strategies": args.strategies,
+        "world_sizes": args.world_sizes,
+        "ddp": "ddpflow.training.build.wrap_ddp when world > 1, settings: "
+        + json.dumps(dataclasses.asdict(TrainDdpSpec())),
+        "world_1": "no DDP wrapper (as Loop); zero at world 1 is a ZeroRedundancyOptimizer "
+        "on a 1-rank group (Loop itself trains plain at 1 rank)",
+        "steps": args.steps,
+        "batch_per_rank": args.batch,
+        "image_shape": IMAGE_SHAPE,
+        "data": "torch.randn images, random labels, generator seeded per rank",
+        "threads_per_rank": args.threads,
+        "counting": "storage bytes behind parameters, p.grad and the optimizer state this "
+        "rank holds (zero: opt.optim.state), each storage once (data_ptr)",
+        "rss": "peak: getrusage(RUSAGE_SELF).ru_maxrss; current: /proc/self/status VmRSS; "
+        "base: VmRSS after init_process_group, before the model",
+        "theory": "P = parameter bytes, k state tensors per parameter: ddp (2 + k)P, "
+        "zero 2P + kP/N, fsdp (2 + k)P/N per rank",
+        "fsdp": "ddpflow.training.sharding.shard (fully_shard per block, then the root; "
+        "reshard_after_forward, fp32), optimizer on the DTensor shards (foreach)",
+        "row": "max over ranks of each figure; measured/theory = largest rank's total / theory",
+        "mb": "10^6 bytes",
+        "quick": args.quick,
+    }
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ after each stage. The allocator matters: run it once more under MALLOC_MMAP_THRE
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -53,13 +52,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness
 import overhead
 import yaml
 from ddpflow import config as ddpconfig
 from ddpflow import early, runtime
 from ddpflow.config import fits
 from ddpflow.paths import RUN_FILES, run_dir, staged_dir
-from workers import machine_info
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = ("mlp", "cnn", "resnet18", "resnet50", "vit_b_16")
@@ -485,7 +484,7 @@ def conditions(args: argparse.Namespace, config: dict, wall: float, sources: dic
         "micro-batch of random images, after each stage",
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
         "quick": args.quick,
-        "loadavg_after": os.getloadavg(),
+        "loadavg_after": harness.loadavg(),
     }
 
 
@@ -516,10 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         report = {
-            "benchmark": "the memory estimate against the ranks' peaks",
-            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "machine": machine_info(),
-            "provenance": runtime.provenance(),
+            **harness.head("the memory estimate against the ranks' peaks"),
             **measure(args, workdir),
         }
     finally:
@@ -529,10 +525,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     report["wall_s"] = time.perf_counter() - start
     print(format_table(report), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out} ({report['wall_s']:.0f} s)")
-    return 0
+    return harness.write(report, args.out)
 
 
 if __name__ == "__main__":

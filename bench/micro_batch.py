@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -36,12 +35,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness
 import overhead
 import yaml
 from ddpflow import config as ddpconfig
-from ddpflow import runtime
 from ddpflow.config.machine import splitting_micro_batch
-from workers import machine_info
 
 REPO = Path(__file__).resolve().parents[1]
 WORLD_SIZES = (1, 2, 4, 8)  # the user's CPU-rank edits (issue 32)
@@ -306,7 +304,7 @@ def conditions(args: argparse.Namespace, config: dict, run: dict, wall: float, r
         "(BatchNorm's running statistics); accuracy and mean cross-entropy over the whole split",
         "spread": "std is the sample standard deviation over the seeds (train.seed: initial "
         "weights, data order and draws; the train/val/test split's seed, data.seed, fixed)",
-        "loadavg_after": os.getloadavg(),
+        "loadavg_after": harness.loadavg(),
     }
 
 
@@ -350,10 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         report = {
-            "benchmark": "micro-batch (BatchNorm's batch) and the science of the default job",
-            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "machine": machine_info(),
-            "provenance": runtime.provenance(),
+            **harness.head("micro-batch (BatchNorm's batch) and the science of the default job"),
             **measure(args, workdir),
         }
     finally:
@@ -361,10 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     report["wall_s"] = time.perf_counter() - start
     print(format_table(report), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return 0
+    return harness.write(report, args.out)
 
 
 if __name__ == "__main__":

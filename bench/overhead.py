@@ -21,7 +21,6 @@ and splits its wall time into the compute inside it and everything around it:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -32,8 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ddpflow import runtime
-from throughput import machine_info
+import harness
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -234,20 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="ddpflow-overhead-"))
     try:
         result = {
-            "benchmark": "pipeline overhead: whole default workflow vs its compute",
-            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "machine": machine_info(),
-            "provenance": runtime.provenance(),
+            **harness.head("pipeline overhead: whole default workflow vs its compute"),
             **measure(args, workdir),
         }
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
     print(format_table(result), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return 0
+    return harness.write(result, args.out)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -40,24 +39,27 @@ import sys
 import time
 from pathlib import Path
 
+import harness
 import torch
+import workers
 from ddpflow import config as ddpconfig
-from ddpflow import runtime
 from ddpflow.training.loop import _seed_random_draws
 from ddpflow.training.schedule import micro_batch_seed, rank_micro_batches, step_micro_batches
-from throughput import (
-    CASES,
-    ddpflow_epoch,
-    ddpflow_run,
-    launch,
-    process_group,
-    rank_device,
-    synthetic,
-    timed_epoch,
-)
-from workers import machine_info
+from loops import ddpflow_epoch, ddpflow_run, process_group, rank_device, synthetic, timed_epoch
+from throughput import CASES
 
 IMAGENET_TRAIN = 1_281_167  # ImageNet-1k's train split: the "1.28M" case
+
+
+# (--quick, full) where the option is not given
+DEFAULTS = {
+    "samples": (256, 1024),
+    "repeats": (2, 4),
+    "rounds": (1, 2),
+    "sampler_repeats": (5, 21),
+    "seed_repeats": (3, 11),
+    "sampler_n": ([50_000], [50_000, IMAGENET_TRAIN]),
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -70,23 +72,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="timed epochs per launch (4; 2)")
     p.add_argument("--warmup", type=int, default=1, help="untimed epochs per launch")
     p.add_argument("--rounds", type=int, default=None, help="launches per world size (2; 1)")
-    p.add_argument("--sampler-n", type=int, nargs="+", default=None,
-                   help=f"dataset sizes (50000 {IMAGENET_TRAIN}; --quick 50000)")  # fmt: skip
+    sizes = f"dataset sizes (50000 {IMAGENET_TRAIN}; --quick 50000)"
+    p.add_argument("--sampler-n", type=int, nargs="+", default=None, help=sizes)
     p.add_argument("--sampler-repeats", type=int, default=None, help="(21; --quick 5)")
     p.add_argument("--seed-calls", type=int, default=1000, help="seedings per timed batch")
     p.add_argument("--seed-repeats", type=int, default=None, help="(11; --quick 3)")
     p.add_argument("--quick", action="store_true", help="smaller and fewer: bench/run --quick")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "scaling.json")
+    p.add_argument("--out", type=Path, default=harness.OUT / "scaling.json")
     p.add_argument("--worker", type=json.loads, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    quick = args.quick
-    defaults = {"samples": 256 if quick else 1024, "repeats": 2 if quick else 4,
-                "rounds": 1 if quick else 2, "sampler_repeats": 5 if quick else 21,
-                "seed_repeats": 3 if quick else 11,
-                "sampler_n": [50_000] if quick else [50_000, IMAGENET_TRAIN]}  # fmt: skip
-    for key, value in defaults.items():
+    for key, (quick, full) in DEFAULTS.items():
         if getattr(args, key) is None:
-            setattr(args, key, value)
+            setattr(args, key, quick if args.quick else full)
     return args
 
 
@@ -111,9 +108,7 @@ def run_worker(cfg: dict) -> int:
             "epoch_samples": epochs[-1][2]["samples"],
             "micro_steps": epochs[-1][2]["micro_steps"],
         }
-    if cfg["rank"] == 0:
-        Path(cfg["result_file"]).write_text(json.dumps(result))
-    return 0
+    return workers.answer(cfg, result)
 
 
 # --- 1. strong scaling: the driver ---------------------------------------------------
@@ -124,14 +119,16 @@ def scaling_plan(args: argparse.Namespace) -> list[dict]:
     train = {"global_batch_size": args.global_batch, "micro_batch_size": args.micro_batch}
     for world in args.world_sizes:  # refuse what Loop would refuse, before any launch
         ddpconfig.check_world_size("scaling", train, world)
+    case = {"name": args.case, "case": CASES[args.case], "samples": args.samples}
+    batches = {"batch": args.micro_batch, "global_batch": args.global_batch}
+    epochs = {"repeats": args.repeats, "warmup": args.warmup}
+    rank = {"device": "cpu", "threads": 1, "precision": "fp32"}
     launches = []
     for round_ in range(args.rounds):
         worlds = args.world_sizes if round_ % 2 == 0 else args.world_sizes[::-1]
-        launches += [{"name": args.case, "case": CASES[args.case], "device": "cpu",
-                      "world_size": w, "batch": args.micro_batch,
-                      "global_batch": args.global_batch, "threads": 1,
-                      "samples": args.samples, "repeats": args.repeats, "warmup": args.warmup,
-                      "precision": "fp32", "round": round_} for w in worlds]  # fmt: skip
+        launches += [
+            {**case, **rank, "world_size": w, **batches, **epochs, "round": round_} for w in worlds
+        ]
     return launches
 
 
@@ -139,8 +136,8 @@ def strong_scaling(args: argparse.Namespace) -> dict:
     results: dict[int, list[dict]] = {w: [] for w in args.world_sizes}
     for cfg in scaling_plan(args):
         print(f"  round {cfg['round']}: world size {cfg['world_size']} ...", flush=True)
-        load = os.getloadavg()
-        results[cfg["world_size"]].append({**launch(cfg, __file__), "loadavg_before": load})
+        load = harness.loadavg()
+        results[cfg["world_size"]].append({**workers.launch(__file__, cfg), "loadavg_before": load})
     rows = [scaling_row(w, runs) for w, runs in results.items()]
     base = next(r for r in rows if r["world_size"] == min(args.world_sizes))
     for row in rows:
@@ -171,11 +168,14 @@ def scaling_row(world: int, runs: list[dict]) -> dict:
         "micro_steps_per_rank": first["micro_steps"],
         "micro_step_s": epoch_s / first["micro_steps"],
         "train_loss": first["train_loss"],  # per epoch, warmup included
-        "train_loss_spread": max(abs(a - b) for run in runs for a, b in
-                                 zip(run["train_loss"], first["train_loss"], strict=True)),
+        "train_loss_spread": max(
+            abs(a - b)
+            for run in runs
+            for a, b in zip(run["train_loss"], first["train_loss"], strict=True)
+        ),
         "lr": first["lr"],
         "loadavg_before": [run["loadavg_before"] for run in runs],
-    }  # fmt: skip
+    }
 
 
 # --- 2. sampler and seeding cost -----------------------------------------------------
@@ -223,8 +223,8 @@ def sampler_cost(args: argparse.Namespace) -> list[dict]:
             row["new_over_old"] = row["new_s"] / row["old_s"]
             row["new_over_old_batches"] = row["new_batches_s"] / row["old_batches_s"]
             rows.append({**row, "all_s": times})
-            print(f"  sampler n={n} world {world}: old {row['old_batches_s'] * 1e3:.2f} ms, "
-                  f"new {row['new_batches_s'] * 1e3:.2f} ms per epoch", flush=True)  # fmt: skip
+            old, new = (f"{row[k] * 1e3:.2f} ms" for k in ("old_batches_s", "new_batches_s"))
+            print(f"  sampler n={n} world {world}: old {old}, new {new} per epoch", flush=True)
     return rows
 
 
@@ -284,8 +284,8 @@ def seeding_cost(args: argparse.Namespace) -> dict:
     batches = {name: (lambda _, f=f: [f(i) for i in range(calls)]) for name, f in SEEDINGS.items()}
     times = alternate(batches, args.seed_repeats)
     per_call = {name: [t / calls for t in ts] for name, ts in times.items()}
-    return {"seconds_per_call": {k: statistics.median(v) for k, v in per_call.items()},
-            "all_seconds_per_call": per_call}  # fmt: skip
+    median = {k: statistics.median(v) for k, v in per_call.items()}
+    return {"seconds_per_call": median, "all_seconds_per_call": per_call}
 
 
 # --- report ----------------------------------------------------------------------------
@@ -298,45 +298,70 @@ def format_table(report: dict) -> str:
         f"{c['micro_batch']}, {c['samples']} samples/epoch, 1 thread/rank, gloo; median of "
         f"{c['rounds']} x {c['repeats']} epochs after {c['warmup']}; slowest rank; "
         f"{c['cores']} cores",
-        "| world | accum | samples/s | speedup | efficiency | by CPU s | loss diff epoch 1 / max |",
-        "|--:|--:|--:|--:|--:|--:|--:|",
-    ]
-    for r in report["scaling"]["rows"]:
-        lines.append(f"| {r['world_size']} | {r['accum']} | {r['samples_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {r['efficiency']:.0%} | {r['cpu_time_ratio']:.2f}x "
-                     f"| {r['first_loss_diff_vs_base']:.1e} / {r['max_loss_diff_vs_base']:.1e} "
-                     "|")  # fmt: skip
-    lines.append(f"({c['note']}; by CPU s: samples per CPU-second of all ranks against world "
-                 f"{min(c['world_sizes'])}'s, the less load-sensitive ratio; loss diff: the "
-                 "epoch's training loss against the first world size's)")  # fmt: skip
-    lines += [
+        harness.markdown_table(
+            SCALING_HEADER, map(scaling_cells, report["scaling"]["rows"]), rule="--:"
+        ),
+        f"({c['note']}; by CPU s: samples per CPU-second of all ranks against world "
+        f"{min(c['world_sizes'])}'s, the less load-sensitive ratio; loss diff: the "
+        "epoch's training loss against the first world size's)",
         "",
         f"# sampler: one rank's batch indices per epoch, global {c['global_batch']} / micro "
         f"{c['micro_batch']}; median of {c['sampler_repeats']}, alternating",
-        "| n | world | old ms | new ms | new / old | old + batches ms | new + batches ms | "
-        "new / old |",
-        "|--:|--:|--:|--:|--:|--:|--:|--:|",
+        harness.markdown_table(SAMPLER_HEADER, map(sampler_cells, report["sampler"]), rule="--:"),
     ]
-    for r in report["sampler"]:
-        lines.append(f"| {r['n']} | {r['world_size']} | {r['old_s'] * 1e3:.2f} | "
-                     f"{r['new_s'] * 1e3:.2f} | {r['new_over_old']:.2f}x | "
-                     f"{r['old_batches_s'] * 1e3:.2f} | {r['new_batches_s'] * 1e3:.2f} | "
-                     f"{r['new_over_old_batches']:.2f}x |")  # fmt: skip
     s = report["seeding"]
     parts = ", ".join(f"{k} {v * 1e6:.1f}" for k, v in s["seconds_per_call"].items())
     share = s["share_of_micro_step"]
-    lines.append(f"seeding per micro-step (us per call): {parts}; the loop's is "
-                 f"{share['loop']:.2%} ({share['loop_depth_30']:.2%} 30 frames deeper) of the "
-                 f"fastest micro-step above ({s['micro_step_s'] * 1e3:.1f} ms)")  # fmt: skip
+    lines.append(
+        f"seeding per micro-step (us per call): {parts}; the loop's is {share['loop']:.2%} "
+        f"({share['loop_depth_30']:.2%} 30 frames deeper) of the fastest micro-step above "
+        f"({s['micro_step_s'] * 1e3:.1f} ms)"
+    )
     return "\n".join(lines)
+
+
+SCALING_HEADER = [
+    "world",
+    "accum",
+    "samples/s",
+    "speedup",
+    "efficiency",
+    "by CPU s",
+    "loss diff epoch 1 / max",
+]
+SAMPLER_HEADER = [
+    "n",
+    "world",
+    "old ms",
+    "new ms",
+    "new / old",
+    "old + batches ms",
+    "new + batches ms",
+    "new / old",
+]
+
+
+def scaling_cells(r: dict) -> list[str]:
+    loss = f"{r['first_loss_diff_vs_base']:.1e} / {r['max_loss_diff_vs_base']:.1e}"
+    rates = (f"{r['speedup']:.2f}x", f"{r['efficiency']:.0%}", f"{r['cpu_time_ratio']:.2f}x")
+    return [r["world_size"], r["accum"], f"{r['samples_per_s']:.1f}", *rates, loss]
+
+
+def sampler_cells(r: dict) -> list[str]:
+    ms = [f"{r[k] * 1e3:.2f}" for k in ("old_s", "new_s", "old_batches_s", "new_batches_s")]
+    ratios = [f"{r[k]:.2f}x" for k in ("new_over_old", "new_over_old_batches")]
+    return [r["n"], r["world_size"], ms[0], ms[1], ratios[0], ms[2], ms[3], ratios[1]]
 
 
 def conditions(args: argparse.Namespace) -> dict:
     cores = os.cpu_count() or 1
     over = [w for w in args.world_sizes if w > cores]
-    note = (f"{cores} cores: world size {', '.join(map(str, over))} oversubscribes them "
-            f"(more ranks than cores), so its ideal speedup here is {cores}x, not the world "
-            "size" if over else f"{cores} cores: no world size oversubscribes them")  # fmt: skip
+    note = f"{cores} cores: no world size oversubscribes them"
+    if over:
+        note = (
+            f"{cores} cores: world size {', '.join(map(str, over))} oversubscribes them "
+            f"(more ranks than cores), so its ideal speedup here is {cores}x, not the world size"
+        )
     return {
         "case": f"{args.case} {'x'.join(map(str, CASES[args.case]['shape']))}",
         "world_sizes": args.world_sizes,
@@ -381,14 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker is not None:
         return run_worker(args.worker)
     torch.set_num_threads(1)  # the sampler and seeding, as a rank with 1 thread runs them
-    report = {
-        "benchmark": "strong scaling of ddpflow's loop on CPU ranks; cost of the "
+    report = harness.head(
+        "strong scaling of ddpflow's loop on CPU ranks; cost of the "
         "world-size-independent sampler and per-micro-batch seeding",
-        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "provenance": runtime.provenance(),
-        "conditions": conditions(args),
-    }
+        conditions=conditions(args),
+    )
     start = time.perf_counter()
     print("strong scaling ...", flush=True)
     report["scaling"] = strong_scaling(args)
@@ -397,15 +419,12 @@ def main(argv: list[str] | None = None) -> int:
     report["seeding"] = seeding_cost(args)
     fastest = min(r["micro_step_s"] for r in report["scaling"]["rows"])
     per_call = report["seeding"]["seconds_per_call"]
-    report["seeding"].update(micro_step_s=fastest, share_of_micro_step={
-        k: per_call[k] / fastest for k in ("loop", "loop_depth_30")})  # fmt: skip
-    report["conditions"]["loadavg_after"] = os.getloadavg()
+    shares = {k: per_call[k] / fastest for k in ("loop", "loop_depth_30")}
+    report["seeding"].update(micro_step_s=fastest, share_of_micro_step=shares)
+    report["conditions"]["loadavg_after"] = harness.loadavg()
     report["wall_s"] = time.perf_counter() - start
     print(format_table(report), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out} ({report['wall_s']:.0f} s)")
-    return 0
+    return harness.write(report, args.out)
 
 
 if __name__ == "__main__":

@@ -30,13 +30,11 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import harness
 import yaml
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-from ddpflow.runtime import provenance  # noqa: E402
-from workers import machine_info  # noqa: E402
 
 RPC_LINE = re.compile(r"^\s+([A-Z][A-Z0-9_]+)\s+\(\s*\d+\)\s+count:(\d+)")
 OWN_RPCS = {"REQUEST_STATS_INFO", "DBD_GET_STATS", "REQUEST_PING"}
@@ -179,7 +177,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     codes = [c.split("=", 1) for c in args.code] or [["new", str(REPO)]]
-    started = datetime.now(UTC).isoformat(timespec="seconds")
+    started = harness.now()
     sh("scontrol", "update", f"PartitionName={args.partition}", "OverSubscribe=FORCE:8")
     rows = []
     try:
@@ -192,11 +190,9 @@ def main() -> None:
     print(table(rows))
     if args.out:
         result = {
-            "benchmark": "slurm_polling",
-            "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            **harness.head("slurm_polling"),
             "started": started,
-            "provenance": provenance(),
-            "machine": machine_info(),
+            "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "slurm": sh("sinfo", "--version").strip(),
             "conditions": {
                 "cluster": "tests/slurm/cluster.sh: 2 slurmd nodes in namespaces, 4 CPUs each "
@@ -213,8 +209,7 @@ def main() -> None:
             },
             "rows": rows,
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        harness.write(result, args.out)
 
 
 if __name__ == "__main__":

@@ -148,15 +148,11 @@ def main(argv=None) -> int:
         print(json.dumps(one_size(args.child, args.timeout, args.stall_s)))
         return 0
     sys.path.insert(0, str(HERE))
-    from ddpflow.runtime import provenance
-    from workers import machine_info
+    import harness
 
     started = time.perf_counter()
     doc = {
-        "benchmark": "store_scale",
-        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "provenance": provenance(),
+        **harness.head("store_scale"),
         **measure(args),
         "conditions": {
             "store": "ddpflow.cluster.rendezvous.master_store (TCPStore, libuv, 127.0.0.1)",
@@ -166,11 +162,7 @@ def main(argv=None) -> int:
             "stall": f"a client whose join took over {args.stall_s} s",
         },
     }
-    doc["wall_s"] = time.perf_counter() - started
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"store_scale: wrote {args.out}")
-    return 0
+    return harness.write(doc, args.out, wall_since=started, indent=1)
 
 
 if __name__ == "__main__":

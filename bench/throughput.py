@@ -37,32 +37,33 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+import harness
 import torch
-import torch.distributed as dist
-from ddpflow import config as ddpconfig
+import workers
 from ddpflow import runtime
-from ddpflow.cluster.distenv import DistEnv
-from ddpflow.config.typed import RunSpec
-from ddpflow.training.checkpoint import Checkpointer
-from ddpflow.training.loop import Loop
-from ddpflow.training.models import build_model, place
-from ddpflow.training.rankdata import RankData, Split
+from ddpflow.training.models import build_model
+from loops import (
+    NUM_CLASSES,
+    ddpflow_epoch,
+    ddpflow_run,
+    peer_layout,
+    process_group,
+    rank_device,
+    schedule,
+    synthetic,
+    timed_epoch,
+)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-from workers import lightning_version, machine_info, peers_env, spawn_ranks
 
-REPO = Path(__file__).resolve().parents[1]
 # samples: global samples per epoch (= per repeat); ResNet-18 is kept to a few batches on CPU
 CASES = {
     "mlp": {"model": "mlp", "shape": [1, 28, 28], "samples": 8192},
@@ -74,10 +75,8 @@ LIGHTNING_WORLD = {"mlp": 2, "cnn": 2, "resnet18": 1}
 LIGHTNING_TARGET = 1.2  # ddpflow's loop vs Lightning's, every CPU case
 TRAINER_NOTE = "without logger, checkpointing, progress bar, summary or validation"
 GPU_CASE = {"model": "resnet18", "shape": [3, 32, 32], "samples": 512 * 40}
-NUM_CLASSES = 10
 # dense bf16 peak, TFLOP/s (vendor datasheets; SXM parts); --peak-tflops overrides
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0}
-WORKER_TIMEOUT_S = 1800
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -113,67 +112,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # --- worker process: the two loops --------------------------------------------------
-
-
-def synthetic(shape: list[int], samples: int, seed: int = 0):
-    """uint8 images, random labels, and their per-channel mean/std in 0..1 units."""
-    gen = torch.Generator().manual_seed(seed)
-    images = torch.randint(0, 256, (samples, *shape), generator=gen, dtype=torch.uint8)
-    labels = torch.randint(0, NUM_CLASSES, (samples,), generator=gen)
-    scaled = images.double().div(255.0)
-    dims = [0, 2, 3]
-    mean, std = scaled.mean(dims).float(), scaled.std(dims, unbiased=False).float()
-    view = [1, shape[0], 1, 1]
-    return images, labels, (mean.view(view), std.view(view))
-
-
-def ddpflow_run(cfg: dict) -> dict:
-    """The shipped config with this benchmark's model, batch, epochs and machine."""
-    cuda = cfg["device"] == "cuda"
-    overrides = {
-        "model": {"name": cfg["case"]["model"]},
-        "train": {
-            # the per-rank batch as the micro-batch, one per rank and step (no accumulation),
-            # unless the caller fixes the global batch (bench/scaling.py)
-            "global_batch_size": cfg.get("global_batch") or cfg["batch"] * cfg["world_size"],
-            "micro_batch_size": cfg["batch"],
-            "epochs": cfg["warmup"] + cfg["repeats"],
-            "progress": False,
-            "precision": "bf16" if cuda else cfg["precision"],
-            "ddp": cfg.get("ddp", {}),
-        },
-        "machine": {
-            "gpus_per_node": 1 if cuda else 0,
-            "cpu_ranks_per_node": cfg["world_size"],
-            "cpus_per_task": cfg["threads"],
-        },
-        "runs": [{"name": "bench"}],
-    }
-    loaded = ddpconfig.load(REPO / "config" / "config.yaml", overrides)
-    return ddpconfig.resolve_runs(loaded)[0]
-
-
-def ddpflow_epoch(cfg: dict, run: dict, images, labels, norm, env: DistEnv, device):
-    """ddpflow's Loop as TrainTask builds it; returns (epoch function, loop)."""
-    data = RankData(
-        splits={
-            "train": Split(images.to(device), labels.to(device)),
-            "val": Split(images[:64].to(device), labels[:64].to(device)),
-        },
-        norm=tuple(t.to(device) for t in norm),
-        num_classes=NUM_CLASSES,
-        shape=cfg["case"]["shape"],
-        device=device,
-    )
-    torch.manual_seed(run["train"]["seed"])
-    model = place(build_model(run["model"], data.shape, NUM_CLASSES), device, True)
-    loop = Loop(RunSpec.from_run(run), data, env, device, model)
-    # what TrainTask runs after every optimizer step (checkpoint and stop-signal checks);
-    # the shipped config checkpoints per epoch, outside train_epoch(), so nothing is written
-    loop.watch_steps(Checkpointer(RunSpec.from_run(run), cfg["work"], env).on_step)
-    if cfg.get("compile"):
-        loop.wrapped = torch.compile(loop.wrapped)
-    return (lambda: loop.train_epoch()), loop
 
 
 class SyncClock(runtime.PhaseClock):
@@ -248,39 +186,6 @@ def raw_epoch(cfg: dict, run: dict, lr: float, images, labels, norm, device):
     return epoch
 
 
-def peer_layout(cfg: dict, model: nn.Module) -> nn.Module:
-    """The peer's model as its user writes it (NCHW), or, --peer-channels-last, in the
-    layout ddpflow gives convolutional models."""
-    if cfg.get("peer_channels_last"):
-        return place(model, torch.device("cpu"), True, move=False)
-    return model
-
-
-def timed_epoch(epoch_fn, device, sync) -> tuple[float, float, dict]:
-    """One epoch: global samples per wall second (slowest rank) and per CPU second (all
-    ranks' process time summed: robust to other processes sharing the cores)."""
-    sync()
-    dist.barrier()
-    start, cpu_start = time.perf_counter(), time.process_time()
-    record = epoch_fn()
-    sync()
-    seconds = torch.tensor(time.perf_counter() - start, dtype=torch.float64, device=device)
-    cpu = torch.tensor(time.process_time() - cpu_start, dtype=torch.float64, device=device)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
-    samples = record["samples"]  # of all ranks
-    return samples / float(seconds), samples / float(cpu), record
-
-
-def schedule(names: list[str], warmup: int, repeats: int) -> list[tuple[str, int | None]]:
-    """(loop, repeat) in run order: each loop's warmup epochs (repeat None), then the loops
-    alternating repeat by repeat, the order flipped every repeat."""
-    order = [(name, None) for name in names for _ in range(warmup)]
-    for repeat in range(repeats):
-        order += [(name, repeat) for name in (names if repeat % 2 == 0 else names[::-1])]
-    return order
-
-
 def measure(loops: dict, cfg: dict, device, sync) -> dict:
     """Warm each loop up, then alternate them repeat by repeat (order flipped each time). A
     loop with drive() (Lightning's Trainer owns its epoch loop) runs the whole schedule."""
@@ -353,30 +258,6 @@ def op_shares(epoch_fn, profile: bool) -> dict | None:
     return shares
 
 
-def rank_device(cfg: dict) -> tuple[torch.device, str, object]:
-    """This worker's device, process-group backend and device sync (a no-op on CPU)."""
-    torch.set_num_threads(cfg["threads"])
-    if cfg["device"] != "cuda":
-        return torch.device("cpu"), "gloo", lambda: None
-    device = torch.device("cuda", cfg["rank"])
-    torch.cuda.set_device(device)
-    runtime.configure_cuda(deterministic=False)  # as TrainTask does (cuDNN autotuning)
-    return device, "nccl", torch.cuda.synchronize
-
-
-@contextlib.contextmanager
-def process_group(cfg: dict, backend: str):
-    """The tutorial's set-up: one real process group on 127.0.0.1 (every loop of the worker
-    shares it), and the DistEnv ddpflow's Loop gets; destroyed on the way out."""
-    rank, world = cfg["rank"], cfg["world_size"]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    try:
-        yield DistEnv(rank, world, rank, world, 0, 1, "127.0.0.1", cfg["port"], "bench", "bench")
-    finally:
-        dist.destroy_process_group()
-
-
 def run_worker(cfg: dict) -> int:
     device, backend, sync = rank_device(cfg)
     with process_group(cfg, backend) as env:
@@ -398,28 +279,16 @@ def run_worker(cfg: dict) -> int:
         result["lr"] = loop.lr
         if cfg["device"] == "cpu":  # where the step's time goes: one more, profiled epoch
             result["ddpflow"]["op_shares"] = op_shares(ours, profile=env.is_master)
-    if cfg["rank"] == 0:
-        Path(cfg["result_file"]).write_text(json.dumps(result))
-    return 0
+    return workers.answer(cfg, result)
 
 
 # --- driver -------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch(cfg: dict, script: str = __file__) -> dict:
-    """One (case, world size) in fresh worker processes of `script` (this file, or another
-    benchmark's with the same --worker protocol); rank 0's measurements."""
-    lightning = cfg.get("baseline") == "lightning"
-    env = peers_env() if lightning else None  # Lightning's ranks only
-    with tempfile.TemporaryDirectory(prefix="ddpflow-bench-") as tmp:
-        cfg = {**cfg, "port": free_port(), "result_file": f"{tmp}/result.json", "work": tmp}
-        return spawn_ranks(script, cfg, WORKER_TIMEOUT_S, env)
+def launch(cfg: dict) -> dict:
+    """One (case, world size) in fresh worker processes; rank 0's measurements."""
+    lightning = cfg["baseline"] == "lightning"
+    return workers.launch(__file__, cfg, env=workers.peers_env() if lightning else None)
 
 
 @torch.no_grad()
@@ -588,68 +457,74 @@ def main(argv: list[str] | None = None) -> int:
         print("--precision, --peer-channels-last: CPU cases only (--gpu is bf16)", file=sys.stderr)
         return 2
     name = "throughput_lightning" if args.lightning else "throughput"
-    args.out = args.out or Path(__file__).parent / "out" / f"{name}.json"
+    out = args.out or harness.OUT / f"{name}.json"
     peak = peak_flops(args)
     base = "Lightning Trainer" if args.lightning else "raw PyTorch DDP tutorial loop"
-    report = {
-        "benchmark": f"training throughput: ddpflow.training.loop.Loop vs {base}",
-        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "provenance": runtime.provenance(),
-        "conditions": {
-            "timing": "one epoch per repeat, barrier before, slowest rank; median of repeats",
-            "order": "the loops alternate each repeat, order flipped every repeat",
-            "repeats": args.repeats,
-            "warmup_epochs": args.warmup,
-            "data": "synthetic uint8 images, random labels, normalised by per-channel mean/std",
-            "raw": "TensorDataset+DataLoader(DistributedSampler), .to(device), loss.item() "
-            "per step, DDP-wrapped at every world size (1-rank group at world 1)",
-            "ddpflow": "Loop from the shipped config (SGD nesterov, cosine schedule); "
-            "micro_batch_size = the per-rank batch, global_batch_size = batch x world (no "
-            "accumulation); order: step_micro_batches + rank_micro_batches; "
-            "DDP only when world > 1; "
-            + (
-                "bf16 autocast, channels_last, fused SGD"
-                if args.gpu
-                else f"{args.precision}, convolutional models in channels_last"
-            ),
-            "peers": (
-                f"{args.precision}; "
-                + (
-                    "convolutional models in channels_last like ddpflow's"
-                    if args.peer_channels_last
-                    else "models in their default NCHW layout"
-                )
-            ),
-            "launch": "one process per rank, tcp rendezvous on 127.0.0.1",
-            "peak_flops": peak,
-        },
-        "runs": [],
-    }
+    report = harness.head(
+        f"training throughput: ddpflow.training.loop.Loop vs {base}",
+        conditions=conditions(args, peak),
+        runs=[],
+    )
     if args.lightning and not add_lightning(report):
         print(report["skipped"], file=sys.stderr)
-        return write(report, args.out)
+        return harness.write(report, out)
     for cfg in plan(args):
         print(f"running {cfg['name']} at world size {cfg['world_size']} ...", flush=True)
         report["runs"].append(finish_row(cfg, launch(cfg), peak))
     print(format_table(report["runs"]), flush=True)
     for row in report["runs"]:
-        if shares := row["ddpflow"].get("op_shares"):
-            print(f"# {row['name']} x{row['world_size']}: ddpflow's epoch time in: " + ", ".join(
-                f"{kind} {share:.0%}" for kind, share in shares.items()))  # fmt: skip
-        if "ddpflow_no_timing" in row:
-            rates = {n: row[n]["samples_per_s"] for n in ("ddpflow_no_timing", "ddpflow")}
-            rates["ddpflow_sync_timing"] = row["ddpflow_sync_timing"]["samples_per_s"]
-            base = rates["ddpflow_no_timing"]
-            print("# per-phase timing cost, samples/s (vs no timing): " + ", ".join(
-                f"{n.removeprefix('ddpflow_') if n != 'ddpflow' else 'cuda events (shipped)'} "
-                f"{r:.0f} ({r / base - 1:+.1%})" for n, r in rates.items()))  # fmt: skip
-    return write(report, args.out)
+        print_notes(row)
+    return harness.write(report, out)
+
+
+def conditions(args: argparse.Namespace, peak: float | None) -> dict:
+    return {
+        "timing": "one epoch per repeat, barrier before, slowest rank; median of repeats",
+        "order": "the loops alternate each repeat, order flipped every repeat",
+        "repeats": args.repeats,
+        "warmup_epochs": args.warmup,
+        "data": "synthetic uint8 images, random labels, normalised by per-channel mean/std",
+        "raw": "TensorDataset+DataLoader(DistributedSampler), .to(device), loss.item() "
+        "per step, DDP-wrapped at every world size (1-rank group at world 1)",
+        "ddpflow": "Loop from the shipped config (SGD nesterov, cosine schedule); "
+        "micro_batch_size = the per-rank batch, global_batch_size = batch x world (no "
+        "accumulation); order: step_micro_batches + rank_micro_batches; "
+        "DDP only when world > 1; "
+        + (
+            "bf16 autocast, channels_last, fused SGD"
+            if args.gpu
+            else f"{args.precision}, convolutional models in channels_last"
+        ),
+        "peers": (
+            f"{args.precision}; "
+            + (
+                "convolutional models in channels_last like ddpflow's"
+                if args.peer_channels_last
+                else "models in their default NCHW layout"
+            )
+        ),
+        "launch": "one process per rank, tcp rendezvous on 127.0.0.1",
+        "peak_flops": peak,
+    }
+
+
+def print_notes(row: dict) -> None:
+    """Where ddpflow's CPU epoch goes, and on GPU what its per-phase timing costs."""
+    if shares := row["ddpflow"].get("op_shares"):
+        spent = ", ".join(f"{kind} {share:.0%}" for kind, share in shares.items())
+        print(f"# {row['name']} x{row['world_size']}: ddpflow's epoch time in: {spent}")
+    if "ddpflow_no_timing" in row:
+        names = {"ddpflow_no_timing": "no_timing", "ddpflow": "cuda events (shipped)"}
+        names["ddpflow_sync_timing"] = "sync_timing"
+        rates = {names[n]: row[n]["samples_per_s"] for n in names}
+        base = rates["no_timing"]
+        cost = ", ".join(f"{n} {r:.0f} ({r / base - 1:+.1%})" for n, r in rates.items())
+        print(f"# per-phase timing cost, samples/s (vs no timing): {cost}")
 
 
 def add_lightning(report: dict) -> bool:
     """Lightning's version and loop into the report; False (and why) when not importable."""
-    version = lightning_version()
+    version = workers.lightning_version()
     report["provenance"]["versions"]["lightning"] = version
     report["conditions"]["lightning"] = (
         "lightning.Trainer(strategy='ddp', accelerator='cpu') in the benchmark's ranks and "
@@ -663,13 +538,6 @@ def add_lightning(report: dict) -> bool:
             "no Lightning rows"
         )
     return version is not None
-
-
-def write(report: dict, out: Path) -> int:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
-    return 0
 
 
 if __name__ == "__main__":

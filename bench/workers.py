@@ -1,18 +1,20 @@
 """Shared by the bench scripts: start a benchmark's ranks as fresh processes and collect
-rank 0's result (each runs `python <script> --worker <json config with its rank>`), and
-describe the machine a result was measured on."""
+rank 0's result. Each rank runs `python <script> --worker <json config with its rank>`; the
+driver gives the config a free port on 127.0.0.1, a temporary folder ("work") and the file
+rank 0 answers in ("result_file"). Lightning's ranks alone get bench/.peers-site."""
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 PEERS_SITE = Path(__file__).resolve().parent / ".peers-site"  # bench/install-peers
+WORKER_TIMEOUT_S = 1800
 
 
 def peers_env() -> dict:
@@ -30,6 +32,27 @@ def lightning_version() -> str | None:
         [sys.executable, "-c", code], capture_output=True, text=True, env=peers_env()
     )
     return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(script: str, cfg: dict, timeout_s: float = WORKER_TIMEOUT_S, env: dict | None = None):
+    """cfg["world_size"] fresh workers of `script` with a free port and a temporary folder of
+    their own; the JSON rank 0 answered (answer())."""
+    with tempfile.TemporaryDirectory(prefix="ddpflow-bench-") as tmp:
+        cfg = {**cfg, "port": free_port(), "result_file": f"{tmp}/result.json", "work": tmp}
+        return spawn_ranks(script, cfg, timeout_s, env)
+
+
+def answer(cfg: dict, result) -> int:
+    """A worker's result back to the driver: rank 0 writes it. Returns 0 (the worker's exit)."""
+    if cfg["rank"] == 0:
+        Path(cfg["result_file"]).write_text(json.dumps(result))
+    return 0
 
 
 def spawn_ranks(script: str, cfg: dict, timeout_s: float, env: dict | None = None):
@@ -50,28 +73,3 @@ def spawn_ranks(script: str, cfg: dict, timeout_s: float, env: dict | None = Non
     if any(codes):
         raise RuntimeError(f"benchmark workers failed with exit codes {codes}")
     return json.loads(Path(cfg["result_file"]).read_text())
-
-
-def machine_info() -> dict:
-    """What a measurement depends on: host, CPU model and count, platform, devices, load."""
-    import torch
-
-    cpu_model = platform.processor()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        cpu_model = next(ln.split(":", 1)[1].strip() for ln in text.splitlines()
-                         if ln.startswith("model name"))  # fmt: skip
-    except (OSError, StopIteration):
-        pass
-    info = {
-        "hostname": socket.gethostname(),
-        "cpu_model": cpu_model,
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-    }
-    if hasattr(os, "getloadavg"):  # a busy machine explains noisy CPU numbers
-        info["loadavg_at_start"] = os.getloadavg()
-    return info
