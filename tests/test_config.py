@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from ddpflow import config as ddpconfig
+from ddpflow.checks import values as checks_values
 from ddpflow.config import ConfigError
 from workflow_helpers import REPO, make_run, snakemake_command
 
@@ -322,7 +323,7 @@ def test_the_parse_checks_gpt_kwargs_as_the_model_takes_them(tmp_path):
     """The parse-time check (no torch) knows the keys and defaults gpt is built with, and
     every kwargs it accepts builds."""
     import torch
-    from ddpflow.config.model_kwargs import GPT_DEFAULTS
+    from ddpflow.checks.model_kwargs import GPT_DEFAULTS
     from ddpflow.training.gpt import DEFAULTS, gpt
 
     assert GPT_DEFAULTS == DEFAULTS
@@ -445,7 +446,7 @@ def test_suspicious_settings_are_warned_about(monkeypatch):
     assert "train.precision fp16 on CPU ranks" in fp16 and "train.precision: bf16" in fp16
     bf16 = {"train": {"precision": "bf16"}}  # acts on CPU ranks
     assert _warnings(bf16) == [] or not ddpconfig.cpu_computes_bf16()
-    monkeypatch.setattr(ddpconfig.checks, "cpu_computes_bf16", lambda: False)  # where looked up
+    monkeypatch.setattr(checks_values, "cpu_computes_bf16", lambda: False)  # where looked up
     (emulated,) = _warnings(bf16)
     assert "no bf16 instructions" in emulated and "train.precision: fp32" in emulated
     assert _warnings({**bf16, "launcher": "slurm"}) == []  # the nodes' CPUs are not this one

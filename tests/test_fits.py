@@ -10,10 +10,11 @@ import os
 import re
 
 import pytest
+from ddpflow.checks import memory as fits
+from ddpflow.checks import memory_knobs as fit_knobs
+from ddpflow.checks.early import memory_verdicts
+from ddpflow.checks.slurm import gpu_types
 from ddpflow.cluster.slurm_parse import Node
-from ddpflow.config import fit_knobs, fits
-from ddpflow.config.slurm import gpu_types
-from ddpflow.early import memory_verdicts
 from ddpflow.training.footprint import measure
 from ddpflow.training.models import build_model
 from workflow_helpers import make_run, snakemake, write_config
@@ -203,7 +204,7 @@ def test_the_gpu_types_of_a_partitions_nodes():
 
 def test_the_measurement_is_made_once_for_every_workflow(tmp_path, monkeypatch):
     """memory_verdicts measures in a subprocess, keeps the figures in the user's cache, and
-    answers the next identical question from it (no subprocess: ddpflow.early._measure)."""
+    answers the next identical question from it (no subprocess: ddpflow.checks.early._measure)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     run = {**make_run(model={"name": "mlp"}), "launcher": "local"}
     inputs = {run["name"]: ([1, 8, 8], 10, 0)}
@@ -223,7 +224,7 @@ def test_a_local_gpu_run_is_compared_with_the_gpu_also_from_the_cache(tmp_path, 
     see) whenever the figures come from the cache, where no subprocess asked torch: before,
     a second parse showed the GPU's memory as unknown. This machine has no GPU: a stand-in
     nvidia-smi on PATH answers as the H100's driver did (81559 MiB)."""
-    from ddpflow.config.machine import local_gpu_memory_bytes
+    from ddpflow.checks.host import local_gpu_memory_bytes
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1234,GPU-5678")
@@ -340,8 +341,8 @@ def _debug_partition():
     8000 MB."""
     from pathlib import Path
 
+    from ddpflow.checks.slurm import partition_limits
     from ddpflow.cluster import slurm_parse as sp
-    from ddpflow.config.slurm import partition_limits
 
     golden = Path(__file__).parent / "golden" / "slurm"
     parts = sp.parse_partitions((golden / "testbed_partitions.txt").read_text())

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from ddpflow import config as ddpconfig
+from ddpflow.checks import values as checks_values
 from ddpflow.cluster.distenv import discover
 from ddpflow.config.typed import RunSpec
 from ddpflow.training import evaluate, sharding
@@ -168,7 +169,7 @@ def test_units_are_the_models_blocks():
     ],
 )
 def test_combinations_fsdp_cannot_run_are_refused(train, machine, message, monkeypatch):
-    monkeypatch.setattr(ddpconfig.checks, "local_gpu_count", lambda: 8)  # where looked up
+    monkeypatch.setattr(checks_values, "local_gpu_count", lambda: 8)  # where looked up
     with pytest.raises(ddpconfig.ConfigError, match=message):
         ddpconfig.load(None, {"train": {"strategy": "fsdp", **train}, "machine": machine})
 

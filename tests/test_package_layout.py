@@ -27,8 +27,8 @@ from submitit.core.utils import DelayedSubmission, pickle_load
 
 GOLDEN = Path(__file__).parent / "golden" / "jobs"
 PACKAGE = Path(ddpflow.__file__).parent
-LAYERS = {"cluster", "config", "data", "monitoring", "report", "task", "tracking", "training",
-          "tutorial"}  # fmt: skip
+LAYERS = {"checks", "cluster", "config", "data", "monitoring", "report", "task", "tracking",
+          "training", "tutorial"}  # fmt: skip
 # `# fmt: skip` comments in the package: each holds a hand-made shape (often a long argument
 # list) in place; the count may only go down (lower it here when you remove some)
 FMT_SKIPS = 167
@@ -84,6 +84,13 @@ def _modules():
     return [m.name for m in pkgutil.walk_packages([str(PACKAGE)], "ddpflow.")]
 
 
+def _source(name: str) -> Path:
+    """A module's own file (not importlib's spec: an old path that makes itself its new
+    module in sys.modules would read as the new file once imported)."""
+    path = PACKAGE.joinpath(*name.split(".")[1:])
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
 def test_every_module_imports():
     for name in _modules():
         importlib.import_module(name)
@@ -105,8 +112,7 @@ def test_no_import_circles():
     modules = set(_modules())
     graph = {}
     for name in modules:
-        spec = importlib.util.find_spec(name)
-        graph[name] = {m for m in _imports_of(Path(spec.origin)) if m in modules and m != name}
+        graph[name] = {m for m in _imports_of(_source(name)) if m in modules and m != name}
         graph[name] -= {p for p in graph[name] if name.startswith(p + ".")}  # own packages
     circles, state = [], {}
 
@@ -136,7 +142,8 @@ def test_the_login_node_modules_import_no_torch():
     """Every rule imports these on the login node (and Snakemake's parse imports config):
     torch would add seconds to each rule and is needed only on the ranks."""
     code = (
-        "import sys, ddpflow.pipeline, ddpflow.config, ddpflow.config.slurm, "
+        "import sys, ddpflow.pipeline, ddpflow.config, ddpflow.checks.slurm, "
+        "ddpflow.checks.early, ddpflow.checks.values, ddpflow.cluster.submit, "
         "ddpflow.report.build, ddpflow.report.outcome, ddpflow.cluster.interrupts, "
         "ddpflow.tracking.track, ddpflow.tracking.record; "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
@@ -164,12 +171,12 @@ def test_no_module_over_400_lines_and_no_function_over_50():
 
 
 def test_no_text_counts_with_an_s_in_brackets():
-    """What the terminal, the logs and the report print says '1 run', '3 runs' (ddpflow.text.
+    """What the terminal, the logs and the report print says '1 run', '3 runs' (ddpflow.words.
     counted), never 'run(s)': no string in the package or the rule scripts holds a word
     followed by '(s)'."""
     found = []
     for path in [*PACKAGE.rglob("*.py"), *(PACKAGE.parents[1] / "scripts").glob("*.py")]:
-        if path == PACKAGE / "text.py":  # its docstring names what it replaces
+        if path == PACKAGE / "words.py":  # its docstring names what it replaces
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             text = node.value if isinstance(node, ast.Constant) else None
@@ -184,3 +191,96 @@ def test_the_fmt_skip_count_only_goes_down():
         f"{found} `# fmt: skip` in the package, {FMT_SKIPS} allowed: let the formatter shape "
         "new code (fewer, typed arguments instead of long lists)"
     )
+
+
+# Login-node layers, lowest first: a layer imports only those below it. config is what the
+# user wrote and what it means; cluster gets ranks onto machines (its Slurm queries, the
+# launcher, rank discovery); checks are made before the work starts, from both.
+LAYER_ORDER = ("config", "cluster", "checks")
+# known imports against that order, each with why; empty the list as they go
+UPWARD_IMPORTS = {
+    # names the checks keep through ddpflow.config for callers written before ddpflow.checks
+    # (bench/scaling.py and tests call ddpconfig.check_world_size, run_warnings, ...)
+    ("ddpflow.config", "checks"),
+    # config/runs.py resolves every run and checks it (it imports the checks through the old
+    # path config/checks.py until it imports ddpflow.checks)
+    ("ddpflow.config.runs", "checks"),
+    # old module paths, kept until their importers move (config/weights.py: for good, as
+    # scripts/fetch_weights.py names it and a rule script is never edited)
+    ("ddpflow.config.checks", "checks"),  # config/runs.py, export.py
+    ("ddpflow.config.fits", "checks"),  # plan.py, bench/memory_estimate.py
+    ("ddpflow.config.weights", "checks"),  # scripts/fetch_weights.py, runs.py, training/*
+    ("ddpflow.cluster.preflight", "checks"),  # tests/test_gpu.py, bench/collectives.py
+    # placement re-checks a run at the node count it can get (machine.min_nodes)
+    ("ddpflow.cluster.placement", "checks"),
+}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYER_ORDER else None
+
+
+def test_the_login_layers_import_one_way():
+    """config imports neither cluster nor checks, cluster does not import checks (imports
+    inside functions count: a deferred import is still a dependency)."""
+    against = set()
+    for name in _modules():
+        own = _layer(name)
+        if own is None:
+            continue
+        for target in {_layer(m) for m in _imports_of(_source(name))} - {None, own}:
+            if LAYER_ORDER.index(target) > LAYER_ORDER.index(own):
+                against.add((name, target))
+    assert against <= UPWARD_IMPORTS, sorted(against - UPWARD_IMPORTS)
+
+
+# modules that use another module's private name, each owned by another change in flight;
+# empty the list as they go
+PRIVATE_USES = {
+    "ddpflow.config.runs",  # from ddpflow.config.checks import _check_run (check_resolved_run)
+    "ddpflow.predict",  # pipeline._placed / _distributed (ddpflow.cluster.submit)
+}
+
+
+def _module_names(tree: ast.AST, modules: set[str]) -> dict[str, str]:
+    """Local name -> ddpflow module, for every import of a ddpflow module in the file."""
+    bound = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("ddpflow") and a.asname:
+                    bound[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ddpflow"):
+            for a in node.names:
+                if f"{node.module}.{a.name}" in modules:
+                    bound[a.asname or a.name] = f"{node.module}.{a.name}"
+    return bound
+
+
+def _private_uses(name: str, modules: set[str]) -> list[str]:
+    tree = ast.parse(_source(name).read_text())
+    bound, found = _module_names(tree, modules), []
+
+    def private(attr: str) -> bool:
+        return attr.startswith("_") and not attr.startswith("__")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ddpflow"):
+            if node.module != name:
+                found += [f"{node.module}.{a.name}" for a in node.names if private(a.name)]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            module = bound.get(node.value.id)
+            if module and module != name and private(node.attr):
+                found.append(f"{module}.{node.attr}")
+    return [f"{name}: {use}" for use in found]
+
+
+def test_no_module_uses_another_modules_private_names():
+    """`from x import _y` and `x._y` across modules: a seam that is used is public, named
+    without the underscore."""
+    modules = set(_modules())
+    found = {name: _private_uses(name, modules) for name in sorted(modules)}
+    users = {name for name, uses in found.items() if uses}
+    assert users <= PRIVATE_USES, [u for name in sorted(users - PRIVATE_USES) for u in found[name]]
+    assert not PRIVATE_USES - users, f"fixed, take off the list: {PRIVATE_USES - users}"

@@ -46,7 +46,7 @@ def test_a_failed_job_forgets_its_record_so_a_retry_submits_anew(tmp_path):
     ranks fail because the staged data do not exist."""
     from ddpflow.cluster import launch
     from ddpflow.paths import RunPaths
-    from ddpflow.training.tasks import TrainTask
+    from ddpflow.training.entry import TrainTask
     from workflow_helpers import make_run
 
     run = make_run(train={"progress": False}, results_dir=str(tmp_path / "results"))
@@ -91,10 +91,10 @@ def test_epoch_progress_logs_each_new_epoch_once(tmp_path, caplog):
 def test_progress_in_a_log_file_is_whole_lines(caplog):
     """Rank 0's progress where stderr is a file: log lines, never a bar's carriage returns;
     a resumed epoch's rate counts only the steps run since."""
-    from ddpflow.training.tasks import LineProgress
+    from ddpflow.training.entry import LineProgress
 
     progress = LineProgress(total=10, desc="epoch 2", interval=0.0)
-    with caplog.at_level(logging.INFO, logger="ddpflow.training.tasks"):
+    with caplog.at_level(logging.INFO, logger="ddpflow.training.entry"):
         progress.update(4)  # resumed at step 4
         progress.update(1)
         progress.update(5)  # the last step: the epoch's own line follows, not this one
@@ -131,7 +131,7 @@ def test_a_global_batch_that_leaves_much_of_a_small_split_out_is_warned_about(ca
     from ddpflow.config import warn_what_sits_out
     from workflow_helpers import make_run
 
-    caplog.set_level(logging.WARNING, logger="ddpflow.config.checks")
+    caplog.set_level(logging.WARNING, logger="ddpflow.checks.batch")
     warn_what_sits_out(make_run(train={"micro_batch_size": 16}), 105)
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "global_batch_size 64 leaves 41 of the 105 training samples out" in warning

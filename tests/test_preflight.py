@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ddpflow.cluster.preflight import SlowInterconnect, bus_bandwidth, run_preflight
+from ddpflow.checks.links import SlowInterconnect, bus_bandwidth, run_preflight
 from distributed_helpers import run_group
 
 

@@ -19,7 +19,7 @@ from ddpflow.config.typed import RunSpec
 from ddpflow.paths import RunPaths
 from ddpflow.task import get_task
 from ddpflow.training import pruning
-from ddpflow.training.tasks import TrainTask
+from ddpflow.training.entry import TrainTask
 from distributed_helpers import run_group
 from workflow_helpers import make_run
 

@@ -39,7 +39,7 @@ def test_smoke_the_default_job_trains_evaluates_reports_then_plans_nothing(workd
     assert (workdir / "results/report/report.html").stat().st_size > 0
     assert jobs_planned(workdir, configfile) == set()
     # the train rule said, before the job was queued, what a rank needs and how it compares
-    # with the memory it has (ddpflow.config.fits), and each rank recorded its real peak
+    # with the memory it has (ddpflow.checks.memory), and each rank recorded its real peak
     assert re.search(
         r"run 'default': about [\d.]+ GB per rank \(parameters .* over 2 ranks\): "
         r"\d+%",

@@ -1,4 +1,4 @@
-"""ddpflow.config.slurm: a machine section the cluster cannot run fails before anything is queued.
+"""ddpflow.checks.slurm: a machine section the cluster cannot run fails before anything is queued.
 
 Two kinds of tests live here:
 - unit tests of the parsers and checks on captured `scontrol` / `sacctmgr` text
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 from ddpflow import config as ddpconfig
+from ddpflow.checks import slurm as sc
 from ddpflow.cluster import slurm_parse as sp
 from ddpflow.config import ConfigError
-from ddpflow.config import slurm as sc
 from ddpflow.config.machine import stage_rule_resources
 
 CAPTURED = Path(__file__).resolve().parents[1] / "golden" / "slurm"
@@ -251,7 +251,7 @@ def test_check_runs_through_the_commands(tmp_path, monkeypatch):
 def test_missing_accounting_only_warns(tmp_path, monkeypatch, caplog):
     fake_slurm_tools(tmp_path / "bin", "testbed", sacctmgr=False)
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
-    with caplog.at_level(logging.WARNING, logger="ddpflow.config.slurm"):
+    with caplog.at_level(logging.WARNING, logger="ddpflow.cluster.slurm_query"):
         sc.check_runs_against_cluster(runs_for({"account": "anything"}))
     assert "accounting not available" in caplog.text
 

@@ -25,7 +25,7 @@ from ddpflow import pipeline
 from ddpflow.data.staged import DataError, verify_staged
 from ddpflow.paths import RunPaths
 from ddpflow.report.sweep import slim
-from ddpflow.training.tasks import EvalTask, TrainTask
+from ddpflow.training.entry import EvalTask, TrainTask
 
 COMMANDS = {
     "stage": "stage the run's dataset into results/staged (one process; verified, atomic)",

@@ -1,7 +1,7 @@
 """What each workflow rule does on the machine Snakemake runs on (the login node): one
 function per rule, called by its thin adapter scripts/<rule>.py. train_run and evaluate_run
-submit the run's job (one submitit task per rank: ddpflow.training.tasks) and wait for it;
-the ranks themselves run ddpflow.training.tasks -> ddpflow.training.loop (training) or
+submit the run's job (one submitit task per rank: ddpflow.training.entry) and wait for it;
+the ranks themselves run ddpflow.training.entry -> ddpflow.training.loop (training) or
 ddpflow.training.evaluate (scoring)."""
 
 from __future__ import annotations
@@ -15,25 +15,23 @@ import time
 from pathlib import Path
 
 from ddpflow import runtime
-from ddpflow.cluster import launch, nodes, placement, private
+from ddpflow.checks.batch import check_batch_fits, warn_what_sits_out
+from ddpflow.checks.early import fine_tunes, input_of, memory_verdicts, model_check
+from ddpflow.cluster import launch, nodes, submit
 from ddpflow.cluster.jobs import EvalJob, TrainJob
-from ddpflow.config import (
+from ddpflow.config.fingerprint import (
     BUILT_IN_MODELS,
-    check_batch_fits,
     config_hash,
     evaluation_fingerprint,
     training_fingerprint,
-    uses_channels_last,
-    warn_what_sits_out,
 )
+from ddpflow.config.machine import uses_channels_last
 from ddpflow.data.staged import choose_in_memory, read_manifest
 from ddpflow.data.staging import stage_dataset
 from ddpflow.data.text import describe_tokens
-from ddpflow.early import fine_tunes, input_of, memory_verdicts, model_check
 from ddpflow.errors import UserError
 from ddpflow.paths import (
     EVAL_FROM_TRAIN,
-    LIVE_METRICS,
     RUN_FILES,
     TRACKING_FILE,
     RunPaths,
@@ -41,17 +39,18 @@ from ddpflow.paths import (
     report_dir,
     run_dir,
 )
-from ddpflow.progress import EpochProgress
 from ddpflow.report import outcome
 from ddpflow.task import selection_of
-from ddpflow.text import counted
 from ddpflow.tracking.live import LiveStream
 from ddpflow.training import workspace
 from ddpflow.training.pruning import pruned_line
 from ddpflow.training.records import describe, published
+from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
-EARLY_CACHE = ".snakemake/ddpflow"  # the parse's checks and measurements (ddpflow.early)
+EARLY_CACHE = ".snakemake/ddpflow"  # the parse's checks and measurements (ddpflow.checks.early)
+# the names train_run and predict.py call until they call ddpflow.cluster.submit's
+_placed, _distributed, _job_record = submit.placed, submit.submit_and_wait, submit.job_record
 
 
 def stage_data(data_cfg: dict, out_dir: str, threads: int = 1) -> dict:
@@ -87,85 +86,6 @@ def _stage_data(data_cfg: dict, out_dir: str, threads: int) -> dict:
     return manifest
 
 
-def _job_record(paths: RunPaths, stage_name: str) -> Path:
-    """Where the id of the stage's submitted job is kept (for a reattach after a stop)."""
-    return Path(paths.work) / f"{stage_name}-job.json"
-
-
-def _placed(run: dict, paths: RunPaths, stage_name: str) -> tuple[dict, tuple[str, ...]]:
-    """The run as its Slurm job runs it (machine.nodes may be fewer: ddpflow.cluster.placement) and
-    the nodes the job avoids; a job an earlier attempt left running keeps its placement."""
-    if run["launcher"] != "slurm":
-        return run, ()
-    previous = launch.read_record(_job_record(paths, stage_name))
-    if not (previous and previous.get("launcher") == "slurm"
-            and launch.slurm_job_alive(previous["job_id"])):  # fmt: skip
-        previous = None
-    return placement.place(run, nodes.ledger_beside(paths.work), previous)
-
-
-def _distributed(
-    task_cls,
-    stage_name: str,
-    run: dict,
-    paths: RunPaths,
-    logs_dir: str,
-    exclude=(),
-    stream=None,
-    computes: dict | None = None,
-) -> list:
-    """Submit the stage's job for `run` (as placed: _placed) and wait for its ranks;
-    computes: what else the job's result depends on (its fingerprint's other keys)."""
-    folder = Path(logs_dir).resolve() / "submitit" / run["name"] / stage_name
-    start = time.perf_counter()
-    _refuse_an_unsafe_torch(run)
-    private.make(paths.work, "work folder")  # 0700: checkpoints and rendezvous files
-    # what the job computes: a rerun reattaches to a job of the same fingerprint and
-    # cancels one of an edited config (launch.reattach)
-    fingerprint = training_fingerprint(run)
-    if stage_name == "evaluate":
-        fingerprint = {**fingerprint, **evaluation_fingerprint(run)}
-    fingerprint = {**fingerprint, **(computes or {})}
-    request = launch.JobRequest(
-        run["launcher"],
-        run["machine"],
-        folder,
-        f"ddpflow-{stage_name}-{run['name']}",
-        max_requeues=run["train"]["max_requeues"],
-        exclude=tuple(exclude),
-    )
-    progress = EpochProgress(run, Path(paths.work) / LIVE_METRICS, stream)
-    watch = launch.JobWatch(
-        record=Path(_job_record(paths, stage_name)),
-        fingerprint=config_hash(fingerprint),
-        on_poll=progress if stage_name == "train" else None,
-        ledger=nodes.ledger_beside(paths.work),
-    )
-    results = launch.launch(task_cls(run, paths), request, watch)
-    log.info(
-        "%s of run %r: %s done in %.1fs",
-        stage_name,
-        run["name"],
-        counted(len(results), "rank"),
-        time.perf_counter() - start,
-    )
-    return results
-
-
-def _refuse_an_unsafe_torch(run: dict) -> None:
-    """The ranks load checkpoints and model.pt (weights_only): refused before anything is
-    queued where this environment's torch has known weights_only bypasses (the ranks
-    refuse too, in case machine.setup gives them another torch)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        problem = runtime.weights_only_problem(version("torch"))
-    except PackageNotFoundError:
-        return  # no torch here: the ranks' environment (machine.setup) decides, and checks
-    if problem is not None:
-        raise UserError(f"run {run['name']!r}: {problem}")
-
-
 def _check_user_model(run: dict, manifest: dict) -> None:
     """A torchvision or plug-in model is built and run once on the CPU here, before any job
     is queued (built-in models need no check, and this process no torch import for them)."""
@@ -193,9 +113,9 @@ def _check_fine_tuning(run: dict, manifest: dict) -> None:
 
 
 def _check_memory(run: dict, manifest: dict) -> None:
-    """The rank's memory, estimated from the staged data (ddpflow.config.fits), said in the
+    """The rank's memory, estimated from the staged data (ddpflow.checks.memory), said in the
     terminal, and refused before the job is queued where it cannot fit. The parse made the
-    same check where it knew the data's shape; a measurement is made once (ddpflow.early)."""
+    same check where it knew the data's shape; a measurement is made once (ddpflow.checks.early)."""
     inputs = {run["name"]: input_of(run, manifest)}
     _, verdicts = memory_verdicts([run], inputs, EARLY_CACHE)
     if run["name"] not in verdicts:
@@ -264,8 +184,8 @@ def evaluate_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     result = _publish_evaluation_from_training(run, paths)
     where = "by the training job, no job of its own"
     if result is None:
-        placed, exclude = _placed(run, paths, "evaluate")
-        result = _distributed(EvalJob, "evaluate", placed, paths, logs_dir, exclude)[0]
+        placed, exclude = submit.placed(run, paths, "evaluate")
+        result = submit.submit_and_wait(EvalJob, "evaluate", placed, paths, logs_dir, exclude)[0]
         workspace.remove_rendezvous_files(paths.work)
         where = "in a job of its own"
     text = describe(result)

@@ -6,7 +6,8 @@ import sys
 
 from ddpflow import config as ddpconfig
 from ddpflow import paths as ddppaths
-from ddpflow.config import weights as ddpweights
+from ddpflow.checks import weight_files as ddpweights
+from ddpflow.checks.values import run_warnings, tracking_enabled
 
 try:
     # validate (schema + cluster-independent checks) and fill defaults before any job runs;
@@ -17,7 +18,7 @@ except ddpconfig.ConfigError as err:
 config.update(checked)
 if workflow.is_main_process:
     for run in resolved:
-        for warning in ddpconfig.run_warnings(run, config["launcher"]):
+        for warning in run_warnings(run, config["launcher"]):
             print(f"ddpflow: warning: {warning}", file=sys.stderr)
 
 RESULTS = config["results_dir"]
@@ -34,7 +35,7 @@ except ddpconfig.ConfigError as err:
 # each GPU run's GPU types in its partition: the GPU memory the memory estimate compares with
 GPU_TYPES = {}
 if config["launcher"] == "slurm" and workflow.is_main_process:
-    from ddpflow.config.slurm import check_runs_against_cluster
+    from ddpflow.checks.slurm import check_runs_against_cluster
 
     try:
         GPU_TYPES = check_runs_against_cluster(
@@ -46,9 +47,9 @@ if config["launcher"] == "slurm" and workflow.is_main_process:
 # What the train rule would refuse (a model that cannot be built or take the data's shape, a
 # global batch larger than the staged split), refused here for every run whose data is staged:
 # before Snakemake removes any finished run's outputs to retrain it; and a run whose ranks
-# cannot fit their memory, before anything is queued (ddpflow.early).
+# cannot fit their memory, before anything is queued (ddpflow.checks.early).
 if workflow.is_main_process:
-    from ddpflow.early import check_before_jobs
+    from ddpflow.checks.early import check_before_jobs
 
     try:
         check_before_jobs(
@@ -80,7 +81,7 @@ def tracking_file():
 
 def tracked_files():
     """Every run's tracking.json where `tracking:` enables a tracker, else none."""
-    if not ddpconfig.tracking_enabled(config["tracking"]):
+    if not tracking_enabled(config["tracking"]):
         return []
     return expand(tracking_file(), run=RUNS)
 

@@ -27,7 +27,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddpflow.text import counted
+from ddpflow.words import counted
 
 TAIL_LINES = 15
 MAX_CAUSE_CHARS = 500

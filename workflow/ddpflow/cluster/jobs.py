@@ -1,10 +1,14 @@
-"""What submitit pickles and each rank runs: a light reference to a ddpflow.training.tasks task.
+"""What submitit pickles and each rank runs: a light reference to a rank task
+(ddpflow.training.entry).
 
 The rule that submits a job runs on the login node (or this machine) and only waits for it;
-pickling ddpflow.training.tasks' classes there would import torch in that process too (about 2 s per
-rule, for nothing). These callables name the task instead and import it on the rank.
+pickling the rank tasks' classes there would import torch in that process too (about 2 s per
+rule, for nothing). These callables name the task instead and import it on the rank. The
+name is a class attribute, not pickled: a job pickled before a rank task moved runs the task
+where it is now. The layout before ddpflow.cluster named these classes ddpflow.jobs (an
+alias set in ddpflow/__init__.py).
 
-    # the rank runs ddpflow.training.tasks.TrainTask(run, paths):
+    # the rank runs ddpflow.training.entry.TrainTask(run, paths):
     executor.submit(TrainJob(run, paths))
 """
 
@@ -14,7 +18,7 @@ from ddpflow.paths import RunPaths
 
 
 class _RankJob:
-    task_module, task_name = "ddpflow.training.tasks", ""
+    task_module, task_name = "ddpflow.training.entry", ""
 
     def __init__(self, run: dict, paths: RunPaths):
         self.run, self.paths = run, paths
@@ -27,7 +31,7 @@ class _RankJob:
 
 
 class TrainJob(_RankJob):
-    """ddpflow.training.tasks.TrainTask on each rank; requeued by submitit on a time limit or
+    """ddpflow.training.entry.TrainTask on each rank; requeued by submitit on a time limit or
     preemption (checkpoint(): the same job again, which resumes from its checkpoint)."""
 
     task_name = "TrainTask"
@@ -39,7 +43,7 @@ class TrainJob(_RankJob):
 
 
 class EvalJob(_RankJob):
-    """ddpflow.training.tasks.EvalTask on each rank."""
+    """ddpflow.training.entry.EvalTask on each rank."""
 
     task_name = "EvalTask"
 

@@ -26,10 +26,10 @@ from ddpflow.cluster.interrupts import (
     ignore_stop_signals,
     terminate_as_interrupt,
 )
-from ddpflow.config import memory_mb, ranks_per_node, world_size
+from ddpflow.config.machine import memory_mb, ranks_per_node, world_size
 from ddpflow.errors import UserError
 from ddpflow.runtime import atomic_write_json
-from ddpflow.text import counted
+from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
 

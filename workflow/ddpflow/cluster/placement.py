@@ -22,11 +22,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpflow import config as ddpconfig
 from ddpflow.cluster.nodes import read_ledger, shown
 from ddpflow.cluster.slurm_parse import Node
-from ddpflow.config import ConfigError, world_size
-from ddpflow.text import counted
+from ddpflow.config.machine import world_size
+from ddpflow.config.schema import ConfigError
+from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,11 @@ def on_nodes(run: dict, count: int) -> dict:
 def accepts(run: dict, count: int) -> str | None:
     """None if the run's checks pass on `count` nodes, else why not (e.g. too few samples
     for the ranks, a global batch the ranks cannot split evenly)."""
+    # the one import of ddpflow.checks in cluster/: a run's checks, at the node count it gets
+    from ddpflow.checks.values import check_resolved_run
+
     try:
-        ddpconfig._check_run(on_nodes(run, count), run["launcher"])
+        check_resolved_run(on_nodes(run, count), run["launcher"])
     except ConfigError as err:
         return str(err)
     return None
@@ -131,7 +134,7 @@ def place(run: dict, ledger_path: str | Path, previous: dict | None = None):
         return run, ()
     if previous and isinstance(previous.get("nodes"), int):
         return on_nodes(run, previous["nodes"]), tuple(previous.get("exclude", ()))
-    from ddpflow.config.slurm import query_cluster, resolve_partition
+    from ddpflow.cluster.slurm_query import query_cluster, resolve_partition
 
     cluster = query_cluster(need_accounting=False)
     partition = resolve_partition(f"run {run['name']!r}", run["machine"]["partition"], cluster)

@@ -1,8 +1,10 @@
 """Pure parsers of Slurm client text: `scontrol --all --oneliner show partition|node`,
 `sacctmgr -nP show assoc|event` and `sacct -D -X -P` output -> frozen dataclasses.
 
-Kept apart from slurm_checks.py (which runs the commands and checks runs against the result)
-so that they can be unit-tested on captured output (tests/golden/slurm/) with no cluster.
+Kept apart from slurm_query.py (which runs the commands) and ddpflow.checks.slurm (which
+checks runs against the result) so that they can be unit-tested on captured output
+(tests/golden/slurm/) with no cluster. A time limit is read as the config reads one
+(ddpflow.config.schema.parse_slurm_time).
 
     from ddpflow.cluster.slurm_parse import parse_partitions, parse_slurm_time
     parse_slurm_time("1-12:00:00")   # 129600; None for UNLIMITED
@@ -14,6 +16,7 @@ import re
 from dataclasses import dataclass
 
 from ddpflow.cluster.distenv import expand_nodelist
+from ddpflow.config.schema import NO_LIMIT, parse_slurm_time
 
 __all__ = [
     "Association",
@@ -31,7 +34,6 @@ __all__ = [
     "parse_slurm_time",
 ]
 
-NO_LIMIT = {"INFINITE", "UNLIMITED"}
 # node state flags (scontrol's State=A+B, sinfo's trailing *) under which no job starts there
 UNHEALTHY_STATES = {"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "NOT_RESPONDING",
                     "INVAL"}  # fmt: skip
@@ -109,24 +111,6 @@ def parse_oneliner(text: str) -> list[dict[str, str]]:
                 {m.group(1): line[m.end() : end].strip() for m, end in zip(keys, ends, strict=True)}
             )
     return records
-
-
-def parse_slurm_time(text: str) -> int | None:
-    """Seconds in a Slurm time limit; None for INFINITE/UNLIMITED. Formats as sbatch --time:
-    MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
-    value = text.strip()
-    if value.upper() in NO_LIMIT:
-        return None
-    if not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}", value):
-        raise ValueError(f"not a Slurm time limit: {text!r}")
-    days, _, clock = value.rpartition("-")
-    parts = [int(p) for p in clock.split(":")]
-    if days or len(parts) == 3:
-        # after a day count (or with two colons) the first field is hours
-        hours, minutes, seconds = (parts + [0, 0])[:3]
-    else:
-        hours, (minutes, seconds) = 0, (parts + [0])[:2]
-    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
 
 
 def parse_gpu_count(gres: str) -> int:

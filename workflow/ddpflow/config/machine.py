@@ -1,14 +1,11 @@
-"""What a run's settings mean on its machine (ranks, world size, memory, gradient
-accumulation, sharding, memory layout), and what this machine has (GPUs, bf16 instructions),
-probed without importing torch.
+"""What a run's settings mean on its machine: ranks, world size, memory, gradient
+accumulation, the staging job's resources, sharding, memory layout. Derived from the config
+alone (what this machine has is probed in ddpflow.checks.host; which world sizes split the
+global batch is ddpflow.checks.batch).
 """
 
 from __future__ import annotations
 
-import functools
-import os
-import subprocess
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -32,30 +29,6 @@ def accumulation_steps(train: SectionView, world: int) -> int:
 
 def micro_batches_per_step(train: SectionView) -> int:
     return train["global_batch_size"] // train["micro_batch_size"]
-
-
-def working_world_sizes(train: dict) -> list[int]:
-    """The world sizes that split a step's micro-batches evenly: divisors of global/micro."""
-    count = micro_batches_per_step(train)
-    return [w for w in range(1, count + 1) if count % w == 0]
-
-
-def request_world_sizes(machine: dict) -> list[int]:
-    """Every world size a job of this request can run at: machine.nodes, and each node count
-    down to machine.min_nodes (placement shrinks a job there after node failures)."""
-    per_node = ranks_per_node(machine)
-    fewest = machine.get("min_nodes") or machine["nodes"]
-    return [nodes * per_node for nodes in range(fewest, machine["nodes"] + 1)]
-
-
-def splitting_micro_batch(global_batch: int, cap: int | None, worlds: list[int]) -> int | None:
-    """The largest micro-batch up to `cap` that cuts the global batch into whole
-    micro-batches which every world size in `worlds` shares out evenly (None: there is none)."""
-    for micro in range(min(cap or global_batch, global_batch), 0, -1):
-        count, rest = divmod(global_batch, micro)
-        if not rest and all(count % world == 0 for world in worlds):
-            return micro
-    return None
 
 
 def memory_mb(machine: dict) -> int:
@@ -119,41 +92,3 @@ def uses_channels_last(run: RunView) -> bool:
     not change with it): FSDP2 shards contiguous parameters only. Training and both
     evaluations lay the model out alike, so that they score alike."""
     return run["train"]["channels_last"] and run["train"]["strategy"] != "fsdp"
-
-
-def local_gpu_count() -> int:
-    """GPUs a process here may use: CUDA_VISIBLE_DEVICES when set, else the NVIDIA device
-    files (/dev/nvidia0, ...: what a container is given), else the driver's list."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    devices = [p for p in Path("/dev").glob("nvidia*") if p.name[len("nvidia") :].isdigit()]
-    if devices:
-        return len(devices)
-    driver = Path("/proc/driver/nvidia/gpus")
-    return len(list(driver.iterdir())) if driver.is_dir() else 0
-
-
-@functools.cache
-def local_gpu_memory_bytes() -> int | None:
-    """The memory of the first GPU a local rank gets (the first of CUDA_VISIBLE_DEVICES, an
-    index or UUID), from nvidia-smi without importing torch; None where it cannot be read.
-    (A MIG slice reads as its whole GPU.)"""
-    first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0"
-    query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", first]
-    try:
-        done = subprocess.run(query, capture_output=True, text=True, timeout=30)
-        return int(float(done.stdout.split()[0]) * 2**20) if done.returncode == 0 else None
-    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
-        return None
-
-
-def cpu_computes_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this machine's CPU has bf16 instructions (read without importing torch;
-    the ranks ask oneDNN itself, build.cpu_has_native_bf16). True where unknown."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return True
-    flags = next((line for line in text.splitlines() if line.startswith("flags")), None)
-    return flags is None or bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))

@@ -25,7 +25,7 @@ from ddpflow.config.fingerprint import (
 from ddpflow.config.machine import world_size
 from ddpflow.config.runs import SECTIONS, resolve_runs
 from ddpflow.config.schema import load_schema, schema_keys, validate
-from ddpflow.text import counted
+from ddpflow.words import counted
 
 REGENERATE = "make docs-reference (python -m ddpflow.config.reference > docs/reference/config.md)"
 # an edit is tried in the default run and in runs where keys act that the default run ignores

@@ -9,12 +9,12 @@ from __future__ import annotations
 import copy
 import difflib
 import math
+import re
 from importlib import resources
 
 import jsonschema
 import yaml
 
-from ddpflow.cluster.slurm_parse import parse_slurm_time
 from ddpflow.config.machine import world_size
 from ddpflow.errors import UserError
 
@@ -55,6 +55,28 @@ def _defaulting_validator(schema: dict) -> jsonschema.protocols.Validator:
 def _key_path(error: jsonschema.ValidationError) -> str:
     parts = [f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path]
     return "".join(parts).lstrip(".") or "<top level>"
+
+
+# a Slurm time limit that is none (also a partition's MaxTime as scontrol prints it)
+NO_LIMIT = {"INFINITE", "UNLIMITED"}
+
+
+def parse_slurm_time(text: str) -> int | None:
+    """Seconds in a Slurm time limit; None for INFINITE/UNLIMITED. Formats as sbatch --time:
+    MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
+    value = text.strip()
+    if value.upper() in NO_LIMIT:
+        return None
+    if not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}", value):
+        raise ValueError(f"not a Slurm time limit: {text!r}")
+    days, _, clock = value.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if days or len(parts) == 3:
+        # after a day count (or with two colons) the first field is hours
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    else:
+        hours, (minutes, seconds) = 0, (parts + [0])[:2]
+    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
 
 
 def slurm_minutes(text: str) -> int | None:

@@ -1,7 +1,7 @@
 """A training step's memory, measured without allocating it: the model built and one step
 run under torch's FakeTensorMode (tensors with shapes and no storage) while torch's
 MemTracker counts every storage by what it holds. Runs on the login node's CPU, before
-anything is queued (ddpflow.early's subprocess); ddpflow.config.fits turns the figures into
+anything is queued (ddpflow.checks.early's subprocess); ddpflow.checks.memory turns the figures into
 a rank's peak at the run's world size and strategy and compares it with the memory a rank has.
 
 What is measured, for one unsharded model on one process at the run's micro-batch, precision
@@ -197,7 +197,7 @@ def process_memory(status: str = "/proc/self/status") -> dict[str, int]:
     process's own) and file-backed (library pages: shared by the node's ranks, and page
     cache the kernel can drop) bytes, from /proc (0 where unknown)."""
     import ddpflow.cluster.jobs  # what a rank imports
-    import ddpflow.training.tasks  # noqa: F401
+    import ddpflow.training.entry  # noqa: F401
 
     model = build_model({"name": "cnn", "cnn_channels": 8}, [1, 8, 8], 2)
     opt = torch.optim.Adam(model.parameters(), fused=True)

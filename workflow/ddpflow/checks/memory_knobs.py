@@ -3,7 +3,7 @@
 A knob is offered only where, alone, it brings the rank's estimate within the memory it has
 and stays within what the run's Slurm partition gives (a node's most memory, its most nodes):
 a fix the user can apply. The model's own knobs (activation checkpointing, bf16, a torchvision
-ResNet's small_input_stem) change the measured figures: ddpflow.early measures each variant
+ResNet's small_input_stem) change the measured figures: ddpflow.checks.early measures each variant
 (variant_runs) for a refused run and hands the figures in. Where no knob fits, the refusal
 names the limit that none fits.
 
@@ -18,7 +18,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ddpflow.config.machine import ranks_per_node, splitting_micro_batch
+from ddpflow.checks.batch import splitting_micro_batch
+from ddpflow.config.machine import ranks_per_node
 
 GIB = 2**30
 # the built-in models have no torchvision stem to change (ddpflow.training.models)
@@ -27,7 +28,7 @@ NO_STEM = ("mlp", "cnn", "resnet18", "resnet34", "gpt")
 
 @dataclasses.dataclass(frozen=True)
 class Partition:
-    """What a run's Slurm partition gives (ddpflow.config.slurm.partition_limits)."""
+    """What a run's Slurm partition gives (ddpflow.checks.slurm.partition_limits)."""
 
     name: str
     mem_mb: int  # the most memory one node gives (MaxMemPerNode, else RealMemory)
@@ -40,12 +41,12 @@ class Context:
     """A refused run, its estimate and what the knobs are weighed with."""
 
     run: dict
-    est: object  # fits.Estimate
+    est: object  # memory.Estimate
     room: int
     figures: dict
     variants: dict  # {knob: figures measured with it}
     partition: Partition | None = None
-    # fits.estimate, handed in by fits (which imports this module: no import circle)
+    # memory.estimate, handed in by fits (which imports this module: no import circle)
     estimate: Callable[..., Any] | None = None
 
 
@@ -140,7 +141,7 @@ def _smallest_batches(ctx: Context, run: dict, figures: dict) -> tuple[list[str]
 
 def _fits(ctx: Context, run: dict, figures: dict) -> int | None:
     """The estimate of run with figures, where it fits ctx.room; else None."""
-    assert ctx.estimate is not None, "fits.refusal hands its estimate in"
+    assert ctx.estimate is not None, "memory.refusal hands its estimate in"
     process = {"anon": ctx.est.runtime, "file": 0}
     total = ctx.estimate(run, figures, process, ctx.est.data).total
     return total if total <= ctx.room else None

@@ -6,110 +6,27 @@ PartitionTimeLimit, Resources, ...); with AccountingStorageEnforce=none a misspe
 accepted too and the hours are billed nowhere. Each such mistake becomes a ConfigError when
 Snakemake starts, naming the run, the key, the value, what the cluster has, and the fix.
 
-Queries (read-only, each with a timeout): `scontrol --all --oneliner show partition|node` and,
-when a run names an account or qos, `sacctmgr -nP show assoc|account`. The commands' text is
-parsed by the pure functions of slurm_parse.py, unit-tested on captured output (tests/slurm/).
+The cluster is asked once (ddpflow.cluster.slurm_query: `scontrol --all --oneliner show
+partition|node` and, when a run names an account or qos, `sacctmgr -nP show assoc|account`);
+the checks here are pure functions of its answer, unit-tested on captured output
+(tests/slurm/).
 
-    from ddpflow.config.slurm import check_runs_against_cluster
+    from ddpflow.checks.slurm import check_runs_against_cluster
     check_runs_against_cluster(resolved_runs)   # raises ConfigError, returns None when all fit
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import pwd
-import subprocess
-from dataclasses import dataclass
 
-from ddpflow.cluster.slurm_parse import (
-    Association,
-    Node,
-    Partition,
-    parse_associations,
-    parse_nodes,
-    parse_partitions,
-    parse_slurm_time,
-)
-from ddpflow.config.fit_knobs import Partition as Limits
+from ddpflow.checks.memory_knobs import Partition as Limits
+from ddpflow.cluster.slurm_parse import Node, Partition, parse_slurm_time
+from ddpflow.cluster.slurm_query import QUERY_TIMEOUT_S, Cluster, query_cluster, resolve_partition
 from ddpflow.config.machine import DEFAULT_STAGE_CPUS, memory_mb, ranks_per_node
 from ddpflow.config.schema import ConfigError
-from ddpflow.text import counted
+from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
-
-QUERY_TIMEOUT_S = 30.0
-
-
-@dataclass(frozen=True)
-class Cluster:
-    partitions: dict[str, Partition]
-    nodes: tuple[Node, ...]
-    user: str
-    associations: tuple[Association, ...] | None  # None: accounting not available
-    accounts: tuple[str, ...] | None
-
-    def nodes_of(self, partition: Partition) -> list[Node]:
-        named = set(partition.node_names)
-        return [n for n in self.nodes if partition.name in n.partitions or n.name in named]
-
-
-# ---------------------------------------------------------------- queries (read-only)
-
-
-def _command(cmd: list[str], timeout_s: float) -> str:
-    """stdout of a Slurm client command; every way it can fail becomes a ConfigError."""
-    shown = " ".join(cmd)
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except FileNotFoundError as exc:
-        raise ConfigError(
-            f"launcher is slurm but `{cmd[0]}` is not installed here: the slurm launcher needs "
-            "the Slurm client tools (scontrol, sbatch, sacct); run snakemake on a login node of "
-            "the cluster, or set launcher: local"
-        ) from exc
-    except subprocess.TimeoutExpired as exc:
-        raise ConfigError(
-            f"`{shown}` did not answer within {timeout_s:g} s; is slurmctld reachable from "
-            "here (`scontrol ping`)?"
-        ) from exc
-    if res.returncode != 0:
-        raise ConfigError(f"`{shown}` failed (exit {res.returncode}): {res.stderr.strip()}")
-    return res.stdout
-
-
-def _accounting(user: str, timeout_s: float) -> tuple[tuple | None, tuple | None]:
-    """The user's associations and all account names; (None, None) without accounting, where
-    Slurm cannot check accounts either, so we only warn."""
-    fmt = "format=account,partition,qos"
-    try:
-        assoc = _command(["sacctmgr", "-nP", "show", "assoc", f"user={user}", fmt], timeout_s)
-        accounts = _command(["sacctmgr", "-nP", "show", "account", "format=account"], timeout_s)
-    except ConfigError as err:
-        log.warning("accounting not available, machine.account/qos not checked: %s", err)
-        return None, None
-    names = tuple(line.strip() for line in accounts.splitlines() if line.strip())
-    return parse_associations(assoc), names
-
-
-def current_user() -> str:
-    # Slurm associates by uid, so ask the password database rather than trust $USER.
-    try:
-        return pwd.getpwuid(os.getuid()).pw_name
-    except KeyError:
-        return os.environ.get("USER", str(os.getuid()))
-
-
-def query_cluster(need_accounting: bool, timeout_s: float = QUERY_TIMEOUT_S) -> Cluster:
-    # --all: hidden partitions exist and are usable by those allowed in them
-    part_text = _command(["scontrol", "--all", "--oneliner", "show", "partition"], timeout_s)
-    node_text = _command(["scontrol", "--all", "--oneliner", "show", "node"], timeout_s)
-    user = current_user()
-    assoc, accounts = _accounting(user, timeout_s) if need_accounting else (None, None)
-    return Cluster(parse_partitions(part_text), parse_nodes(node_text), user, assoc, accounts)
-
-
-# ---------------------------------------------------------------- checks (pure)
 
 
 def check_runs_against_cluster(
@@ -117,7 +34,7 @@ def check_runs_against_cluster(
 ) -> dict[str, Limits]:
     """Raise ConfigError for the first run whose machine section this cluster cannot run
     (and, stage_in_job, whose machine.stage job it cannot run). Returns each run's partition
-    limits (fit_knobs.Partition: the GPU types in its GRES, what ddpflow.config.fits reads
+    limits (memory_knobs.Partition: the GPU types in its GRES, what ddpflow.checks.memory reads
     the GPU memory from, and the memory and nodes a memory refusal's knobs must keep)."""
     if not runs:
         return {}
@@ -200,31 +117,6 @@ def check_run(run: dict, cluster: Cluster) -> None:
     check_account(where, run["machine"], partition, cluster)
     check_nodes(where, run["machine"], partition, cluster.nodes_of(partition))
     check_time(where, run["machine"]["time_min"], partition, cluster)
-
-
-def _partition_list(cluster: Cluster) -> str:
-    return ", ".join(
-        f"{p.name}{' (default)' if p.default else ''}" for p in cluster.partitions.values()
-    )
-
-
-def resolve_partition(where: str, name: str | None, cluster: Cluster) -> Partition:
-    """The named partition, or the cluster's default (Default=YES) for null."""
-    if name is None:
-        default = [p for p in cluster.partitions.values() if p.default]
-        if not default:
-            raise ConfigError(
-                f"{where}: machine.partition is null but this cluster has no default partition; "
-                f"set machine.partition to one of: {_partition_list(cluster)}"
-            )
-        return default[0]
-    if name not in cluster.partitions:
-        raise ConfigError(
-            f"{where}: machine.partition is {name!r} but the cluster has no such partition; "
-            f"existing partitions: {_partition_list(cluster)} (`sinfo -s`); set "
-            "machine.partition to one of them"
-        )
-    return cluster.partitions[name]
 
 
 def check_account(where: str, machine: dict, partition: Partition, cluster: Cluster) -> None:
