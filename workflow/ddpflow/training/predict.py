@@ -169,7 +169,9 @@ def merge(folder: Path, world: int, n: int, listing: dict, out: dict, hosts, beg
     skipped = [_name(listing, i) for i, row in enumerate(rows) if row and "error" in row]
     text = io.StringIO()
     columns = ["path", "prediction", "score"]
-    extra = [k for k in ("top_k", "probabilities") if any(r and k in r for r in rows)]
+    # the task's own keys of a prediction (Task.predictions: top_k, probabilities, ...)
+    said = (k for r in rows if r and "error" not in r for k in r)
+    extra = list(dict.fromkeys(k for k in said if k not in columns))
     writer = csv.writer(text, lineterminator="\n")
     writer.writerow(columns + extra)
     for index, row in enumerate(rows):
