@@ -80,15 +80,15 @@ WORKER_TIMEOUT_S = 1800
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--images", type=int, default=None, help="images in the folder (20000; "
-                   "--quick 2000)")  # fmt: skip
+    p.add_argument(
+        "--images", type=int, default=None, help="images in the folder (20000; --quick 2000)"
+    )
     p.add_argument("--sizes", type=int, nargs="+", default=[32, 64], help="square image sizes")
     p.add_argument("--classes", type=int, default=4)
     p.add_argument("--batch", type=int, default=256, help="images per batch (per rank)")
     p.add_argument("--workers", type=int, default=2, help="loader worker processes, both paths")
     p.add_argument("--prefetch", type=int, default=4, help="StreamFeed batches ahead per worker")
-    p.add_argument("--repeats", type=int, default=None, help="timed epochs per path (3; "
-                   "--quick 2)")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=None, help="timed epochs per path (3; --quick 2)")
     p.add_argument("--stage-threads", type=int, nargs="+", default=[1, 2])
     p.add_argument(
         "--memory-budget-gb",
@@ -148,8 +148,9 @@ def write_folder(root: Path, count: int, size: int, classes: int, seed: int = 0)
 
 
 def folder_cfg(root: Path, size: int) -> dict:
-    return data_cfg({"source": "image_folder", "root": str(root), "image_size": [size, size],
-                     "channels": 3})  # fmt: skip
+    return data_cfg(
+        {"source": "image_folder", "root": str(root), "image_size": [size, size], "channels": 3}
+    )
 
 
 # --- 3. staging ------------------------------------------------------------------------
@@ -167,12 +168,21 @@ def staging(root: Path, size: int, threads: list[int], work: Path) -> tuple[list
         seconds = time.perf_counter() - began
         images = sum(manifest["sizes"].values())
         digests.append({k: v["sha256"] for k, v in manifest["files"].items()})
-        rows.append({"size": size, "threads": t, "images": images, "seconds": seconds,
-                     "images_per_s": images / seconds,
-                     "staged_bytes": sum(v["bytes"] for v in manifest["files"].values()),
-                     "splits": manifest["sizes"]})  # fmt: skip
-        print(f"  staged {images} images of {size}x{size} with {t} thread(s) in "
-              f"{seconds:.2f} s", flush=True)  # fmt: skip
+        rows.append(
+            {
+                "size": size,
+                "threads": t,
+                "images": images,
+                "seconds": seconds,
+                "images_per_s": images / seconds,
+                "staged_bytes": sum(v["bytes"] for v in manifest["files"].values()),
+                "splits": manifest["sizes"],
+            }
+        )
+        print(
+            f"  staged {images} images of {size}x{size} with {t} thread(s) in {seconds:.2f} s",
+            flush=True,
+        )
     for row in rows:  # staging is deterministic whatever the thread count
         row["same_bytes_as_first"] = digests[rows.index(row)] == digests[0]
     return rows, staged
@@ -249,8 +259,13 @@ class Tutorial:
         self.sampler = DistributedSampler(
             self.dataset, num_replicas=WORLD, rank=RANK, shuffle=True, seed=SEED
         )
-        self.loader = DataLoader(self.dataset, batch_size=batch, sampler=self.sampler,
-                                 num_workers=workers, pin_memory=False)  # fmt: skip
+        self.loader = DataLoader(
+            self.dataset,
+            batch_size=batch,
+            sampler=self.sampler,
+            num_workers=workers,
+            pin_memory=False,
+        )
         self.norm = norm
 
     def epoch(self, epoch: int) -> int:
@@ -286,8 +301,10 @@ def loader_case(root: Path, staged: Path, size: int, args: argparse.Namespace) -
     }
     ours = rank_images(manifest["sizes"]["train"], args.batch)
     if ours == 0:
-        raise SystemExit(f"the train split ({manifest['sizes']['train']} images) is smaller "
-                         f"than one global batch ({WORLD} x --batch {args.batch})")  # fmt: skip
+        raise SystemExit(
+            f"the train split ({manifest['sizes']['train']} images) is smaller "
+            f"than one global batch ({WORLD} x --batch {args.batch})"
+        )
     expected = {"streamed": ours, "tutorial": len(paths["tutorial"].sampler), "in_memory": ours}
     seconds: dict[str, list[float]] = {name: [] for name in paths}
     first: dict[str, float] = {}
@@ -300,8 +317,9 @@ def loader_case(root: Path, staged: Path, size: int, args: argparse.Namespace) -
                 done = paths[name].epoch(repeat + 1)
                 elapsed = time.perf_counter() - began
                 if done != expected[name]:
-                    raise RuntimeError(f"{name}: {done} images in an epoch, {expected[name]} "
-                                       "expected")  # fmt: skip
+                    raise RuntimeError(
+                        f"{name}: {done} images in an epoch, {expected[name]} expected"
+                    )
                 if repeat < 0:
                     first[name] = elapsed
                 else:
@@ -309,8 +327,13 @@ def loader_case(root: Path, staged: Path, size: int, args: argparse.Namespace) -
     finally:
         for path in paths.values():
             path.close()
-    row = {"size": size, "image_shape": manifest["shape"], "batch": args.batch,
-           "workers": args.workers, "paths": {}}  # fmt: skip
+    row = {
+        "size": size,
+        "image_shape": manifest["shape"],
+        "batch": args.batch,
+        "workers": args.workers,
+        "paths": {},
+    }
     for name in names:
         rates = [expected[name] / s for s in seconds[name]]
         row["paths"][name] = {
@@ -338,8 +361,13 @@ def stage_memory_worker(cfg: dict) -> int:
     resident size right after the imports."""
     constant = status_bytes(os.getpid(), "VmRSS")
     began = time.perf_counter()
-    manifest = stage_dataset(folder_cfg(Path(cfg["root"]), cfg["size"]), Path(cfg["out"]),
-                                   SEED, threads=1, shard_bytes=cfg["shard_bytes"])  # fmt: skip
+    manifest = stage_dataset(
+        folder_cfg(Path(cfg["root"]), cfg["size"]),
+        Path(cfg["out"]),
+        SEED,
+        threads=1,
+        shard_bytes=cfg["shard_bytes"],
+    )
     result = {
         "images": sum(manifest["sizes"].values()),
         "staged_bytes": sum(v["bytes"] for v in manifest["files"].values()),
@@ -371,14 +399,21 @@ def staging_memory(root: Path, size: int, work: Path) -> list[dict]:
     rows = []
     for label, folder in (("quarter", quarter), ("all", root)):
         result_file = work / f"stage-memory-{label}.json"
-        wcfg = {"root": str(folder), "size": size, "out": str(work / f"staged-mem-{label}"),
-                "result_file": str(result_file), "shard_bytes": STAGE_MEMORY_SHARD}  # fmt: skip
-        subprocess.run([sys.executable, __file__, "--stage-worker", json.dumps(wcfg)],
-                       check=True)  # fmt: skip
+        wcfg = {
+            "root": str(folder),
+            "size": size,
+            "out": str(work / f"staged-mem-{label}"),
+            "result_file": str(result_file),
+            "shard_bytes": STAGE_MEMORY_SHARD,
+        }
+        subprocess.run([sys.executable, __file__, "--stage-worker", json.dumps(wcfg)], check=True)
         rows.append({"size": size, "folder": label, **json.loads(result_file.read_text())})
         shutil.rmtree(work / f"staged-mem-{label}")
-        print(f"  staging memory ({label}): peak {rows[-1]['peak_above_constant_bytes'] / 1e6:.0f}"
-              f" MB above the imports for {rows[-1]['images']} images", flush=True)  # fmt: skip
+        print(
+            f"  staging memory ({label}): peak {rows[-1]['peak_above_constant_bytes'] / 1e6:.0f}"
+            f" MB above the imports for {rows[-1]['images']} images",
+            flush=True,
+        )
     shutil.rmtree(quarter)
     return rows
 
@@ -495,11 +530,13 @@ def memory_case(work: Path, args: argparse.Namespace) -> dict:
         total += 1
     rng = np.random.default_rng(SEED)
     test = max(10, total // 10)
-    np.savez(work / "memory.npz",
-             train_images=rng.integers(0, 256, (total, *MEMORY_SHAPE), dtype=np.uint8),
-             train_labels=np.arange(total) % 10,
-             test_images=rng.integers(0, 256, (test, *MEMORY_SHAPE), dtype=np.uint8),
-             test_labels=np.arange(test) % 10)  # fmt: skip
+    np.savez(
+        work / "memory.npz",
+        train_images=rng.integers(0, 256, (total, *MEMORY_SHAPE), dtype=np.uint8),
+        train_labels=np.arange(total) % 10,
+        test_images=rng.integers(0, 256, (test, *MEMORY_SHAPE), dtype=np.uint8),
+        test_labels=np.arange(test) % 10,
+    )
     staged = work / "staged-memory"
     began = time.perf_counter()
     manifest = stage_dataset(cfg, staged, SEED, threads=1)
@@ -509,9 +546,16 @@ def memory_case(work: Path, args: argparse.Namespace) -> dict:
     for path in ("streamed", "in_memory"):
         print(f"  memory: {path} rank ...", flush=True)
         result_file = work / f"memory-{path}.json"
-        wcfg = {"path": path, "staged": str(staged), "budget_gb": args.memory_budget_gb,
-                "workers": args.workers, "prefetch": args.prefetch, "batch": args.batch,
-                "threads": args.threads, "result_file": str(result_file)}  # fmt: skip
+        wcfg = {
+            "path": path,
+            "staged": str(staged),
+            "budget_gb": args.memory_budget_gb,
+            "workers": args.workers,
+            "prefetch": args.prefetch,
+            "batch": args.batch,
+            "threads": args.threads,
+            "result_file": str(result_file),
+        }
         proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(wcfg)])
         sampled = sample_tree(proc, args.sample_ms / 1000)
         if proc.returncode:
@@ -560,9 +604,11 @@ def format_table(report: dict) -> str:
             )
     for row in report["loader"]:
         verdict = "meets" if row["meets_target"] else "MISSES"
-        lines.append(f"{row['size']}x{row['size']}: streamed / tutorial "
-                     f"{row['streamed_over_tutorial']:.1f}x ({verdict} target {TARGET:.0f}x); "
-                     f"in_memory / streamed {row['in_memory_over_streamed']:.1f}x")  # fmt: skip
+        lines.append(
+            f"{row['size']}x{row['size']}: streamed / tutorial "
+            f"{row['streamed_over_tutorial']:.1f}x ({verdict} target {TARGET:.0f}x); "
+            f"in_memory / streamed {row['in_memory_over_streamed']:.1f}x"
+        )
     if mem := report.get("memory"):
         lines += [
             "",
@@ -591,8 +637,10 @@ def format_table(report: dict) -> str:
         "|--:|--:|--:|--:|--:|---|",
     ]
     for r in report["staging"]:
-        lines.append(f"| {r['size']} | {r['threads']} | {r['images']} | {r['seconds']:.2f} | "
-                     f"{r['images_per_s']:.0f} | {r['same_bytes_as_first']} |")  # fmt: skip
+        lines.append(
+            f"| {r['size']} | {r['threads']} | {r['images']} | {r['seconds']:.2f} | "
+            f"{r['images_per_s']:.0f} | {r['same_bytes_as_first']} |"
+        )
     if report.get("staging_memory"):
         lines += [
             "",
@@ -602,9 +650,11 @@ def format_table(report: dict) -> str:
             "|--:|---|--:|--:|--:|--:|",
         ]
         for r in report["staging_memory"]:
-            lines.append(f"| {r['size']} | {r['folder']} | {r['images']} | "
-                         f"{r['staged_bytes'] / 1e6:.0f} | {r['shards']} | "
-                         f"{r['peak_above_constant_bytes'] / 1e6:.0f} |")  # fmt: skip
+            lines.append(
+                f"| {r['size']} | {r['folder']} | {r['images']} | "
+                f"{r['staged_bytes'] / 1e6:.0f} | {r['shards']} | "
+                f"{r['peak_above_constant_bytes'] / 1e6:.0f} |"
+            )
     return "\n".join(lines)
 
 
@@ -695,8 +745,9 @@ def main(argv: list[str] | None = None) -> int:
         for size in args.sizes:
             root = work / f"folder-{size}"
             seconds = write_folder(root, args.images, size, args.classes)
-            report["folders"].append({"size": size, "images": args.images,
-                                      "write_seconds": seconds})  # fmt: skip
+            report["folders"].append(
+                {"size": size, "images": args.images, "write_seconds": seconds}
+            )
             print(f"size {size}: wrote {args.images} PNGs in {seconds:.1f} s", flush=True)
             rows, staged = staging(root, size, args.stage_threads, work)
             report["staging"] += rows

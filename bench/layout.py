@@ -28,12 +28,18 @@ from ddpflow import config as ddpconfig
 from ddpflow.training.models import build_model, place
 
 # model:CxHxW; the default digits are 1x8x8, the throughput benchmark's images 1x28x28 / 3x32x32
-CASES = ["cnn:1x8x8", "cnn:1x28x28", "resnet18:1x8x8", "resnet18:3x32x32",
-         "resnet50:1x8x8", "resnet50:3x32x32", "mobilenet_v3_small:3x32x32",
-         "shufflenet_v2_x0_5:1x8x8"]  # fmt: skip
+CASES = [
+    *("cnn:1x8x8", "cnn:1x28x28", "resnet18:1x8x8", "resnet18:3x32x32"),
+    *("resnet50:1x8x8", "resnet50:3x32x32", "mobilenet_v3_small:3x32x32"),
+    "shufflenet_v2_x0_5:1x8x8",
+]
 QUICK_CASES = ["cnn:1x8x8", "resnet18:1x8x8", "mobilenet_v3_small:3x32x32"]
-VARIANTS = {"fp32_nchw": (False, False), "fp32_channels_last": (True, False),
-            "bf16_channels_last": (True, True)}  # fmt: skip
+# name: (channels_last, bf16)
+VARIANTS = {
+    "fp32_nchw": (False, False),
+    "fp32_channels_last": (True, False),
+    "bf16_channels_last": (True, True),
+}
 NUM_CLASSES, BATCH = 10, 32
 
 

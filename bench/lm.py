@@ -58,7 +58,7 @@ from ddpflow.training.loop import Loop
 from ddpflow.training.rankdata import load_data
 from ddpflow.training.schedule import lr_schedule
 from loops import process_group, rank_device, schedule, timed_epoch
-from nanogpt_loop import NanoGPTLoop
+from nanogpt_loop import NanoGPTLoop, Recipe
 
 LOOPS = ("nanogpt", "ddpflow")
 OPTIMIZER = {"name": "adamw", "betas": [0.9, 0.95], "weight_decay": 0.1}  # nanoGPT's
@@ -175,23 +175,16 @@ def build_loops(cfg: dict, precision: str, env, device):
     total = loop.steps_per_epoch * tcfg.epochs
     factor = lr_schedule(tcfg.schedule, round(tcfg.warmup_epochs * loop.steps_per_epoch), total)
     tokens = open_tokens(cfg["staged"], "train", data.manifest, verify=False)
-    peer = NanoGPTLoop(
-        peer_model,
-        tokens,
-        block=cfg["block"],
-        batch=cfg["batch"],
-        steps=cfg["steps"],
+    recipe = Recipe(
+        **{k: cfg[k] for k in ("block", "batch", "steps")},
         lr=loop.lr,
         lr_factor=factor,
         betas=OPTIMIZER["betas"],
         weight_decay=OPTIMIZER["weight_decay"],
         precision=precision,
-        device=device,
-        world_size=env.world_size,
-        seed=env.rank,
-        master=env.is_master,
         fused=True if cfg["peer_fused_adamw"] else None,
     )
+    peer = NanoGPTLoop(peer_model, tokens, recipe, device, env.world_size, env.rank, env.is_master)
     return loop, peer, same
 
 

@@ -60,13 +60,23 @@ def config_for(args) -> dict:
     return {
         "data": {"source": "image_folder", "root": "images", "image_size": [32, 32], "channels": 3},
         "model": {"name": "cnn"},
-        "train": {"epochs": args.epochs, "progress": False, "global_batch_size": 128,
-                  "micro_batch_size": 32},
-        "machine": {"nodes": 2, "cpu_ranks_per_node": 2, "partition": args.partition,
-                    "account": args.account, "mem_gb": 2, "time_min": 120,
-                    "stage": {"cpus": 4, "mem_gb": 2, "time_min": 60}},
+        "train": {
+            "epochs": args.epochs,
+            "progress": False,
+            "global_batch_size": 128,
+            "micro_batch_size": 32,
+        },
+        "machine": {
+            "nodes": 2,
+            "cpu_ranks_per_node": 2,
+            "partition": args.partition,
+            "account": args.account,
+            "mem_gb": 2,
+            "time_min": 120,
+            "stage": {"cpus": 4, "mem_gb": 2, "time_min": 60},
+        },
         "runs": [{"name": "cnn"}],
-    }  # fmt: skip
+    }
 
 
 def descendants(root: int) -> dict[int, tuple[int, str]]:
@@ -94,9 +104,9 @@ def descendants(root: int) -> dict[int, tuple[int, str]]:
 
 
 def run_workflow(workdir: Path) -> dict:
-    cmd = [str(Path(sys.executable).parent / "snakemake"), "--snakefile", str(REPO / "Snakefile"),
-           "--directory", str(workdir), "--configfile", str(workdir / "config.yaml"),
-           "--profile", str(REPO / "profiles/slurm")]  # fmt: skip
+    snakemake = str(Path(sys.executable).parent / "snakemake")
+    cmd = [snakemake, "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir)]
+    cmd += ["--configfile", str(workdir / "config.yaml"), "--profile", str(REPO / "profiles/slurm")]
     env = {**os.environ, "PYTHONPATH": str(REPO / "workflow")}
     log = open(workdir / "snakemake.log", "w")  # noqa: SIM115 - closed below
     start = time.monotonic()
@@ -145,8 +155,8 @@ def main() -> None:
     stage_log = next((workdir / "logs/stage").glob("*.log"), None)
     staged = stage_log.read_text() if stage_log else ""
     where = re.search(r"in Slurm job (\d+) on (\S+)", staged)
-    row["staging"] = {"job": where and where[1], "node": where and where[2],
-                      "line": staged.splitlines()[-1] if staged else None}  # fmt: skip
+    last = staged.splitlines()[-1] if staged else None
+    row["staging"] = {"job": where and where[1], "node": where and where[2], "line": last}
     summary = workdir / "results/runs/cnn/train_summary.json"
     if summary.is_file():
         train = json.loads(summary.read_text())

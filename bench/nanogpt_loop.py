@@ -23,6 +23,8 @@ implementation elsewhere unless `fused` says otherwise.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -31,28 +33,53 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-class NanoGPTLoop:
-    """The loop over `tokens` (uint16/uint32 [n], a memory map) for `model` on `device`.
-    lr_factor(step) is the schedule's multiplier of `lr`; epoch() runs `steps` iterations."""
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """What nanoGPT's train.py reads from its config: `batch` rows of `block` tokens per rank
+    and step, `steps` per epoch, AdamW (lr x lr_factor(step), betas, weight decay; its fused
+    kernel where `fused`, None: on CUDA only), the precision, the logging interval."""
 
-    def __init__(self, model: nn.Module, tokens: np.ndarray, *, block: int, batch: int,
-                 steps: int, lr: float, lr_factor, betas, weight_decay: float, precision: str,
-                 device: torch.device, world_size: int, seed: int, master: bool = True,
-                 log_interval: int = 10, fused: bool | None = None):  # fmt: skip
-        self.tokens, self.block, self.batch, self.steps = tokens, block, batch, steps
-        self.device, self.world_size, self.log_interval = device, world_size, log_interval
+    block: int
+    batch: int
+    steps: int
+    lr: float
+    lr_factor: Callable[[int], float]
+    betas: tuple[float, float]
+    weight_decay: float
+    precision: str
+    fused: bool | None = None
+    log_interval: int = 10
+
+
+class NanoGPTLoop:
+    """The loop over `tokens` (uint16/uint32 [n], a memory map) for `model` on `device`, as
+    `recipe` says; epoch() runs `recipe.steps` iterations."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokens: np.ndarray,
+        recipe: Recipe,
+        device: torch.device,
+        world_size: int,
+        seed: int,
+        master: bool = True,
+    ):
+        self.tokens, self.block, self.batch = tokens, recipe.block, recipe.batch
+        self.steps = recipe.steps
+        self.device, self.world_size, self.log_interval = device, world_size, recipe.log_interval
         self.master = master  # logs the loss (nanoGPT's master_process)
-        self.lr, self.lr_factor = lr, lr_factor
+        self.lr, self.lr_factor = recipe.lr, recipe.lr_factor
         self.raw = model.to(device)
         self.model = DDP(self.raw) if world_size > 1 else self.raw
-        fused = device.type == "cuda" if fused is None else fused
+        fused = device.type == "cuda" if recipe.fused is None else recipe.fused
+        adamw = {"lr": recipe.lr, "betas": tuple(recipe.betas), "weight_decay": recipe.weight_decay}
         self.optimizer = torch.optim.AdamW(
-            self.raw.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay,
-            **({"fused": True} if fused else {}),
-        )  # fmt: skip
+            self.raw.parameters(), **adamw, **({"fused": True} if fused else {})
+        )
         self.ctx = (
             torch.autocast(device.type, dtype=torch.bfloat16)
-            if precision == "bf16"
+            if recipe.precision == "bf16"
             else contextlib.nullcontext()
         )
         # each rank its own draws (nanoGPT seeds 1337 + rank); a generator of its own, so
@@ -69,8 +96,7 @@ class NanoGPTLoop:
             [torch.from_numpy(data[i + 1 : i + 1 + block].astype(np.int64)) for i in ix]
         )
         if self.device.type == "cuda":
-            return (x.pin_memory().to(self.device, non_blocking=True),
-                    y.pin_memory().to(self.device, non_blocking=True))  # fmt: skip
+            x, y = (t.pin_memory().to(self.device, non_blocking=True) for t in (x, y))
         return x, y
 
     def epoch(self) -> dict:

@@ -74,7 +74,7 @@ def config_for(runs: int, partition: str, account: str) -> dict:
             "account": account,
             "mem_gb": 0.5,
             "time_min": 30,
-        },  # fmt: skip
+        },
         "runs": [{"name": f"seed{i}", "train": {"seed": i}} for i in range(runs)],
     }
 
@@ -86,14 +86,14 @@ def running_train_jobs() -> int:
 
 def start(code: Path, workdir: Path, runs: int, cores: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(code / "workflow")}
-    cmd = [str(Path(sys.executable).parent / "snakemake"), "--snakefile", str(code / "Snakefile"),
-           "--directory", str(workdir), "--configfile", str(workdir / "config.yaml"),
-           "--profile", str(code / "profiles/slurm"), "--jobs", str(runs)]  # fmt: skip
-    if cores:
-        cmd += ["--cores", str(cores)]
+    snakemake = str(Path(sys.executable).parent / "snakemake")
+    cmd = [snakemake, "--snakefile", str(code / "Snakefile"), "--directory", str(workdir)]
+    cmd += ["--configfile", str(workdir / "config.yaml"), "--profile", str(code / "profiles/slurm")]
+    cmd += ["--jobs", str(runs), *(["--cores", str(cores)] if cores else [])]
     log = open(workdir / "snakemake.log", "w")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -114,8 +114,8 @@ def measure(label: str, code: Path, runs: int, window_s: float, args) -> dict:
     workdir = Path(args.tmp) / f"{label}-{runs}"
     subprocess.run(["rm", "-rf", str(workdir)], check=True)
     workdir.mkdir(parents=True)
-    (workdir / "config.yaml").write_text(yaml.safe_dump(config_for(runs, args.partition,
-                                                                   args.account)))  # fmt: skip
+    config = config_for(runs, args.partition, args.account)
+    (workdir / "config.yaml").write_text(yaml.safe_dump(config))
     proc = start(code, workdir, runs, args.cores)
     began = time.monotonic()
     try:
@@ -155,13 +155,12 @@ def row(label, runs, window_s, ramp_s, still, ctld, dbd) -> dict:
 
 def table(rows: list[dict]) -> str:
     types = sorted({t for r in rows for t in r["queries_per_min_by_type"]})
-    head = ["code", "runs", "queries/min", *types]
-    lines = [" | ".join(head), " | ".join("---" for _ in head)]
-    for r in rows:
+
+    def cells(r: dict) -> list:
         by = r["queries_per_min_by_type"]
-        lines.append(" | ".join([r["code"], str(r["runs"]), str(r["queries_per_min"]),
-                                 *(str(by.get(t, 0)) for t in types)]))  # fmt: skip
-    return "\n".join(lines)
+        return [r["code"], r["runs"], r["queries_per_min"], *(by.get(t, 0) for t in types)]
+
+    return harness.markdown_table(["code", "runs", "queries/min", *types], map(cells, rows))
 
 
 def main() -> None:

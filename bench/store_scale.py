@@ -90,8 +90,8 @@ def run_size(clients: int, args, res_options: str | None) -> dict:
     env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}  # one warning per client otherwise
     if res_options:
         env["RES_OPTIONS"] = res_options
-    command = [sys.executable, __file__, "--child", str(clients),
-               "--timeout", str(args.timeout), "--stall-s", str(args.stall_s)]  # fmt: skip
+    command = [sys.executable, __file__, "--child", str(clients), "--timeout", str(args.timeout)]
+    command += ["--stall-s", str(args.stall_s)]
     done = subprocess.run(
         command, capture_output=True, text=True, env=env, timeout=args.timeout + 30
     )
@@ -109,8 +109,8 @@ def growth(rows: list[dict], key: str) -> dict:
     my = sum(y for _, y in points) / len(points)
     b = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
     first, last = rows[0], rows[-1]
-    return {"exponent": round(b, 3), "ratio": last[key] / first[key],
-            "from": first["clients"], "to": last["clients"]}  # fmt: skip
+    span = {"from": first["clients"], "to": last["clients"]}
+    return {"exponent": round(b, 3), "ratio": last[key] / first[key], **span}
 
 
 def measure(args) -> dict:
@@ -123,10 +123,12 @@ def measure(args) -> dict:
         fits = {key: growth(rows, key) for key in ("joined_s", "barrier_s")}
         out.append({"resolver": label, "rows": rows, "growth": fits})
         for row in rows:
-            print(f"store_scale [{label}] {row['clients']:>5} clients: joined "
-                  f"{row.get('joined_s', float('nan')):.2f} s, barrier "
-                  f"{row.get('barrier_s', float('nan')):.2f} s, "
-                  f"{row.get('stalled_clients', '?')} stalled", flush=True)  # fmt: skip
+            joined, barrier = (row.get(k, float("nan")) for k in ("joined_s", "barrier_s"))
+            print(
+                f"store_scale [{label}] {row['clients']:>5} clients: joined {joined:.2f} s, "
+                f"barrier {barrier:.2f} s, {row.get('stalled_clients', '?')} stalled",
+                flush=True,
+            )
     return {"passes": out}
 
 
@@ -135,8 +137,8 @@ def parse_args(argv=None):
     parser.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES)
     parser.add_argument("--timeout", type=float, default=120.0, help="per size, seconds")
     parser.add_argument("--stall-s", type=float, default=0.5, help="a join this long stalled")
-    parser.add_argument("--res-options", default=QUICK_RES_OPTIONS,
-                        help="a second pass with this RES_OPTIONS ('' for none)")  # fmt: skip
+    second = "a second pass with this RES_OPTIONS ('' for none)"
+    parser.add_argument("--res-options", default=QUICK_RES_OPTIONS, help=second)
     parser.add_argument("--out", default=str(HERE / "out" / "store_scale.json"))
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)

@@ -93,16 +93,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--lightning", action="store_true", help="ddpflow vs a Lightning Trainer (not raw)"
     )
     p.add_argument("--compile", action="store_true", help="--gpu: torch.compile ddpflow's model")
-    p.add_argument(
-        "--precision", choices=["fp32", "bf16"], default="fp32",
-        help="CPU: every loop in this precision (ddpflow train.precision, Lightning "
-        "'bf16-mixed', the raw loop under torch.autocast)",
-    )  # fmt: skip
-    p.add_argument(
-        "--peer-channels-last", action="store_true",
-        help="CPU: the peer's convolutional model in channels_last too, as ddpflow places "
-        "it (isolates the loops from the layout)",
-    )  # fmt: skip
+    precision = "CPU: every loop in this precision (ddpflow train.precision, Lightning "
+    precision += "'bf16-mixed', the raw loop under torch.autocast)"
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help=precision)
+    layout = "CPU: the peer's convolutional model in channels_last too, as ddpflow places it "
+    layout += "(isolates the loops from the layout)"
+    p.add_argument("--peer-channels-last", action="store_true", help=layout)
     p.add_argument("--peak-tflops", type=float, default=None, help="GPU peak for MFU")
     p.add_argument(
         "--out", type=Path, default=None, help="default bench/out/throughput[_lightning].json"
@@ -226,8 +222,15 @@ def measure(loops: dict, cfg: dict, device, sync) -> dict:
 
 
 # kernels by what they compute (torch.profiler's self CPU time of aten ops, by name)
-OP_KINDS = {"convolution": ("conv",), "batch_norm": ("batch_norm",),
-            "matmul": ("addmm", "mm", "linear", "bmm")}  # fmt: skip
+OP_KINDS = {
+    "convolution": ("conv",),
+    "batch_norm": ("batch_norm",),
+    "matmul": ("addmm", "mm", "linear", "bmm"),
+}
+
+
+def op_kind(op: str) -> str:
+    return next((k for k, parts in OP_KINDS.items() if any(p in op for p in parts)), "other_ops")
 
 
 def op_shares(epoch_fn, profile: bool) -> dict | None:
@@ -250,10 +253,7 @@ def op_shares(epoch_fn, profile: bool) -> dict | None:
     shares = dict.fromkeys([*OP_KINDS, "other_ops"], 0.0)
     for event in prof.key_averages():
         if event.key.startswith("aten::"):
-            op = event.key.removeprefix("aten::")
-            kind = next((k for k, parts in OP_KINDS.items() if any(p in op for p in parts)),
-                        "other_ops")  # fmt: skip
-            shares[kind] += event.self_cpu_time_total / wall_us
+            shares[op_kind(event.key.removeprefix("aten::"))] += event.self_cpu_time_total / wall_us
     shares["outside_ops"] = max(0.0, 1.0 - sum(shares.values()))
     return shares
 
@@ -307,8 +307,8 @@ def forward_flops(model: nn.Module, shape: list[int]) -> int:
 
 def train_flops_per_sample(case: dict) -> int:
     """3 x forward FLOPs (forward + backward), torch's FLOP counter on one sample."""
-    model = build_model({"name": case["model"], "mlp_hidden": [200, 200], "cnn_channels": 32},
-                        case["shape"], NUM_CLASSES)  # fmt: skip
+    spec = {"name": case["model"], "mlp_hidden": [200, 200], "cnn_channels": 32}
+    model = build_model(spec, case["shape"], NUM_CLASSES)
     return 3 * forward_flops(model, case["shape"])
 
 

@@ -61,14 +61,13 @@ def check_job(job: dict) -> None:
     """What these scripts write out; anything else would silently be another job."""
     train = job["train"]
     per_step = train["micro_batch_size"] * world_size(job)  # one micro-batch per rank
+    no_accumulation = "train.global_batch_size (micro_batch_size x world size: no accumulation)"
     unsupported = {
         "data.source": (job["data"]["source"], "digits"),
         "train.optimizer.name": (train["optimizer"]["name"], "sgd"),
-        "train.global_batch_size (micro_batch_size x world size: no accumulation)": (
-            train["global_batch_size"], per_step,
-        ),
+        no_accumulation: (train["global_batch_size"], per_step),
         "machine.gpus_per_node": (job["machine"]["gpus_per_node"], 0),
-    }  # fmt: skip
+    }
     for key, (value, supported) in unsupported.items():
         if value != supported:
             raise SystemExit(f"peer scripts support {key}: {supported!r} only, not {value!r}")
