@@ -61,7 +61,7 @@ def test_a_failed_job_forgets_its_record_so_a_retry_submits_anew(tmp_path):
 def test_epoch_progress_logs_each_new_epoch_once(tmp_path, caplog):
     import json
 
-    from ddpflow.pipeline import EpochProgress
+    from ddpflow.progress import EpochProgress
     from workflow_helpers import make_run
 
     def line(epoch):
