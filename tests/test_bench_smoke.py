@@ -1,6 +1,7 @@
 """The benchmarks (bench/throughput.py, end_to_end.py, memory.py, data.py, layout.py,
 finetune.py, lm.py, scaling.py, micro_batch.py, memory_estimate.py, store_scale.py,
-accumulation_drift.py) run in a tiny configuration and write complete JSON.
+accumulation_drift.py) run in a tiny configuration and write complete JSON, through the
+harness every one of them shares (bench/harness.py).
 
 Speed is measured by the benchmarks and never asserted here: only that the numbers exist.
 """
@@ -83,6 +84,31 @@ def lightning_site():
     return REPO / "bench" / ".peers-site"
 
 
+def test_harness_writes_the_head_every_result_starts_with(tmp_path, capsys):
+    """bench/harness.py: the keys docs/gen_performance.py reads from every result (machine,
+    versions, start), the JSON written where asked with its wall time, a Markdown table."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import harness
+
+    report = harness.head("a test", conditions={"repeats": 1}, runs=[])
+    assert list(report)[:4] == ["benchmark", "started", "machine", "provenance"]
+    assert list(report)[4:] == ["conditions", "runs"]
+    machine = report["machine"]
+    assert {"hostname", "cpu_model", "cpu_count", "platform", "python", "torch"} <= set(machine)
+    assert machine["cuda_devices"] == [] or all(isinstance(d, str) for d in machine["cuda_devices"])
+    assert {"torch", "python"} <= set(report["provenance"]["versions"])
+    login = harness.machine(devices=False)  # login-node benchmarks: torch's version, no import
+    assert login["torch"].split("+")[0] == machine["torch"].split("+")[0]
+    assert login["cuda_devices"] == []
+
+    out = tmp_path / "deep" / "r.json"
+    assert harness.write(report, out, wall_since=0.0) == 0
+    assert json.loads(out.read_text()) == report and report["wall_s"] > 0
+    assert f"wrote {out} (" in capsys.readouterr().out
+    table = harness.markdown_table(["n", "s"], [[1, "2.0"], [3, "4.0"]], rule="--:")
+    assert table == "| n | s |\n|--:|--:|\n| 1 | 2.0 |\n| 3 | 4.0 |"
+
+
 def test_lightning_is_not_a_runtime_dependency():
     """The project's environment does not import lightning; only bench/.peers-site has it."""
     code = "import importlib.util as u; print(u.find_spec('lightning') is None)"
@@ -92,7 +118,7 @@ def test_lightning_is_not_a_runtime_dependency():
 
 def test_schedule_alternates_loops_after_warmup():
     sys.path.insert(0, str(REPO / "bench"))
-    from throughput import schedule
+    from loops import schedule
 
     assert schedule(["ddpflow", "lightning"], 1, 3) == [
         ("ddpflow", None),
