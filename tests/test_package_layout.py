@@ -97,7 +97,8 @@ def test_every_module_imports():
 
 
 def _imports_of(path: Path) -> set[str]:
-    """ddpflow modules a file imports at module level or in functions (absolute imports)."""
+    """ddpflow modules a file imports at module level or in functions (absolute imports, and
+    importlib.import_module with a literal name)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ddpflow"):
@@ -105,6 +106,10 @@ def _imports_of(path: Path) -> set[str]:
             found.update(f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("ddpflow"))
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module":
+            named = node.args[0] if node.args else None  # importlib.import_module("ddpflow.x")
+            if isinstance(named, ast.Constant) and str(named.value).startswith("ddpflow"):
+                found.add(named.value)
     return found
 
 
