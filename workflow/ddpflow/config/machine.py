@@ -36,12 +36,12 @@ def memory_mb(machine: dict) -> int:
     return int(machine["mem_gb"] * 1024)
 
 
-# machine.stage.cpus when null, unless the partition's nodes have fewer (config.slurm)
+# machine.stage.cpus when null, unless the partition's nodes have fewer (checks.slurm)
 DEFAULT_STAGE_CPUS = 4
 
 
 def stage_cpus(run: dict) -> int:
-    """The staging job's CPUs: machine.stage.cpus, as config.slurm fitted a null one to the
+    """The staging job's CPUs: machine.stage.cpus, as checks.slurm fitted a null one to the
     partition (where the cluster was asked), else DEFAULT_STAGE_CPUS."""
     return run["machine"]["stage"]["cpus"] or DEFAULT_STAGE_CPUS
 

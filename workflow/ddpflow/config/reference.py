@@ -48,9 +48,9 @@ LEVELS = ("nothing", "re-evaluate", "retrain", "restage")
 NOT_A_RERUN = {
     "results_dir": "everything, in the new folder (the old one is left as it is)",
     "runs": "a new run is trained and evaluated; the report is redone for any change",
-    # resolved before a run exists (config.checks.resolve_micro_batch): a number is the
+    # resolved before a run exists (checks.batch.resolve_micro_batch): a number is the
     # science; auto follows the world size
-    # resolved into run["weights"] (config.weights): its sha256, or run:NAME's fingerprint
+    # resolved into run["weights"] (checks.weight_files): its sha256, or run:NAME's fingerprint
     "model.weights": "retrain (the file's sha256, or run:NAME's own training, is in the "
     "fingerprint; replacing the file retrains too)",
     "model.weights_sha256": "nothing where the file has it; another hash is refused",

@@ -558,12 +558,12 @@ class RunSpec(_Readable):
     train: TrainSpec
     eval: EvalSpec
     machine: MachineSpec
-    # how train.micro_batch_size was resolved: {size, auto, max} (config.checks); absent
+    # how train.micro_batch_size was resolved: {size, auto, max} (checks.batch); absent
     # from a run resolved before micro_batch_size auto existed (a job pickled then)
     micro_batch: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     tracking: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     sweep: Mapping[str, Any] | None = None  # a sweep point's block (config.runs)
-    # model.weights resolved on the login node: {spec, kind, path, sha256, ...} (config.weights)
+    # model.weights resolved on the login node (checks.weight_files): {spec, kind, path, ...}
     weights: Mapping[str, Any] | None = None
     # the resolved run dict itself (a deep copy), read only where a rank makes a fingerprint
     # (the checkpoint's training hash, the pruner's peers, the evaluation key) or records

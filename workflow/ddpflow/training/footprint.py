@@ -90,10 +90,10 @@ def measure(
         "gradients": sum(_nbytes(p) for p in params),
         "optimizer": peak.get("Optstate", 0),
         "activations": peak.get("Activation", 0) + peak.get("Temp", 0),
-        # at micro-batch 2: with `activations`, what grows with the micro-batch (config.fits)
+        # at micro-batch 2: with `activations`, what grows with the micro-batch (checks.memory)
         "activations_at_2": at_two.get("Activation", 0) + at_two.get("Temp", 0),
         "evaluation": evaluation,
-        "eval_batch": eval_batch,  # what `evaluation` was measured at (fit_knobs scales it)
+        "eval_batch": eval_batch,  # what `evaluation` was measured at (memory_knobs scales it)
         "largest_unit": max(
             (sum(_nbytes(p) for p in unit.parameters()) for unit in sharding.units(model)),
             default=0,
