@@ -8,9 +8,10 @@ config.yaml, with your data as an npz or a data plug-in:
     task_kwargs: {k: 3}
     data: {source: npz, path: my_arrays.npz}
 
-ddpflow calls top_k(**task_kwargs) when it stages the data and on every rank. The object
-returned implements the Task protocol (ddpflow.task.base); subclassing Task gives the
-defaults (a seeded random split, the class count as the model's output size). The metric
+ddpflow calls top_k(**task_kwargs) when it stages the data, on every rank and when it
+reports. The object returned implements the Task protocol (ddpflow.task.base); subclassing
+Task gives the defaults (a seeded random split, the class count as the model's output size,
+every export format, the report's generic view: docs/writing-a-task.md). The metric
 state holds only sums: int64 counts and float64 sums, which ddpflow all-reduces over the
 ranks, so the metrics are those of the whole split at any world size. Editing this file
 restages and retrains the runs that use it.
@@ -19,7 +20,7 @@ restages and retrains the runs that use it.
 from __future__ import annotations
 
 import numpy as np
-from ddpflow.data.raw import DataError
+from ddpflow.errors import DataError
 from ddpflow.task.base import Selection, Task
 
 
@@ -81,6 +82,20 @@ class TopK(Task):
     def validation(self, metrics):
         return {"val_top_k_accuracy": metrics["top_k_accuracy"],
                 "val_accuracy": metrics["accuracy"], "val_loss": metrics["loss"]}  # fmt: skip
+
+    # --- snakemake predict (optional): what a prediction is, one dict per sample ---------
+    def predictions(self, outputs, manifest):
+        names = manifest["class_names"]
+        best = outputs.float().softmax(dim=1).topk(self.k, dim=1)
+        return [
+            {"prediction": names[int(i[0])], "score": float(p[0]),
+             "top_k": [names[int(c)] for c in i]}
+            for p, i in zip(best.values, best.indices, strict=True)
+        ]  # fmt: skip
+
+    # --- the report (optional): its epoch keys, checked when the report reads them ------
+    def epoch_fields(self):
+        return {"val_top_k_accuracy": (int, float), "val_accuracy": (int, float)}
 
 
 def top_k(k: int = 3) -> TopK:
