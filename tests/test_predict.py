@@ -180,7 +180,7 @@ def test_the_merge_writes_each_tasks_form_and_refuses_an_input_seen_twice(tmp_pa
     """Rank 0's merge, on parts as two ranks write them: multilabel and regression rows (a
     list as JSON, an empty score), the input order whatever the part order; an index given
     twice or never is a bug, not a CSV."""
-    from ddpflow.training.predict import merge
+    from ddpflow.training.predict_ranks import merge
 
     listing = {"kind": "folder", "root": str(tmp_path), "files": ["a.png", "b.png", "c.png"]}
     parts = [[{"index": 2, "prediction": 1.5, "score": None}],

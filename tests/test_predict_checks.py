@@ -1,5 +1,6 @@
-"""`snakemake predict`'s refusals before any job: a run whose task cannot predict (the shipped
-plug-in task config/examples/my_task.py defines no predictions(); a language model) and an
+"""`snakemake predict`'s refusals before any job: a run whose task cannot predict (a plug-in
+task without predictions(): the shipped config/examples/my_task.py less that method; a
+language model) and an
 input image that does not decode are refused once, while Snakemake plans, naming the fix;
 the ranks' own checks stay behind them. One real dry run proves the workflow stops there.
 """
@@ -16,13 +17,27 @@ from ddpflow.config import ConfigError
 from ddpflow.predict import DECODED, check_can_predict, check_decodes, list_input
 from workflow_helpers import REPO, make_run, snakemake, write_config
 
-MY_TASK = {"task": "my_task:top_k", "task_kwargs": {"k": 2}}
+MY_TASK = {"task": "no_predictions:top_k", "task_kwargs": {"k": 2}}
+# the shipped plug-in task less its optional predictions(): the protocol's default, none
+NO_PREDICTIONS = """from ddpflow.task.base import Task
+from my_task import TopK
+
+
+class NoPredictions(TopK):
+    predictions = Task.predictions
+
+
+def top_k(k=3):
+    return NoPredictions(k)
+"""
 
 
 @pytest.fixture
 def my_task(in_workdir: Path) -> Path:
-    """The shipped plug-in task, copied where the docs say (the working directory)."""
+    """The shipped plug-in task, copied where the docs say (the working directory), and a
+    module of the same task without predictions()."""
     shutil.copy(REPO / "config/examples/my_task.py", in_workdir)
+    (in_workdir / "no_predictions.py").write_text(NO_PREDICTIONS)
     np.savez(in_workdir / "arrays.npz", images=np.zeros((40, 8, 8, 1), np.uint8),
              labels=np.arange(40) % 4)  # fmt: skip
     return in_workdir
@@ -33,11 +48,14 @@ def test_a_task_without_predictions_is_refused_naming_the_method(my_task):
     with pytest.raises(ConfigError) as info:
         check_can_predict(run)
     message = str(info.value)
-    for part in ("run 'default'", "'my_task:top_k' (top_k)", "does not say what a prediction",
-                 "predictions(self, outputs, manifest) -> list[dict]", "optional: without it",
+    for part in ("run 'default'", "'no_predictions:top_k' (top_k)",
+                 "does not say what a prediction", "optional: without it",
+                 "predictions(self, outputs, manifest) -> list[dict]",
                  "trains, evaluates and reports", "predict.runs"):  # fmt: skip
         assert part in message, message
     check_can_predict(make_run())  # classification predicts
+    data = {"source": "npz", "path": "arrays.npz"}
+    check_can_predict(make_run(task="my_task:top_k", task_kwargs={"k": 2}, data=data))
 
 
 def test_a_language_model_is_refused():

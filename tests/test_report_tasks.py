@@ -3,7 +3,7 @@ its per-label table, a regression run's MSE, MAE and R² with its per-target tab
 predicted-vs-true plot, next to a classification run in the same report. Each task's best
 run is chosen by its own selection metric in its direction (a lower MSE wins), and a sweep
 of regression runs ranks the lowest validation MSE first. Real files in results/runs/<run>/
-in the formats the jobs write (training.records), built in tmp_path: no training."""
+in the formats the jobs write (training.summaries), built in tmp_path: no training."""
 
 from __future__ import annotations
 
@@ -410,11 +410,11 @@ def test_a_regression_sweep_ranks_the_lowest_validation_mse_first(tmp_path):
 
 
 def test_the_records_the_tasks_write_are_reported(tmp_path):
-    """The real tasks' metrics and record fields (ddpflow.task, training.records), from a
+    """The real tasks' metrics and record fields (ddpflow.task, training.summaries), from a
     few scored batches: the report reads what the jobs write."""
     torch = pytest.importorskip("torch")
     from ddpflow.task import get_task
-    from ddpflow.training.records import task_fields
+    from ddpflow.training.summaries import task_fields
 
     generator = torch.Generator().manual_seed(0)
     multilabel, regression = get_task("multilabel"), get_task("regression")

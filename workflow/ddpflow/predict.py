@@ -1,5 +1,5 @@
 """`snakemake predict`, on the login node: what predict.input holds, its signature (what
-re-plans the predict rule) and the request the ranks read (ddpflow.training.predict does the
+re-plans the predict rule) and the request the ranks read (ddpflow.training.predict_ranks does the
 work on the run's machine).
 
 predict.input is a folder of images, listed recursively in sorted order of its relative

@@ -41,7 +41,7 @@ _EVAL_SPEC = {
         "created": str,
     },
 }  # fmt: skip
-# what a task other than classification records about itself (training.records.task_fields)
+# what a task other than classification records about itself (training.summaries.task_fields)
 _TASK_SPEC = {
     "task": str,
     "headline": list,

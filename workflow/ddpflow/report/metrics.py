@@ -4,7 +4,7 @@ each one reads, and which validation metric selects its best run in which direct
 A classification record carries no task (classification's records are those written before
 tasks existed): its headline is accuracy and its selection validation accuracy, higher
 better. A record of another task names its task, its headline metrics and its selection
-(ddpflow.training.records.task_fields). Runs of different tasks are never compared with
+(ddpflow.training.summaries.task_fields). Runs of different tasks are never compared with
 each other: each task has its own best run. What else the report shows of a task, the task
 says (ddpflow.task.record_task(ev): Task's report hooks). Pure: no matplotlib, no torch.
 
