@@ -202,16 +202,15 @@ def node_local_copy(staged: str, target_root: str, env: DistEnv) -> str:
         try:
             began = time.perf_counter()
             reused = _copy_verified(source, target)
+            done = "reused the verified copy" if reused else "copied to"
+            took = time.perf_counter() - began
             log.info(
-                "node-local data on %s: %s %s in %.1f s",
-                socket.gethostname(), "reused the verified copy" if reused else "copied to",
-                target, time.perf_counter() - began,
-            )  # fmt: skip
+                "node-local data on %s: %s %s in %.1f s", socket.gethostname(), done, target, took
+            )
         except (OSError, DataError) as exc:
-            log.error(
-                "rank %d on %s: could not copy the staged data to data.loading.node_local_dir "
-                "%s: %s", env.rank, socket.gethostname(), root, exc,
-            )  # fmt: skip
+            where = f"rank {env.rank} on {socket.gethostname()}"
+            failed = f"could not copy the staged data to data.loading.node_local_dir {root}"
+            log.error("%s: %s: %s", where, failed, exc)
             failed = True
     if any_rank(env.world_size, failed):
         raise DataError(

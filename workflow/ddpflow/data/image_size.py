@@ -61,20 +61,16 @@ class SmallImages:
         if not names:
             return
         seen = sum(len(fits) for fits in self.fits.values())
-        log.info(
-            "%s: %s of %s images were smaller than %s and were %s (data.on_small: %s): %s",
-            self.where, f"{len(names):,}", f"{seen:,}", self._size(), self._done(),
-            self.on_small, some_names(names),
-        )  # fmt: skip
-        mostly = [split for split, fits in self.fits.items()
-                  if len(self.small.get(split, [])) * 2 > len(fits)]  # fmt: skip
+        small = f"{len(names):,} of {seen:,} images were smaller than {self._size()}"
+        done = f"were {self._done()} (data.on_small: {self.on_small})"
+        log.info("%s: %s and %s: %s", self.where, small, done, some_names(names))
+        mostly = [s for s, fits in self.fits.items() if len(self.small.get(s, [])) * 2 > len(fits)]
         if mostly:
             log.warning(self._mostly_small(mostly))
 
     def _mostly_small(self, splits: list[str]) -> str:
         """One warning for the splits where more than half of the images were small."""
-        counts = [f"{split} {len(self.small[split]):,} of {len(self.fits[split]):,}"
-                  for split in splits]  # fmt: skip
+        counts = [f"{s} {len(self.small[s]):,} of {len(self.fits[s]):,}" for s in splits]
         # at least half of these images reach image_size scaled by their median fit
         factor = float(np.median([fit for split in splits for fit in self.fits[split]]))
         size = [max(4, int(self.height * factor)), max(4, int(self.width * factor))]

@@ -120,8 +120,8 @@ def log_run(record, uri: str, experiment: str, live: dict | None = None) -> dict
 def _log_new(client, experiment_id, record, identity: str, live, uri: str, experiment: str) -> str:
     """A new MLflow run for this result (or the live run its epochs were streamed to while
     it trained), with every figure, param, tag and artifact; FAILED if logging breaks."""
-    tags = {**record.tags, RUN_TAG: record.name, IDENTITY_TAG: identity,
-            "mlflow.runName": record.name}  # fmt: skip
+    named = {RUN_TAG: record.name, IDENTITY_TAG: identity, "mlflow.runName": record.name}
+    tags = {**record.tags, **named}
     adopted = _live_run(client, live, uri, experiment)
     if adopted:  # the run its epochs were streamed to while it trained
         run_id, streamed = adopted, set(live["epochs"])
@@ -135,10 +135,11 @@ def _log_new(client, experiment_id, record, identity: str, live, uri: str, exper
         client.set_terminated(run_id, "FAILED")
         raise
     client.set_terminated(run_id, "FINISHED")
-    log.info("MLflow %s: run %r logged as %s (%s, %s, %s)", uri, record.name, run_id,
-             counted(len(record.metrics) + len(record.final), "metric point"),
-             counted(len(record.params), "param"),
-             counted(len(record.artifacts), "artifact"))  # fmt: skip
+    points = counted(len(record.metrics) + len(record.final), "metric point")
+    params = counted(len(record.params), "param")
+    artifacts = counted(len(record.artifacts), "artifact")
+    logged = f"{points}, {params}, {artifacts}"
+    log.info("MLflow %s: run %r logged as %s (%s)", uri, record.name, run_id, logged)
     return run_id
 
 

@@ -113,8 +113,8 @@ def _wrap(model: nn.Module, strategy: str, env: DistEnv, device, tcfg: TrainSpec
     if tcfg.activation_checkpointing:  # before sharding: FSDP's hooks wrap it
         blocks = sharding.checkpoint_activations(model)
         if env.is_master:
-            log.info("activation checkpointing: %s, each forward recomputed in the backward",
-                     counted(blocks, "block"))  # fmt: skip
+            what = "each forward recomputed in the backward"
+            log.info("activation checkpointing: %s, %s", counted(blocks, "block"), what)
     if strategy == "fsdp":  # sharded in place: the model's parameters become DTensor shards
         model = wrapped = sharding.shard(model, device, tcfg.fsdp, tcfg.precision)
     else:
@@ -135,10 +135,9 @@ def training_strategy(tcfg: TrainSpec, env: DistEnv) -> str:
 
 def _optimizer(model: nn.Module, tcfg: TrainSpec, device, strategy: str):
     """The run's optimizer over the model's trainable parameters (build.trainable)."""
-    return make_optimizer(
-        trainable(model, tcfg), tcfg.optimizer, effective_lr(tcfg), device, strategy == "zero",
-        dtensors=strategy == "fsdp",
-    )  # fmt: skip
+    params = trainable(model, tcfg)
+    zero, fsdp = strategy == "zero", strategy == "fsdp"
+    return make_optimizer(params, tcfg.optimizer, effective_lr(tcfg), device, zero, dtensors=fsdp)
 
 
 def trainable(model: nn.Module, tcfg: TrainSpec):

@@ -119,8 +119,8 @@ def _load_verified(path: Path, map_location) -> dict | None:
         log.warning("skipping checkpoint %s: format %s", path.name, state.get("format"))
         return None
     if "sharded" in state and (problem := sharding.verify(path, state["sharded"])):
-        log.warning("skipping checkpoint %s: %s; falling back to the one before",
-                    path.name, problem)  # fmt: skip
+        why = f"{problem}; falling back to the one before"
+        log.warning("skipping checkpoint %s: %s", path.name, why)
         return None
     state["path"] = str(path)
     return state
@@ -190,10 +190,8 @@ class Checkpointer:
         sharded = None
         if loop.checkpoints_sharded:  # every rank writes its shards; rank 0's .pt commits them
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            sharded = sharding.save(
-                loop.model, loop.optimizer, checkpoint_path(self.directory, step),
-                self.env.is_master, self.env.world_size,
-            )  # fmt: skip
+            path, env = checkpoint_path(self.directory, step), self.env
+            sharded = sharding.save(loop.model, loop.optimizer, path, env.is_master, env.world_size)
         loop.close_segment(step)  # the steps this world size has trained, as far as saved
         if self.env.is_master:
             state = {
@@ -236,8 +234,8 @@ class Checkpointer:
 def position(state: dict, path: Path) -> dict:
     """The newest checkpoint's place in the training, small enough for the login node to
     read before it submits (the .pt may be gigabytes)."""
-    return {"checkpoint": path.name, "epoch": state["epoch"], "epoch_step": state["epoch_step"],
-            "step": state["step"], "world_size": state["world_size"]}  # fmt: skip
+    where = {key: state[key] for key in ("epoch", "epoch_step", "step", "world_size")}
+    return {"checkpoint": path.name, **where}
 
 
 def resumed_line(state: dict, world_size: int) -> str:

@@ -24,8 +24,15 @@ class NonfiniteWatch:
     step_flag); on CUDA read one step late (the host never waits for the step it just
     queued), on a CPU right away."""
 
-    def __init__(self, run: RunSpec, lr: float, device: torch.device, world_size: int,
-                 watched: nn.Parameter | None, scaler: torch.amp.GradScaler):  # fmt: skip
+    def __init__(
+        self,
+        run: RunSpec,
+        lr: float,
+        device: torch.device,
+        world_size: int,
+        watched: nn.Parameter | None,
+        scaler: torch.amp.GradScaler,
+    ):
         self.run = run  # its name and train.on_nonfinite
         self.lr, self.device, self.world_size = lr, device, world_size
         # the output layer's parameter, whose all-reduced gradient carries a rank's NaN to

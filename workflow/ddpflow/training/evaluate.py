@@ -117,7 +117,7 @@ def evaluate_split(
     fails the training it follows (the evaluate rule then scores the model in a job of its
     own). Without it the exception propagates, as in the evaluate job."""
     begin = time.perf_counter()
-    images, labels = split.images, split.labels
+    images, labels = split.inputs, split.labels
     rank, world = env.rank, env.world_size
     start, stop = shard_bounds(images.shape[0], world, rank)
     # FSDP: as many forwards on every rank as the largest shard needs

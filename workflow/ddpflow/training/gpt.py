@@ -151,7 +151,7 @@ def text_samples(model: nn.Module, data, seed: int, every_rank: bool, is_master:
     from ddpflow.data.text import EOD
 
     block = int(data.manifest["block_size"])
-    prompt = [int(t) for t in data.val.images.tokens[: min(PROMPT_TOKENS, block)]]
+    prompt = [int(t) for t in data.val.inputs.tokens[: min(PROMPT_TOKENS, block)]]
 
     def text(tokens: list[int]) -> str:
         raw = b"".join(b"\n" if t == EOD else bytes([t]) for t in tokens if t <= EOD)

@@ -46,11 +46,11 @@ log = logging.getLogger(__name__)
 
 def _train_feed(data: RankData) -> feed.MemoryFeed | feed.StreamFeed | TokenFeed:
     """The training batches: load_data's feed, or, for tensors given directly (tests,
-    benchmarks), one over the train images in memory."""
+    benchmarks), one over the train inputs in memory."""
     if data.feed is not None:
         return data.feed
-    assert isinstance(data.train.images, torch.Tensor)  # load_data streams its own
-    return feed.MemoryFeed(data.train.images)
+    assert isinstance(data.train.inputs, torch.Tensor)  # load_data streams its own
+    return feed.MemoryFeed(data.train.inputs)
 
 
 class Loop(Resumable):
@@ -74,7 +74,7 @@ class Loop(Resumable):
         self.micro_batch_size: int = tcfg.micro_batch_size
         self.micro_per_step = micro_batches_per_step(tcfg)
         self.accum = accumulation_steps(tcfg, env.world_size)
-        self.steps_per_epoch = data.train.images.shape[0] // tcfg.global_batch_size
+        self.steps_per_epoch = data.train.inputs.shape[0] // tcfg.global_batch_size
         loss_fn = data.task.loss(data.task_manifest, tcfg)
         parts = build_training(run, env, device, model, self.steps_per_epoch, loss_fn)
         self.strategy, self.model, self.wrapped = parts.strategy, parts.model, parts.wrapped
@@ -136,7 +136,7 @@ class Loop(Resumable):
             weights.keep_frozen_statistics(self.model)
         tcfg, env = self.tcfg, self.env
         batches = step_micro_batches(
-            self.data.train.images.shape[0],
+            self.data.train.inputs.shape[0],
             tcfg.global_batch_size,
             self.micro_batch_size,
             tcfg.seed,
@@ -147,11 +147,11 @@ class Loop(Resumable):
         assert feed_ is not None  # __init__ made one
         device_batches = mine.to(self.device)
         start = self.epoch_step * self.accum
-        images = feed_.epoch(device_batches if not feed_.streamed else mine, start)
+        inputs = feed_.epoch(device_batches if not feed_.streamed else mine, start)
         if progress is not None:
             progress.update(start)
         try:
-            self._micro_steps(range(start, len(mine)), device_batches, images, progress)
+            self._micro_steps(range(start, len(mine)), device_batches, inputs, progress)
         except BaseException:  # mid-step: the BatchNorm layers get their own buffers back
             self.norm_stats.put_back()
             raise
@@ -161,12 +161,12 @@ class Loop(Resumable):
         self.clock.settle()
         return self._close_epoch(batches, mine)
 
-    def _micro_steps(self, indices: range, device_batches, images, progress) -> None:
+    def _micro_steps(self, indices: range, device_batches, inputs, progress) -> None:
         """This rank's micro-steps `indices` of the epoch, the step callbacks after each
         optimizer step."""
         for index in indices:
             step, within = divmod(index, self.accum)
-            self.last_loss = self._timed_micro_step(index, device_batches[index], images)
+            self.last_loss = self._timed_micro_step(index, device_batches[index], inputs)
             self.step_losses[step] += self.last_loss
             if progress is not None:
                 progress.update(1)
@@ -175,7 +175,7 @@ class Loop(Resumable):
                 if self._on_step is not None:
                     self._on_step(self)
 
-    def _timed_micro_step(self, index: int, batch, images) -> torch.Tensor:
+    def _timed_micro_step(self, index: int, batch, inputs) -> torch.Tensor:
         """The epoch's micro-step `index` of this rank, with the fault injection of the tests
         (ddpflow.training.faults) and the log of torch.compile's first step."""
         env, accum = self.env, self.accum
@@ -187,14 +187,16 @@ class Loop(Resumable):
         started = time.perf_counter() if self._compiling else 0.0
         if within == 0:
             self.norm_stats.begin_step()
-        loss = self._micro_step(batch, images, within == accum - 1, step, micro)
+        loss = self._micro_step(batch, inputs, within == accum - 1, step, micro)
         self.norm_stats.record(micro)
         if within == accum - 1:  # before the step's callbacks (a checkpoint holds them)
             self.norm_stats.end_step()
         if self._compiling:  # the first step compiled the forward and backward
             self._compiling = False
-            log.info("torch.compile: the first step took %.1f s (compiling forward and "
-                     "backward)", time.perf_counter() - started)  # fmt: skip
+            took = time.perf_counter() - started
+            log.info(
+                "torch.compile: the first step took %.1f s (compiling forward and backward)", took
+            )
         return loss
 
     def _close_epoch(self, batches: torch.Tensor, mine: torch.Tensor) -> dict:
@@ -220,10 +222,10 @@ class Loop(Resumable):
             return
         self.norm_stats.settle()  # into the layers trained so far
         self.frozen = []
+        at = self.scheduler.last_epoch  # the steps taken: the new schedule goes on from there
         self.wrapped, self.optimizer, self.scheduler = unfrozen(
-            self.run, self.env, self.device, self.model, self.wrapped, self.steps_per_epoch,
-            self.scheduler.last_epoch,
-        )  # fmt: skip
+            self.run, self.env, self.device, self.model, self.wrapped, self.steps_per_epoch, at
+        )
         if self.env.is_master:
             log.info("epoch %d: every parameter trains from here (train.unfreeze_at_epoch)", due)
 
@@ -236,14 +238,14 @@ class Loop(Resumable):
             dist.all_reduce(losses)
         return losses
 
-    def _micro_step(self, batch, images, last_micro, step, micro) -> torch.Tensor:
+    def _micro_step(self, batch, inputs, last_micro, step, micro) -> torch.Tensor:
         """Micro-batch `micro` of the epoch's step `step`: `batch` its sample indices (on the
-        device), `images` the feed's iterator of the epoch's uint8 batches (in memory:
-        index_select; streamed: read ahead by DataLoader workers)."""
+        device), `inputs` the feed's iterator of the epoch's batches (uint8 images or token
+        blocks; in memory: index_select; streamed: read ahead by DataLoader workers)."""
         accum, seconds = self.accum, self.epoch_seconds
         self.clock.step()
         with self.clock.phase(seconds, "data"):
-            x = next(images)
+            x = next(inputs)
             # every random draw of this micro-batch (augmentation, a model's dropout) comes
             # from (seed, epoch, step, micro), whichever rank computes it
             draws = micro_batch_seed(self.tcfg.seed, self.epoch, step, micro)

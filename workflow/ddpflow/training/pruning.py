@@ -67,8 +67,8 @@ def decide(
         return None
     median = float(statistics.median(values))
     prune = selection.worse_than(own, median)
-    return {"epoch": epoch, selection.metric: own, "median": median, "runs": len(values),
-            "prune": prune}  # fmt: skip
+    runs = len(values)
+    return {"epoch": epoch, selection.metric: own, "median": median, "runs": runs, "prune": prune}
 
 
 def accuracy_at(metrics: Path, epoch: int, key: str = "val_accuracy") -> float | None:
@@ -176,8 +176,8 @@ class MedianPruner:
                 pruned = self._decide(epoch, record[self.selection.metric])
             except Exception as exc:  # noqa: BLE001 - an optimisation: never fails a run,
                 # and rank 0 must reach the broadcast the other ranks wait in
-                log.warning("pruning at epoch %d skipped: %s: %s", epoch,
-                            type(exc).__name__, exc)  # fmt: skip
+                why = f"{type(exc).__name__}: {exc}"
+                log.warning("pruning at epoch %d skipped: %s", epoch, why)
         pruned = agree(pruned, self.env, self.device, self.selection.metric)
         if pruned is not None:
             record["pruned"] = pruned
@@ -193,14 +193,15 @@ class MedianPruner:
         decision = decide(own, list(peers.values()), epoch, min_runs, selection)
         seen = ", ".join(f"{name} {value:.4f}" for name, value in sorted(peers.items()))
         if decision is None:
-            log.info("pruning at epoch %d: %s of the sweep reached it (%s), pruning needs %d "
-                     "runs in all: continuing", epoch, counted(len(peers), "other run"),
-                     seen or "none", min_runs)  # fmt: skip
+            others = counted(len(peers), "other run")
+            reached = f"{others} of the sweep reached it ({seen or 'none'})"
+            needs = f"pruning needs {min_runs} runs in all"
+            log.info("pruning at epoch %d: %s, %s: continuing", epoch, reached, needs)
             return None
         if not decision.pop("prune"):
-            log.info("pruning at epoch %d: %s %.4f, median %.4f of %d runs (%s): "
-                     "continuing", epoch, selection.label.replace("validation", "val"), own,
-                     decision["median"], decision["runs"], seen)  # fmt: skip
+            figure = f"{selection.label.replace('validation', 'val')} {own:.4f}"
+            median = f"median {decision['median']:.4f} of {decision['runs']} runs ({seen})"
+            log.info("pruning at epoch %d: %s, %s: continuing", epoch, figure, median)
             return None
         log.warning("%s (others: %s)", pruned_line(self.run.name, decision, selection), seen)
         return decision

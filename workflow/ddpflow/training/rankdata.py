@@ -26,12 +26,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Split:
-    """One split's samples: images uint8 [n, C, H, W] (a tensor on the device, or
-    feed.StreamedImages reading the staged shards) and their targets on the device, as the
-    task stages them (classification: int64 [n]; multilabel: uint8 [n, K]; regression:
-    float32 [n, K])."""
+    """One split's samples: the model's inputs (images uint8 [n, C, H, W]: a tensor on the
+    device, or feed.StreamedImages reading the staged shards; a language model's TokenBlocks)
+    and their targets on the device, as the task stages them (classification: int64 [n];
+    multilabel: uint8 [n, K]; regression: float32 [n, K]; language model: none, [n, 0])."""
 
-    images: torch.Tensor | feed.StreamedImages | TokenBlocks
+    inputs: torch.Tensor | feed.StreamedImages | TokenBlocks
     labels: torch.Tensor
 
 
@@ -44,7 +44,7 @@ class RankData:
     num_classes: int
     shape: list[int]  # one image's [C, H, W]
     # the training batches (feed.MemoryFeed or feed.StreamFeed); None until Loop makes a
-    # MemoryFeed over train's images (tensors given directly) or where no train split is
+    # MemoryFeed over train's inputs (tensors given directly) or where no train split is
     feed: feed.MemoryFeed | feed.StreamFeed | TokenFeed | None = None
     manifest: dict = field(default_factory=dict)  # the staged data's manifest.json
     in_memory: bool = True  # the splits loaded whole (else streamed)
@@ -88,8 +88,8 @@ def load_data(run: RunSpec, staged: str, env: DistEnv, device, splits=("train", 
     manifest = next(iter(opened.values()))[2]
     staged_task = manifest.get("task", DEFAULT_TASK)
     if staged_task != task.name:
-        raise DataError(f"{staged}: staged for task {staged_task}, the run's task is "
-                        f"{task.name}; delete {staged} and restage")  # fmt: skip
+        mismatch = f"staged for task {staged_task}, the run's task is {task.name}"
+        raise DataError(f"{staged}: {mismatch}; delete {staged} and restage")
     nbytes = sum(images.nbytes for images, _, _ in opened.values())
     in_memory, why = choose_in_memory(run, nbytes)
     data = RankData(
@@ -105,19 +105,16 @@ def load_data(run: RunSpec, staged: str, env: DistEnv, device, splits=("train", 
         device=device,
         task=task,
     )
-    if "train" in opened:
-        train = data.train.images
-        data.feed = (
-            feed.MemoryFeed(train) if isinstance(train, torch.Tensor) else feed.StreamFeed(
-                opened["train"][0], device, loading.workers, loading.prefetch
-            )
-        )  # fmt: skip
+    train = data.train.inputs if "train" in opened else None
+    if isinstance(train, torch.Tensor):
+        data.feed = feed.MemoryFeed(train)
+    elif train is not None:  # streamed from the staged shards
+        data.feed = feed.StreamFeed(opened["train"][0], device, loading.workers, loading.prefetch)
     if env.is_master:
-        how = "in memory" if in_memory else (
-            f"streamed from {staged} ({counted(loading.workers, 'DataLoader worker')} per "
-            f"rank, {counted(loading.prefetch, 'batch', 'batches')} ahead each)"
-        )  # fmt: skip
-        log.info("data %s: %s (%s)", "+".join(opened), how, why)
+        workers = counted(loading.workers, "DataLoader worker")
+        ahead = counted(loading.prefetch, "batch", "batches")
+        streamed = f"streamed from {staged} ({workers} per rank, {ahead} ahead each)"
+        log.info("data %s: %s (%s)", "+".join(opened), "in memory" if in_memory else streamed, why)
     return data
 
 
@@ -134,13 +131,19 @@ def _token_data(run: RunSpec, staged: str, env: DistEnv, device, splits, verify,
     found = _open_verified(staged, splits, env, opened)
     one = torch.zeros(1, device=device)
     data = RankData(
-        splits=found, norm=(one, one), num_classes=manifest["num_classes"],
-        shape=manifest["shape"], manifest=manifest, in_memory=False, device=device,
-        task=task, tokens=True,
-    )  # fmt: skip
+        splits=found,
+        norm=(one, one),
+        num_classes=manifest["num_classes"],
+        shape=manifest["shape"],
+        manifest=manifest,
+        in_memory=False,
+        device=device,
+        task=task,
+        tokens=True,
+    )
     if "train" in found:
-        assert isinstance(found["train"].images, TokenBlocks)
-        data.feed = TokenFeed(found["train"].images)
+        assert isinstance(found["train"].inputs, TokenBlocks)
+        data.feed = TokenFeed(found["train"].inputs)
     if env.is_master:
         counts = ", ".join(f"{s} {manifest['tokens'][s]:,}" for s in found)
         log.info(

@@ -90,10 +90,9 @@ class Resumable:
         FSDP: without the model and optimizer, which sharding.save writes (every rank)."""
         self.clock.settle()  # the partial epoch's phase seconds are part of the state
         self.norm_stats.settle()  # a collective only where gather_state() did not settle
-        tensors = {} if self.checkpoints_sharded else {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-        }  # fmt: skip
+        tensors: dict = {}
+        if not self.checkpoints_sharded:
+            tensors = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         losses = self._global_step_losses
         return {
             **tensors,
@@ -167,8 +166,8 @@ class Resumable:
         if iterations == 0:
             return
         train = self.data.train
-        size = min(self.micro_batch_size, train.images.shape[0])
-        raw = feed.rows(train.images, 0, size)
+        size = min(self.micro_batch_size, train.inputs.shape[0])
+        raw = feed.rows(train.inputs, 0, size)
         x, y = evaluate.model_batch(raw, train.labels[:size], self.data.norm, self.data.tokens)
         buffers = [b.detach().clone() for b in self.model.buffers()]  # BatchNorm statistics
         was_training = self.wrapped.training

@@ -34,10 +34,20 @@ log = logging.getLogger(__name__)
 # torchvision's repeated blocks (ResNet, ViT, ConvNeXt, MobileNet, EfficientNet, Swin, ...)
 # and torch's transformer layers: each becomes one FSDP unit (one all-gather per forward)
 BLOCK_TYPES = {
-    "BasicBlock", "Bottleneck", "EncoderBlock", "TransformerEncoderLayer",
-    "TransformerDecoderLayer", "CNBlock", "InvertedResidual", "MBConv", "FusedMBConv",
-    "SwinTransformerBlock", "SwinTransformerBlockV2", "ResBottleneckBlock", "GPTBlock",
-}  # fmt: skip
+    "BasicBlock",
+    "Bottleneck",
+    "EncoderBlock",
+    "TransformerEncoderLayer",
+    "TransformerDecoderLayer",
+    "CNBlock",
+    "InvertedResidual",
+    "MBConv",
+    "FusedMBConv",
+    "SwinTransformerBlock",
+    "SwinTransformerBlockV2",
+    "ResBottleneckBlock",
+    "GPTBlock",
+}
 
 
 def units(model: nn.Module) -> list[nn.Module]:
@@ -78,8 +88,8 @@ def _recompute_contexts(norms: list):
 def _frozen_statistics(norms: list):
     """During a recomputed forward: BatchNorm momentum 0 (running statistics unchanged,
     exactly: r * 1 + b * 0) and its batch counter restored after."""
-    saved = [(m.momentum, m.num_batches_tracked.clone() if m.track_running_stats else None)
-             for m in norms]  # fmt: skip
+    counters = [m.num_batches_tracked.clone() if m.track_running_stats else None for m in norms]
+    saved = [(m.momentum, counter) for m, counter in zip(norms, counters, strict=True)]
     for m in norms:
         m.momentum = 0.0
     try:
