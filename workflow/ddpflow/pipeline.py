@@ -44,7 +44,7 @@ from ddpflow.task import selection_of
 from ddpflow.tracking.live import LiveStream
 from ddpflow.training import workspace
 from ddpflow.training.pruning import pruned_line
-from ddpflow.training.records import describe, published
+from ddpflow.training.summaries import describe, published
 from ddpflow.words import counted
 
 log = logging.getLogger(__name__)

@@ -4,8 +4,8 @@ imported; what needs torch runs in early.py's subprocess):
 
 - values.py: combinations of config values the schema cannot express, suspicious settings,
   trackers and exports whose packages are missing.
-- batch.py: the global batch against the machine: world sizes that split it, micro-batch
-  auto, a global batch larger than the staged split.
+- batch.py: the global batch against the machine: a world size that cannot split it,
+  micro-batch auto, a global batch larger than the staged split.
 - host.py: what this machine has (GPUs, their memory, bf16 instructions).
 - memory.py, memory_knobs.py: a rank's peak memory against what it has, and the knobs a
   refusal offers.

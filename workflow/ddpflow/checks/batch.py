@@ -1,44 +1,25 @@
-"""The global batch against the machine, checked before anything is queued: the world sizes
-that split it into whole micro-batches, train.micro_batch_size auto resolved for every
-world size a request can run at, a global batch larger than the staged training split, and
-one that leaves much of it out of each epoch.
+"""The global batch against the machine, checked before anything is queued: a world size
+that cannot split it into whole micro-batches (naming those that can), train.micro_batch_size
+auto resolved for every world size a request can run at, a global batch larger than the
+staged training split, and one that leaves much of it out of each epoch.
 
-    splitting_micro_batch(256, 64, [2, 4])   # 64: 4 micro-batches, whole at 2 and 4 ranks
+    resolve_micro_batch("runs ('a')", train, machine)   # (train, how it was chosen)
 """
 
 from __future__ import annotations
 
 import logging
 
-from ddpflow.config.machine import micro_batches_per_step, ranks_per_node
+from ddpflow.config.machine import (
+    ranks_per_node,
+    request_world_sizes,
+    splitting_micro_batch,
+    working_world_sizes,
+)
 from ddpflow.config.schema import ConfigError
 from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
-
-
-def working_world_sizes(train: dict) -> list[int]:
-    """The world sizes that split a step's micro-batches evenly: divisors of global/micro."""
-    count = micro_batches_per_step(train)
-    return [w for w in range(1, count + 1) if count % w == 0]
-
-
-def request_world_sizes(machine: dict) -> list[int]:
-    """Every world size a job of this request can run at: machine.nodes, and each node count
-    down to machine.min_nodes (placement shrinks a job there after node failures)."""
-    per_node = ranks_per_node(machine)
-    fewest = machine.get("min_nodes") or machine["nodes"]
-    return [nodes * per_node for nodes in range(fewest, machine["nodes"] + 1)]
-
-
-def splitting_micro_batch(global_batch: int, cap: int | None, worlds: list[int]) -> int | None:
-    """The largest micro-batch up to `cap` that cuts the global batch into whole
-    micro-batches which every world size in `worlds` shares out evenly (None: there is none)."""
-    for micro in range(min(cap or global_batch, global_batch), 0, -1):
-        count, rest = divmod(global_batch, micro)
-        if not rest and all(count % world == 0 for world in worlds):
-            return micro
-    return None
 
 
 def check_world_size(where: str, train: dict, world: int, machine_text: str = "") -> None:

@@ -18,8 +18,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ddpflow.checks.batch import splitting_micro_batch
-from ddpflow.config.machine import ranks_per_node
+from ddpflow.config.machine import ranks_per_node, splitting_micro_batch
 
 GIB = 2**30
 # the built-in models have no torchvision stem to change (ddpflow.training.models)

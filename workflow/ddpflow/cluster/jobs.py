@@ -49,6 +49,6 @@ class EvalJob(_RankJob):
 
 
 class PredictJob(_RankJob):
-    """ddpflow.training.predict.PredictTask on each rank (`snakemake predict`)."""
+    """ddpflow.training.predict_ranks.PredictTask on each rank (`snakemake predict`)."""
 
-    task_module, task_name = "ddpflow.training.predict", "PredictTask"
+    task_module, task_name = "ddpflow.training.predict_ranks", "PredictTask"

@@ -1,7 +1,7 @@
 """What a run's settings mean on its machine: ranks, world size, memory, gradient
-accumulation, the staging job's resources, sharding, memory layout. Derived from the config
-alone (what this machine has is probed in ddpflow.checks.host; which world sizes split the
-global batch is ddpflow.checks.batch).
+accumulation and the world sizes and micro-batches that split the global batch, the staging
+job's resources, sharding, memory layout. Arithmetic of the config alone: what this machine
+has is probed in ddpflow.checks.host, and the refusals are ddpflow.checks.batch's.
 """
 
 from __future__ import annotations
@@ -29,6 +29,30 @@ def accumulation_steps(train: SectionView, world: int) -> int:
 
 def micro_batches_per_step(train: SectionView) -> int:
     return train["global_batch_size"] // train["micro_batch_size"]
+
+
+def working_world_sizes(train: dict) -> list[int]:
+    """The world sizes that split a step's micro-batches evenly: divisors of global/micro."""
+    count = micro_batches_per_step(train)
+    return [w for w in range(1, count + 1) if count % w == 0]
+
+
+def request_world_sizes(machine: dict) -> list[int]:
+    """Every world size a job of this request can run at: machine.nodes, and each node count
+    down to machine.min_nodes (placement shrinks a job there after node failures)."""
+    per_node = ranks_per_node(machine)
+    fewest = machine.get("min_nodes") or machine["nodes"]
+    return [nodes * per_node for nodes in range(fewest, machine["nodes"] + 1)]
+
+
+def splitting_micro_batch(global_batch: int, cap: int | None, worlds: list[int]) -> int | None:
+    """The largest micro-batch up to `cap` that cuts the global batch into whole
+    micro-batches which every world size in `worlds` shares out evenly (None: there is none)."""
+    for micro in range(min(cap or global_batch, global_batch), 0, -1):
+        count, rest = divmod(global_batch, micro)
+        if not rest and all(count % world == 0 for world in worlds):
+            return micro
+    return None
 
 
 def memory_mb(machine: dict) -> int:

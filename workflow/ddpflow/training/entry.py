@@ -40,7 +40,7 @@ from ddpflow.training.loop import Loop, fit, sync_buffers
 from ddpflow.training.models import count_parameters, from_checkpoint
 from ddpflow.training.pruning import MedianPruner
 from ddpflow.training.rankdata import RankData, load_data
-from ddpflow.training.records import evaluation_record, published, train_summary
+from ddpflow.training.summaries import evaluation_record, published, train_summary
 from ddpflow.training.weights import log_fine_tuning
 from ddpflow.words import counted
 
