@@ -209,8 +209,8 @@ def node_local_copy(staged: str, target_root: str, env: DistEnv) -> str:
             )
         except (OSError, DataError) as exc:
             where = f"rank {env.rank} on {socket.gethostname()}"
-            failed = f"could not copy the staged data to data.loading.node_local_dir {root}"
-            log.error("%s: %s: %s", where, failed, exc)
+            copy = f"could not copy the staged data to data.loading.node_local_dir {root}"
+            log.error("%s: %s: %s", where, copy, exc)
             failed = True
     if any_rank(env.world_size, failed):
         raise DataError(
