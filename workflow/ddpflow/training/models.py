@@ -103,9 +103,8 @@ def zoo_model(name, channels: int, num_classes: int, kwargs: dict, small_stem: b
         known = list(dict.fromkeys([*BUILT_IN, *names]))  # resnet18 is in both
         close = difflib.get_close_matches(name, known, n=4, cutoff=0.6)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise ModelError(f"model.name {name!r}: not a built-in model ({', '.join(BUILT_IN)}), "
-                         f"a torchvision classification model or a 'module:function' "
-                         f"plug-in{hint}")  # fmt: skip
+        kinds = f"a built-in model ({', '.join(BUILT_IN)}), a torchvision classification model"
+        raise ModelError(f"model.name {name!r}: not {kinds} or a 'module:function' plug-in{hint}")
     try:
         model = torchvision.models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
     except (TypeError, ValueError) as err:
@@ -126,13 +125,23 @@ def _adapt_input_channels(model: nn.Module, channels: int) -> None:
         for child_name, child in parent.named_children():
             if isinstance(child, nn.Conv2d):
                 if child.in_channels != channels:
-                    pad = child.padding
-                    setattr(parent, child_name, nn.Conv2d(
-                        channels, child.out_channels, _pair(child.kernel_size),
-                        _pair(child.stride), pad if isinstance(pad, str) else _pair(pad),
-                        _pair(child.dilation), child.groups, child.bias is not None,
-                    ))  # fmt: skip
+                    setattr(parent, child_name, _conv_like(child, channels))
                 return
+
+
+def _conv_like(conv: nn.Conv2d, channels: int) -> nn.Conv2d:
+    """A new convolution shaped like `conv` (randomly initialised) taking `channels` inputs."""
+    padding = conv.padding if isinstance(conv.padding, str) else _pair(conv.padding)
+    return nn.Conv2d(
+        channels,
+        conv.out_channels,
+        kernel_size=_pair(conv.kernel_size),
+        stride=_pair(conv.stride),
+        padding=padding,
+        dilation=_pair(conv.dilation),
+        groups=conv.groups,
+        bias=conv.bias is not None,
+    )
 
 
 def _pair(size: tuple[int, ...]) -> tuple[int, int]:
@@ -154,20 +163,18 @@ def check_model(
     tokens = is_token_shape(shape)  # token ids in, logits per position out
     sample = torch.zeros(2, *shape, dtype=torch.int64 if tokens else torch.float32)
     expected = (2, *shape, num_classes) if tokens else (2, num_classes)
+    dims = ", ".join(map(str, shape))
     for mode in ("training", "evaluation"):  # some models answer differently in each
         model.train(mode == "training")
         try:
             with torch.no_grad():
                 out = model(sample)
         except Exception as err:
-            raise ModelError(f"model.name {name!r}: a forward pass of the data's shape "
-                             f"[N, {', '.join(map(str, shape))}] failed in {mode} mode: "
-                             f"{type(err).__name__}: {err}") from err  # fmt: skip
+            failed = f"a forward pass of the data's shape [N, {dims}] failed in {mode} mode"
+            raise ModelError(f"model.name {name!r}: {failed}: {type(err).__name__}: {err}") from err
         if not isinstance(out, torch.Tensor):
-            raise ModelError(f"model.name {name!r}: in {mode} mode the model returns a "
-                             f"{type(out).__name__}, not a tensor of logits (a model with "
-                             f"auxiliary outputs: switch them off in model.kwargs, e.g. "
-                             f"aux_logits: false)")  # fmt: skip
+            returned = f"in {mode} mode the model returns a {type(out).__name__}"
+            raise ModelError(f"model.name {name!r}: {returned}, not a tensor of logits ({_AUX})")
         if tuple(out.shape) != expected:
             raise ModelError(
                 f"model.name {name!r}: in {mode} mode the model returns "
@@ -180,13 +187,19 @@ def check_model(
             with torch.no_grad():
                 model(torch.zeros(2, *shape))
         except Exception as err:
-            raise ModelError(f"model.name {name!r}: its forward fails in the channels_last "
-                             f"layout that train.channels_last: true gives models with "
-                             f"convolutions ({type(err).__name__}: {err}); in the model use "
-                             f".reshape() or torch.flatten() where it calls .view() on a "
-                             f"convolution's output, or set train.channels_last: false"
-                             ) from err  # fmt: skip
+            why = f"its forward fails in {_CHANNELS_LAST} ({type(err).__name__}: {err})"
+            raise ModelError(f"model.name {name!r}: {why}; {_VIEW_FIX}") from err
     return count_parameters(model)
+
+
+_AUX = "a model with auxiliary outputs: switch them off in model.kwargs, e.g. aux_logits: false"
+_CHANNELS_LAST = (
+    "the channels_last layout that train.channels_last: true gives models with convolutions"
+)
+_VIEW_FIX = (
+    "in the model use .reshape() or torch.flatten() where it calls .view() on a convolution's "
+    "output, or set train.channels_last: false"
+)
 
 
 def mlp(in_features: int, hidden: list[int], num_classes: int) -> nn.Module:
