@@ -7,7 +7,6 @@ against the world size is batch.py; checks against a Slurm cluster are slurm.py.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 
 from ddpflow.checks.batch import check_world_size
@@ -19,8 +18,6 @@ from ddpflow.config.schema import ConfigError, validate
 from ddpflow.plugins import is_plugin
 from ddpflow.runtime import usable_cores
 from ddpflow.words import counted
-
-log = logging.getLogger(__name__)
 
 
 def check_resolved_run(run: dict, launcher: str) -> None:
