@@ -45,7 +45,7 @@ class Context:
     figures: dict
     variants: dict  # {knob: figures measured with it}
     partition: Partition | None = None
-    # memory.estimate, handed in by fits (which imports this module: no import circle)
+    # memory.estimate, handed in by memory.py (which imports this module: no import circle)
     estimate: Callable[..., Any] | None = None
 
 
