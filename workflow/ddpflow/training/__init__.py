@@ -1,2 +1,3 @@
-"""What runs on each rank: the tasks, the training loop, checkpoints and the workspace,
-sharding, models, the distributed evaluation, fault injection for drills."""
+"""What runs on each rank: the entry (entry.py: TrainTask, EvalTask), the training loop,
+checkpoints and the workspace, sharding, models, the distributed evaluation, fault injection
+for drills."""
