@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import yaml
 
-from ddpflow.task import BUILT_IN_TASKS, Task, record_task
+from ddpflow.task import BUILT_IN_TASKS, DEFAULT_TASK, Task, record_task
 from ddpflow.task.builtin_views import class_tables
 from ddpflow.text import counted
 
@@ -59,8 +59,9 @@ def _sections(loaded, rows, label, focus, note, shown_task) -> list[tuple]:
     for name in order:
         task, members = by_task[name]
         if shown_task(task):
-            own = split_label([r for r in rows if r.get("task") == name])
-            blocks += task.report_section(members, label, own, focus, note)
+            own = [r for r in rows if r.get("task", DEFAULT_TASK) == name]
+            own_label = split_label(own) if own else label
+            blocks += task.report_section(members, label, own_label, focus, note)
     return blocks
 
 
