@@ -105,7 +105,7 @@ def _precisions(env):
     out = {}
     for precision in ("fp32", "bf16", "fp16"):
         loop = _loop(env, _run(precision, deterministic=False))
-        x = evaluate.normalize(loop.data.train.images[:8], *loop.data.norm)
+        x = evaluate.normalize(loop.data.train.inputs[:8], *loop.data.norm)
         with loop.autocast() if loop.autocast else torch.autocast("cuda", enabled=False):
             logits_dtype = loop.model(x).dtype
         fit(loop, lambda record: None)
@@ -215,7 +215,7 @@ def _evaluation(env):
     loop = _loop(env, _run(epochs=2))
     fit(loop, lambda record: None)
     model, data = loop.model, loop.data
-    x, y, n = data.val.images, data.val.labels, data.num_classes
+    x, y, n = data.val.inputs, data.val.labels, data.num_classes
     single = discover({})
     whole = evaluate.evaluate_split(model, data.val, data.scoring(64), single)
     # what 3 ranks evaluate, shard by shard (batches of 7: other shapes than the whole run)

@@ -208,7 +208,7 @@ def test_gpt_takes_ids_and_gives_logits_per_position_with_tied_weights():
     assert torch.equal(model(x)[0, :-1], model(y)[0, :-1])
     assert check_model(GPT, [BLOCK], 257) == sum(p.numel() for p in model.parameters())
     # samples of an untrained byte model: any byte, control characters shown as U+FFFD
-    val = SimpleNamespace(images=SimpleNamespace(tokens=np.arange(65, 65 + 40)))
+    val = SimpleNamespace(inputs=SimpleNamespace(tokens=np.arange(65, 65 + 40)))
     data = SimpleNamespace(manifest={"source": "text", "block_size": BLOCK}, val=val)
     made = text_samples(model, data, seed=3, every_rank=False, is_master=True)
     assert made["prompt"] == "ABCDEFGHIJKLMNOP"  # the validation split's first block_size
