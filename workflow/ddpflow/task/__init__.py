@@ -12,9 +12,11 @@ which task runs.
     task: language_model      # token data, next-token cross-entropy, perplexity
     task: "my_tasks:make"     # your own: a function (**task_kwargs) returning a Task
 
-The protocol (ddpflow.task.base.Task) is documented in docs/tasks.md. Not to be confused with
-ddpflow.training.tasks, the callables a rank runs. Imports no torch at module level: the
-login node resolves a task while it parses the config.
+The protocol (ddpflow.task.base.Task) is documented in docs/tasks.md. The rest of ddpflow asks
+the task object, never its name: get_task / run_task for a config's run, record_task for an
+eval_metrics.json record (the report, trackers), manifest_task for a staged manifest. Not to
+be confused with ddpflow.training.entry, the callables a rank runs. Imports no torch at
+module level: the login node resolves a task while it parses the config.
 """
 
 from __future__ import annotations
