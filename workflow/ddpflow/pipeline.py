@@ -40,7 +40,7 @@ from ddpflow.paths import (
     run_dir,
 )
 from ddpflow.report import outcome
-from ddpflow.task import selection_of
+from ddpflow.task import run_task, selection_of
 from ddpflow.tracking.live import LiveStream
 from ddpflow.training import workspace
 from ddpflow.training.pruning import pruned_line
@@ -164,11 +164,10 @@ def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     stream = LiveStream.for_run(run, run.get("tracking"), paths.work)
     summary = _distributed(TrainJob, "train", run, paths, logs_dir, exclude, stream)[0]
     workspace.finish(run, paths.work)
-    lm = summary.get("language_model")
     log.info(
         "train %r: %s on %s (%s)",
         run["name"],
-        f"{lm['tokens_per_s']:.0f} tokens/s" if lm else f"{summary['samples_per_s']:.0f} samples/s",
+        run_task(run).throughput(summary),
         counted(summary["world_size"], "rank"),
         ", ".join(sorted(set(summary["hosts"]))),
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpflow.plugins import is_plugin
-from ddpflow.task import DEFAULT_TASK
+from ddpflow.task import DEFAULT_TASK, get_task
 
 # train keys that cannot change a run's result: changing them retrains nothing. strategy:
 # zero trains bitwise the same weights as ddp and its checkpoints hold the whole optimizer
@@ -284,14 +284,13 @@ def task_settings(run: dict, training: bool) -> dict[str, Any]:
     weights (a regression's loss; a plug-in task's code and kwargs); the task's name is the
     data's (data.task). Evaluation: the task and all its kwargs (a threshold)."""
     name = run.get("task", DEFAULT_TASK)
-    if name == DEFAULT_TASK:
-        return {}
+    if not is_plugin(name) and not get_task(name).named_in_records:
+        return {}  # classification: fingerprints as before tasks existed
     if not training:
         return flatten({"task": name, "task_kwargs": run.get("task_kwargs") or {}})
     if is_plugin(name):
         kwargs = flatten({"task_kwargs": run.get("task_kwargs") or {}})
         return {"task_sha256": plugin_source_hash(name), **kwargs}
-    from ddpflow.task import get_task
 
     return flatten({"task": get_task(name, run.get("task_kwargs") or {}).fingerprint()})
 

@@ -21,12 +21,11 @@ import re
 from ddpflow.report import metrics
 from ddpflow.report.tables import (
     Link,
-    class_tables,
     hosts_text,
     model_blocks,
     provenance_blocks,
+    result_tables,
     split_label,
-    task_sections,
 )
 from ddpflow.runtime import PHASES
 from ddpflow.text import counted
@@ -284,11 +283,7 @@ def _result_blocks(loaded, rows, figures, label: str, focus, selections: dict) -
     """Each task's tables (per-class accuracy, per-label F1, per-target errors), then the
     plots; with many runs, a note that only the focus runs are shown."""
     note = [("p", _focus_note(focus, len(rows), selections))] if focus is not None else []
-    classified = [item for item in loaded if metrics.task_of(item[2]) == metrics.CLASSIFICATION]
-    blocks = []
-    if classified:
-        blocks += [("h2", f"Per-class {label} accuracy"), *note, *class_tables(classified, focus)]
-    blocks += task_sections(loaded, rows, focus, note)
+    blocks = result_tables(loaded, rows, label, focus, note)
     blocks += [("h2", "Plots"), *note]
     blocks += [
         ("img", caption, f"plots/{key}.png", png) if png else ("p", caption)
