@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from ddpflow import runtime
+from ddpflow.checks.links import _timed_all_reduce
 from ddpflow.cluster.distenv import discover
-from ddpflow.cluster.preflight import _timed_all_reduce
 from ddpflow.config.typed import RunSpec
 from ddpflow.training import evaluate
 from ddpflow.training.checkpoint import Checkpointer

@@ -207,12 +207,10 @@ UPWARD_IMPORTS = {
     # names the checks keep through ddpflow.config for callers written before ddpflow.checks
     # (bench/scaling.py and tests call ddpconfig.check_world_size, run_warnings, ...)
     ("ddpflow.config", "checks"),
-    # config/runs.py resolves every run and checks it (it imports the checks through the old
-    # path config/checks.py until it imports ddpflow.checks)
+    # config/runs.py resolves every run and checks it (ddpflow.checks.values, .batch)
     ("ddpflow.config.runs", "checks"),
     # old module paths, kept until their importers move (config/weights.py: for good, as
     # scripts/fetch_weights.py names it and a rule script is never edited)
-    ("ddpflow.config.checks", "checks"),  # config/runs.py, export.py
     ("ddpflow.config.fits", "checks"),  # plan.py, bench/memory_estimate.py
     ("ddpflow.config.weights", "checks"),  # scripts/fetch_weights.py, runs.py, training/*
     ("ddpflow.cluster.preflight", "checks"),  # tests/test_gpu.py, bench/collectives.py
@@ -243,8 +241,6 @@ def test_the_login_layers_import_one_way():
 # modules that use another module's private name, each owned by another change in flight;
 # empty the list as they go
 PRIVATE_USES = {
-    "ddpflow.config.runs",  # from ddpflow.config.checks import _check_run (check_resolved_run)
-    "ddpflow.predict",  # pipeline._placed / _distributed (ddpflow.cluster.submit)
     # the old path early.py re-exports what bench/memory_estimate.py reads of checks.early
     "ddpflow.early",
 }

@@ -23,9 +23,9 @@ import os
 from pathlib import Path
 
 from ddpflow import __version__
+from ddpflow.checks.values import ONNX_MODULES
+from ddpflow.checks.weight_files import input_normalisation
 from ddpflow.config import config_hash, training_fingerprint
-from ddpflow.config.checks import ONNX_MODULES
-from ddpflow.config.weights import input_normalisation
 from ddpflow.errors import UserError
 from ddpflow.paths import EXPORT_FILES
 from ddpflow.task import DEFAULT_TASK, run_task

@@ -1,7 +1,7 @@
 """Where a run's files live: the one place that names them.
 
 The rules (workflow/rules/*.smk) declare these paths as outputs, the ranks write them
-(ddpflow.training.tasks), the report reads them; all take the names from here. Importing this module
+(ddpflow.training.entry), the report reads them; all take the names from here. Importing this module
 imports no torch: the Snakefile reads it at parse time.
 """
 

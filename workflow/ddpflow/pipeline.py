@@ -49,8 +49,6 @@ from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
 EARLY_CACHE = ".snakemake/ddpflow"  # the parse's checks and measurements (ddpflow.checks.early)
-# the names train_run and predict.py call until they call ddpflow.cluster.submit's
-_placed, _distributed, _job_record = submit.placed, submit.submit_and_wait, submit.job_record
 
 
 def stage_data(data_cfg: dict, out_dir: str, threads: int = 1) -> dict:
@@ -156,13 +154,15 @@ def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     _say_how_data_is_read(run, manifest)
     # from here on the run as its job runs it: on fewer nodes after node failures
     # (machine.min_nodes); the user's config is not edited
-    run, exclude = _placed(run, paths, "train")
+    run, exclude = submit.placed(run, paths, "train")
     # a job still running for an edited config (kept after a stop) must be gone before the
     # work folder is decided on: it would write its old-config checkpoints into it
-    launch.cancel_outdated(_job_record(paths, "train"), config_hash(training_fingerprint(run)))
+    launch.cancel_outdated(
+        submit.job_record(paths, "train"), config_hash(training_fingerprint(run))
+    )
     workspace.prepare(run, paths.work)
     stream = LiveStream.for_run(run, run.get("tracking"), paths.work)
-    summary = _distributed(TrainJob, "train", run, paths, logs_dir, exclude, stream)[0]
+    summary = submit.submit_and_wait(TrainJob, "train", run, paths, logs_dir, exclude, stream)[0]
     workspace.finish(run, paths.work)
     log.info(
         "train %r: %s on %s (%s)",

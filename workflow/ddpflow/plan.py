@@ -8,7 +8,7 @@ For the run (default: the config's first) at nodes x ranks per node:
 
 * the memory estimate per rank and strategy (ddp, zero, fsdp): one training step measured
   on fake tensors (ddpflow.training.footprint) turned into a rank's peak at this world size
-  (ddpflow.config.fits), for rank 0 and for the others, in bytes (`peak_bytes`);
+  (ddpflow.checks.memory), for rank 0 and for the others, in bytes (`peak_bytes`);
 * the FSDP units and the device mesh, from FSDP2's fully_shard on a meta-device model in a
   fake process group of the whole world (ddpflow.training.sharding_plan), and the parameter
   bytes a rank's shards really hold (FSDP pads each parameter's rows to the shard count);
@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 
 from ddpflow import config as ddpconfig
-from ddpflow.config import fits
+from ddpflow.checks import memory as fits
+from ddpflow.checks.early import RUNTIME, input_of, read_footprints
 from ddpflow.config.fingerprint import TOKEN_SOURCES
 from ddpflow.config.machine import accumulation_steps, micro_batches_per_step, ranks_per_node
-from ddpflow.early import RUNTIME, input_of, read_footprints
 from ddpflow.paths import RunPaths
 from ddpflow.task.builtin_views import TEXT_VOCABULARY
 
@@ -57,7 +57,7 @@ def load_run(configfile: str, nodes: int, per_node: int, name: str | None) -> di
 
 def model_input(run: dict) -> tuple[list[int], int, int, int | None]:
     """(input shape, outputs, data bytes a rank holds, most rows scored) of run: from its
-    staged manifest, else from the config (ddpflow.early.input_of; a language model's block
+    staged manifest, else from the config (ddpflow.checks.early.input_of; a language model's block
     and vocabulary)."""
     staged = Path(RunPaths.for_run(run["results_dir"], run).staged) / "manifest.json"
     manifest = json.loads(staged.read_text()) if staged.is_file() else None
@@ -76,7 +76,7 @@ def model_input(run: dict) -> tuple[list[int], int, int, int | None]:
 
 def rank_process() -> dict:
     """A fresh rank's own memory after its imports (training.footprint.process_memory): the
-    workflow's measurement where it made one (ddpflow.early's cache), else measured in a
+    workflow's measurement where it made one (ddpflow.checks.early's cache), else measured in a
     fresh process. Never this process's: a login-node process that has built models since
     its start holds far more than a rank starts with."""
     known = read_footprints().get(RUNTIME)

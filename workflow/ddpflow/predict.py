@@ -23,7 +23,7 @@ from ddpflow.config import ConfigError
 from ddpflow.data.folder_problems import IGNORED_NAMES
 from ddpflow.paths import PREDICT_WORK, RunPaths
 from ddpflow.runtime import atomic_write_json
-from ddpflow.text import counted
+from ddpflow.words import counted
 
 REQUEST = "request.json"
 log = logging.getLogger(__name__)
@@ -238,7 +238,7 @@ def write_request(work: str, listing: dict, predict: dict, out: dict) -> Path:
 def predict_run(run: dict, paths: RunPaths, logs_dir: str, predict: dict, out: dict) -> dict:
     """The predict rule: list and check predict.input, write the ranks' request, submit
     the run's job (its machine: one Slurm job, or the local ranks) and wait for it."""
-    from ddpflow import pipeline
+    from ddpflow.cluster import submit
     from ddpflow.cluster.jobs import PredictJob
 
     check_can_predict(run)  # refused at parse already (predict.smk): here for API callers
@@ -247,9 +247,9 @@ def predict_run(run: dict, paths: RunPaths, logs_dir: str, predict: dict, out: d
     check_shape(listing, manifest["shape"], run["name"])
     write_request(paths.work, listing, predict, out)
     log.info("predict %r: %d inputs from %s", run["name"], input_count(listing), predict["input"])
-    placed, exclude = pipeline._placed(run, paths, "predict")
+    placed, exclude = submit.placed(run, paths, "predict")
     computes = {"predict": predict, "predict_input": signature(listing)}
-    summary = pipeline._distributed(
+    summary = submit.submit_and_wait(
         PredictJob, "predict", placed, paths, logs_dir, exclude, computes=computes
     )[0]
     skipped = ""

@@ -380,7 +380,7 @@ def peak_rss_bytes() -> int:
 
 def peak_memory_mib() -> dict[str, float]:
     """This process's peaks so far, in MiB: resident memory (peak_rss_mib) and, once CUDA is
-    in use, the GPU memory its tensors took (gpu_peak_alloc_mib): what ddpflow.config.fits
+    in use, the GPU memory its tensors took (gpu_peak_alloc_mib): what ddpflow.checks.memory
     estimates before a run is queued."""
     peaks = {"peak_rss_mib": peak_rss_bytes() / 2**20}
     torch = sys.modules.get("torch")

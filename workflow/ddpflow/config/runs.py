@@ -1,5 +1,5 @@
 """Load a config file and resolve its named runs: each run is the top-level sections with
-the run's overrides merged in, validated, and checked (checks.py) before anything runs.
+the run's overrides merged in, validated, and checked (ddpflow.checks) before anything runs.
 """
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from ddpflow.config import weights
-from ddpflow.config.checks import _check_run, check_export, check_tracking, resolve_micro_batch
+from ddpflow.checks import weight_files as weights
+from ddpflow.checks.batch import resolve_micro_batch
+from ddpflow.checks.values import check_export, check_resolved_run, check_tracking
 from ddpflow.config.fingerprint import TOKEN_SOURCES, dataset_id
 from ddpflow.config.machine import world_size
 from ddpflow.config.schema import ConfigError, deep_merge, validate
@@ -48,7 +49,7 @@ def check_runs(config: dict) -> tuple[dict, list[dict]]:
         raise ConfigError("runs: no run to train; name one under runs: or sweep: a key")
     runs = [_resolve(config, entry, where) for entry, where in entries]
     for run in runs:
-        _check_run(run, config["launcher"])
+        check_resolved_run(run, config["launcher"])
     check_tracking(config["tracking"])
     check_export(config["export"])
     return config, runs
@@ -228,7 +229,7 @@ def _refuse_language_model_keys(data: dict, model: str, source: str, where: str)
 
 
 def _resolve_weights(config: dict, run: dict, where: str) -> None:
-    """run["weights"]: what model.weights names and its identity (config.weights), set only
+    """run["weights"]: what model.weights names and its identity (checks.weight_files), set only
     when model.weights is (a run resolved without it is what it was before the key existed)."""
     model, train = run["model"], run["train"]
     if model["weights_sha256"] and (

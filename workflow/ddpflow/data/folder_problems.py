@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ddpflow.data.raw import DataError
-from ddpflow.text import counted
+from ddpflow.words import counted
 
 SHOWN = 20  # problems listed by name; the rest are counted
 # files a file manager leaves in folders: neither images nor a problem

@@ -20,7 +20,7 @@ import numpy as np
 from ddpflow.data.folder_problems import IGNORED_NAMES, FolderProblems, code_points, shown_name
 from ddpflow.data.image_size import SmallImages, fit_image, some_names
 from ddpflow.data.raw import DataError, RawSource
-from ddpflow.text import counted
+from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
 

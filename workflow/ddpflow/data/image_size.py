@@ -9,7 +9,7 @@ import logging
 import numpy as np
 
 from ddpflow.data.raw import DataError
-from ddpflow.text import counted
+from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
 SHOWN = 5  # file names listed in a message before "and N more"

@@ -37,7 +37,7 @@ from ddpflow.data.raw import DataError
 from ddpflow.data.staged import FORMAT_VERSION, MANIFEST, SPLITS, check_file
 from ddpflow.runtime import atomic_write_json, fsync_dir, replace_dir, sha256_file
 from ddpflow.task.lm import LanguageModel
-from ddpflow.text import counted
+from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from ddpflow.report.summary import (
 from ddpflow.report.tables import Link
 from ddpflow.runtime import atomic_write_bytes, sha256_file
 from ddpflow.task import record_task
-from ddpflow.text import counted
+from ddpflow.words import counted
 
 __all__ = ["build_report", "load_eval_metrics", "load_train_metrics"]
 

@@ -48,8 +48,8 @@ from ddpflow.paths import (
 )
 from ddpflow.report.sweep import slim
 from ddpflow.runtime import atomic_write_json
-from ddpflow.text import counted
 from ddpflow.tracking.track import read_failure as read_tracking_failure
+from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from matplotlib.ticker import FormatStrFormatter, FuncFormatter, MaxNLocator, Sc
 from ddpflow.report import metrics
 from ddpflow.task import record_task
 from ddpflow.task.views import PlotSpec
-from ddpflow.text import counted
+from ddpflow.words import counted
 
 __all__ = [
     "plot_confusion",

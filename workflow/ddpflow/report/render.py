@@ -28,7 +28,7 @@ from ddpflow.report.tables import (
     split_label,
 )
 from ddpflow.runtime import PHASES
-from ddpflow.text import counted
+from ddpflow.words import counted
 
 __all__ = ["PHASES", "document", "to_html", "to_markdown"]
 

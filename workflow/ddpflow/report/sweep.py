@@ -30,7 +30,7 @@ from pathlib import Path
 from ddpflow.paths import RUN_FILES
 from ddpflow.report import compare, metrics
 from ddpflow.task import selection_of
-from ddpflow.text import counted
+from ddpflow.words import counted
 
 __all__ = ["CSV_NAME", "TOP_IN_TABLE", "blocks", "collect", "csv_text", "slim"]
 

@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from ddpflow.report import metrics
 from ddpflow.report.plots import new_figure, png_bytes, safe_name, text_label
 from ddpflow.task import Selection, selection_of
-from ddpflow.text import counted
+from ddpflow.words import counted
 
 __all__ = ["key_figure", "parallel_figure", "plot_key", "plot_parallel", "render"]
 

@@ -15,7 +15,7 @@ import yaml
 
 from ddpflow.task import BUILT_IN_TASKS, DEFAULT_TASK, Task, record_task
 from ddpflow.task.builtin_views import class_tables
-from ddpflow.text import counted
+from ddpflow.words import counted
 
 __all__ = [
     "class_tables",

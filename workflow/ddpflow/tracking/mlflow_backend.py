@@ -21,7 +21,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from ddpflow.errors import UserError
-from ddpflow.text import counted
+from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
 

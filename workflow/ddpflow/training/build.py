@@ -17,12 +17,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import trains_sharded, uses_channels_last
 from ddpflow.config.typed import OptimizerSpec, RunSpec, TrainDdpSpec, TrainSpec
-from ddpflow.text import counted
 from ddpflow.training import sharding
 from ddpflow.training.batchnorm import only_batchnorm_buffers
 from ddpflow.training.models import build_model, place
 from ddpflow.training.schedule import effective_lr, lr_schedule
 from ddpflow.training.weights import apply_freeze, load_weights, param_groups
+from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
 

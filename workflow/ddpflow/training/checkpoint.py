@@ -34,7 +34,6 @@ from ddpflow.runtime import (
     atomic_write_json,
     safe_torch_load,
 )
-from ddpflow.text import counted
 from ddpflow.training import sharding
 from ddpflow.training.workspace import (
     NEWEST,
@@ -44,6 +43,7 @@ from ddpflow.training.workspace import (
     set_aside,
     sidecar,
 )
+from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
 FORMAT = 2  # 2: global position (epoch_step), step losses, segments; 1: per-rank position

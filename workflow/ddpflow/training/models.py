@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpflow.checks.weight_files import kind as weights_kind
 from ddpflow.config import BUILT_IN_MODELS
-from ddpflow.config.weights import kind as weights_kind
 from ddpflow.errors import UserError
 from ddpflow.plugins import call_plugin, is_plugin
 

@@ -38,11 +38,11 @@ from ddpflow.data.raw import DataError
 from ddpflow.paths import PREDICT_WORK
 from ddpflow.predict import REQUEST, input_count
 from ddpflow.task import run_task
-from ddpflow.text import counted
 from ddpflow.training import evaluate
 from ddpflow.training.entry import DistributedTask
 from ddpflow.training.models import from_checkpoint
 from ddpflow.training.rankdata import normalisation
+from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
 

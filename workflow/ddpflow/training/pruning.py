@@ -40,7 +40,7 @@ from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import training_fingerprint
 from ddpflow.config.typed import RunSpec, RunView
 from ddpflow.task import Selection, get_task, run_task
-from ddpflow.text import counted
+from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
 

@@ -10,16 +10,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ddpflow.checks.weight_files import input_normalisation
 from ddpflow.cluster import distenv
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config.typed import RunSpec
-from ddpflow.config.weights import input_normalisation
 from ddpflow.data import feed
 from ddpflow.data.staged import DataError, choose_in_memory, open_split, read_manifest
 from ddpflow.data.text import TokenBlocks, TokenFeed, open_tokens
 from ddpflow.task import DEFAULT_TASK, Task, get_task, run_task
-from ddpflow.text import counted
 from ddpflow.training.evaluate import Scoring
+from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def _split(images, labels, in_memory: bool, device) -> Split:
 def normalisation(manifest: dict, device, model: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-channel mean and std the model's inputs are normalised with, shaped
     [1, C, 1, 1] on device: the train split's, or torchvision weights' own
-    (config.weights.input_normalisation)."""
+    (checks.weight_files.input_normalisation)."""
     mean, std, _ = input_normalisation(model, manifest)
     shape = [1, len(mean), 1, 1]
     return (

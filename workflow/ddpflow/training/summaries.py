@@ -6,10 +6,10 @@ node's rules read these too."""
 from __future__ import annotations
 
 from ddpflow import runtime
+from ddpflow.checks.weight_files import input_normalisation
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import plugin_source, plugin_source_hash
 from ddpflow.config.typed import RunSpec, RunView
-from ddpflow.config.weights import input_normalisation
 from ddpflow.plugins import is_plugin
 from ddpflow.task import run_task
 
@@ -130,7 +130,7 @@ def train_summary(
         "lr": loop.lr,
         "global_batch": run.train.global_batch_size,
         "micro_batch": run.train.micro_batch_size,
-        # chosen by train.micro_batch_size auto for this world size (config.checks)
+        # chosen by train.micro_batch_size auto for this world size (checks.batch)
         "micro_batch_auto": run.micro_batch.get("auto", False),
         "accumulation_steps": loop.accum,
         # the world size and hosts of each stretch of the training, in order (one unless
