@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import math
 import re
 from importlib import resources
@@ -27,7 +28,17 @@ class ConfigError(UserError, ValueError):
 
 
 def load_schema() -> dict:
-    return yaml.safe_load(resources.files("ddpflow.config").joinpath(SCHEMA).read_text())
+    """The config schema (a copy: a caller may change it)."""
+    return copy.deepcopy(_parsed_schema())
+
+
+@functools.cache
+def _parsed_schema() -> dict:
+    """schema.yaml parsed once per process, by libyaml where PyYAML has it (the pure-Python
+    parser takes a third of a second for it: every rule's process parses it)."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    text = resources.files("ddpflow.config").joinpath(SCHEMA).read_text()
+    return yaml.load(text, Loader=loader)  # a safe loader (C or Python)
 
 
 def _defaulting_validator(schema: dict) -> jsonschema.protocols.Validator:
