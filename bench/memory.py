@@ -220,8 +220,7 @@ def run_worker(cfg: dict) -> int:
         row["peak_rss_above_base_bytes"] = row["peak_rss_bytes"] - base
         rows = [None] * world if rank == 0 else None
         dist.gather_object(row, rows, dst=0)
-        if rank == 0:
-            Path(cfg["result_file"]).write_text(json.dumps(rows))
+        workers.answer(cfg, rows)
         dist.barrier()  # every rank is done with the group
     except BaseException:
         dist.destroy_process_group()
