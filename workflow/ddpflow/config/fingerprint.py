@@ -50,7 +50,7 @@ def is_own_data(source: str) -> bool:
 
 # train keys added after runs were trained (fine-tuning): left out of the fingerprint at
 # their default, which is what every run trained before them did
-LATER_TRAIN_DEFAULTS = {"freeze": [], "unfreeze_at_epoch": None}
+LATER_TRAIN_DEFAULTS: dict[str, Any] = {"freeze": [], "unfreeze_at_epoch": None}
 
 
 # data keys that say how data is staged or read, not what it is: no staged byte and no
@@ -88,7 +88,8 @@ def _on_small_acts(data: dict) -> bool:
 def data_keys(data: dict) -> dict:
     """The data keys that define the staged data: those that apply to the source (the
     built-in sources ignore OWN_DATA_KEYS; on_small: see above), without DATA_RUNTIME_KEYS."""
-    skip = DATA_RUNTIME_KEYS if is_own_data(data["source"]) else DATA_RUNTIME_KEYS + OWN_DATA_KEYS
+    own = is_own_data(data["source"])
+    skip: tuple[str, ...] = DATA_RUNTIME_KEYS if own else DATA_RUNTIME_KEYS + OWN_DATA_KEYS
     if not _on_small_acts(data):
         skip += ("on_small",)
     skip += _at_later_default(data)
@@ -106,7 +107,8 @@ def stage_params(data: dict) -> dict:
     DATA_RUNTIME_KEYS and on_small where it does not act, so that editing those restages
     nothing. (The keys a built-in source ignores stay, as they always were: removing them
     would change every staged dataset's params, and restage it, once.)"""
-    skip = DATA_RUNTIME_KEYS if _on_small_acts(data) else DATA_RUNTIME_KEYS + ("on_small",)
+    acts = _on_small_acts(data)
+    skip: tuple[str, ...] = DATA_RUNTIME_KEYS if acts else DATA_RUNTIME_KEYS + ("on_small",)
     skip += _at_later_default(data)
     # in the schema's order, not the config file's: Snakemake compares a dict param by its
     # text, so moving a key in config.yaml would otherwise restage (and retrain) the data
@@ -193,7 +195,9 @@ def training_fingerprint(run: dict) -> dict[str, Any]:
     is the evaluate rule's (training's validation metrics are exact counts, except the float
     validation loss, whose last bits may depend on eval.batch_size)."""
     gpu = bool(run["machine"]["gpus_per_node"])
-    ignored = VOLATILE_TRAIN_KEYS if gpu else VOLATILE_TRAIN_KEYS + GPU_ONLY_TRAIN_KEYS
+    ignored: tuple[str, ...] = (
+        VOLATILE_TRAIN_KEYS if gpu else VOLATILE_TRAIN_KEYS + GPU_ONLY_TRAIN_KEYS
+    )
     if not gpu and run["train"]["precision"] == "bf16":  # bf16 autocast on CPU ranks too
         ignored = tuple(key for key in ignored if key != "precision")
     train = {k: v for k, v in run["train"].items() if k not in ignored}

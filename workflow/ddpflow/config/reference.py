@@ -32,7 +32,7 @@ REGENERATE = "make docs-reference (python -m ddpflow.config.reference > docs/ref
 # (the column then says "retrain with model.name: mlp"). Own data names files that do not
 # exist, so that rendering reads no file (a listing of "missing" is compared with itself).
 NOWHERE = "/nonexistent/ddpflow-reference"
-CONTEXTS = {
+CONTEXTS: dict[str, dict] = {
     "": {},
     "GPUs": {"machine": {"gpus_per_node": 1}},
     "model.name: mlp": {"model": {"name": "mlp"}},
@@ -159,7 +159,7 @@ def _effect(path: tuple, node: dict, runs: dict[str, dict]) -> str:
         edits = [_edited(run, path, v) for v in _alternatives(node, value)]
         levels[name] = max((_level(before, _outcome(e)) for e in edits), default=0)
     text = LEVELS[levels[""]]
-    more = {}
+    more: dict[int, list[str]] = {}
     for name, level in levels.items():
         if level > levels[""]:
             more.setdefault(level, []).append(name)

@@ -257,7 +257,7 @@ def _resolve_weights(config: dict, run: dict, where: str) -> None:
 
 def _dotted(run: dict, key: str):
     """The run's value of a dotted key (every swept key, also one this point left at its base)."""
-    node = run
+    node: object = run
     for part in key.split("."):
         node = node.get(part) if isinstance(node, dict) else None
     return node

@@ -572,7 +572,7 @@ class RunSpec(_Readable):
 
     @classmethod
     def from_run(cls, run: Mapping[str, Any]) -> RunSpec:
-        sections = {
+        sections: dict[str, type[_Section]] = {
             "data": DataSpec,
             "model": ModelSpec,
             "train": TrainSpec,

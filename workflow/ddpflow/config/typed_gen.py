@@ -143,7 +143,7 @@ class RunSpec(_Readable):
 
     @classmethod
     def from_run(cls, run: Mapping[str, Any]) -> RunSpec:
-        sections = {
+        sections: dict[str, type[_Section]] = {
             "data": DataSpec, "model": ModelSpec, "train": TrainSpec, "eval": EvalSpec,
             "machine": MachineSpec,
         }
