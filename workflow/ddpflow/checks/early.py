@@ -36,6 +36,7 @@ import sys
 from functools import cache
 from importlib.metadata import version as package_version
 from pathlib import Path
+from typing import Any
 
 from ddpflow.checks import memory
 from ddpflow.checks.batch import check_batch_fits
@@ -63,6 +64,8 @@ BUILT_IN_SHAPES = {
     "cifar10": ([3, 32, 32], 10),
     "cifar100": ([3, 32, 32], 100),
 }
+# what input_of tells of a run: (input shape, model outputs, data bytes a rank holds, rows)
+RunInput = tuple[list[int], int, int, int | None]
 
 
 def check_before_jobs(
@@ -75,7 +78,8 @@ def check_before_jobs(
     """Refuse, naming every problem of every run at once, what the train rule would; return
     the memory estimate's line of each run it could estimate (those near the limit also go
     to `warn`)."""
-    problems, models, manifests, inputs = [], {}, {}, {}
+    problems, manifests, inputs = [], {}, {}
+    models: dict[str, tuple[dict, list[str]]] = {}
     for run in runs:
         dataset = run["dataset_id"]  # a sweep's runs share a few datasets: each read once
         if dataset not in manifests:
@@ -105,7 +109,7 @@ def check_before_jobs(
 
 def memory_verdicts(
     runs: list[dict],
-    inputs: dict[str, tuple[list[int], int, int] | None],
+    inputs: dict[str, RunInput | None],
     cache_dir: str | Path,
     gpu_types: dict | None = None,  # {run: its Slurm partition, memory_knobs.Partition}
     models: dict | None = None,
@@ -143,13 +147,15 @@ def _measure_variants(run: dict, inputs, cache_dir: str | Path) -> dict[str, dic
 
     keys, requests = {}, {}
     for knob, variant in variant_runs(run).items():
-        keys[knob] = key = _footprint_key(_footprint_request(variant, inputs))
-        requests[key] = _footprint_request(variant, inputs)
+        request = _footprint_request(variant, inputs)
+        assert request is not None, "a refused run's input is known"
+        keys[knob] = key = _footprint_key(request)
+        requests[key] = request
     _, measured = _measure({}, requests, Path(cache_dir) / CACHE)
     return {knob: measured[key] for knob, key in keys.items() if key in measured}
 
 
-def input_of(run: dict, manifest: dict | None) -> tuple[list[int], int, int, int | None] | None:
+def input_of(run: dict, manifest: dict | None) -> RunInput | None:
     """(input shape, model outputs, bytes of data the rank holds, the most rows the training
     job scores in one split) of run: from the staged manifest, or from the config before
     staging where it decides them (data: 0, rows: None then); None where only staging tells
@@ -257,7 +263,9 @@ def _weights_ready(run: dict) -> bool:
     """The run's weights file is there and sound (else the train rule's input names what is
     wrong, when a training is planned: `snakemake fetch_weights` is not held up by it)."""
     weights = run.get("weights")
-    return bool(weights) and Path(weights["path"]).is_file() and refusal(run) is None
+    if not weights:
+        return False
+    return Path(weights["path"]).is_file() and refusal(run) is None
 
 
 def _key(check: dict) -> str:
@@ -355,7 +363,7 @@ def _run_checks(request: Path) -> dict:
     asked = json.loads(request.read_text())
     runtime = footprint.process_memory()  # before anything is measured
     models = _check_each(asked["models"])
-    measured = {}
+    measured: dict[str, dict[str, Any]] = {}
     for key, want in asked["footprints"].items():
         try:
             keys = ("shape", "outputs", "micro_batch", "precision", "device_type")
@@ -372,7 +380,7 @@ def _check_each(checks: dict) -> dict[str, str | None]:
     from ddpflow.training.models import check_model
     from ddpflow.training.weights import check_fine_tuning
 
-    errors = {}
+    errors: dict[str, str | None] = {}
     for key, check in checks.items():
         try:
             shape, classes = check["shape"], check["num_classes"]

@@ -218,8 +218,7 @@ def capacity(
         if launcher == "local" and local_gpu_bytes:
             return local_gpu_bytes, f"this machine's GPU, {gb(local_gpu_bytes)} GB"
         known = {GPU_MEMORY_GB.get(t.lower()) for t in gres_types}
-        if len(gres_types) and None not in known and len(known) == 1:
-            size = known.pop()
+        if len(gres_types) and len(known) == 1 and (size := known.pop()) is not None:
             types = "/".join(sorted(set(gres_types)))
             return size * GIB, f"the partition's GPU type {types}, {size} GB"
         return None, "the GPU's memory is unknown (set machine.gpu_mem_gb)"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ddpflow.config.machine import ranks_per_node, splitting_micro_batch
 
@@ -35,12 +35,25 @@ class Partition:
     gpu_types: tuple[str, ...] = ()
 
 
+class Estimated(Protocol):
+    """What the knobs read of a rank's estimate (memory.Estimate, which imports this module)."""
+
+    @property
+    def data(self) -> int: ...
+    @property
+    def runtime(self) -> int: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def total(self) -> int: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Context:
     """A refused run, its estimate and what the knobs are weighed with."""
 
     run: dict
-    est: object  # memory.Estimate
+    est: Estimated  # memory.Estimate
     room: int
     figures: dict
     variants: dict  # {knob: figures measured with it}
@@ -93,7 +106,7 @@ def _together(ctx: Context) -> str | None:
     """Smaller micro- and evaluation batches alone, and with each of the model's own
     measured knobs: for each, the largest batches that fit, as one combination (the same
     science first; a model knob can leave far larger batches)."""
-    bases = [([], ctx.run, ctx.figures)] + [
+    bases: list[tuple[list[str], dict, dict]] = [([], ctx.run, ctx.figures)] + [
         ([knob], run, ctx.variants[knob])
         for knob, run in variant_runs(ctx.run).items()
         if ctx.variants.get(knob) and "error" not in ctx.variants[knob]
@@ -183,7 +196,8 @@ def _eval_batch_knob(ctx: Context) -> list[str]:
 
 
 def _strategy_knobs(ctx: Context) -> list[str]:
-    run, out = ctx.run, []
+    run = ctx.run
+    out: list[str] = []
     if run["world_size"] == 1:
         return out
     for strategy in ("zero", "fsdp"):

@@ -103,7 +103,7 @@ def check_stage_job(run: dict, cluster: Cluster) -> None:
         limit_s = parse_slurm_time(partition.max_time)
     except ValueError:
         return
-    if not _within_max_time(limit_s, stage["time_min"]):
+    if limit_s is not None and not _within_max_time(limit_s, stage["time_min"]):
         raise ConfigError(
             f"{where}: machine.stage.time_min is {stage['time_min']} but partition "
             f"{partition.name!r} allows at most {limit_s // 60} min; set "
@@ -251,7 +251,7 @@ def check_time(where: str, time_min: int, partition: Partition, cluster: Cluster
             partition.max_time,
         )
         return
-    if _within_max_time(limit_s, time_min):
+    if limit_s is None or _within_max_time(limit_s, time_min):
         return
     longer = [p.name for p in cluster.partitions.values() if _allows(p, time_min)]
     other = f", or use a partition that allows it: {', '.join(longer)}" if longer else ""
