@@ -207,8 +207,8 @@ def _make_store(env: DistEnv, timeout: datetime.timedelta, rendezvous_dir, inter
         store = rendezvous.master_store(address, 0, env.world_size, timeout, wait_for_workers=False)
         rendezvous.publish(port_file, address, store.port)
         return store
-    port, address = rendezvous.read_published(port_file, timeout.total_seconds())
-    host = address or env.master_addr
+    port, published = rendezvous.read_published(port_file, timeout.total_seconds())
+    host = published or env.master_addr
     return dist.TCPStore(host, port, env.world_size, False, timeout=timeout)
 
 

@@ -190,11 +190,12 @@ def classify(files: RankFiles, srun: list[SrunReport], cancelled: bool) -> Verdi
     """One rank's verdict from its result pickle, its log, srun's report and whether the
     launcher cancelled the job."""
     verdict = Verdict(files.rank, host_of(files, srun), "ok", log=files.log, tail=_tail(files))
-    outcome = files.result[0] if files.result else None
+    result = files.result
+    outcome = result[0] if result else None
     if outcome == "success":
         return verdict
-    if outcome == "error":
-        verdict.cause = final_exception(str(files.result[1])) or "raised (see its log)"
+    if result and outcome == "error":
+        verdict.cause = final_exception(str(result[1])) or "raised (see its log)"
     else:  # no (readable) result: the log's traceback, if the rank got to print one
         verdict.cause = final_exception(files.stderr) or ""
     if verdict.cause:
@@ -282,7 +283,7 @@ def explain(job_name, job_id, folder, ranks: list[RankFiles], cancelled: bool = 
 
 def _task_ids(spec: str) -> list[int]:
     """'2-3' -> [2, 3]; '0,2-3' -> [0, 2, 3]: srun's task list."""
-    ids = []
+    ids: list[int] = []
     for part in spec.split(","):
         low, _, high = part.partition("-")
         ids += range(int(low), int(high or low) + 1)

@@ -85,14 +85,14 @@ def make_executor(
     exclude=(),
 ):
     if launcher == "local":
-        executor = submitit.LocalExecutor(folder=str(folder))
-        executor.update_parameters(
+        local = submitit.LocalExecutor(folder=str(folder))
+        local.update_parameters(
             nodes=1,
             tasks_per_node=ranks_per_node(machine),
             gpus_per_node=machine["gpus_per_node"],
             timeout_min=machine["time_min"],
         )
-        return executor
+        return local
     # max_num_timeout: requeues after hitting the time limit (preemptions are not counted)
     executor = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=max_requeues)
     executor.update_parameters(**slurm_parameters(machine, job_name, exclude, folder))
@@ -266,7 +266,7 @@ def cancel_outdated(record, fingerprint: str, num_tasks: int | None = None) -> N
         "submitting a new one",
         previous["job_id"],
     )
-    folder = previous.get("folder")
+    folder = previous["folder"]  # every record names its job's folder (submit)
     cancel_and_wait(submitit.SlurmJob(folder=folder, job_id=previous["job_id"]))
 
 
@@ -280,7 +280,9 @@ def reattach(record, launcher: str, folder, fingerprint: str, num_tasks: int):
         # the config was edited while the job ran on (cancel_on_interrupt: false)
         cancel_outdated(record, fingerprint, num_tasks)
         return None
-    job = submitit.SlurmJob(folder=folder, job_id=previous["job_id"], tasks=range(num_tasks))
+    job: submitit.SlurmJob[Any] = submitit.SlurmJob(
+        folder=folder, job_id=previous["job_id"], tasks=range(num_tasks)
+    )
     finished = all(job.task(i).paths.result_pickle.exists() for i in range(num_tasks))
     if not (finished or slurm_job_alive(previous["job_id"])):
         return None

@@ -66,7 +66,7 @@ def resolve(host: str) -> str:
             f"({err.strerror}); set machine.network_interface to the interface the nodes share"
         ) from err
     infos.sort(key=lambda info: info[0] != socket.AF_INET)
-    return infos[0][4][0]
+    return str(infos[0][4][0])  # the host of an IPv4/IPv6 sockaddr (typeshed: str | int)
 
 
 def use_interface(name: str | None) -> None:
