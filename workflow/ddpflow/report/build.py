@@ -26,7 +26,9 @@ import json
 import logging
 import os
 import traceback
+from collections.abc import Sequence
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
 from ddpflow.paths import EXPORT_FILES, REPORT_FILES, RUN_FILES
@@ -165,13 +167,13 @@ def _focus(rows: list[dict], selections: dict) -> list[str] | None:
     for group in by_group.values():
         chosen = selections[group[0]["run"]]
         final = f"final_{chosen.metric}"
-        ranked = sorted(group, key=lambda r, c=chosen, f=final: _focus_key(c, r, f))
+        ranked = sorted(group, key=partial(_focus_key, chosen, final))
         place.update({row["run"]: number for number, row in enumerate(ranked)})
     ranked = sorted(rows, key=lambda r: (place[r["run"]], not r["best"], r["run"]))
     return [row["run"] for row in ranked[:FOCUS_RUNS]]
 
 
-def _focus_key(chosen, row: dict, final: str) -> tuple:
+def _focus_key(chosen, final: str, row: dict) -> tuple:
     return (metrics.score(chosen, row[final]), not row["best"], row["run"])
 
 
@@ -214,9 +216,9 @@ def _render_alone(run: dict, item: tuple) -> None:
 def build_report(
     runs: list[dict],
     out_dir,
-    unfinished: list[dict] = (),
-    bad_nodes: list[dict] = (),
-    tracking_failures: list[dict] = (),
+    unfinished: Sequence[dict] = (),
+    bad_nodes: Sequence[dict] = (),
+    tracking_failures: Sequence[dict] = (),
 ) -> dict[str, Path]:
     """Write report.md/.html, summary.json/.csv and plots/*.png for runs into out_dir.
 

@@ -124,10 +124,11 @@ def _names(group: Group) -> str:
 
 
 def _selected(group: Group) -> str:
-    chosen = group.identity.selection
+    chosen, best = group.identity.selection, group.best
+    assert best is not None, "headline names the groups that selected a run"
     return (
         f"selected on {chosen.label}{metrics.direction(chosen)} among "
-        f"{_names(group)}: {group.best['run']}"
+        f"{_names(group)}: {best['run']}"
     )
 
 

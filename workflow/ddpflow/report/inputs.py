@@ -74,7 +74,7 @@ def _train_spec(evaluation: dict | None) -> dict:
     """The keys of an epoch record of the run's task: its own val_* keys in place of
     classification's val_accuracy (ddpflow.task: Task.epoch_fields)."""
     own = record_task(evaluation or {}).epoch_fields()
-    spec = {}
+    spec: dict = {}
     for key, kind in _TRAIN_SPEC.items():
         spec.update(own if key == "val_accuracy" else {key: kind})
     return spec

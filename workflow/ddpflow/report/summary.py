@@ -76,7 +76,8 @@ def _science(config: dict, task: Task | None = None) -> str:
     train = config.get("train")
     if isinstance(train, dict):
         train = {k: v for k, v in train.items() if k not in VOLATILE_TRAIN_KEYS}
-    machine = config.get("machine") if isinstance(config.get("machine"), dict) else {}
+    section = config.get("machine")
+    machine = section if isinstance(section, dict) else {}
     science = {
         "data": config.get("data"),
         "model": config.get("model"),
@@ -146,7 +147,7 @@ def _task_summary(loaded, rows: list[dict]) -> dict:
     F1 and counts, each regression run's per-target errors)."""
     if all("task" not in row for row in rows):
         return {}
-    out = {"best_by_task": {}, "selected_by": {}}
+    out: dict[str, dict] = {"best_by_task": {}, "selected_by": {}}
     for row in rows:
         if row["best"]:
             out["best_by_task"].setdefault(row["task"], row["run"])
