@@ -280,9 +280,7 @@ def reattach(record, launcher: str, folder, fingerprint: str, num_tasks: int):
         # the config was edited while the job ran on (cancel_on_interrupt: false)
         cancel_outdated(record, fingerprint, num_tasks)
         return None
-    job: submitit.SlurmJob[Any] = submitit.SlurmJob(
-        folder=folder, job_id=previous["job_id"], tasks=range(num_tasks)
-    )
+    job: submitit.SlurmJob[Any] = submitit.SlurmJob(folder, previous["job_id"], range(num_tasks))
     finished = all(job.task(i).paths.result_pickle.exists() for i in range(num_tasks))
     if not (finished or slurm_job_alive(previous["job_id"])):
         return None
