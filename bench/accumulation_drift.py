@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import tempfile
 import time
@@ -40,13 +39,11 @@ from loops import ddpflow_epoch, ddpflow_run, process_group, rank_device
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__, "accumulation_drift.json", worker=True)
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--global-batch", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--out", type=Path, default=harness.OUT / "accumulation_drift.json")
-    p.add_argument("--worker", type=json.loads, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 

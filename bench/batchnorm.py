@@ -21,11 +21,9 @@ batchnorm.STEPS_PER_GATHER steps share one).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import harness
 import workers
@@ -47,15 +45,13 @@ CPU_RANK = {"threads": 1, "device": "cpu", "precision": "fp32"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__, "batchnorm.json", worker=True)
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     p.add_argument("--global-batch", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--repeats", type=int, default=None, help="timed epochs per loop (8; 3)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", type=Path, default=harness.OUT / "batchnorm.json")
-    p.add_argument("--worker", type=json.loads, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.repeats is None:
         args.repeats = 3 if args.quick else 8

@@ -20,13 +20,11 @@ the benchmark behaves the same whether run as a script or called via ``main()``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import harness
 import torch
@@ -66,7 +64,7 @@ def message_sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__, "collectives.json", worker=True)
     p.add_argument("--min-bytes", type=parse_bytes, default=parse_bytes("1KB"))
     p.add_argument(
         "--max-bytes",
@@ -80,8 +78,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out/collectives.json")
-    p.add_argument("--worker", type=json.loads, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 

@@ -79,7 +79,7 @@ WORKER_TIMEOUT_S = 1800
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__, "data.json", worker=True)
     p.add_argument(
         "--images", type=int, default=None, help="images in the folder (20000; --quick 2000)"
     )
@@ -101,8 +101,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the rank")
     p.add_argument("--quick", action="store_true", help="2,000 images, smaller memory case")
     p.add_argument("--tmp", type=Path, default=None, help="where the image folders go")
-    p.add_argument("--out", type=Path, default=harness.OUT / "data.json")
-    p.add_argument("--worker", type=json.loads, default=None, help=argparse.SUPPRESS)
     p.add_argument("--stage-worker", type=json.loads, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.images is None:

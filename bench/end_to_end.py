@@ -44,13 +44,12 @@ TIMEOUT_S = 1800
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__, "peers.json")
     p.add_argument("--config", type=Path, default=REPO / "config" / "config.yaml")
     p.add_argument("--epochs", type=int, default=None, help="override train.epochs (smoke)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each")
     p.add_argument("--only", nargs="+", choices=PEERS, default=list(PEERS))
     p.add_argument("--cores", type=int, default=2, help="snakemake --cores")
-    p.add_argument("--out", type=Path, default=harness.OUT / "peers.json")
     return p.parse_args(argv)
 
 

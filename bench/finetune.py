@@ -62,7 +62,7 @@ CPU = torch.device("cpu")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__, "finetune.json")
     p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
     p.add_argument("--batch", type=int, default=32, help="micro-batch = global batch (1 rank)")
     p.add_argument(
@@ -72,7 +72,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed epochs per mode")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--quick", action="store_true", help="the CNN only, 3 repeats")
-    p.add_argument("--out", type=Path, default=harness.OUT / "finetune.json")
     args = p.parse_args(argv)
     if args.quick:
         args.cases, args.repeats = ["cnn"], min(args.repeats, 3)

@@ -14,6 +14,7 @@ alike. Torch is imported only to list the GPUs, and not at all with machine(devi
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -27,6 +28,18 @@ from pathlib import Path
 from ddpflow import runtime
 
 OUT = Path(__file__).resolve().parent / "out"  # bench/run's default; results/ holds copies
+
+
+def parser(doc: str, out: str | None, *, worker: bool = False) -> argparse.ArgumentParser:
+    """The benchmark's options: its docstring's first paragraph as the description, --out
+    (default bench/out/`out`; none when `out` is None) and, for a benchmark with ranks, the
+    hidden --worker option its rank processes get (workers.launch)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    default = OUT / out if out else None
+    p.add_argument("--out", type=Path, default=default, help=f"the JSON (default {default})")
+    if worker:
+        p.add_argument("--worker", type=json.loads, default=None, help=argparse.SUPPRESS)
+    return p
 
 
 def now() -> str:

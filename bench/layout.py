@@ -20,7 +20,6 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import harness
 import torch
@@ -44,12 +43,11 @@ NUM_CLASSES, BATCH = 10, 32
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__, "layout.json")
     p.add_argument("--cases", nargs="+", default=None, help="model:CxHxW ...")
     p.add_argument("--steps", type=int, default=4, help="timed steps per repeat")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="small cases, 2 steps, 2 repeats")
-    p.add_argument("--out", type=Path, default=harness.OUT / "layout.json")
     args = p.parse_args(argv)
     if args.quick:
         args.cases, args.steps, args.repeats = args.cases or QUICK_CASES, 2, 2

@@ -37,7 +37,6 @@ FLOP/s / `--peak-tflops` (a CPU has no datasheet peak: without it only GFLOP/s i
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -67,7 +66,7 @@ CORPUS_PACKAGE = "email"  # the stdlib package whose .py sources are the text
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__, "lm.json", worker=True)
     p.add_argument("--world-sizes", type=int, nargs="+", default=None, help="CPU 1 2, GPU 1")
     p.add_argument("--precisions", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
     p.add_argument("--batch", type=int, default=16, help="blocks per rank and step")
@@ -85,8 +84,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     fused = "the nanoGPT loop with fused AdamW on CPU too (isolates the loop from the kernel)"
     p.add_argument("--peer-fused-adamw", action="store_true", help=fused)
     p.add_argument("--quick", action="store_true", help="a tiny GPT, 2 steps, 1 repeat")
-    p.add_argument("--out", type=Path, default=harness.OUT / "lm.json")
-    p.add_argument("--worker", type=json.loads, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.embd, args.block, args.batch = 2, 64, 32, 4

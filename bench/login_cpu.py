@@ -21,7 +21,6 @@ status checks) and measures:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -135,13 +134,12 @@ def run_workflow(workdir: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__, None)
     parser.add_argument("--images", type=int, default=20000)
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--partition", default="debug")
     parser.add_argument("--account", default="ddpflow")
     parser.add_argument("--tmp", default="/tmp/ddpflow-bench-login")
-    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     workdir = Path(args.tmp)
     shutil.rmtree(workdir, ignore_errors=True)

@@ -72,7 +72,7 @@ MB = 1e6
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__, "memory.json", worker=True)
     p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     p.add_argument("--optimizers", nargs="+", choices=sorted(OPTIMIZERS), default=list(OPTIMIZERS))
     p.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
@@ -85,8 +85,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--throughput-world", type=int, default=2)
     p.add_argument("--throughput-batch", type=int, default=32)
     p.add_argument("--throughput-steps", type=int, default=8)
-    p.add_argument("--out", type=Path, default=harness.OUT / "memory.json")
-    p.add_argument("--worker", type=json.loads, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.models, args.world_sizes = ["resnet50"], [1, 2]

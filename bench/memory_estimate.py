@@ -83,7 +83,7 @@ IMPORT_PROBES = ("rank", "rank_optimizer", "rank_optimizer_torchvision", "estima
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__, "memory_estimate.json")
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     p.add_argument("--train-size", type=int, default=256, help="synthetic train_size")
@@ -103,7 +103,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="machine.gpus_per_node (GPU ranks; measured: gpu_peak_alloc_mib, no probes)",
     )
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out/memory_estimate.json")
     p.add_argument("--probe", type=json.loads, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:

@@ -47,7 +47,7 @@ MEASURES = ("test_accuracy", "test_loss", "train_seconds", "wall_seconds")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__, "micro_batch.json")
     p.add_argument("--config", type=Path, default=REPO / "config" / "config.yaml")
     p.add_argument("--micro-batches", type=int, nargs="+", default=[32, 16, 8])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="train.seed values")
@@ -62,7 +62,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=None, help="override train.epochs (smoke)")
     p.add_argument("--cores", type=int, default=2, help="snakemake --cores")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out/micro_batch.json")
     return p.parse_args(argv)
 
 

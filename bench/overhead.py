@@ -43,11 +43,10 @@ INSIDE = re.compile(r"(?:ranks done|staged .*) in ([\d.]+)s")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__, "overhead.json")
     p.add_argument("--config", type=Path, default=REPO / "config" / "config.yaml")
     p.add_argument("--cores", type=int, default=2)
     p.add_argument("--keep", action="store_true", help="keep the work directory")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out/overhead.json")
     return p.parse_args(argv)
 
 

@@ -31,13 +31,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import harness
 import torch
@@ -63,7 +61,7 @@ DEFAULTS = {
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__, "scaling.json", worker=True)
     p.add_argument("--case", choices=sorted(CASES), default="cnn", help="throughput.py's case")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--global-batch", type=int, default=64, help="samples per optimizer step")
@@ -78,8 +76,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed-calls", type=int, default=1000, help="seedings per timed batch")
     p.add_argument("--seed-repeats", type=int, default=None, help="(11; --quick 3)")
     p.add_argument("--quick", action="store_true", help="smaller and fewer: bench/run --quick")
-    p.add_argument("--out", type=Path, default=harness.OUT / "scaling.json")
-    p.add_argument("--worker", type=json.loads, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for key, (quick, full) in DEFAULTS.items():
         if getattr(args, key) is None:

@@ -19,7 +19,6 @@ for the bench (restored after) so that 20 one-CPU jobs run at once on 2 nodes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -164,7 +163,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__, None)
     parser.add_argument("--code", action="append", default=[], help="LABEL=PATH (repeatable)")
     parser.add_argument("--runs", type=int, nargs="+", default=[1, 20])
     parser.add_argument("--window", type=float, default=120.0)
@@ -173,7 +172,6 @@ def main() -> None:
     parser.add_argument("--account", default="ddpflow")
     parser.add_argument("--tmp", default="/tmp/ddpflow-bench-polling")
     parser.add_argument("--start-timeout", type=float, default=400.0)
-    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     codes = [c.split("=", 1) for c in args.code] or [["new", str(REPO)]]
     started = harness.now()

@@ -37,9 +37,9 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+import harness
+
 DEFAULT_SIZES = [64, 128, 256, 512, 1024]
 QUICK_RES_OPTIONS = "timeout:1 attempts:1"
 
@@ -133,13 +133,12 @@ def measure(args) -> dict:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__, "store_scale.json")
     parser.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES)
     parser.add_argument("--timeout", type=float, default=120.0, help="per size, seconds")
     parser.add_argument("--stall-s", type=float, default=0.5, help="a join this long stalled")
     second = "a second pass with this RES_OPTIONS ('' for none)"
     parser.add_argument("--res-options", default=QUICK_RES_OPTIONS, help=second)
-    parser.add_argument("--out", default=str(HERE / "out" / "store_scale.json"))
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -149,9 +148,6 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(one_size(args.child, args.timeout, args.stall_s)))
         return 0
-    sys.path.insert(0, str(HERE))
-    import harness
-
     started = time.perf_counter()
     doc = {
         **harness.head("store_scale"),

@@ -24,7 +24,6 @@ linear growth, N_max/N_min is quadratic).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -44,10 +43,9 @@ KEYS = ["train.optimizer.lr", "train.optimizer.weight_decay", "model.name"]
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__, "sweep_scale.json")
     parser.add_argument("--sizes", type=int, nargs="+", default=[10, 100, 500])
     parser.add_argument("--skip-dag", action="store_true", help="report only")
-    parser.add_argument("--out", type=Path, default=harness.OUT / "sweep_scale.json")
     return parser.parse_args(argv)
 
 

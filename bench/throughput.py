@@ -37,12 +37,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import harness
 import torch
@@ -80,7 +78,7 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 31
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__, None, worker=True)  # --out: throughput[_lightning].json
     p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
     p.add_argument("--world-sizes", type=int, nargs="+", default=None, help="CPU: 1 2; GPU: 1")
     p.add_argument("--batch", type=int, default=None, help="per rank (CPU 32, GPU 512)")
@@ -100,10 +98,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     layout += "(isolates the loops from the layout)"
     p.add_argument("--peer-channels-last", action="store_true", help=layout)
     p.add_argument("--peak-tflops", type=float, default=None, help="GPU peak for MFU")
-    p.add_argument(
-        "--out", type=Path, default=None, help="default bench/out/throughput[_lightning].json"
-    )
-    p.add_argument("--worker", type=json.loads, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
