@@ -60,20 +60,9 @@ def measure_dag(n: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         configfile = Path(tmp) / "runs.yaml"
         configfile.write_text(yaml.safe_dump(overrides))
-        cmd = [
-            str(Path(sys.executable).parent / "snakemake"),
-            "--snakefile",
-            str(REPO / "Snakefile"),
-            "--directory",
-            tmp,
-            "--cores",
-            "2",
-            "--configfile",
-            str(configfile),
-            "-n",
-            "--quiet",
-            "rules",
-        ]
+        snakemake = str(Path(sys.executable).parent / "snakemake")
+        cmd = [snakemake, "--snakefile", str(REPO / "Snakefile"), "--directory", tmp]
+        cmd += ["--cores", "2", "--configfile", str(configfile), "-n", "--quiet", "rules"]
         env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
         start, cpu = time.perf_counter(), _children_cpu()
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
@@ -115,13 +104,7 @@ def _epoch(name: str, epoch: int, val: float) -> dict:
         "val_loss": 1.5 / (epoch + 1),
         "lr": 0.01,
         "samples_per_s": 2000.0,
-        "seconds": {
-            "data": 0.1,
-            "forward": 0.4,
-            "backward_sync": 0.8,
-            "optimizer": 0.1,
-            "epoch": 1.5,
-        },
+        "seconds": dict(data=0.1, forward=0.4, backward_sync=0.8, optimizer=0.1, epoch=1.5),
     }
 
 
