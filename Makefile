@@ -45,7 +45,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/snakefmt --check Snakefile workflow/rules
 	$(BIN)/snakemake --lint
-	$(BIN)/mypy -p ddpflow.training -p ddpflow.data -p ddpflow.task
+	$(BIN)/mypy -p ddpflow
 
 bench: $(STAMP)
 	bench/run
