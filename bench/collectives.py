@@ -30,7 +30,7 @@ import harness
 import torch
 import torch.distributed as dist
 import workers
-from ddpflow.cluster.preflight import bus_bandwidth
+from ddpflow.checks.links import bus_bandwidth
 from ddpflow.tutorial.collectives import naive_all_reduce, ring_all_reduce
 
 IMPLS = ("torch", "ring", "naive")

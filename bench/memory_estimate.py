@@ -1,5 +1,5 @@
 """The memory estimate against the ranks' peaks: what ddpflow says a rank will hold before a
-run is queued (ddpflow.config.fits, from ddpflow.training.footprint's fake-tensor
+run is queued (ddpflow.checks.memory, from ddpflow.training.footprint's fake-tensor
 measurement) against the peak resident memory the ranks then record.
 
 One run of the real workflow in a fresh directory (`snakemake --cores 2 --snakefile
@@ -18,10 +18,10 @@ Per run, afterwards:
   ranks and epochs of results/runs/<run>/train_metrics.jsonl; beside it the largest RSS the
   monitor sampled (results/runs/<run>/system/rank-<r>.jsonl, every 2 s), which also sees
   what comes after the last epoch's record (rank 0's checkpoint write);
-* estimate: ddpflow.config.fits.estimate(run, figures, process, data bytes) as
-  ddpflow.early judges the run, with the shape, outputs and data bytes from
-  ddpflow.early.input_of(run, the staged manifest) and the figures and process memory from
-  ddpflow.early._measure (the workflow's own measurements, read back from its cache: the
+* estimate: ddpflow.checks.memory.estimate(run, figures, process, data bytes) as
+  ddpflow.checks.early judges the run, with the shape, outputs and data bytes from
+  ddpflow.checks.early.input_of(run, the staged manifest) and the figures and process memory from
+  ddpflow.checks.early._measure (the workflow's own measurements, read back from its cache: the
   same subprocess and key the parse and the train rule use): its parts, its total (what the
   run is judged by) and the total + the library pages (the process's file-backed RSS: the
   total leaves them out, the node's ranks share them and every rank's RSS counts them in
@@ -56,8 +56,9 @@ import harness
 import overhead
 import yaml
 from ddpflow import config as ddpconfig
-from ddpflow import early, runtime
-from ddpflow.config import fits
+from ddpflow import runtime
+from ddpflow.checks import early
+from ddpflow.checks import memory as fits
 from ddpflow.paths import RUN_FILES, run_dir, staged_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,10 +71,10 @@ PARTS = ("parameters", "gradients", "optimizer", "activations", "evaluation", "d
 PROBE_TIMEOUT_S = 600
 
 # the imports whose resident memory each side counts: the estimate's runtime is measured in
-# the subprocess ddpflow.early starts, after `from ddpflow.training import footprint`; a rank
-# unpickles a submitit job holding a ddpflow.training.tasks callable
+# the subprocess ddpflow.checks.early starts, after `from ddpflow.training import footprint`; a rank
+# unpickles a submitit job holding a ddpflow.training.entry callable
 RANK_IMPORTS = (
-    "import ddpflow.cluster.jobs, ddpflow.training.tasks, submitit, torch.distributed; "
+    "import ddpflow.cluster.jobs, ddpflow.training.entry, submitit, torch.distributed; "
     "from torch.utils.tensorboard import SummaryWriter"
 )
 # the import probes: what a rank imports; + the first torch.optim optimizer it builds (which
@@ -400,7 +401,7 @@ def format_table(report: dict) -> str:
         "+shared",
     )
     lines = [
-        "# per rank, GB (2^30 bytes): the estimate's parts and total (ddpflow.config.fits, as "
+        "# per rank, GB (2^30 bytes): the estimate's parts and total (ddpflow.checks.memory, as "
         "the run is judged), the total + the library pages it leaves out (+shared: what RSS "
         "shows), the ranks' largest peak_rss_mib, the largest RSS the monitor sampled (every "
         "2 s, also after the epoch's record: rank 0's checkpoint write); error = estimate / "
@@ -433,8 +434,8 @@ def source_hashes() -> dict:
     """The estimator's sources this run measured with (they change: say which)."""
     import hashlib
 
-    package = Path(early.__file__).parent
-    files = ("early.py", "config/fits.py", "training/footprint.py")
+    package = Path(early.__file__).parents[1]
+    files = ("checks/early.py", "checks/memory.py", "training/footprint.py")
     return {f: hashlib.sha256((package / f).read_bytes()).hexdigest()[:12] for f in files}
 
 
@@ -458,17 +459,17 @@ def conditions(args: argparse.Namespace, config: dict, wall: float, sources: dic
         "`ranks` lists: /proc/self/status VmHWM at each epoch's end (after the "
         "epoch's training and validation), MiB x 2^20; it counts the libraries' "
         "file-backed pages in full in every rank",
-        "estimate": "ddpflow.config.fits.estimate(run, figures, process, data_bytes), as "
-        "ddpflow.early._judge makes it: shape, outputs and data bytes from "
-        "ddpflow.early.input_of(run, the staged manifest); the figures "
+        "estimate": "ddpflow.checks.memory.estimate(run, figures, process, data_bytes), as "
+        "ddpflow.checks.early._judge makes it: shape, outputs and data bytes from "
+        "ddpflow.checks.early.input_of(run, the staged manifest); the figures "
         "(ddpflow.training.footprint.measure on fake tensors) and the process memory "
-        "(footprint.process_memory() in ddpflow.early's measuring subprocess) through "
-        "ddpflow.early._measure, read back from the footprint cache the workflow wrote "
+        "(footprint.process_memory() in ddpflow.checks.early's measuring subprocess) through "
+        "ddpflow.checks.early._measure, read back from the footprint cache the workflow wrote "
         "(XDG_CACHE_HOME in the work directory: measured afresh by this workflow). "
         "estimate_total: Estimate.total (what a run is judged by); estimate_rss: total + "
         "the process's file-backed library pages in full (the total leaves them out; the "
         "node's ranks share them, each rank's RSS counts them all)",
-        "runtime_source": "ddpflow.early's measuring subprocess (the workflow's own cache), "
+        "runtime_source": "ddpflow.checks.early's measuring subprocess (the workflow's own cache), "
         "not a separate python -c",
         "estimator_sources_sha256": sources,
         "estimator_sources_changed_during_run": source_hashes() != sources,

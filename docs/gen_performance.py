@@ -573,7 +573,7 @@ def render_memory_estimate(doc: dict) -> list[str]:
     out = [
         f"Per rank at {first['world']} CPU ranks, micro-batch {first['micro_batch']}, "
         f"{first['precision']}, {first['optimizer']}: the estimate a run is judged by "
-        "(`ddpflow.config.fits`), the ranks' largest `peak_rss_mib` (RSS, which counts the "
+        "(`ddpflow.checks.memory`), the ranks' largest `peak_rss_mib` (RSS, which counts the "
         "libraries' shared pages in every rank), the estimate with those pages added, and the "
         "largest RSS the monitor sampled every 2 s, which also sees rank 0's checkpoint write "
         "after the epoch's record (— where the run was shorter than a sample); GB = 2^30 "

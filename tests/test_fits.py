@@ -1,5 +1,5 @@
 """The memory estimate before a run is queued: training.footprint's figures measured on fake
-tensors against the real model's tensors, config.fits' per-strategy arithmetic and verdicts,
+tensors against the real model's tensors, checks.memory's per-strategy arithmetic and verdicts,
 and the refusal through a real `snakemake -n` parse (the Slurm test cluster's refusal is in
 tests/slurm/test_workflow_slurm.py)."""
 

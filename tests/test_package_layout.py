@@ -211,9 +211,7 @@ UPWARD_IMPORTS = {
     ("ddpflow.config.runs", "checks"),
     # old module paths, kept until their importers move (config/weights.py: for good, as
     # scripts/fetch_weights.py names it and a rule script is never edited)
-    ("ddpflow.config.fits", "checks"),  # plan.py, bench/memory_estimate.py
     ("ddpflow.config.weights", "checks"),  # scripts/fetch_weights.py, runs.py, training/*
-    ("ddpflow.cluster.preflight", "checks"),  # tests/test_gpu.py, bench/collectives.py
     # placement re-checks a run at the node count it can get (machine.min_nodes)
     ("ddpflow.cluster.placement", "checks"),
 }
@@ -240,10 +238,7 @@ def test_the_login_layers_import_one_way():
 
 # modules that use another module's private name, each owned by another change in flight;
 # empty the list as they go
-PRIVATE_USES = {
-    # the old path early.py re-exports what bench/memory_estimate.py reads of checks.early
-    "ddpflow.early",
-}
+PRIVATE_USES: set[str] = set()
 
 
 def _module_names(tree: ast.AST, modules: set[str]) -> dict[str, str]:

@@ -255,7 +255,7 @@ def _alternative(sub: dict) -> str:
     if kind == "array":
         return f"a list of {sub.get('items', {}).get('type', 'value')}s"
     signs = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<="}
-    text = {"integer": "an integer"}.get(kind, f"a {kind or 'value'}")
+    text = "an integer" if kind == "integer" else f"a {kind or 'value'}"
     if "pattern" in sub:
         text += f" matching {sub['pattern']}"
     return " ".join([text, *(f"{sign} {sub[k]}" for k, sign in signs.items() if k in sub)])
@@ -297,7 +297,8 @@ def _refuse_per_rank_batch(config: dict, where: str) -> None:
         train = section.get("train")
         if not isinstance(train, dict) or not set(PER_RANK_BATCH_KEYS) & set(train):
             continue
-        top = config.get("train") if isinstance(config.get("train"), dict) else {}
+        given = config.get("train")
+        top = given if isinstance(given, dict) else {}
         per_rank = train.get("batch_size", top.get("batch_size", 32))
         accum = train.get("grad_accum_steps", top.get("grad_accum_steps", 1))
         machine = deep_merge(config.get("machine") or {}, section.get("machine") or {})

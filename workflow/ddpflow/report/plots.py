@@ -14,6 +14,7 @@ import io
 import logging
 import re
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -22,7 +23,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FormatStrFormatter, FuncFormatter, MaxNLocator, ScalarFormatter
 
 from ddpflow.report import metrics
-from ddpflow.task import record_task
+from ddpflow.task import Selection, record_task
 from ddpflow.task.views import PlotSpec
 from ddpflow.words import counted
 
@@ -80,7 +81,7 @@ def _minor_log_label(value: float, _position) -> str:
 
 
 def plot_per_epoch(
-    series: dict[str, list[tuple[int, float]]], ylabel: str, title: str, log_if_wide=False,
+    series: dict[str, list[tuple[int, float | None]]], ylabel: str, title: str, log_if_wide=False,
     focus=None,
 ) -> bytes:  # fmt: skip
     """One line per run: series maps run name -> [(epoch, value), ...] sorted by epoch.
@@ -275,7 +276,8 @@ def _figure_plan(loaded, rows: list[dict], baseline, focus) -> list[tuple]:
     keys = ("train_loss", "val_loss", "lr", "samples_per_s")
     per_epoch = {key: {name: [(e["epoch"], e[key]) for e in epochs] for name, epochs, _ in loaded}
                  for key in keys}  # fmt: skip
-    chosen = {}  # each selection metric: its selection and its runs' series
+    # each selection metric: its selection and its runs' series
+    chosen: dict[str, tuple[Selection, dict[str, list[tuple[int, float]]]]] = {}
     for name, history, ev in loaded:
         selection = metrics.selection(ev)
         chosen.setdefault(selection.metric, (selection, {}))[1][name] = [
@@ -338,4 +340,7 @@ def _drawn(spec: PlotSpec):
 
 
 # the plots a task's evaluation_plots names (PlotSpec.kind) -> the function that draws them
-DRAWERS = {"confusion_matrix": plot_confusion, "predicted_vs_true": plot_predicted_vs_true}
+DRAWERS: dict[str, Callable[..., bytes]] = {
+    "confusion_matrix": plot_confusion,
+    "predicted_vs_true": plot_predicted_vs_true,
+}
