@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 import torch
 from datafixtures import make_mixed_folder
-from workflow_helpers import jobs_planned, snakemake, write_config
+from ddpflow import export
+from workflow_helpers import REPO, jobs_planned, snakemake, write_config
 
 pytestmark = pytest.mark.e2e
 
@@ -292,6 +293,36 @@ def test_model_safetensors_holds_exactly_model_pts_tensors_and_their_metadata(tr
     assert meta["model_pt_sha256"] == sha256_file(workdir / RUN / "model.pt")
     report = (workdir / "results/report/report.md").read_text()
     assert "model.safetensors" in report and "model.pt2" in report
+    # written by rank 0 beside model.pt, published by the export rule without torch
+    export_log = (workdir / "logs/export/default.safetensors.log").read_text()
+    assert "written (safetensors, by the training job)" in export_log
+    assert not (workdir / "results/work/default" / export.PREPARED).exists()
+
+
+def test_an_export_prepared_for_another_model_is_not_published(tmp_path):
+    """A prepared export whose model.pt sha256 (or run, data, config) is not this model's
+    is removed and the export made anew from model.pt."""
+    from ddpflow.config import load, resolve_runs
+    from safetensors.torch import save_file
+
+    run = {**resolve_runs(load(REPO / "config/config.yaml"))[0], "name": "r"}
+    run["results_dir"] = str(tmp_path / "results")
+    manifest = {"files": {"train.npy": {"sha256": "0" * 64}}}
+    model = tmp_path / "model.pt"
+    model.write_bytes(b"model.pt as trained now")
+    work = tmp_path / "results/work/r"
+    work.mkdir(parents=True)
+    meta = {**export._identity(run, manifest), "model_pt_sha256": "f" * 64}
+    save_file({"w": torch.ones(2)}, str(work / export.PREPARED), metadata=meta)
+    out = tmp_path / "model.safetensors"
+    assert export._published(run, str(model), manifest, str(out)) is None
+    assert not (work / export.PREPARED).exists() and not out.exists()
+    from ddpflow.runtime import sha256_file
+
+    meta["model_pt_sha256"] = sha256_file(model)  # this model's: published as it is
+    save_file({"w": torch.ones(2)}, str(work / export.PREPARED), metadata=meta)
+    assert export._published(run, str(model), manifest, str(out))["bytes"] > 0
+    assert out.exists() and not (work / export.PREPARED).exists()
 
 
 def test_the_torch_export_gives_the_eager_models_outputs_at_another_batch_size(trained):

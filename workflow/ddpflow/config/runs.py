@@ -90,9 +90,10 @@ def resolve_runs(config: dict) -> list[dict]:
 
 
 def _resolve(config: dict, entry: dict, where: str) -> dict:
-    # tracking: where a run is logged, the same for every run and in no fingerprint; the
-    # train rule reads it from the run (its script, a rerun trigger, stays as it was)
-    shared = ("launcher", "results_dir", "logs_dir", "tracking")
+    # tracking (where a run is logged) and export (what model.pt is also written as): the
+    # same for every run and in no fingerprint; the train rule reads them from the run (its
+    # script, a rerun trigger, stays as it was)
+    shared = ("launcher", "results_dir", "logs_dir", "tracking", "export")
     merged = {key: config[key] for key in shared if key in config}
     for section in SECTIONS:
         merged[section] = deep_merge(config[section], entry.get(section, {}))
@@ -102,8 +103,9 @@ def _resolve(config: dict, entry: dict, where: str) -> dict:
     merged["task_kwargs"] = entry.get("task_kwargs", {} if own else config.get("task_kwargs", {}))
     resolved = validate(merged, where=where)
     # the config's, not a run's (in no fingerprint); `runs` is the schema's default
-    # [{name: default}], which would read as this run's provenance
-    for key in ("predict", "export", "runs"):
+    # [{name: default}], which would read as this run's provenance (export stays: rank 0
+    # writes the safetensors export it asks for, ddpflow.export.prepare_safetensors)
+    for key in ("predict", "runs"):
         resolved.pop(key, None)
     _resolve_task(resolved, where)
     resolved["name"] = entry["name"]

@@ -133,6 +133,9 @@ class RunSpec(_Readable):
     # from a run resolved before micro_batch_size auto existed (a job pickled then)
     micro_batch: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     tracking: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    # export.formats, carried so that rank 0 writes the safetensors export beside model.pt
+    # (ddpflow.export); absent from a run resolved before (a job pickled then)
+    export: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     sweep: Mapping[str, Any] | None = None  # a sweep point's block (config.runs)
     # model.weights resolved on the login node (checks.weight_files): {spec, kind, path, ...}
     weights: Mapping[str, Any] | None = None

@@ -19,7 +19,7 @@ import submitit
 import torch
 import torch.distributed as dist
 
-from ddpflow import runtime
+from ddpflow import export, runtime
 from ddpflow.checks.links import run_preflight
 from ddpflow.cluster import distenv, private
 from ddpflow.cluster.distenv import DistEnv
@@ -232,15 +232,15 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
 
     def _write_outputs(self, model, weights, env: DistEnv, hosts, loop, attempt, start, generated):
         run, paths, data = loop.run, self.paths, loop.data
-        sha256 = runtime.atomic_torch_save(
-            {
-                "state_dict": weights,
-                "model": run.resolved["model"],  # a dict: model.pt loads weights_only
-                "shape": data.shape,
-                "num_classes": data.num_classes,
-            },
-            paths.model,
-        )
+        checkpoint = {
+            "state_dict": weights,
+            "model": run.resolved["model"],  # a dict: model.pt loads weights_only
+            "shape": data.shape,
+            "num_classes": data.num_classes,
+        }
+        sha256 = runtime.atomic_torch_save(checkpoint, paths.model)
+        if export.wants_safetensors(run.resolved):  # the export rule then needs no torch
+            export.prepare_safetensors(run.resolved, checkpoint, data.manifest, sha256, paths.work)
         loop.close_segment()
         summary = train_summary(
             run, loop, env, hosts, attempt, time.perf_counter() - start,
