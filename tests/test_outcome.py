@@ -191,3 +191,25 @@ def test_a_stopped_retrain_of_a_finished_run_is_an_interrupted_training(tmp_path
         "command starts it again: " in said
     )
     assert "fix" not in said
+
+
+def test_the_hooks_end_snakemakes_rescheduling_timers_and_only_those():
+    """Snakemake's scheduler leaves a non-daemon Timer (its rate limiter's timespan) that
+    holds the process a second after the last job; the hooks cancel those, no other."""
+    import threading
+
+    from ddpflow.cluster.interrupts import end_scheduler_timers
+
+    def reschedule():  # as Snakemake's lambda: its module names the scheduler
+        pass
+
+    reschedule.__module__ = "snakemake.scheduling.job_scheduler"
+    theirs, other = threading.Timer(30, reschedule), threading.Timer(30, lambda: None)
+    theirs.start()
+    other.start()
+    try:
+        assert end_scheduler_timers() == 1
+        theirs.join(timeout=5)
+        assert not theirs.is_alive() and other.is_alive()
+    finally:
+        other.cancel()

@@ -18,6 +18,10 @@ onstart:
 onsuccess:
     for kept in KEPT_OUTPUTS:
         kept.drop()
+    # no job is left: Snakemake need not wait a second for its scheduler's last timer
+    from ddpflow.cluster.interrupts import end_scheduler_timers
+
+    end_scheduler_timers()
 
 
 onerror:
@@ -34,3 +38,6 @@ onerror:
         run for kept in KEPT_OUTPUTS for run in kept.restore_failed(stopped)
     ]
     report_unfinished(RUNS, RESULTS, restored)
+    from ddpflow.cluster.interrupts import end_scheduler_timers
+
+    end_scheduler_timers()

@@ -16,6 +16,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -124,3 +125,20 @@ def terminate_as_interrupt():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def end_scheduler_timers() -> int:
+    """Cancel the re-scheduling timers Snakemake's job scheduler leaves behind; returns how
+    many. With its job rate limiter (on by default, 100 jobs/1 s) the scheduler starts a
+    non-daemon threading.Timer of the limiter's timespan after each pass, and the process
+    waits for the last one before it exits: a second after the last job of every workflow.
+    Called from the onsuccess and onerror hooks, when no job is left to schedule."""
+    timers = [
+        thread
+        for thread in threading.enumerate()
+        if isinstance(thread, threading.Timer)
+        and getattr(thread.function, "__module__", "") == "snakemake.scheduling.job_scheduler"
+    ]
+    for timer in timers:
+        timer.cancel()
+    return len(timers)
