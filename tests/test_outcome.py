@@ -196,9 +196,10 @@ def test_a_stopped_retrain_of_a_finished_run_is_an_interrupted_training(tmp_path
 def test_the_hooks_end_snakemakes_rescheduling_timers_and_only_those():
     """Snakemake's scheduler leaves a non-daemon Timer (its rate limiter's timespan) that
     holds the process a second after the last job; the hooks cancel those, no other."""
+    import gc
     import threading
 
-    from ddpflow.cluster.interrupts import end_scheduler_timers
+    from ddpflow.cluster.interrupts import exit_promptly
 
     def reschedule():  # as Snakemake's lambda: its module names the scheduler
         pass
@@ -208,8 +209,9 @@ def test_the_hooks_end_snakemakes_rescheduling_timers_and_only_those():
     theirs.start()
     other.start()
     try:
-        assert end_scheduler_timers() == 1
+        assert exit_promptly() == 1
         theirs.join(timeout=5)
         assert not theirs.is_alive() and other.is_alive()
     finally:
         other.cancel()
+        gc.unfreeze()  # exit_promptly froze this test process's objects

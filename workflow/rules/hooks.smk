@@ -18,10 +18,10 @@ onstart:
 onsuccess:
     for kept in KEPT_OUTPUTS:
         kept.drop()
-    # no job is left: Snakemake need not wait a second for its scheduler's last timer
-    from ddpflow.cluster.interrupts import end_scheduler_timers
+    # no job is left: Snakemake need not wait for its scheduler's timer, nor collect at exit
+    from ddpflow.cluster.interrupts import exit_promptly
 
-    end_scheduler_timers()
+    exit_promptly()
 
 
 onerror:
@@ -38,6 +38,6 @@ onerror:
         run for kept in KEPT_OUTPUTS for run in kept.restore_failed(stopped)
     ]
     report_unfinished(RUNS, RESULTS, restored)
-    from ddpflow.cluster.interrupts import end_scheduler_timers
+    from ddpflow.cluster.interrupts import exit_promptly
 
-    end_scheduler_timers()
+    exit_promptly()

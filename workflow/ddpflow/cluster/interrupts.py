@@ -13,6 +13,7 @@ Snakemake handles the signal as always. Imports no torch.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -127,12 +128,15 @@ def terminate_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
-def end_scheduler_timers() -> int:
-    """Cancel the re-scheduling timers Snakemake's job scheduler leaves behind; returns how
-    many. With its job rate limiter (on by default, 100 jobs/1 s) the scheduler starts a
-    non-daemon threading.Timer of the limiter's timespan after each pass, and the process
-    waits for the last one before it exits: a second after the last job of every workflow.
-    Called from the onsuccess and onerror hooks, when no job is left to schedule."""
+def exit_promptly() -> int:
+    """Let Snakemake's process exit as soon as the workflow ends (the onsuccess and onerror
+    hooks, when no job is left to schedule); returns the timers cancelled.
+
+    - Its job scheduler's rate limiter (on by default, 100 jobs/1 s) starts a non-daemon
+      threading.Timer of its timespan after each pass, and the process waits for the last
+      one before it exits: a second after the last job of every workflow. Cancelled here.
+    - The interpreter's last collection scans every object the process holds (Snakemake's
+      and its plug-ins' modules); frozen first, they are not scanned."""
     timers = [
         thread
         for thread in threading.enumerate()
@@ -141,4 +145,5 @@ def end_scheduler_timers() -> int:
     ]
     for timer in timers:
         timer.cancel()
+    gc.freeze()
     return len(timers)
