@@ -9,7 +9,7 @@ and splits its wall time into the compute inside it and everything around it:
 
 * compute: ``train_seconds`` from results/runs/<run>/train_summary.json (rank 0's fit():
   every epoch's training and validation) and ``eval_seconds`` from eval_metrics.json;
-* per rule: start/finish from Snakemake's own log (1 s resolution), and from the rule logs
+* per rule: start/finish from Snakemake's job records (.snakemake/metadata), and from the rule logs
   the seconds inside (stage: staging; train/evaluate: submitit submit -> all ranks done);
 * the rest: Snakemake start-up/DAG (also timed alone as a dry run), each rule's Python
   start-up, submitit's process spawn + import + process-group rendezvous, loading data,
@@ -36,9 +36,6 @@ import harness
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 TIMEOUT_S = 1800
-STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]$")
-RULE_START = re.compile(r"^(?:local)?(?:rule|checkpoint) (\w+):$")
-RULE_END = re.compile(r"^Finished jobid: \d+ \(Rule: (\w+)\)$")
 INSIDE = re.compile(r"(?:ranks done|staged .*) in ([\d.]+)s")
 
 
@@ -82,19 +79,17 @@ def snakemake(workdir: Path, configfile: Path, cores: int, *extra: str) -> tuple
     return seconds, output
 
 
-def rule_windows(log_text: str) -> dict[str, list[float]]:
-    """Rule name -> [start, finish] epoch seconds from Snakemake's log (1 s resolution)."""
+def rule_windows(workdir: Path) -> dict[str, list[float]]:
+    """Rule name -> [start, finish] epoch seconds of its job, from Snakemake's own job
+    records (.snakemake/metadata: starttime and endtime per output, sub-second)."""
     windows: dict[str, list[float]] = {}
-    stamp = None
-    for line in log_text.splitlines():
-        line = line.strip()
-        if match := STAMP.match(line):
-            stamp = time.mktime(time.strptime(match[1], "%a %b %d %H:%M:%S %Y"))
-        elif (match := RULE_START.match(line)) and stamp is not None:
-            windows.setdefault(match[1], [stamp, stamp])[0] = stamp
-        elif (match := RULE_END.match(line)) and match[1] in windows:
-            windows[match[1]][1] = stamp
-    return windows
+    for record in (workdir / ".snakemake" / "metadata").glob("*"):
+        meta = json.loads(record.read_text())
+        if meta.get("starttime") is None or meta.get("endtime") is None:
+            continue
+        start, end = windows.setdefault(meta["rule"], [meta["starttime"], meta["endtime"]])
+        windows[meta["rule"]] = [min(start, meta["starttime"]), max(end, meta["endtime"])]
+    return dict(sorted(windows.items(), key=lambda item: item[1][0]))
 
 
 def seconds_inside(rule_log: Path) -> float | None:
@@ -106,8 +101,7 @@ def seconds_inside(rule_log: Path) -> float | None:
 
 
 def rule_table(workdir: Path, run: str) -> list[dict]:
-    logs = sorted((workdir / ".snakemake" / "log").glob("*.snakemake.log"))
-    windows = rule_windows(logs[-1].read_text()) if logs else {}
+    windows = rule_windows(workdir)
     rule_logs = {
         "stage": next(iter(sorted((workdir / "logs" / "stage").glob("*.log"))), None),
         "train": workdir / "logs" / "train" / f"{run}.log",
@@ -170,7 +164,7 @@ def format_table(result: dict) -> str:
     b = result["breakdown"]
     lines = [
         f"# pipeline overhead: default workflow, {result['conditions']['ranks']} ranks, "
-        f"--cores {result['conditions']['cores']}; rule times from Snakemake's log (1 s)",
+        f"--cores {result['conditions']['cores']}; rule times from Snakemake's job records",
         f"{'rule':<10} {'wall s':>7} {'inside s':>9}",
     ]
     for row in result["rules"]:
@@ -220,7 +214,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict:
             "launcher": train["launcher"],
             "workdir": str(workdir),
             "timing": "one cold run in a fresh directory (staging included); perf_counter "
-            "around the snakemake command; rule windows from Snakemake's log (1 s)",
+            "around the snakemake command; rule windows from Snakemake's job records "
+            "(.snakemake/metadata)",
         },
         "snakemake_output_tail": output[-2000:],
     }

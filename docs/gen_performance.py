@@ -198,7 +198,36 @@ def render_peers(doc: dict) -> list[str]:
     out = [table(header, rows)]
     if "ddpflow_vs_lightning_wall" in doc:
         out.append(f"ddpflow / Lightning wall time: **{ratio(doc['ddpflow_vs_lightning_wall'])}**")
+    walls = {peer: s["wall_s"] for peer, s in doc["summary"].items()}
+    if "ddpflow" in walls and walls.get("raw"):
+        out.append(f"ddpflow / raw wall time: **{ratio(walls['ddpflow'] / walls['raw'])}**")
     return out
+
+
+def render_overhead(doc: dict) -> list[str]:
+    """The default workflow's wall time by phase: each rule's job, and what is compute."""
+    rules = [
+        [row["rule"], num(row["seconds"], 2), num(row.get("inside_seconds"), 2)]
+        for row in doc["rules"]
+    ]
+    b = doc["breakdown"]
+    parts = [
+        ("snakemake, whole workflow (wall)", b["total_wall_s"]),
+        ("snakemake start-up + DAG alone (dry run)", b["snakemake_dry_run_s"]),
+        ("outside any rule's job (start-up, DAG, scheduling, exit)", b["outside_rules_s"]),
+        (
+            "train: ranks spawned, imported, joined (submit->done minus task wall)",
+            b["train_launch_s"],
+        ),
+        ("train: task wall on rank 0 (data, model, fit, save)", b["train_task_wall_s"]),
+        ("train: fit() on rank 0 (training + per-epoch validation)", b["train_fit_s"]),
+        ("compute (fit + evaluation)", b["compute_s"]),
+    ]
+    return [
+        table(["rule", "job s", "inside s"], rules),
+        table(["component", "seconds"], [[name, num(value, 2)] for name, value in parts]),
+        f"Overhead (wall time less compute): **{pct(b['overhead_fraction'])}**",
+    ]
 
 
 def render_layout(doc: dict) -> list[str]:
@@ -277,14 +306,17 @@ def render_lm(doc: dict) -> list[str]:
         f"of {c['repeats']} repeats; tokens/s of all ranks, the slowest rank's wall time (by CPU "
         "s: per CPU-second of all ranks, less sensitive to other load). GFLOP/s = 6 x "
         f"{num(m['flops_parameters'])} parameters (all but the position embedding) x tokens/s; "
-        + ("MFU against the peak given." if c.get("peak_tflops") else "MFU needs a peak FLOP/s, "
-           "which a CPU does not have (`--peak-tflops`).")
+        + (
+            "MFU against the peak given."
+            if c.get("peak_tflops")
+            else "MFU needs a peak FLOP/s, which a CPU does not have (`--peak-tflops`)."
+        )
         + f" Same initial weights in both loops: {'yes' if same else 'NO'}. Each rank's "
         f"CPU-busy fraction (near 1: a core to itself) at least "
         f"{num(load.get('min_cpu_busy_per_rank'), 2)}; 1-minute load average before / after: "
         f"{num((before or [None])[0], 2)} / {num((after or [None])[0], 2)}.",
         table(header, rows),
-    ]  # fmt: skip
+    ]
 
 
 def render_memory(doc: dict) -> list[str]:
@@ -496,10 +528,14 @@ def render_slurm_polling(doc: dict) -> list[str]:
     """Status queries per minute at the controller and the accounting daemon, 1 vs N runs."""
     types = sorted({t for r in doc["rows"] for t in r["queries_per_min_by_type"]})
     rows = [
-        [r["code"], num(r["runs"]), num(r["queries_per_min"], 1),
-         *(num(r["queries_per_min_by_type"].get(t, 0.0), 1) for t in types)]
+        [
+            r["code"],
+            num(r["runs"]),
+            num(r["queries_per_min"], 1),
+            *(num(r["queries_per_min_by_type"].get(t, 0.0), 1) for t in types),
+        ]
         for r in doc["rows"]
-    ]  # fmt: skip
+    ]
     out = [table(["code", "runs", "queries/min", *types], rows)]
     by_code: dict[str, dict[int, float]] = {}
     for r in doc["rows"]:
@@ -534,11 +570,16 @@ def render_login_cpu(doc: dict) -> list[str]:
 def render_memory_estimate_gpu(doc: dict) -> list[str]:
     """GPU ranks: the estimate's tensors against torch's allocator peak."""
     rows = [
-        [r["model"], r["strategy"], num(r["estimate_total_gb"], 3),
-         num(r["estimate_tensors_gb"], 3), num(r["measured_peak_gb"], 3),
-         f"{100 * r['error']:+.1f}%"]
+        [
+            r["model"],
+            r["strategy"],
+            num(r["estimate_total_gb"], 3),
+            num(r["estimate_tensors_gb"], 3),
+            num(r["measured_peak_gb"], 3),
+            f"{100 * r['error']:+.1f}%",
+        ]
         for r in doc["rows"]
-    ]  # fmt: skip
+    ]
     first, train = doc["rows"][0], doc["conditions"]["config"]["train"]
     header = ["model", "strategy", "estimate GB", "estimate less CUDA context GB",
               "measured GB", "error"]  # fmt: skip
@@ -560,12 +601,18 @@ def render_memory_estimate(doc: dict) -> list[str]:
     if doc["rows"][0].get("device") == "cuda":
         return render_memory_estimate_gpu(doc)
     rows = [
-        [r["model"], r["strategy"], num(r["estimate_total_gb"], 3), num(r["measured_peak_gb"], 3),
-         f"{100 * r['error']:+.1f}%", num(r.get("estimate_rss_gb"), 3),
-         "—" if r.get("error_rss") is None else f"{100 * r['error_rss']:+.1f}%",
-         num(r.get("sampled_rss_max_gb"), 3)]
+        [
+            r["model"],
+            r["strategy"],
+            num(r["estimate_total_gb"], 3),
+            num(r["measured_peak_gb"], 3),
+            f"{100 * r['error']:+.1f}%",
+            num(r.get("estimate_rss_gb"), 3),
+            "—" if r.get("error_rss") is None else f"{100 * r['error_rss']:+.1f}%",
+            num(r.get("sampled_rss_max_gb"), 3),
+        ]
         for r in doc["rows"]
-    ]  # fmt: skip
+    ]
     first = doc["rows"][0]
     header = ["model", "strategy", "estimate GB", "measured GB", "error",
               "estimate + library pages GB", "error with them",
@@ -736,6 +783,8 @@ def renderer(doc: dict):
         return render_micro_batch
     if "summary" in doc and "runs" in doc:
         return render_peers
+    if "breakdown" in doc and "rules" in doc:
+        return render_overhead
     runs = doc.get("runs") or []
     if runs and "speedup_vs_fp32_nchw" in runs[0]:
         return render_layout
