@@ -147,6 +147,7 @@ class Checkpointer:
         self.stop_requested = False  # set from a signal handler
         self.watch_signal = env.launcher == "slurm"
         self.attempt = 1
+        self.save_seconds: list[float] = []  # each save, gather and write, as this rank saw it
 
     def restore(self, loop) -> dict | None:
         """Load the newest valid checkpoint into loop (and this rank's RNG state).
@@ -184,6 +185,11 @@ class Checkpointer:
 
     def save(self, loop, reason: str) -> None:
         """Collective: gathers every rank's RNG state (and sharded state); rank 0 writes."""
+        started = time.perf_counter()
+        self._save(loop, reason)
+        self.save_seconds.append(time.perf_counter() - started)
+
+    def _save(self, loop, reason: str) -> None:
         rng = _gather_rng(self.env)
         loop.gather_state()
         step = loop.scheduler.last_epoch

@@ -47,6 +47,11 @@ from ddpflow.words import counted
 log = logging.getLogger(__name__)
 
 
+# this rank's start-up, as train_summary.json's "startup" records it (wall-clock times in
+# epoch seconds, so that a benchmark can set them against when the job was submitted)
+STARTUP: dict[str, float] = {}
+
+
 def rank_context(spec: RunSpec, rendezvous_dir: str | None):
     """Discover the rank, then set up logging, threads, device and the process group."""
     env = distenv.discover()
@@ -68,9 +73,12 @@ def rank_context(spec: RunSpec, rendezvous_dir: str | None):
         device,
         backend,
     )
+    started = time.perf_counter()
     distenv.init_process_group(
         env, backend, machine.pg_timeout_s, rendezvous_dir, machine.network_interface
     )
+    STARTUP["rendezvous_s"] = time.perf_counter() - started  # the store and the group
+    STARTUP["group_up_at"] = time.time()
     return env, device
 
 
@@ -141,7 +149,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
                 model, data, spec.train.seed, sharding.is_sharded(model), env.is_master
             )
         if env.is_master:
-            outputs = (model, weights, env, hosts, loop, ckpt.attempt, start, generated)
+            outputs = (model, weights, env, hosts, loop, ckpt, start, generated)
             summary = self._write_outputs(*outputs)
         if in_train:
             self._evaluate(loop.run, model, data, env, hosts, summary)
@@ -164,7 +172,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             run, Path(self.paths.model).parent, env, loop.device, hosts,
             resumed["step"] if resumed else None,
         )  # fmt: skip
-        loop.watch_steps(watch.wrap_step(ckpt.on_step))
+        loop.watch_steps(watch.wrap_step(_noting_the_first_step(ckpt.on_step)))
         with stop_on_signal(ckpt):
             try:
                 fit(loop, self._on_epoch(loop, ckpt, watch, env), _progress_bar(run, env))
@@ -230,7 +238,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
                      data.task.describe(result), result["eval_seconds"])  # fmt: skip
             _tensorboard_final(run, self.paths, result, summary["steps"], data.task)
 
-    def _write_outputs(self, model, weights, env: DistEnv, hosts, loop, attempt, start, generated):
+    def _write_outputs(self, model, weights, env: DistEnv, hosts, loop, ckpt, start, generated):
         run, paths, data = loop.run, self.paths, loop.data
         checkpoint = {
             "state_dict": weights,
@@ -243,12 +251,23 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             export.prepare_safetensors(run.resolved, checkpoint, data.manifest, sha256, paths.work)
         loop.close_segment()
         summary = train_summary(
-            run, loop, env, hosts, attempt, time.perf_counter() - start,
+            run, loop, env, hosts, ckpt.attempt, time.perf_counter() - start,
             count_parameters(model), _slurm_job_id(env), generated,
         )  # fmt: skip
+        summary["startup"] = {**STARTUP, "checkpoint_save_s": ckpt.save_seconds}
         runtime.atomic_write_bytes(paths.train_metrics, self.live_metrics.read_bytes())
         runtime.atomic_write_json(paths.train_summary, summary)
         return {**summary, "model_sha256": sha256}
+
+
+def _noting_the_first_step(on_step):
+    """on_step, which first notes when this rank finished its first optimizer step."""
+
+    def noted(loop) -> None:
+        STARTUP.setdefault("first_step_at", time.time())
+        on_step(loop)
+
+    return noted
 
 
 def _warn_about_settings(run: RunSpec, data: RankData, env: DistEnv, device) -> None:
