@@ -204,6 +204,42 @@ def render_peers(doc: dict) -> list[str]:
     return out
 
 
+def render_slurm_scale(doc: dict) -> list[str]:
+    """Per node count: the figures a bigger allocation pays; then each one's growth."""
+    keys = ("to_first_step_s", "rendezvous_s", "step_sync_s", "checkpoint_s")
+    rows = [
+        [
+            num(r["nodes"]),
+            num(r["wall_s"], 1),
+            *(f"{r[k]:.4f}" for k in keys),
+            num(r["slurm_queries"]),
+            num(r["queries_per_min"], 1),
+            num(r["login_cpu_s"], 1),
+        ]
+        for r in doc["rows"]
+    ]
+    header = [
+        "nodes",
+        "wall s",
+        "submission to first step s",
+        "rendezvous s",
+        "step sync s",
+        "checkpoint save s",
+        "Slurm queries",
+        "per min",
+        "login CPU s",
+    ]
+    growth = [
+        [
+            key,
+            "—" if g["exponent"] is None else f"N^{g['exponent']:.2f}",
+            "—" if g["at_128"] is None else f"{g['at_128']:.4g}",
+        ]
+        for key, g in doc["growth"].items()
+    ]
+    return [table(header, rows), table(["figure", "growth", "at 128 nodes"], growth)]
+
+
 def render_overhead(doc: dict) -> list[str]:
     """The default workflow's wall time by phase: each rule's job, and what is compute."""
     rules = [
@@ -802,6 +838,8 @@ def renderer(doc: dict):
         return render_scaling
     if "report_per_run" in doc:
         return render_sweep_scale
+    if doc.get("benchmark") == "slurm_scale":
+        return render_slurm_scale
     if doc.get("benchmark") == "slurm_polling":
         return render_slurm_polling
     if doc.get("benchmark") == "store_scale":
