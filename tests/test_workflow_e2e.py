@@ -36,6 +36,11 @@ def test_smoke_the_default_job_trains_evaluates_reports_then_plans_nothing(workd
     metrics = json.loads((workdir / "results/runs/default/eval_metrics.json").read_text())
     assert metrics["samples_evaluated"] == metrics["test_size"] == 359
     assert metrics["world_size"] == 2 and metrics["accuracy"] > 0.5
+    # the rank's start-up as bench/slurm_scale.py reads it: the group, then the first step
+    startup = json.loads((workdir / "results/runs/default/train_summary.json").read_text())
+    startup = startup["startup"]
+    assert 0 <= startup["rendezvous_s"] < 60 and startup["group_up_at"] < startup["first_step_at"]
+    assert len(startup["checkpoint_save_s"]) == 2  # one per epoch
     assert (workdir / "results/report/report.html").stat().st_size > 0
     assert jobs_planned(workdir, configfile) == set()
     # the train rule said, before the job was queued, what a rank needs and how it compares

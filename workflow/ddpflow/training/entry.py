@@ -27,7 +27,7 @@ from ddpflow.config import config_hash, evaluation_fingerprint, uses_channels_la
 from ddpflow.config.typed import RunSpec
 from ddpflow.monitoring import sampler as monitor
 from ddpflow.paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
-from ddpflow.training import evaluate, sharding
+from ddpflow.training import evaluate, sharding, startup
 from ddpflow.training.build import cpu_has_native_bf16, placed_model
 from ddpflow.training.checkpoint import (
     Checkpointer,
@@ -45,11 +45,6 @@ from ddpflow.training.weights import log_fine_tuning
 from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
-
-
-# this rank's start-up, as train_summary.json's "startup" records it (wall-clock times in
-# epoch seconds, so that a benchmark can set them against when the job was submitted)
-STARTUP: dict[str, float] = {}
 
 
 def rank_context(spec: RunSpec, rendezvous_dir: str | None):
@@ -73,12 +68,11 @@ def rank_context(spec: RunSpec, rendezvous_dir: str | None):
         device,
         backend,
     )
-    started = time.perf_counter()
-    distenv.init_process_group(
-        env, backend, machine.pg_timeout_s, rendezvous_dir, machine.network_interface
+    startup.timed_rendezvous(
+        lambda: distenv.init_process_group(
+            env, backend, machine.pg_timeout_s, rendezvous_dir, machine.network_interface
+        )
     )
-    STARTUP["rendezvous_s"] = time.perf_counter() - started  # the store and the group
-    STARTUP["group_up_at"] = time.time()
     return env, device
 
 
@@ -172,7 +166,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             run, Path(self.paths.model).parent, env, loop.device, hosts,
             resumed["step"] if resumed else None,
         )  # fmt: skip
-        loop.watch_steps(watch.wrap_step(_noting_the_first_step(ckpt.on_step)))
+        loop.watch_steps(watch.wrap_step(startup.noting_the_first_step(ckpt.on_step)))
         with stop_on_signal(ckpt):
             try:
                 fit(loop, self._on_epoch(loop, ckpt, watch, env), _progress_bar(run, env))
@@ -254,20 +248,10 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             run, loop, env, hosts, ckpt.attempt, time.perf_counter() - start,
             count_parameters(model), _slurm_job_id(env), generated,
         )  # fmt: skip
-        summary["startup"] = {**STARTUP, "checkpoint_save_s": ckpt.save_seconds}
+        summary["startup"] = startup.record(ckpt.save_seconds)
         runtime.atomic_write_bytes(paths.train_metrics, self.live_metrics.read_bytes())
         runtime.atomic_write_json(paths.train_summary, summary)
         return {**summary, "model_sha256": sha256}
-
-
-def _noting_the_first_step(on_step):
-    """on_step, which first notes when this rank finished its first optimizer step."""
-
-    def noted(loop) -> None:
-        STARTUP.setdefault("first_step_at", time.time())
-        on_step(loop)
-
-    return noted
 
 
 def _warn_about_settings(run: RunSpec, data: RankData, env: DistEnv, device) -> None:
