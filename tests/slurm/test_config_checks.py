@@ -298,7 +298,8 @@ def test_real_cluster_rejects_before_queueing(slurm_cluster, machine, key):
     with pytest.raises(ConfigError) as info:
         sc.check_runs_against_cluster(runs_for(machine))
     assert str(info.value).startswith(f"runs ('big'): {key}")
-    assert queued_jobs() == before  # the checks only read; nothing was submitted
+    # the checks only read: no job was queued (one queued before may have ended meanwhile)
+    assert queued_jobs() <= before
 
 
 @pytest.mark.slurm
@@ -314,7 +315,7 @@ def test_real_cluster_accepts_what_fits(slurm_cluster):
         "time_min": 10,
     }
     sc.check_runs_against_cluster(runs_for(fits) + runs_for({}, name="defaults"))
-    assert queued_jobs() == before
+    assert queued_jobs() <= before  # no job queued; one queued before may have ended
 
 
 # ---------------------------------------------------------------- the staging job
