@@ -19,6 +19,7 @@ Per rank, with P parameters, G gradients, O optimizer state (bytes) and N ranks:
     fsdp            (P + G + O)/N + A + two units' parameters gathered (the current
                     and the prefetched; all of them without reshard_after_forward) + one
                     unit's unsharded gradients
+    hsdp            as fsdp with N the shard group's ranks (train.hsdp.shard_size)
 
 where A, what a step and the evaluation add: on a GPU the larger of a training micro-batch's
 activations and an evaluation forward's (torch's caching allocator hands the blocks the step
@@ -47,7 +48,7 @@ import os
 from pathlib import Path
 
 from ddpflow.checks import memory_knobs
-from ddpflow.config.machine import ranks_per_node
+from ddpflow.config.machine import SHARDED_STRATEGIES, hsdp_mesh, hsdp_shard_size, ranks_per_node
 
 GIB = 2**30
 WARN_SHARE = 0.8
@@ -170,8 +171,8 @@ def estimate(run, figures: dict, process: dict, data_bytes: int) -> Estimate:
         # rank 0 gathers every rank's optimizer state for each checkpoint, after a step's
         # activations are freed: the larger of the two is its peak
         gather = figures["optimizer"] - opt
-    if strategy == "fsdp":
-        params, grads, opt = _fsdp_share(train, world, device, figures)
+    if strategy in SHARDED_STRATEGIES:  # hsdp: sharded across its shard group only
+        params, grads, opt = _fsdp_share(train, shard_group(run), device, figures)
     runtime = process["anon"] if device == "cpu" else CUDA_CONTEXT
     shared = process["file"] // ranks_per_node(run["machine"]) if device == "cpu" else 0
     return Estimate(
@@ -186,6 +187,16 @@ def estimate(run, figures: dict, process: dict, data_bytes: int) -> Estimate:
         gather,
         evaluation=figures.get("evaluation", 0),
     )
+
+
+def shard_group(run) -> int:
+    """The ranks one copy of the model is sharded across: the world under fsdp, the shard
+    group under hsdp."""
+    world = run["world_size"]
+    if run["train"]["strategy"] != "hsdp":
+        return world
+    mesh = hsdp_mesh(world, hsdp_shard_size(run["train"], run["machine"]))
+    return mesh[1] if mesh else world
 
 
 def _fsdp_share(train, world: int, device: str, figures: dict) -> tuple[int, int, int]:

@@ -13,7 +13,14 @@ from ddpflow.checks.batch import check_world_size
 from ddpflow.checks.host import cpu_computes_bf16, local_gpu_count
 from ddpflow.checks.model_kwargs import check_gpt_kwargs
 from ddpflow.config.fingerprint import BUILT_IN_MODELS
-from ddpflow.config.machine import accumulation_steps, ranks_per_node, trains_sharded
+from ddpflow.config.machine import (
+    SHARDED_STRATEGIES,
+    accumulation_steps,
+    hsdp_mesh,
+    hsdp_shard_size,
+    ranks_per_node,
+    trains_sharded,
+)
 from ddpflow.config.schema import ConfigError, validate
 from ddpflow.plugins import is_plugin
 from ddpflow.runtime import usable_cores
@@ -42,10 +49,13 @@ def _check_machine(where: str, machine: dict, launcher: str) -> None:
 
 
 def _check_features(where: str, run: dict) -> None:
-    """Training features that do not combine (strategy fsdp's own: _check_fsdp)."""
+    """Training features that do not combine (strategies fsdp and hsdp: _check_fsdp,
+    hsdp's mesh: _check_hsdp)."""
     train = run["train"]
-    if train["strategy"] == "fsdp":
+    if train["strategy"] in SHARDED_STRATEGIES:
         _check_fsdp(where, run)
+    if train["strategy"] == "hsdp":
+        _check_hsdp(where, run)
     if train["activation_checkpointing"] and train["compile"]:
         raise ConfigError(
             f"{where}: train.activation_checkpointing with train.compile: true is not "
@@ -113,17 +123,19 @@ def _check_batches(where: str, run: dict) -> None:
 
 
 def _check_fsdp(where: str, run: dict) -> None:
-    """Combinations strategy fsdp does not support, refused before anything is submitted."""
+    """Combinations strategies fsdp and hsdp do not support, refused before anything is
+    submitted."""
     train, gpu = run["train"], bool(run["machine"]["gpus_per_node"])
+    strategy = train["strategy"]
     if gpu and train["precision"] == "fp16":
         raise ConfigError(
-            f"{where}: train.strategy fsdp with train.precision fp16: fp16's gradient scaler "
+            f"{where}: train.strategy {strategy} with train.precision fp16: fp16's gradient scaler "
             "is not built for sharded gradients here; use train.precision: bf16 (FSDP's "
             "mixed precision: bf16 parameters and compute, fp32 gradient reduction)"
         )
     if train["compile"]:
         raise ConfigError(
-            f"{where}: train.strategy fsdp with train.compile: true is not supported yet; "
+            f"{where}: train.strategy {strategy} with train.compile: true is not supported yet; "
             "set train.compile: false, or train.strategy: ddp or zero"
         )
     if train["fsdp"]["cpu_offload"] and not gpu:
@@ -131,6 +143,23 @@ def _check_fsdp(where: str, run: dict) -> None:
             f"{where}: train.fsdp.cpu_offload is true but the run has no GPU "
             "(machine.gpus_per_node is 0): everything is in host memory already; set "
             "train.fsdp.cpu_offload: false"
+        )
+
+
+def _check_hsdp(where: str, run: dict) -> None:
+    """hsdp's shard groups must split every world size the run may get (machine.min_nodes
+    to machine.nodes nodes)."""
+    machine = run["machine"]
+    shard = hsdp_shard_size(run["train"], machine)
+    per_node = ranks_per_node(machine)
+    fewest = machine["min_nodes"] or machine["nodes"]
+    bad = [n * per_node for n in range(fewest, machine["nodes"] + 1)]
+    bad = [world for world in bad if world > 1 and hsdp_mesh(world, shard) is None]
+    if bad:
+        raise ConfigError(
+            f"{where}: train.hsdp.shard_size {shard} does not divide the world size "
+            f"{bad[0]} ({bad[0] // per_node} nodes x {per_node} ranks); set "
+            f"train.hsdp.shard_size to a divisor of it, or null (the {per_node} ranks of a node)"
         )
 
 
@@ -184,6 +213,11 @@ def run_warnings(run: dict, launcher: str) -> list[str]:
         out.append(
             f"{where}: train.precision fp16 on CPU ranks (machine.gpus_per_node 0) trains in "
             "fp32: fp16 is for GPUs; for mixed precision on a CPU set train.precision: bf16"
+        )
+    if train["hsdp"]["shard_size"] is not None and train["strategy"] != "hsdp":
+        out.append(
+            f"{where}: train.hsdp.shard_size set, but train.strategy is {train['strategy']}: "
+            "it is ignored (it shapes strategy hsdp's mesh)"
         )
     if trains_sharded(run):
         defaults = validate({})["train"]["ddp"]

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ddpflow.config.machine import SHARDED_STRATEGIES
 from ddpflow.plugins import is_plugin
 from ddpflow.task import DEFAULT_TASK, get_task
 
@@ -22,9 +23,11 @@ from ddpflow.task import DEFAULT_TASK, get_task
 # zero trains bitwise the same weights as ddp and its checkpoints hold the whole optimizer
 # state, so a run switched from one to the other resumes (tests/test_resume_exact.py); fsdp
 # sums gradients another way and checkpoints shards: it is part of the fingerprint (with
-# its settings), ddp and zero are not. activation_checkpointing recomputes the same values
+# its settings), ddp and zero are not; hsdp is fsdp on another mesh (a machine setting: its
+# checkpoints resume at any mesh), recorded as fsdp. activation_checkpointing recomputes the
+# same values
 VOLATILE_TRAIN_KEYS = ("progress", "checkpoint", "max_requeues", "on_nonfinite", "monitor",
-                       "strategy", "fsdp", "activation_checkpointing")  # fmt: skip
+                       "strategy", "fsdp", "hsdp", "activation_checkpointing")  # fmt: skip
 # train keys that act on GPUs only: on CPU ranks they change nothing, so nothing retrains.
 # precision acts on CPU ranks when it is bf16 (fp16 and fp32 train in fp32 there).
 # channels_last acts on every device (oneDNN's NHWC convolutions are faster on CPU too), but
@@ -208,7 +211,7 @@ def training_fingerprint(run: dict) -> dict[str, Any]:
     train["optimizer"] = {k: v for k, v in train["optimizer"].items() if k != "lr_mult"}
     if not train["augment"]["enabled"]:  # its settings act only when it is on
         del train["augment"]
-    fsdp = run["train"]["strategy"] == "fsdp"
+    fsdp = run["train"]["strategy"] in SHARDED_STRATEGIES
     if not gpu and (run["model"]["name"] in NO_CONV_MODELS or fsdp):
         del train["channels_last"]  # no convolution to lay out, or fsdp's plain layout
     flat = flatten({"data": data_keys(run["data"]), "model": model_settings(run["model"]),

@@ -106,13 +106,29 @@ def stage_rule_resources(runs: list[dict], run_for_dataset) -> dict:
     return {key: resource(key) for key in sorted(keys)}
 
 
+# the strategies that shard the model with FSDP2 (hsdp: on a replicate x shard mesh)
+SHARDED_STRATEGIES = ("fsdp", "hsdp")
+
+
 def trains_sharded(run: RunView) -> bool:
-    """Whether the run trains under fsdp (a 1-rank run trains as ddp)."""
-    return run["train"]["strategy"] == "fsdp" and run["world_size"] > 1
+    """Whether the run trains under fsdp or hsdp (a 1-rank run trains as ddp)."""
+    return run["train"]["strategy"] in SHARDED_STRATEGIES and run["world_size"] > 1
+
+
+def hsdp_shard_size(train: SectionView, machine: SectionView) -> int:
+    """Ranks per hsdp shard group: train.hsdp.shard_size, or the ranks of one node."""
+    return train["hsdp"]["shard_size"] or ranks_per_node(machine)
+
+
+def hsdp_mesh(world: int, shard_size: int) -> tuple[int, int] | None:
+    """(replicas, shard size) of hsdp's mesh at this world size; None where the shard size
+    does not divide it. A shard group larger than the world is the world (fsdp)."""
+    shard = min(shard_size, world)
+    return (world // shard, shard) if world % shard == 0 else None
 
 
 def uses_channels_last(run: RunView) -> bool:
-    """train.channels_last, except under fsdp (at any world size, so that the layout does
-    not change with it): FSDP2 shards contiguous parameters only. Training and both
-    evaluations lay the model out alike, so that they score alike."""
-    return run["train"]["channels_last"] and run["train"]["strategy"] != "fsdp"
+    """train.channels_last, except under fsdp and hsdp (at any world size, so that the
+    layout does not change with it): FSDP2 shards contiguous parameters only. Training and
+    both evaluations lay the model out alike, so that they score alike."""
+    return run["train"]["channels_last"] and run["train"]["strategy"] not in SHARDED_STRATEGIES

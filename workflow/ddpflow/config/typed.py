@@ -330,6 +330,17 @@ class TrainDdpSpec(_Section):
 
 
 @dataclass(frozen=True, slots=True)
+class TrainHsdpSpec(_Section):
+    """train.hsdp: the schema's `train.hsdp` section."""
+
+    #: ranks per shard group: each group holds one sharded copy of the model, and the world size
+    #: must be a multiple of it at every node count the run may get (machine.min_nodes). null:
+    #: the ranks of one node (machine.gpus_per_node, or machine.cpu_ranks_per_node on CPU ranks).
+    #: A machine setting: changing it retrains nothing
+    shard_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class TrainSpec(_Section):
     """train: the schema's `train` section."""
 
@@ -340,6 +351,7 @@ class TrainSpec(_Section):
         "profile": TrainProfileSpec,
         "checkpoint": TrainCheckpointSpec,
         "fsdp": TrainFsdpSpec,
+        "hsdp": TrainHsdpSpec,
         "ddp": TrainDdpSpec,
     }
 
@@ -364,6 +376,8 @@ class TrainSpec(_Section):
     checkpoint: TrainCheckpointSpec
     #: settings of strategy fsdp
     fsdp: TrainFsdpSpec
+    #: settings of strategy hsdp (with train.fsdp's)
+    hsdp: TrainHsdpSpec
     #: DistributedDataParallel settings (also for strategy zero)
     ddp: TrainDdpSpec
     epochs: int = 12
@@ -441,8 +455,12 @@ class TrainSpec(_Section):
     #: updates 1/N of it, then broadcasts its parameters; the same weights as ddp, less memory
     #: per rank for Adam-style optimizers. fsdp: parameters, gradients and optimizer state all
     #: sharded (FSDP2's fully_shard per block and on the root), checkpoints written shard by
-    #: shard with torch.distributed.checkpoint
-    strategy: Literal["ddp", "zero", "fsdp"] = "ddp"
+    #: shard with torch.distributed.checkpoint. hsdp: fsdp on a 2-D mesh (replicate x shard):
+    #: sharded within a group of train.hsdp.shard_size ranks (default the ranks of a node) and
+    #: replicated across groups, so only gradients cross the network between nodes; the same
+    #: science as fsdp (train.fsdp's settings apply), its checkpoints resume at any mesh and
+    #: world size
+    strategy: Literal["ddp", "zero", "fsdp", "hsdp"] = "ddp"
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import trains_sharded, uses_channels_last
+from ddpflow.config.machine import SHARDED_STRATEGIES
 from ddpflow.config.typed import OptimizerSpec, RunSpec, TrainDdpSpec, TrainSpec
 from ddpflow.training import sharding
 from ddpflow.training.batchnorm import only_batchnorm_buffers
@@ -99,7 +100,7 @@ def unfrozen(run: RunSpec, env: DistEnv, device, model, wrapped, steps_per_epoch
     tcfg = run.train
     strategy = training_strategy(tcfg, env)
     apply_freeze(model, ())
-    if strategy != "fsdp":
+    if strategy not in SHARDED_STRATEGIES:
         wrapped = wrap_ddp(model, device, tcfg.ddp) if env.world_size > 1 else model
         if tcfg.compile:
             wrapped = cast(nn.Module, torch.compile(wrapped))
@@ -115,8 +116,12 @@ def _wrap(model: nn.Module, strategy: str, env: DistEnv, device, tcfg: TrainSpec
         if env.is_master:
             what = "each forward recomputed in the backward"
             log.info("activation checkpointing: %s, %s", counted(blocks, "block"), what)
-    if strategy == "fsdp":  # sharded in place: the model's parameters become DTensor shards
-        model = wrapped = sharding.shard(model, device, tcfg.fsdp, tcfg.precision)
+    if strategy in SHARDED_STRATEGIES:  # in place: the model's parameters become DTensor shards
+        shard_size = tcfg.hsdp.shard_size or env.local_world_size  # null: a node's ranks
+        mesh = sharding.mesh_shape(strategy, env.world_size, shard_size)
+        model = wrapped = sharding.shard(model, device, tcfg.fsdp, tcfg.precision, mesh)
+        if env.is_master and strategy == "hsdp":
+            log.info("hsdp mesh: %d replicas x %d shards", *mesh)
     else:
         wrapped = wrap_ddp(model, device, tcfg.ddp) if env.world_size > 1 else model
     if tcfg.compile:
@@ -136,7 +141,7 @@ def training_strategy(tcfg: TrainSpec, env: DistEnv) -> str:
 def _optimizer(model: nn.Module, tcfg: TrainSpec, device, strategy: str):
     """The run's optimizer over the model's trainable parameters (build.trainable)."""
     params = trainable(model, tcfg)
-    zero, fsdp = strategy == "zero", strategy == "fsdp"
+    zero, fsdp = strategy == "zero", strategy in SHARDED_STRATEGIES
     return make_optimizer(params, tcfg.optimizer, effective_lr(tcfg), device, zero, dtensors=fsdp)
 
 

@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import accumulation_steps, micro_batches_per_step
+from ddpflow.config.machine import SHARDED_STRATEGIES
 from ddpflow.config.typed import RunSpec
 from ddpflow.data import feed
 from ddpflow.data.text import TokenFeed
@@ -78,7 +79,8 @@ class Loop(Resumable):
         loss_fn = data.task.loss(data.task_manifest, tcfg)
         parts = build_training(run, env, device, model, self.steps_per_epoch, loss_fn)
         self.strategy, self.model, self.wrapped = parts.strategy, parts.model, parts.wrapped
-        self.sharded_optimizer, self.fsdp = self.strategy == "zero", self.strategy == "fsdp"
+        self.sharded_optimizer = self.strategy == "zero"
+        self.fsdp = self.strategy in SHARDED_STRATEGIES  # fsdp or hsdp
         self.lr, self.optimizer, self.scheduler = parts.lr, parts.optimizer, parts.scheduler
         self.scaler, self.autocast, self.loss_fn = parts.scaler, parts.autocast, parts.loss_fn
         self._compiling = tcfg.compile and env.is_master

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddpflow.config.machine import SHARDED_STRATEGIES
 from ddpflow.data import feed
 from ddpflow.training import evaluate, sharding, zero_state
 
@@ -112,7 +113,7 @@ class Resumable:
     def checkpoints_sharded(self) -> bool:
         """Strategy fsdp checkpoints in DCP's resharding format at every world size (on one
         rank too, where it trains unsharded), so that any world size continues them."""
-        return self.tcfg.strategy == "fsdp"
+        return self.tcfg.strategy in SHARDED_STRATEGIES
 
     def load_state_dict(self, state: dict, path: Path | None = None) -> None:
         """Collective, at any world size: the position is global, the step losses are the

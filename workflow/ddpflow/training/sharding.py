@@ -1,6 +1,7 @@
-"""Fully sharded training (train.strategy: fsdp): FSDP2's fully_shard per block and on the
-root, and its checkpoints, written with torch.distributed.checkpoint (DCP); and activation
-checkpointing of the same blocks (train.activation_checkpointing).
+"""Fully sharded training (train.strategy: fsdp, and hsdp on a 2-D mesh): FSDP2's
+fully_shard per block and on the root, and its checkpoints, written with
+torch.distributed.checkpoint (DCP); and activation checkpointing of the same blocks
+(train.activation_checkpointing).
 
 Each rank holds 1/N of every parameter, its gradient and its optimizer state; a block's
 parameters are all-gathered for its forward and backward and freed after, and gradients are
@@ -23,6 +24,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ddpflow.config.machine import hsdp_mesh
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -101,13 +104,39 @@ def _frozen_statistics(norms: list):
                 m.num_batches_tracked.copy_(tracked)
 
 
-def shard(model: nn.Module, device: torch.device, cfg: TrainFsdpSpec, precision: str) -> nn.Module:
+def mesh_shape(strategy: str, world: int, shard_size: int) -> tuple[int, ...]:
+    """fsdp: (world,), one shard group. hsdp: (replicas, shard_size), ranks r*shard_size to
+    (r+1)*shard_size-1 in replica r's shard group (the ranks of a node, as srun numbers
+    them: a node's ranks are consecutive), the same shards replicated across groups."""
+    if strategy != "hsdp":
+        return (world,)
+    mesh = hsdp_mesh(world, shard_size)
+    if mesh is None:
+        raise ValueError(
+            f"train.hsdp.shard_size {shard_size} does not divide the world size {world}: "
+            "set train.hsdp.shard_size to a divisor of every world size the run may get, "
+            "or null (the ranks of a node)"
+        )
+    return mesh
+
+
+def shard(
+    model: nn.Module,
+    device: torch.device,
+    cfg: TrainFsdpSpec,
+    precision: str,
+    mesh_dims: tuple[int, ...] | None = None,
+) -> nn.Module:
     """fully_shard every unit, then the root (in place; returns the model), as train.fsdp
-    and train.precision say."""
+    and train.precision say, on a 1-D mesh of the world (fsdp) or a 2-D replicate x shard
+    mesh (hsdp: FSDP2 shards along the second dimension and all-reduces gradients along
+    the first)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    dims = mesh_dims or (dist.get_world_size(),)
+    names = ("replicate", "shard") if len(dims) == 2 else ("shard",)
+    mesh = init_device_mesh(device.type, dims, mesh_dim_names=names)
     kwargs: dict = {"mesh": mesh, "reshard_after_forward": cfg.reshard_after_forward}
     if device.type == "cuda" and precision == "bf16":
         reduce = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.reduce_dtype]

@@ -26,23 +26,29 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ddpflow.config.machine import SHARDED_STRATEGIES
 from ddpflow.training import sharding
 from ddpflow.training.models import build_model
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
-    """A device mesh's shape and dimension names: ("shard",) for fsdp. HSDP slots in here as
-    (nodes, ranks per node) named ("replicate", "shard") with its placements."""
+    """A device mesh's shape and dimension names: (world,) named ("shard",) for fsdp;
+    (replicas, shard size) named ("replicate", "shard") for hsdp, as
+    ddpflow.training.sharding.mesh_shape lays it out."""
 
     shape: tuple[int, ...]
     names: tuple[str, ...]
 
     @classmethod
-    def for_strategy(cls, strategy: str, nodes: int, per_node: int) -> MeshSpec:
-        if strategy == "fsdp":
-            return cls((nodes * per_node,), ("shard",))
-        raise ValueError(f"no device mesh for train.strategy {strategy!r}: it shards nothing")
+    def for_strategy(
+        cls, strategy: str, nodes: int, per_node: int, shard_size: int | None = None
+    ) -> MeshSpec:
+        """shard_size: hsdp's ranks per shard group (None: a node's ranks)."""
+        if strategy not in SHARDED_STRATEGIES:
+            raise ValueError(f"no device mesh for train.strategy {strategy!r}: it shards nothing")
+        dims = sharding.mesh_shape(strategy, nodes * per_node, shard_size or per_node)
+        return cls(dims, ("replicate", "shard") if len(dims) == 2 else ("shard",))
 
     @property
     def world(self) -> int:
