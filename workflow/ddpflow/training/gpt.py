@@ -6,7 +6,9 @@ the output layer tied to the token embedding), sized by model.kwargs with nanoGP
 
 Each GPTBlock is one unit of FSDP2 sharding and activation checkpointing
 (ddpflow.training.sharding.BLOCK_TYPES). Input: token ids [B, T] (T <= block_size); output:
-logits [B, T, vocab_size]."""
+logits [B, T, vocab_size]. Decoding passes a KVCache (ddpflow.training.kvcache, from
+GPT.new_cache) to forward: the positions it holds are not computed again; training passes
+none, and its forward is unchanged."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ddpflow.training.kvcache import KVCache, LayerCache
 
 DEFAULTS = {"n_layer": 4, "n_head": 4, "n_embd": 128, "dropout": 0.0, "bias": True}
 
@@ -27,14 +31,17 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.dropout = n_head, dropout
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = (
             part.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
             for part in self.qkv(x).split(c, dim=2)
         )
-        drop = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+        if cache is None:
+            drop = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+        else:  # decoding (eval mode: no dropout)
+            y = cache.attend(q, k, v)
         return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, t, c)))
 
 
@@ -51,8 +58,8 @@ class GPTBlock(nn.Module):
             nn.Dropout(dropout),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -71,6 +78,7 @@ class GPT(nn.Module):
         if n_embd % n_head:
             raise ValueError(f"n_embd {n_embd} is not a multiple of n_head {n_head}")
         self.vocab_size, self.block_size = vocab_size, block_size
+        self.n_head, self.n_embd = n_head, n_embd
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
@@ -83,12 +91,33 @@ class GPT(nn.Module):
             if name.endswith("attn.proj.weight") or name.endswith("mlp.2.weight"):
                 nn.init.normal_(parameter, 0.0, 0.02 / math.sqrt(2 * n_layer))
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] of token ids [B, T]; with a cache, the ids continue the
+        positions it holds (and are held after the call)."""
+        start = 0
+        if cache is not None:
+            cache.check_room(idx.shape[1])
+            start = cache.length
+        positions = torch.arange(start, start + idx.shape[1], device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(positions))
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x) if cache is None else block(x, cache.layer(i))
+        if cache is not None:
+            cache.advance(idx.shape[1])
         return self.head(self.ln_f(x))
+
+    def new_cache(self, batch: int = 1) -> KVCache:
+        """An empty KV cache with room for block_size positions, on the weights' device."""
+        weight = self.wte.weight
+        return KVCache(
+            len(self.blocks),
+            self.n_head,
+            self.n_embd // self.n_head,
+            self.block_size,
+            batch=batch,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
 
 
 def _init(module: nn.Module) -> None:
@@ -116,24 +145,51 @@ def generate(
     seed: int,
     temperature: float = 1.0,
     top_k: int | None = 40,
+    cache: bool = True,
 ) -> list[int]:
     """Sample new_tokens after prompt, from a generator seeded with `seed` (the same tokens
-    on every rank and at every world size, for the same weights). Collective under FSDP:
-    every rank calls it."""
+    on every rank and at every world size, for the same weights); temperature 0 takes the
+    most likely token (no draw). The context is the last block_size tokens. cache: a GPT
+    keeps its keys and values (KVCache) while the context fits in block_size, the same
+    tokens as computing the whole context at every step (up to float rounding) at a
+    fraction of the work; once it is longer, every step reads its last block_size tokens
+    anew (the learned positions shift). Another model (a plug-in) always reads the whole
+    context. Collective under FSDP: every rank calls it."""
+    if not prompt:
+        raise ValueError("generate: the prompt is empty; give at least one token")
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    idx = torch.tensor([prompt], dtype=torch.int64, device=device)
+    held = model.new_cache() if cache and isinstance(model, GPT) else None
+    tokens = list(prompt)
     for _ in range(new_tokens):
-        logits = model(idx[:, -block_size:])[0, -1].float().cpu() / temperature
-        if top_k is not None:
-            cut = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-            logits[logits < cut] = -float("inf")
-        token = torch.multinomial(logits.softmax(dim=0), 1, generator=generator)
-        idx = torch.cat([idx, token.to(device).view(1, 1)], dim=1)
+        logits = _next_logits(model, tokens, block_size, held, device)
+        tokens.append(_draw(logits, temperature, top_k, generator))
     model.train(was_training)
-    return idx[0, len(prompt) :].tolist()
+    return tokens[len(prompt) :]
+
+
+def _next_logits(model, tokens: list[int], block_size: int, held: KVCache | None, device):
+    """The logits of the token after `tokens`: from the cache while the context fits in it
+    (the positions not yet held are read), else from the last block_size tokens."""
+    if held is not None and len(tokens) <= min(held.capacity, block_size):
+        new = torch.tensor([tokens[held.length :]], dtype=torch.int64, device=device)
+        return model(new, cache=held)[0, -1]
+    idx = torch.tensor([tokens[-block_size:]], dtype=torch.int64, device=device)
+    return model(idx)[0, -1]
+
+
+def _draw(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> int:
+    """The next token: the most likely at temperature 0, else a draw from the generator
+    among the top_k most likely (None: all), their logits divided by temperature."""
+    if temperature == 0:
+        return int(logits.float().argmax())
+    logits = logits.float().cpu() / temperature
+    if top_k is not None:
+        cut = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits[logits < cut] = -float("inf")
+    return int(torch.multinomial(logits.softmax(dim=0), 1, generator=generator))
 
 
 PROMPT_TOKENS = 32  # the prompt: the validation split's first tokens (at most block_size)
@@ -143,24 +199,25 @@ SAMPLES = 3
 
 def text_samples(model: nn.Module, data, seed: int, every_rank: bool, is_master: bool):
     """A few continuations of a fixed prompt (the validation split's first PROMPT_TOKENS
-    bytes), sampled with seeds seed, seed + 1, ..., decoded as UTF-8 (for data.source text:
-    its tokens are bytes); None for token data or on a rank that does not record them.
-    every_rank: the model's forward is a collective (FSDP), so every rank samples too."""
+    tokens), sampled with seeds seed, seed + 1, ..., decoded by the data's tokenizer (for
+    data.source text: data.tokenizer, ddpflow.data.tokenizer); None for token data or on a
+    rank that does not record them. every_rank: the model's forward is a collective (FSDP),
+    so every rank samples too."""
     if data.manifest.get("source") != "text" or not (every_rank or is_master):
         return None
-    from ddpflow.data.text import EOD
-
     block = int(data.manifest["block_size"])
     prompt = [int(t) for t in data.val.inputs.tokens[: min(PROMPT_TOKENS, block)]]
 
     def text(tokens: list[int]) -> str:
-        raw = b"".join(b"\n" if t == EOD else bytes([t]) for t in tokens if t <= EOD)
-        decoded = raw.decode("utf-8", errors="replace")
+        decoded = data.tokenizer.decode(tokens)
         # control characters (NUL, escapes) shown as U+FFFD: the text goes into the report
         return "".join(c if c in "\n\t" or c.isprintable() else "\ufffd" for c in decoded)
 
     samples = [
-        {"seed": seed + k, "text": text(generate(model, prompt, NEW_TOKENS, block, seed + k))}
+        {
+            "seed": seed + k,
+            "text": text(generate(model, prompt, NEW_TOKENS, block, seed + k, cache=False)),
+        }
         for k in range(SAMPLES)
     ]
     return {"prompt": text(prompt), "new_tokens": NEW_TOKENS, "samples": samples}
