@@ -57,6 +57,25 @@ def test_a_plan_at_64_256_and_1024_ranks(tmp_path, nodes, per_node):
     json.dumps(doc)  # JSON-ready
 
 
+def test_an_hsdp_plan_at_1024_ranks_shards_within_a_node(tmp_path):
+    """strategy hsdp at 128 x 8: the mesh is 128 replicas x 8 shards (a node's ranks), a
+    rank holds an eighth of the model (not a 1,024th), and its memory lies between fsdp's
+    and ddp's; after a resume at 64 nodes a rank reads only its own shard's file."""
+    doc = plan.plan(str(_config(tmp_path, train={"strategy": "hsdp"})), 128, 8)
+    mesh = doc["fsdp"]["mesh"]
+    assert mesh == {"shape": [128, 8], "names": ["replicate", "shard"]}
+    assert (
+        doc["strategy"] == "hsdp" and doc["peak_bytes"] == doc["strategies"]["hsdp"]["peak_bytes"]
+    )
+    whole = doc["fsdp"]["parameter_bytes_whole"]
+    assert whole / 8 <= doc["fsdp"]["parameter_bytes_per_rank"] < whole / 4
+    parts = {s: doc["strategies"][s]["parts"] for s in ("ddp", "fsdp", "hsdp")}
+    assert parts["ddp"]["optimizer"] > parts["hsdp"]["optimizer"] > parts["fsdp"]["optimizer"]
+    ckpt = doc["checkpoint"]
+    assert ckpt["reads_from_means"] == "shard index" and ckpt["resume_world_size"] == 512
+    assert all(r["reads_from"] == [r["rank"] % 8] for r in ckpt["reads"])
+
+
 def test_each_micro_batch_of_a_step_is_computed_by_exactly_one_rank():
     for micro_batches, world in ((2048, 1024), (1024, 1024), (12, 4), (12, 3)):
         shares = sp.micro_batch_shares(micro_batches, world)

@@ -223,39 +223,65 @@ def test_accuracy_equals_local_run(slurm_run, tmp_path):
     assert "train.seed=1" in reason and len(reason) < 300, reason
 
 
-def test_fsdp_on_two_nodes_trains_what_it_trains_on_one_machine(slurm_cluster, tmp_path):
-    """train.strategy: fsdp across 2 nodes x 2 ranks: each rank writes its shards of every
-    checkpoint (DCP) into the shared work folder, and the run equals a local 4-rank one."""
-    science = {"train": {**SCIENCE["train"], "strategy": "fsdp"}, "runs": [{"name": "cnn"}]}
-    remote_dir, local_dir = tmp_path / "slurm", tmp_path / "local"
-    remote_dir.mkdir()
-    local_dir.mkdir()
-    remote = slurm_snakemake(
-        remote_dir, write_config(remote_dir / "c.yaml", {**science, "machine": CLUSTER_MACHINE})
-    )
-    assert remote.returncode == 0, (remote.stdout + remote.stderr)[-4000:]
+FSDP_SCIENCE = {"train": {**SCIENCE["train"], "strategy": "fsdp"}, "runs": [{"name": "cnn"}]}
+
+
+@pytest.fixture(scope="module")
+def fsdp_local(tmp_path_factory) -> Path:
+    """The fsdp run on one machine, 4 local ranks: what the sharded runs on 2 nodes equal."""
+    local_dir = tmp_path_factory.mktemp("fsdp-local")
     local_machine = {"nodes": 1, "cpu_ranks_per_node": 4}
     local = snakemake(
-        local_dir, write_config(local_dir / "c.yaml", {**science, "machine": local_machine})
+        local_dir, write_config(local_dir / "c.yaml", {**FSDP_SCIENCE, "machine": local_machine})
     )
     assert local.returncode == 0, local.stderr[-3000:]
-    (kept,) = (remote_dir / "results/work/cnn/checkpoints").glob("ckpt-*.dcp")
+    return local_dir
+
+
+def _sharded_on_two_nodes(workdir: Path, science: dict) -> tuple[dict, list[float]]:
+    """(eval_metrics.json, the epochs' train losses) of `science` run on 2 nodes x 2 ranks;
+    each rank wrote its file of every DCP checkpoint into the shared work folder."""
+    workdir.mkdir()
+    remote = slurm_snakemake(
+        workdir, write_config(workdir / "c.yaml", {**science, "machine": CLUSTER_MACHINE})
+    )
+    assert remote.returncode == 0, (remote.stdout + remote.stderr)[-4000:]
+    (kept,) = (workdir / "results/work/cnn/checkpoints").glob("ckpt-*.dcp")
     assert sorted(p.name for p in kept.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
-    metrics = [
-        json.loads((root / "results/runs/cnn/eval_metrics.json").read_text())
-        for root in (remote_dir, local_dir)
-    ]
-    assert sorted(set(metrics[0]["train"]["hosts"])) == ["node1", "node2"]
-    assert metrics[0]["confusion_matrix"] == metrics[1]["confusion_matrix"]
-    assert metrics[0]["accuracy"] == metrics[1]["accuracy"] > 0.95
-    losses = [
-        [
-            json.loads(line)["train_loss"]
-            for line in (root / "results/runs/cnn/train_metrics.jsonl").read_text().splitlines()
-        ]
-        for root in (remote_dir, local_dir)
-    ]
-    assert losses[0] == losses[1]
+    return _metrics_and_losses(workdir)
+
+
+def _metrics_and_losses(root: Path) -> tuple[dict, list[float]]:
+    metrics = json.loads((root / "results/runs/cnn/eval_metrics.json").read_text())
+    lines = (root / "results/runs/cnn/train_metrics.jsonl").read_text().splitlines()
+    return metrics, [json.loads(line)["train_loss"] for line in lines]
+
+
+def test_fsdp_on_two_nodes_trains_what_it_trains_on_one_machine(
+    slurm_cluster, fsdp_local, tmp_path
+):
+    """train.strategy: fsdp across 2 nodes x 2 ranks: each rank writes its shards of every
+    checkpoint (DCP) into the shared work folder, and the run equals a local 4-rank one."""
+    metrics, losses = _sharded_on_two_nodes(tmp_path / "slurm", FSDP_SCIENCE)
+    local_metrics, local_losses = _metrics_and_losses(fsdp_local)
+    assert sorted(set(metrics["train"]["hosts"])) == ["node1", "node2"]
+    assert metrics["confusion_matrix"] == local_metrics["confusion_matrix"]
+    assert metrics["accuracy"] == local_metrics["accuracy"] > 0.95
+    assert losses == local_losses
+
+
+def test_hsdp_on_two_nodes_shards_within_a_node(slurm_cluster, fsdp_local, tmp_path):
+    """train.strategy: hsdp across 2 nodes x 2 ranks: a 2 x 2 mesh (a node's two ranks share
+    one sharded copy, the nodes replicate it), the same science as fsdp: its losses equal
+    the local fsdp run's within float rounding, and its test predictions the same."""
+    science = {**FSDP_SCIENCE, "train": {**FSDP_SCIENCE["train"], "strategy": "hsdp"}}
+    metrics, losses = _sharded_on_two_nodes(tmp_path / "slurm", science)
+    local_metrics, local_losses = _metrics_and_losses(fsdp_local)
+    rank0 = next((tmp_path / "slurm/logs/submitit/cnn/train").glob("*_0_log.err")).read_text()
+    assert "hsdp mesh: 2 replicas x 2 shards" in rank0, rank0[-2000:]
+    assert sorted(set(metrics["train"]["hosts"])) == ["node1", "node2"]
+    assert metrics["confusion_matrix"] == local_metrics["confusion_matrix"]
+    assert losses == pytest.approx(local_losses, rel=1e-5)
 
 
 def test_deleted_evaluation_is_scored_alone_in_a_job_of_its_own(slurm_run):

@@ -6,17 +6,17 @@ before anything is queued; nothing is allocated.
 
 For the run (default: the config's first) at nodes x ranks per node:
 
-* the memory estimate per rank and strategy (ddp, zero, fsdp): one training step measured
+* the memory estimate per rank and strategy (ddp, zero, fsdp, hsdp): one training step measured
   on fake tensors (ddpflow.training.footprint) turned into a rank's peak at this world size
   (ddpflow.checks.memory), for rank 0 and for the others, in bytes (`peak_bytes`);
-* the FSDP units and the device mesh, from FSDP2's fully_shard on a meta-device model in a
-  fake process group of the whole world (ddpflow.training.sharding_plan), and the parameter
+* the FSDP units and the device mesh (the run's: hsdp's replicate x shard mesh under
+  strategy hsdp, else fsdp's), from FSDP2's fully_shard on a meta-device model in a fake
+  process group of the whole world (ddpflow.training.sharding_plan), and the parameter
   bytes a rank's shards really hold (FSDP pads each parameter's rows to the shard count);
 * each rank's micro-batches of an optimizer step (ddpflow.training.schedule);
 * the checkpoint: its files, and after a resume at --resume-nodes which files each rank reads.
 
-The strategies planned are those ddpflow trains (ddp, zero, fsdp); HSDP is one more
-sharding_plan.MeshSpec (a replicate x shard mesh) once train.strategy offers it.
+The strategies planned are those ddpflow trains (ddp, zero, fsdp, hsdp).
 """
 
 from __future__ import annotations
@@ -32,11 +32,17 @@ from ddpflow import config as ddpconfig
 from ddpflow.checks import memory as fits
 from ddpflow.checks.early import RUNTIME, input_of, read_footprints
 from ddpflow.config.fingerprint import TOKEN_SOURCES
-from ddpflow.config.machine import accumulation_steps, micro_batches_per_step, ranks_per_node
+from ddpflow.config.machine import (
+    SHARDED_STRATEGIES,
+    accumulation_steps,
+    micro_batches_per_step,
+    ranks_per_node,
+)
 from ddpflow.paths import RunPaths
 from ddpflow.task.builtin_views import TEXT_VOCABULARY
+from ddpflow.words import counted
 
-STRATEGIES = ("ddp", "zero", "fsdp")
+STRATEGIES = ("ddp", "zero", "fsdp", "hsdp")
 
 
 def load_run(configfile: str, nodes: int, per_node: int, name: str | None) -> dict:
@@ -130,7 +136,7 @@ def plan(configfile: str, nodes: int, per_node: int, name=None, resume_nodes=Non
     world, inputs = run["world_size"], model_input(run)
     resume = resume_nodes or max(1, nodes // 2)
     per_node = ranks_per_node(run["machine"])
-    mesh = sp.MeshSpec.for_strategy("fsdp", nodes, per_node)
+    mesh = _mesh(run, nodes, per_node)
     layout = sp.shard_layout(run["model"], inputs[0], inputs[1], mesh)
     shares = sp.micro_batch_shares(micro_batches_per_step(run["train"]), world)
     strategies = memory(run, inputs)
@@ -151,6 +157,15 @@ def plan(configfile: str, nodes: int, per_node: int, name=None, resume_nodes=Non
     }
 
 
+def _mesh(run: dict, nodes: int, per_node: int):
+    """The run's sharding mesh: hsdp's under strategy hsdp, else fsdp's (what the run would
+    shard like under fsdp)."""
+    from ddpflow.training import sharding_plan as sp
+
+    strategy = "hsdp" if run["train"]["strategy"] == "hsdp" else "fsdp"
+    return sp.MeshSpec.for_strategy(strategy, nodes, per_node, run["train"]["hsdp"]["shard_size"])
+
+
 def _fsdp_part(layout) -> dict:
     return {
         "mesh": {"shape": list(layout.mesh.shape), "names": list(layout.mesh.names)},
@@ -160,7 +175,7 @@ def _fsdp_part(layout) -> dict:
         # what fully_shard's shards hold on a rank (padded: the same on every rank), against
         # the even split the memory estimate assumes
         "parameter_bytes_per_rank": layout.rank0_bytes,
-        "even_split_bytes": -(-layout.full_bytes // layout.mesh.world),
+        "even_split_bytes": -(-layout.full_bytes // layout.mesh.shape[-1]),
         "ranks_symmetric": True,
     }
 
@@ -180,7 +195,7 @@ def _checkpoint_part(run: dict, layout, resume_world: int, per_node: int) -> dic
     at resume_world; ddp and zero: rank 0's one file, read whole by every rank."""
     from ddpflow.training import sharding_plan as sp
 
-    if run["train"]["strategy"] != "fsdp" or run["world_size"] == 1:
+    if run["train"]["strategy"] not in SHARDED_STRATEGIES or run["world_size"] == 1:
         return {
             "format": "torch.save (rank 0)",
             "files": 1,
@@ -194,15 +209,16 @@ def _checkpoint_part(run: dict, layout, resume_world: int, per_node: int) -> dic
             "resume_world_size": resume_world,
             "reads": f"{resume_world} ranks do not divide the step's micro-batches",
         }
-    new = sp.MeshSpec.for_strategy(
-        "fsdp", resume_world // per_node or 1, min(per_node, resume_world)
-    )
+    new = _mesh(run, resume_world // per_node or 1, min(per_node, resume_world))
     reads = sp.resharding_reads(layout.sizes, layout.mesh, new)
     return {
         "format": "DCP (ckpt-<step>.dcp/__<rank>_0.distcp per rank, rank 0's .pt commits)",
         "files": run["world_size"],
         "resume_world_size": resume_world,
         "reads": reads,
+        # fsdp: shard k is rank k's file; hsdp: shard k is held by one rank of each replica
+        # group and DCP writes it once, in the file of one of them
+        "reads_from_means": "shard index" if len(layout.mesh.shape) == 2 else "rank",
         "most_files_one_rank_reads": max(len(r["reads_from"]) for r in reads),
     }
 
@@ -223,7 +239,8 @@ def render(doc: dict) -> str:
         )
     fsdp, micro, ckpt = doc["fsdp"], doc["micro_batches"], doc["checkpoint"]
     lines += [
-        f"fsdp mesh {fsdp['mesh']['shape']} {fsdp['mesh']['names']}, {len(fsdp['units'])} "
+        f"{doc['strategy'] if doc['strategy'] == 'hsdp' else 'fsdp'} mesh "
+        f"{fsdp['mesh']['shape']} {fsdp['mesh']['names']}, {len(fsdp['units'])} "
         f"units; {fsdp['parameter_bytes_per_rank'] / 2**20:.1f} MiB of parameters per rank "
         f"(even split {fsdp['even_split_bytes'] / 2**20:.1f} MiB)",
         f"micro-batches: {micro['per_step']} per step, {micro['per_rank']} per rank "
@@ -237,4 +254,7 @@ def render(doc: dict) -> str:
 def _reads_text(ckpt: dict) -> str:
     if isinstance(ckpt["reads"], str):
         return ckpt["reads"]
-    return f"a rank reads at most {ckpt['most_files_one_rank_reads']} ranks' files"
+    most = ckpt["most_files_one_rank_reads"]
+    if ckpt.get("reads_from_means") == "shard index":
+        return f"a rank reads at most {counted(most, 'shard')} (each written once, by one replica)"
+    return f"a rank reads at most {most} ranks' files"

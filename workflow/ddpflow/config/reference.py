@@ -40,6 +40,7 @@ CONTEXTS: dict[str, dict] = {
     "data.source: image_folder": {"data": {"source": "image_folder", "image_size": [32, 32]}},
     "data.source: npz": {"data": {"source": "npz"}},
     "train.strategy: fsdp": {"train": {"strategy": "fsdp"}},
+    "train.strategy: hsdp": {"train": {"strategy": "hsdp"}},
     "train.augment.enabled: true": {"train": {"augment": {"enabled": True}}},
 }
 # what a rerun redoes, from least to most: each level redoes the ones before it too
@@ -65,13 +66,15 @@ NOT_A_RERUN = {
 }
 # tracking: where runs are logged, in no fingerprint (ddpflow.tracking)
 TRACKING_EFFECT = "nothing; the track rule logs again (and the report is redone)"
-# predict and export: what is made from a finished run's model.pt (ddpflow.predict,
-# ddpflow.export), in no fingerprint
+# predict, generate and export: what is made from a finished run's model.pt
+# (ddpflow.predict, ddpflow.generate, ddpflow.export), in no fingerprint
 OUTSIDE_RUNS = {
     "predict": "nothing is retrained or re-evaluated; `snakemake predict` predicts again "
     "(predict.runs: only the runs newly named)",
     "export": "nothing is retrained or re-evaluated; a format added is exported, and the "
     "report is redone",
+    "generate": "nothing is retrained or re-evaluated; `snakemake generate` generates again "
+    "(generate.runs: only the runs newly named)",
 }
 # sweep: which runs exist, not what one run computes (ddpflow.config.sweep)
 SWEEP_EFFECT = {

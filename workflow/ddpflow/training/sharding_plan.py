@@ -145,7 +145,9 @@ def resharding_reads(
 ) -> list[dict]:
     """After a resume at `new`, from a checkpoint written at `old`: for each new rank, the
     old ranks whose DCP files (__<rank>_0.distcp: each old rank's shards) hold rows of its
-    shards, and the parameter bytes it reads. A 1-D mesh (fsdp): shard k is rank k's."""
+    shards, and the parameter bytes it reads. A 1-D mesh (fsdp): shard k is rank k's; on
+    hsdp's 2-D mesh the numbers are shard indices (shard k is held by one rank of every
+    replica group, and DCP writes it once)."""
     readers: list[set[int]] = [set() for _ in range(new.world)]
     nbytes = [0] * new.world
     old_shards = old.shape[old.names.index("shard")]
