@@ -49,7 +49,8 @@ import workers
 from ddpflow import config as ddpconfig
 from ddpflow.config.typed import RunSpec
 from ddpflow.data.staging import stage_dataset
-from ddpflow.data.text import open_tokens, split_tokens, train_blocks
+from ddpflow.data.text import open_tokens
+from ddpflow.data.windows import split_tokens, train_blocks
 from ddpflow.training.build import cpu_has_native_bf16, placed_model
 from ddpflow.training.checkpoint import Checkpointer
 from ddpflow.training.gpt import gpt

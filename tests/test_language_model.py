@@ -19,7 +19,7 @@ import pytest
 import torch
 from ddpflow.config import ConfigError
 from ddpflow.config.typed import RunSpec
-from ddpflow.data import text
+from ddpflow.data import text, windows
 from ddpflow.data.staged import DataError, read_manifest, verify_staged
 from ddpflow.data.staging import stage_dataset
 from ddpflow.training import evaluate
@@ -94,15 +94,15 @@ def test_text_is_staged_as_bytes_with_end_of_document_tokens_in_contiguous_split
     assert manifest["vocab_size"] == 257 and manifest["dtype"] == "uint16"
     assert [f["file"] for f in manifest["source_files"]] == ["a.py", "sub/b.py"]
     # blocks of block_size + 1 from offset 0; the scored split's last one padded
-    train = text.TokenBlocks(splits[0], BLOCK, scored=False, device=CPU)
+    train = windows.TokenBlocks(splits[0], BLOCK, scored=False, device=CPU)
     assert len(train) == (len(splits[0]) - 1) // BLOCK
     got = train.gather([0, len(train) - 1])
     assert np.array_equal(got[1], splits[0][(len(train) - 1) * BLOCK :][: BLOCK + 1])
     assert np.array_equal(got[0], splits[0][: BLOCK + 1])
-    test = text.TokenBlocks(splits[2], BLOCK, scored=True, device=CPU)
+    test = windows.TokenBlocks(splits[2], BLOCK, scored=True, device=CPU)
     last = test.rows(len(test) - 1, len(test))[0].numpy()
     tail = splits[2][(len(test) - 1) * BLOCK :]
-    assert np.array_equal(last[: len(tail)], tail) and (last[len(tail) :] == text.PAD).all()
+    assert np.array_equal(last[: len(tail)], tail) and (last[len(tail) :] == windows.PAD).all()
     # a damaged byte is found by its sha256
     damaged = Path(staged["root"]) / "damaged"
     shutil.copytree(staged["staged"], damaged)

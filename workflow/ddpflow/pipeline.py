@@ -29,6 +29,7 @@ from ddpflow.config.machine import uses_channels_last
 from ddpflow.data.staged import choose_in_memory, read_manifest
 from ddpflow.data.staging import stage_dataset
 from ddpflow.data.text import describe_tokens
+from ddpflow.data.windows import train_samples
 from ddpflow.errors import UserError
 from ddpflow.paths import (
     EVAL_FROM_TRAIN,
@@ -147,8 +148,9 @@ def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     scratch, saying why), then keep the work folder lean. With an MLflow URI in the run's
     `tracking:`, epochs are streamed there as they land."""
     manifest = read_manifest(paths.staged)
-    check_batch_fits(run, manifest["sizes"]["train"])
-    warn_what_sits_out(run, manifest["sizes"]["train"])
+    samples = train_samples(run, manifest)  # a language model's fresh windows: (n - B) // B
+    check_batch_fits(run, samples)
+    warn_what_sits_out(run, samples)
     _check_user_model(run, manifest)
     _check_memory(run, manifest)
     _say_how_data_is_read(run, manifest)

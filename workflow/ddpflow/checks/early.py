@@ -45,6 +45,7 @@ from ddpflow.checks.weight_files import refusal
 from ddpflow.config.fingerprint import BUILT_IN_MODELS, config_hash, plugin_source_hash
 from ddpflow.config.machine import uses_channels_last
 from ddpflow.config.schema import ConfigError
+from ddpflow.data.windows import train_samples
 from ddpflow.paths import staged_dir
 from ddpflow.plugins import is_plugin
 from ddpflow.runtime import atomic_write_json
@@ -89,7 +90,7 @@ def check_before_jobs(
         if manifest is None:
             continue
         try:
-            check_batch_fits(run, manifest["sizes"]["train"])
+            check_batch_fits(run, train_samples(run, manifest))
         except ConfigError as err:
             problems.append(str(err))
         check = model_check(run, manifest)

@@ -12,6 +12,7 @@ import os
 from ddpflow.checks.batch import check_world_size
 from ddpflow.checks.host import cpu_computes_bf16, local_gpu_count
 from ddpflow.checks.model_kwargs import check_gpt_kwargs
+from ddpflow.checks.token_windows import check_token_windows
 from ddpflow.config.fingerprint import BUILT_IN_MODELS
 from ddpflow.config.machine import (
     SHARDED_STRATEGIES,
@@ -86,6 +87,7 @@ def _check_data_and_model(where: str, run: dict) -> None:
         )
     if model["name"] == "gpt":
         check_gpt_kwargs(where, model["kwargs"])
+    check_token_windows(where, run)
     if not is_plugin(model["name"]) and "weights" in model["kwargs"]:
         raise ConfigError(
             f"{where}: model.kwargs.weights: pretrained weights go in model.weights (a "

@@ -51,9 +51,13 @@ def is_own_data(source: str) -> bool:
     return source in ("image_folder", "npz", *TOKEN_SOURCES) or is_plugin(source)
 
 
-# train keys added after runs were trained (fine-tuning): left out of the fingerprint at
-# their default, which is what every run trained before them did
-LATER_TRAIN_DEFAULTS: dict[str, Any] = {"freeze": [], "unfreeze_at_epoch": None}
+# train keys added after runs were trained (fine-tuning, a language model's fresh windows):
+# left out of the fingerprint at their default, which is what every run trained before them did
+LATER_TRAIN_DEFAULTS: dict[str, Any] = {
+    "freeze": [],
+    "unfreeze_at_epoch": None,
+    "fresh_windows": False,
+}
 
 
 # data keys that say how data is staged or read, not what it is: no staged byte and no
@@ -279,8 +283,12 @@ def plugin_source_hash(spec: str) -> str:
 def evaluation_fingerprint(run: dict) -> dict[str, Any]:
     """What determines an evaluation besides the model file: the eval section, less where
     it runs (eval.in_train: the training job or a job of its own score alike), and a task's
-    settings (a multi-label threshold) other than classification's."""
-    flat = flatten({"eval": {k: v for k, v in run["eval"].items() if k != "in_train"}})
+    settings (a multi-label threshold) other than classification's. eval.stride only where it
+    slides the windows: at block_size (or null, its default) it scores what every evaluation
+    before the key scored, so a finished run is not evaluated again."""
+    slides = run["eval"].get("stride") not in (None, run["data"].get("block_size"))
+    skip = ("in_train",) if slides else ("in_train", "stride")
+    flat = flatten({"eval": {k: v for k, v in run["eval"].items() if k not in skip}})
     flat.update(task_settings(run, training=False))
     return flat
 

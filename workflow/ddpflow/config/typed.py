@@ -435,6 +435,12 @@ class TrainSpec(_Section):
     #: uninterrupted one; slower. Off: cuDNN autotunes its convolution algorithms
     deterministic: bool = False
     seed: int = 0
+    #: task language_model: each epoch cuts its training blocks at a new offset in [0,
+    #: data.block_size) drawn from (train.seed, epoch), so the model sees new block boundaries
+    #: every epoch; the block count stays the same each epoch ((tokens - block_size) //
+    #: block_size, what every offset leaves whole) and the order stays exact at any world size.
+    #: false: every epoch cuts the same blocks from offset 0
+    fresh_windows: bool = False
     #: lr_effective = lr * f(global_batch_size / base_batch_size): moves with the global batch
     #: only, never with the world size
     lr_scaling: Literal["none", "linear", "sqrt"] = "linear"
@@ -469,6 +475,12 @@ class EvalSpec(_Section):
 
     split: Literal["test", "val"] = "test"
     batch_size: int = 512
+    #: task language_model: sliding-window scoring. Windows of data.block_size tokens start every
+    #: stride tokens; the first scores all its positions, each later one only its last stride, so
+    #: every token is scored once with at least block_size - stride tokens of context (block_size
+    #: / stride times the forward passes). At most data.block_size; null: data.block_size (non-
+    #: overlapping windows). The validation during training always scores non-overlapping windows
+    stride: int | None = None
     #: the training job evaluates the final model before it releases its ranks (one allocation
     #: per run; the evaluate rule then publishes the result); false: the evaluate rule always
     #: submits a job of its own. Cannot change a result.

@@ -72,7 +72,7 @@ class StreamedImages:
 
 def rows(images, start: int, stop: int) -> torch.Tensor:
     """images[start:stop] as a tensor on its device, for in-memory and streamed splits (and a
-    language model's token blocks, ddpflow.data.text.TokenBlocks)."""
+    language model's token windows, ddpflow.data.windows.TokenBlocks)."""
     if isinstance(images, torch.Tensor):
         return images[start:stop]
     return images.rows(start, stop)
@@ -121,8 +121,9 @@ class MemoryFeed:
     def __init__(self, images: torch.Tensor):
         self.images = images
 
-    def epoch(self, batches: torch.Tensor, start: int) -> Iterator[torch.Tensor]:
-        """The uint8 batches of rows start.. of batches (a micro-batch's indices per row)."""
+    def epoch(self, batches: torch.Tensor, start: int, epoch: int = 0) -> Iterator[torch.Tensor]:
+        """The uint8 batches of rows start.. of batches (a micro-batch's indices per row);
+        the images are the same every epoch (a token feed's windows may not be)."""
         for index in range(start, len(batches)):
             yield self.images.index_select(0, batches[index])
 
@@ -148,7 +149,7 @@ class StreamFeed:
             persistent_workers=workers > 0,
         )
 
-    def epoch(self, batches: torch.Tensor, start: int) -> Iterator[torch.Tensor]:
+    def epoch(self, batches: torch.Tensor, start: int, epoch: int = 0) -> Iterator[torch.Tensor]:
         assert self.loader is not None, "the feed was closed"
         self.sampler.batches = [b.cpu().numpy() for b in batches[start:]]
         for x in self.loader:

@@ -15,17 +15,13 @@ stream cut into contiguous chunks: train, then val (data.val_fraction), then tes
 or .npy (uint16/uint32, 1-D) as they are; without a test file, test is the last
 data.test_fraction of train.
 
-Samples (docs/language-models.md): training block i is tokens[i*B : i*B + B + 1] (B =
-data.block_size): non-overlapping blocks from offset 0, (n - 1) // B of them; the epoch order
-is schedule.step_micro_batches' permutation of block indices, so a resume at any world size
-is exact. Scoring covers every position 1..n-1 once: ceil((n - 1) / B) blocks, the last
-padded with PAD targets (ignored). Nothing is loaded whole: a rank reads a split by memory map.
+Samples: a split's windows of block_size + 1 tokens, read by memory map (never loaded
+whole): ddpflow.data.windows.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -35,6 +31,7 @@ import numpy as np
 
 from ddpflow.data.raw import DataError
 from ddpflow.data.staged import FORMAT_VERSION, MANIFEST, SPLITS, check_file
+from ddpflow.data.windows import scored_blocks, train_blocks
 from ddpflow.runtime import atomic_write_json, fsync_dir, replace_dir, sha256_file
 from ddpflow.task.lm import LanguageModel
 from ddpflow.words import counted
@@ -43,7 +40,6 @@ log = logging.getLogger(__name__)
 
 EOD = 256  # text: the end-of-document token between two files
 TEXT_VOCAB = 257
-PAD = -1  # a scored block's padding: its targets are ignored
 CHUNK = 1 << 22  # tokens copied and checked at a time (memory stays bounded)
 
 
@@ -110,14 +106,6 @@ def describe_tokens(manifest: dict) -> str:
         f"{counts} tokens, vocabulary {manifest['vocab_size']:,}, block_size "
         f"{manifest['block_size']}"
     )
-
-
-def train_blocks(n: int, block: int) -> int:
-    return max(n - 1, 0) // block
-
-
-def scored_blocks(n: int, block: int) -> int:
-    return math.ceil(max(n - 1, 0) / block)
 
 
 def _dtype(vocab: int) -> np.dtype:
@@ -303,80 +291,3 @@ def open_tokens(staged_dir, split: str, manifest: dict, verify: bool) -> np.ndar
             f"{manifest['dtype']}[{n}]; delete {staged_dir} and restage"
         )
     return tokens
-
-
-class TokenBlocks:
-    """A split's tokens as blocks of block_size + 1 ([n_blocks, B + 1] int64 when read):
-    training's full blocks, or (scored=True) the blocks that score every position once, the
-    last one padded with PAD. Slicing gives a view of a contiguous range of blocks (an
-    evaluation shard); rows() and gather() read from the memory map."""
-
-    def __init__(self, tokens: np.ndarray, block: int, scored: bool, device, start=0, stop=None):
-        import torch
-
-        self.tokens, self.block, self.scored = tokens, block, scored
-        self.device, self.dtype = torch.device(device), torch.int64
-        total = (scored_blocks if scored else train_blocks)(len(tokens), block)
-        self.start, self.stop = start, total if stop is None else stop
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.stop - self.start, self.block + 1)
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    def __getitem__(self, key: slice) -> TokenBlocks:
-        start, stop, _ = key.indices(len(self))
-        return TokenBlocks(
-            self.tokens, self.block, self.scored, self.device, self.start + start, self.start + stop
-        )
-
-    def gather(self, indices) -> np.ndarray:
-        """int64 [k, B + 1] of the blocks at `indices` (relative to this view): one gather
-        from the memory map (only the pages of these blocks are read)."""
-        starts = (np.asarray(indices, dtype=np.int64) + self.start) * self.block
-        positions = starts[:, None] + np.arange(self.block + 1)
-        inside = positions < len(self.tokens)  # a scored split's last block is partial
-        if inside.all():
-            return self.tokens[positions].astype(np.int64)
-        out = np.full(positions.shape, PAD, dtype=np.int64)
-        out[inside] = self.tokens[positions[inside]]
-        return out
-
-    def rows(self, start: int, stop: int):
-        import torch
-
-        stop = min(stop, len(self))
-        batch = torch.from_numpy(self.gather(np.arange(start, stop)))
-        return batch.to(self.device, non_blocking=True) if self.device.type == "cuda" else batch
-
-
-class TokenFeed:
-    """The training batches of a token split: each micro-batch's blocks gathered from the
-    memory map (int64 [k, B + 1]) and moved to the device."""
-
-    streamed = True  # takes the batches' indices on the host
-
-    def __init__(self, blocks: TokenBlocks):
-        self.blocks = blocks
-
-    def epoch(self, batches, start: int):
-        for index in range(start, len(batches)):
-            yield self._batch(batches[index])
-
-    def _batch(self, indices):
-        import torch
-
-        batch = torch.from_numpy(self.blocks.gather(indices.numpy()))
-        device = self.blocks.device
-        return batch.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else batch
-
-    def close(self) -> None:
-        pass
-
-
-def split_tokens(raw):
-    """A block batch's model inputs (block_size ids; padding read as 0) and targets (the next
-    ids; padding stays PAD, which the loss and the metrics ignore)."""
-    return raw[:, :-1].clamp(min=0), raw[:, 1:]

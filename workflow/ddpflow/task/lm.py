@@ -22,7 +22,7 @@ from ddpflow.task.builtin_views import LanguageModelView
 if TYPE_CHECKING:
     from ddpflow.config.typed import TrainSpec
 
-PAD = -1  # ddpflow.data.text.PAD: a scored block's padding
+PAD = -1  # ddpflow.data.windows.PAD: a target that is not scored
 
 
 class LanguageModel(LanguageModelView, Task):

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ddpflow.cluster.distenv import DistEnv, any_rank
+from ddpflow.data.windows import TokenBlocks
 from ddpflow.task import Task, get_task
 from ddpflow.training import sharding
 
@@ -43,12 +44,13 @@ def normalize(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> to
 
 def model_batch(raw: torch.Tensor, labels: torch.Tensor, norm, tokens: bool = False):
     """A batch as the feed gives it (uint8 images; token blocks) -> (model input, targets):
-    images standardised, with their labels; a token block's first block_size ids and the
-    next ids (ddpflow.data.text.split_tokens)."""
+    images standardised, with their labels; a token window's first block_size ids and the
+    next ids, those it does not score PAD (`labels`: each window's context, or none;
+    ddpflow.data.windows.split_tokens)."""
     if tokens:
-        from ddpflow.data.text import split_tokens
+        from ddpflow.data.windows import split_tokens
 
-        return split_tokens(raw)
+        return split_tokens(raw, labels)
     return normalize(raw, *norm), labels
 
 
@@ -63,7 +65,8 @@ class Scoring:
     norm: tuple[torch.Tensor, torch.Tensor]
     batch_size: int
     autocast: Callable | None = None
-    tokens: bool = False  # a language model's token blocks (model_batch)
+    tokens: bool = False  # a language model's token windows (model_batch)
+    stride: int | None = None  # their sliding windows (eval.stride); None: non-overlapping
 
 
 @torch.no_grad()
@@ -118,6 +121,10 @@ def evaluate_split(
     own). Without it the exception propagates, as in the evaluate job."""
     begin = time.perf_counter()
     images, labels = split.inputs, split.labels
+    if scoring.stride is not None:  # a language model's sliding windows (eval.stride)
+        assert isinstance(images, TokenBlocks), type(images)
+        images = images.windows(scoring.stride)
+        labels = images.context()  # per window: its leading targets that it does not score
     rank, world = env.rank, env.world_size
     start, stop = shard_bounds(images.shape[0], world, rank)
     # FSDP: as many forwards on every rank as the largest shard needs

@@ -32,7 +32,7 @@ from ddpflow.config import accumulation_steps, micro_batches_per_step
 from ddpflow.config.machine import SHARDED_STRATEGIES
 from ddpflow.config.typed import RunSpec
 from ddpflow.data import feed
-from ddpflow.data.text import TokenFeed
+from ddpflow.data.windows import TokenFeed
 from ddpflow.runtime import PHASES, PhaseClock
 from ddpflow.training import evaluate, faults, sharding, weights
 from ddpflow.training.batchnorm import ExactStatistics
@@ -149,7 +149,7 @@ class Loop(Resumable):
         assert feed_ is not None  # __init__ made one
         device_batches = mine.to(self.device)
         start = self.epoch_step * self.accum
-        inputs = feed_.epoch(device_batches if not feed_.streamed else mine, start)
+        inputs = feed_.epoch(device_batches if not feed_.streamed else mine, start, self.epoch)
         if progress is not None:
             progress.update(start)
         try:

@@ -4,6 +4,7 @@ load_data builds it, checked against the manifest first."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 from dataclasses import dataclass, field
@@ -16,9 +17,11 @@ from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config.typed import RunSpec
 from ddpflow.data import feed
 from ddpflow.data.staged import DataError, choose_in_memory, open_split, read_manifest
-from ddpflow.data.text import TokenBlocks, TokenFeed, open_tokens
+from ddpflow.data.text import open_tokens
+from ddpflow.data.windows import TokenBlocks, TokenFeed
 from ddpflow.task import DEFAULT_TASK, Task, get_task, run_task
 from ddpflow.training.evaluate import Scoring
+from ddpflow.training.schedule import window_offset
 from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
@@ -50,16 +53,19 @@ class RankData:
     in_memory: bool = True  # the splits loaded whole (else streamed)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     task: Task = field(default_factory=get_task)  # what the targets are (ddpflow.task)
-    tokens: bool = False  # a language model's token blocks (ddpflow.data.text), not images
+    tokens: bool = False  # a language model's token windows (ddpflow.data.windows), not images
 
     @property
     def task_manifest(self) -> dict:
         """The manifest as the task reads it (tests' data has none: the class count only)."""
         return {**self.manifest, "num_classes": self.num_classes}
 
-    def scoring(self, batch_size: int, autocast=None) -> Scoring:
-        """How this data's splits are scored (evaluate.evaluate_split)."""
-        return Scoring(self.task, self.task_manifest, self.norm, batch_size, autocast, self.tokens)
+    def scoring(self, batch_size: int, autocast=None, stride: int | None = None) -> Scoring:
+        """How this data's splits are scored (evaluate.evaluate_split); stride: a language
+        model's sliding windows (eval.stride; None: non-overlapping, training's validation)."""
+        return Scoring(
+            self.task, self.task_manifest, self.norm, batch_size, autocast, self.tokens, stride
+        )
 
     @property
     def train(self) -> Split:
@@ -119,13 +125,16 @@ def load_data(run: RunSpec, staged: str, env: DistEnv, device, splits=("train", 
 
 
 def _token_data(run: RunSpec, staged: str, env: DistEnv, device, splits, verify, task) -> RankData:
-    """A language model's splits: token blocks read by memory map (never loaded whole),
-    checked against the manifest first (ddpflow.data.text)."""
+    """A language model's splits: token windows read by memory map (never loaded whole),
+    checked against the manifest first (ddpflow.data.text); under train.fresh_windows the
+    training blocks start at the epoch's offset (ddpflow.data.windows)."""
     manifest = read_manifest(staged)
+    block, fresh = manifest["block_size"], run.train.fresh_windows
 
     def opened(split: str) -> Split:
         tokens = open_tokens(staged, split, manifest, verify)
-        blocks = TokenBlocks(tokens, manifest["block_size"], split != "train", device)
+        train = split == "train"
+        blocks = TokenBlocks(tokens, block, not train, device, fresh=fresh and train)
         return Split(blocks, torch.empty((len(blocks), 0), device=device))
 
     found = _open_verified(staged, splits, env, opened)
@@ -143,14 +152,16 @@ def _token_data(run: RunSpec, staged: str, env: DistEnv, device, splits, verify,
     )
     if "train" in found:
         assert isinstance(found["train"].inputs, TokenBlocks)
-        data.feed = TokenFeed(found["train"].inputs)
+        offsets = functools.partial(window_offset, run.train.seed, block=block) if fresh else None
+        data.feed = TokenFeed(found["train"].inputs, offsets)
     if env.is_master:
         counts = ", ".join(f"{s} {manifest['tokens'][s]:,}" for s in found)
         log.info(
-            "data %s: tokens by memory map (%s tokens; block_size %d)",
+            "data %s: tokens by memory map (%s tokens; block_size %d%s)",
             "+".join(found),
             counts,
-            manifest["block_size"],
+            block,
+            "; fresh windows each epoch" if fresh else "",
         )
     return data
 

@@ -7,7 +7,8 @@ seeded shuffle cut into optimizer steps of train.global_batch_size samples, each
 micro-batches of train.micro_batch_size; micro-batch j of step s is fixed by (seed, epoch, s,
 j), and rank r computes the contiguous block j in [r*a, (r+1)*a) (a accumulation steps), so
 every world size that divides the step computes the same micro-batches with the same random
-draws, and the gradient is their mean.
+draws, and the gradient is their mean. A language model's fresh windows shift every block of
+an epoch by one offset drawn from (seed, epoch) (window_offset).
 """
 
 from __future__ import annotations
@@ -45,6 +46,17 @@ def micro_batch_seed(seed: int, epoch: int, step: int, micro: int) -> int:
     dropout): the same whichever rank computes it."""
     key = np.random.SeedSequence([seed, epoch, step, micro]).generate_state(2, np.uint64)
     return int(key[0] >> np.uint64(1))
+
+
+WINDOW_DRAWS = 0x77696E64  # "wind": the offsets' own stream, apart from micro-batch draws
+
+
+def window_offset(seed: int, epoch: int, block: int) -> int:
+    """train.fresh_windows: the token offset in [0, block) where epoch `epoch`'s training
+    blocks start (ddpflow.data.windows), a function of (seed, epoch) alone: every rank, every
+    world size and a resumed run cut the same blocks."""
+    key = np.random.SeedSequence([seed, epoch], spawn_key=(WINDOW_DRAWS,))
+    return int(key.generate_state(1, np.uint64)[0] % np.uint64(block))
 
 
 def effective_lr(train_cfg: TrainSpec) -> float:

@@ -10,6 +10,7 @@ from ddpflow.checks.weight_files import input_normalisation
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import plugin_source, plugin_source_hash
 from ddpflow.config.typed import RunSpec, RunView
+from ddpflow.data.windows import scored_samples
 from ddpflow.plugins import is_plugin
 from ddpflow.task import run_task
 
@@ -24,7 +25,7 @@ def evaluation_record(
         **result,
         "run": run.name,
         "split": split,
-        "test_size": manifest["sizes"][split],
+        "test_size": scored_samples(manifest, split, run.eval.stride),
         "class_names": manifest["class_names"],
         "world_size": world_size,
         "hosts": hosts,
@@ -32,6 +33,8 @@ def evaluation_record(
         "train": train,
     }
     record.update(task_fields(run))
+    if run.eval.stride is not None:  # a language model's sliding windows
+        record["stride"] = run.eval.stride
     if record["samples_evaluated"] != record["test_size"]:
         raise RuntimeError(
             f"evaluated {record['samples_evaluated']} samples, the {split} split has "
