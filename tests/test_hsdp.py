@@ -155,3 +155,30 @@ def test_hsdp_is_fsdp_in_the_fingerprint():
     assert fingerprint.training_fingerprint(_run("hsdp", 2, None)) == fsdp
     assert fingerprint.training_fingerprint(_run("hsdp", 4, 2)) == fsdp
     assert "train.hsdp.shard_size" not in fsdp
+
+
+def test_a_shard_size_that_does_not_split_every_world_size_is_refused():
+    """Checked before anything is submitted, at every node count machine.min_nodes allows:
+    3 ranks per node, shard groups of 2 split 2 nodes (6 ranks) but not 3 (9)."""
+    from ddpflow import config as ddpconfig
+
+    machine = {"nodes": 3, "min_nodes": 2, "cpu_ranks_per_node": 3}
+    train = {
+        "strategy": "hsdp",
+        "hsdp": {"shard_size": 2},
+        "global_batch_size": 36,
+        "micro_batch_size": 2,
+    }  # 18 micro-batches: 6 and 9 ranks split them
+    named = r"train.hsdp.shard_size 2 does not divide the world size 9 \(3 nodes x 3 ranks\)"
+    with pytest.raises(ddpconfig.ConfigError, match=named):
+        ddpconfig.load(None, {"launcher": "slurm", "train": train, "machine": machine})
+    ok = {**train, "hsdp": {"shard_size": None}}  # a node's 3 ranks
+    ddpconfig.load(None, {"launcher": "slurm", "train": ok, "machine": machine})
+
+
+def test_a_shard_size_under_another_strategy_is_named_as_ignored():
+    from ddpflow import config as ddpconfig
+
+    run = make_run(train={"strategy": "fsdp", "hsdp": {"shard_size": 2}})
+    (warning,) = ddpconfig.run_warnings(run, "slurm")
+    assert "train.hsdp.shard_size set, but train.strategy is fsdp" in warning

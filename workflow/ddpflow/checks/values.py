@@ -216,19 +216,7 @@ def run_warnings(run: dict, launcher: str) -> list[str]:
             f"{where}: train.precision fp16 on CPU ranks (machine.gpus_per_node 0) trains in "
             "fp32: fp16 is for GPUs; for mixed precision on a CPU set train.precision: bf16"
         )
-    if train["hsdp"]["shard_size"] is not None and train["strategy"] != "hsdp":
-        out.append(
-            f"{where}: train.hsdp.shard_size set, but train.strategy is {train['strategy']}: "
-            "it is ignored (it shapes strategy hsdp's mesh)"
-        )
-    if trains_sharded(run):
-        defaults = validate({})["train"]["ddp"]
-        changed = sorted(k for k, v in train["ddp"].items() if v != defaults[k])
-        if changed:
-            out.append(
-                f"{where}: train.ddp.{', train.ddp.'.join(changed)} set, but strategy fsdp "
-                "does not use DistributedDataParallel: these settings are ignored"
-            )
+    out += _strategy_warnings(where, run)
     if launcher == "local" and not machine["gpus_per_node"]:
         cores = usable_cores()
         wanted = machine["cpu_ranks_per_node"] * machine["cpus_per_task"]
@@ -245,6 +233,26 @@ def run_warnings(run: dict, launcher: str) -> list[str]:
                 f"{where}: train.precision bf16, but this machine's CPU has no bf16 "
                 "instructions (AMX or AVX512-BF16 in /proc/cpuinfo): oneDNN would emulate "
                 "bf16, likely slower than fp32; set train.precision: fp32"
+            )
+    return out
+
+
+def _strategy_warnings(where: str, run: dict) -> list[str]:
+    """Settings of a strategy the run does not train with: ignored, and said so."""
+    train, out = run["train"], []
+    if train["hsdp"]["shard_size"] is not None and train["strategy"] != "hsdp":
+        out.append(
+            f"{where}: train.hsdp.shard_size set, but train.strategy is {train['strategy']}: "
+            "it is ignored (it shapes strategy hsdp's mesh)"
+        )
+    if trains_sharded(run):
+        defaults = validate({})["train"]["ddp"]
+        changed = sorted(k for k, v in train["ddp"].items() if v != defaults[k])
+        if changed:
+            out.append(
+                f"{where}: train.ddp.{', train.ddp.'.join(changed)} set, but strategy "
+                f"{train['strategy']} does not use DistributedDataParallel: these settings "
+                "are ignored"
             )
     return out
 
