@@ -1,5 +1,6 @@
 # ddpflow: stage -> train (DDP via submitit) -> evaluate (distributed all-reduce) -> export
-# -> report; `snakemake predict` applies the models to new data.
+# -> report; `snakemake predict` applies the models to new data, `snakemake generate`
+# continues prompts with the language models.
 # Table of contents only; each stage lives in workflow/rules/. Edit config/config.yaml.
 
 
@@ -16,6 +17,7 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/export.smk"
 include: "workflow/rules/predict.smk"
+include: "workflow/rules/generate.smk"
 include: "workflow/rules/track.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/clean.smk"

@@ -82,6 +82,7 @@ def test_a_text_folder_trains_gpt_at_2_ranks_and_1_to_the_same_perplexity(workdi
     planned = jobs_planned(workdir, write_config(workdir / "config.yaml", deeper))
     assert "train" in planned and "stage" not in planned
     assert jobs_planned(workdir, write_config(workdir / "config.yaml", _config())) == set()
+    _generations_at_2_ranks_and_1(workdir)
 
 
 def _the_docs_sampling_example_runs(workdir: Path, run: str) -> None:
@@ -99,6 +100,55 @@ def _the_docs_sampling_example_runs(workdir: Path, run: str) -> None:
         outputs.append(done.stdout)
     assert outputs[0] == outputs[1] and outputs[0].startswith("def load(")
     assert len(outputs[0]) > len("def load(") + 50
+
+
+PROMPTS = ["def load(", "import json", "x" * 80, "ünïcode"]  # "x" * 80: longer than a block
+GENERATE = {"prompts": "prompts.txt", "max_new_tokens": 24, "top_k": 20, "runs": ["two"]}
+
+
+def _generate(workdir: Path, config: dict, *args: str):
+    """`snakemake generate` (the target after an option: --configfile takes every word)."""
+    configfile = write_config(workdir / "generate.yaml", config)
+    return snakemake(workdir, configfile, "--cores", "2", "generate", *args)
+
+
+def _generations_at_2_ranks_and_1(workdir: Path) -> None:
+    """`snakemake generate` on run two's model at its 2 ranks, then at 1 (a machine edit,
+    which plans nothing): the same generations.jsonl byte for byte, a line per prompt in
+    order. The generate section is in no run's fingerprint; editing it generates again;
+    an unset prompts file is refused before any job."""
+    (workdir / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    config = {**_config(), "generate": GENERATE}
+    assert jobs_planned(workdir, write_config(workdir / "config.yaml", config)) == set()
+    done = _generate(workdir, config)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "generate 'two': 4 prompts, 96 new tokens on 2 ranks" in output
+    assert "line 3 is longer than data.block_size (64 tokens)" in output
+    generated = workdir / "results/runs/two/generations.jsonl"
+    lines = [json.loads(line) for line in generated.read_text().splitlines()]
+    assert [line["prompt"] for line in lines] == PROMPTS
+    assert [line["cropped"] for line in lines] == [0, 0, 80 - 64, 0]
+    assert all(len(line["tokens"]) == 24 and line["completion"] for line in lines)
+    assert len({line["seed"] for line in lines}) == 4
+    at_two = generated.read_bytes()
+
+    one = _config()
+    one["runs"][0]["machine"] = {"cpu_ranks_per_node": 1}
+    at_one = {**one, "generate": GENERATE}
+    assert (
+        jobs_planned(workdir, write_config(workdir / "generate.yaml", at_one), "generate") == set()
+    )
+    done = _generate(workdir, at_one, "--forcerun", "generate_run")
+    assert done.returncode == 0 and "on 1 rank" in done.stderr, done.stderr[-4000:]
+    assert generated.read_bytes() == at_two
+
+    hotter = {**config, "generate": {**GENERATE, "temperature": 1.5}}
+    planned = jobs_planned(workdir, write_config(workdir / "generate.yaml", hotter), "generate")
+    assert planned == {"generate_run", "generate"}
+    unset = _generate(workdir, {**config, "generate": {"runs": ["two"]}}, "-n")
+    assert unset.returncode != 0 and "generate.prompts is not set" in unset.stderr
+    assert jobs_planned(workdir, write_config(workdir / "config.yaml", _config())) == set()
 
 
 def test_a_block_size_longer_than_a_split_is_refused_before_any_rank_starts(workdir):

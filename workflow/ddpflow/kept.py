@@ -5,7 +5,7 @@ a rerun of a finished run that fails (a refusal only the rule can make, a rank t
 on the edited config) would leave the run with no model and no metrics: the report would not
 show it, and reverting the edit would train it all again. Before any job runs (Snakemake's
 `onstart`, workflow/rules/hooks.smk), every complete set of a run's outputs (train: model,
-metrics, summary; evaluate; track; predict; each export) is hard-linked into
+metrics, summary; evaluate; track; predict; generate; each export) is hard-linked into
 results/runs/<run>/.kept/<rule>/ (no copy: the same bytes, the same modification time) and
 Snakemake's metadata record of each file is kept in memory. After a failed workflow
 (`onerror`), a set whose files are all gone is linked back and its metadata written back: the
@@ -26,7 +26,13 @@ import sys
 from collections.abc import Collection
 from pathlib import Path
 
-from ddpflow.paths import EXPORT_FILES, PREDICT_FILES, RUN_FILES, TRACKING_FILE
+from ddpflow.paths import (
+    EXPORT_FILES,
+    GENERATE_FILES,
+    PREDICT_FILES,
+    RUN_FILES,
+    TRACKING_FILE,
+)
 
 KEPT = ".kept"
 # Snakemake's own metadata methods (not a public API: snakemake is pinned in
@@ -39,6 +45,7 @@ GROUPS = {
     "track": (TRACKING_FILE,),
     # `snakemake predict` (a corrupt input under predict.on_corrupt: fail) and the exports
     "predict": tuple(PREDICT_FILES.values()),
+    "generate": tuple(GENERATE_FILES.values()),
     **{f"export_{fmt}": (name,) for fmt, name in EXPORT_FILES.items()},
 }
 

@@ -24,6 +24,10 @@ PREDICT_FILES = {
     "predictions_summary": "predictions.json",
 }
 PREDICT_WORK = "predict"  # results/work/<run>/predict/: the request and the ranks' parts
+# `snakemake generate`'s output in results/runs/<run>/ (ddpflow.generate): one JSON line per
+# prompt, in the prompts' order
+GENERATE_FILES = {"generations": "generations.jsonl"}
+GENERATE_WORK = "generate"  # results/work/<run>/generate/: the request and the ranks' parts
 # the exports of model.pt by export.formats, in results/runs/<run>/ (ddpflow.export)
 EXPORT_FILES = {
     "safetensors": "model.safetensors",

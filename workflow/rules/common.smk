@@ -286,3 +286,34 @@ except ddpconfig.ConfigError as err:
     sys.exit(f"ddpflow: configuration error: {err}")
 PREDICT_SETTINGS = {k: v for k, v in config["predict"].items() if k != "runs"}
 PREDICT_LISTING = {}
+
+# `snakemake generate`: the runs that generate (generate.runs, checked), and what their
+# generations depend on besides the model and the prompts file (generate.runs is not)
+from ddpflow import generate as ddpgenerate
+
+try:
+    GENERATE_RUNS = ddpgenerate.generate_run_names(config["generate"], RUNS)
+except ddpconfig.ConfigError as err:
+    sys.exit(f"ddpflow: configuration error: {err}")
+GENERATE_SETTINGS = {k: v for k, v in config["generate"].items() if k != "runs"}
+GENERATE_PROMPTS = {}
+
+
+def generate_file(key):
+    """results/runs/{run}/generations.jsonl: `snakemake generate`'s output."""
+    return f"{RESULTS}/runs/{{run}}/{ddppaths.GENERATE_FILES[key]}"
+
+
+def generate_prompts(wildcards):
+    """generate.prompts, after the run was checked to be a language model and the file read
+    (once per invocation): each refusal stops Snakemake here, while it plans, before any
+    job starts. An edited prompts file is newer than generations.jsonl: generated again.
+    """
+    try:
+        ddpgenerate.check_can_generate(RUNS[wildcards.run])
+        if "path" not in GENERATE_PROMPTS:
+            ddpgenerate.read_prompts(config["generate"])
+            GENERATE_PROMPTS["path"] = config["generate"]["prompts"]
+    except ddpconfig.ConfigError as err:
+        sys.exit(f"ddpflow: configuration error: {err}")
+    return GENERATE_PROMPTS["path"]

@@ -58,3 +58,9 @@ class PredictJob(_RankJob):
     """ddpflow.training.predict_ranks.PredictTask on each rank (`snakemake predict`)."""
 
     task_module, task_name = "ddpflow.training.predict_ranks", "PredictTask"
+
+
+class GenerateJob(_RankJob):
+    """ddpflow.training.generate_ranks.GenerateTask on each rank (`snakemake generate`)."""
+
+    task_module, task_name = "ddpflow.training.generate_ranks", "GenerateTask"

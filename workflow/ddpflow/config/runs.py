@@ -105,7 +105,7 @@ def _resolve(config: dict, entry: dict, where: str) -> dict:
     # the config's, not a run's (in no fingerprint); `runs` is the schema's default
     # [{name: default}], which would read as this run's provenance (export stays: rank 0
     # writes the safetensors export it asks for, ddpflow.export.prepare_safetensors)
-    for key in ("predict", "runs"):
+    for key in ("predict", "generate", "runs"):
         resolved.pop(key, None)
     _resolve_task(resolved, where)
     resolved["name"] = entry["name"]

@@ -32,9 +32,9 @@ class LanguageModel(LanguageModelView, Task):
     reads = "tokens"
     exports = ("safetensors",)  # the traced formats take an image batch
     no_prediction = (
-        "is a language model; snakemake predict applies image models to images. Sample from "
-        "it with ddpflow.training.gpt.generate on its model.pt (docs/language-models.md), or "
-        "name other runs in predict.runs"
+        "is a language model; snakemake predict applies image models to images. Continue "
+        "text with snakemake generate (generate.prompts: docs/language-models.md), or name "
+        "other runs in predict.runs"
     )
 
     def stage_targets(self, labels, names, where: str):
