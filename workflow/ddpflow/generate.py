@@ -42,8 +42,15 @@ def generate_run_names(generate: dict, run_names) -> list[str]:
 
 
 def check_can_generate(run: dict) -> None:
-    """Only a language model generates text: refuse another task before any job."""
-    if run["task"] == "language_model":
+    """Only a language model (a task that reads tokens) generates text: refuse another
+    task before any job."""
+    from ddpflow.task import TaskError, run_task
+
+    try:
+        reads = run_task(run).reads
+    except TaskError as err:
+        raise ConfigError(f"generate: run {run['name']!r}: {err}") from err
+    if reads == "tokens":
         return
     raise ConfigError(
         f"generate: run {run['name']!r} has task {run['task']!r}; `snakemake generate` "
