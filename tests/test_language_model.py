@@ -22,6 +22,7 @@ from ddpflow.config.typed import RunSpec
 from ddpflow.data import text, windows
 from ddpflow.data.staged import DataError, read_manifest, verify_staged
 from ddpflow.data.staging import stage_dataset
+from ddpflow.data.tokenizer import ByteTokenizer
 from ddpflow.training import evaluate
 from ddpflow.training.checkpoint import Checkpointer
 from ddpflow.training.gpt import text_samples
@@ -209,7 +210,9 @@ def test_gpt_takes_ids_and_gives_logits_per_position_with_tied_weights():
     assert check_model(GPT, [BLOCK], 257) == sum(p.numel() for p in model.parameters())
     # samples of an untrained byte model: any byte, control characters shown as U+FFFD
     val = SimpleNamespace(inputs=SimpleNamespace(tokens=np.arange(65, 65 + 40)))
-    data = SimpleNamespace(manifest={"source": "text", "block_size": BLOCK}, val=val)
+    data = SimpleNamespace(
+        manifest={"source": "text", "block_size": BLOCK}, val=val, tokenizer=ByteTokenizer()
+    )
     made = text_samples(model, data, seed=3, every_rank=False, is_master=True)
     assert made["prompt"] == "ABCDEFGHIJKLMNOP"  # the validation split's first block_size
     again = text_samples(model, data, seed=3, every_rank=False, is_master=True)

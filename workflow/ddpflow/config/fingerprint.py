@@ -41,10 +41,19 @@ NO_CONV_MODELS = ("mlp",)
 OWN_DATA_KEYS = ("path", "image_size", "channels", "on_corrupt", "kwargs", "labels_csv")
 # own-data keys added after runs were trained: left out of ids, params and fingerprints at
 # their default (what every run trained before them had), so those runs keep their identity
-LATER_DATA_DEFAULTS = {"labels_csv": None, "block_size": 64, "vocab_size": None}
+LATER_DATA_DEFAULTS = {
+    "labels_csv": None,
+    "block_size": 64,
+    "vocab_size": None,
+    "tokenizer": "bytes",
+    "tokenizer_sha256": None,
+}
 # the sources of task: language_model (ddpflow.data.text), and the data keys only they read
 TOKEN_SOURCES = ("text", "tokens")
-TOKEN_DATA_KEYS = ("block_size", "vocab_size")
+TOKEN_DATA_KEYS = ("block_size", "vocab_size", "tokenizer", "tokenizer_sha256")
+# data keys that check the data, not define it: data.tokenizer_sha256 pins the file whose
+# content data_settings already holds, so pinning it restages and retrains nothing
+CHECK_DATA_KEYS = ("tokenizer_sha256",)
 
 
 def is_own_data(source: str) -> bool:
@@ -97,6 +106,7 @@ def data_keys(data: dict) -> dict:
     built-in sources ignore OWN_DATA_KEYS; on_small: see above), without DATA_RUNTIME_KEYS."""
     own = is_own_data(data["source"])
     skip: tuple[str, ...] = DATA_RUNTIME_KEYS if own else DATA_RUNTIME_KEYS + OWN_DATA_KEYS
+    skip += CHECK_DATA_KEYS
     if not _on_small_acts(data):
         skip += ("on_small",)
     skip += _at_later_default(data)
@@ -116,7 +126,7 @@ def stage_params(data: dict) -> dict:
     would change every staged dataset's params, and restage it, once.)"""
     acts = _on_small_acts(data)
     skip: tuple[str, ...] = DATA_RUNTIME_KEYS if acts else DATA_RUNTIME_KEYS + ("on_small",)
-    skip += _at_later_default(data)
+    skip += _at_later_default(data) + CHECK_DATA_KEYS
     # in the schema's order, not the config file's: Snakemake compares a dict param by its
     # text, so moving a key in config.yaml would otherwise restage (and retrain) the data
     order = {key: index for index, key in enumerate(_schema_data_keys())}
@@ -142,6 +152,8 @@ def data_settings(data: dict) -> dict:
         settings["plugin_sha256"] = plugin_source_hash(data["source"])
     else:
         settings["files"] = own_data_listing(data)
+    if data.get("tokenizer", "bytes") not in ("bytes", "bpe"):  # a tokenizer.json's content
+        settings["tokenizer_file"] = file_sha256(Path(data["tokenizer"]).expanduser())
     if data.get("labels_csv"):  # the table's content: an edited target restages
         table = Path(data["labels_csv"])
         settings["labels_sha256"] = (
@@ -150,6 +162,11 @@ def data_settings(data: dict) -> dict:
     if is_plugin(data.get("task", "")):  # a plug-in task's code stages the targets
         settings["task_sha256"] = plugin_source_hash(data["task"])
     return settings
+
+
+def file_sha256(path: Path) -> str:
+    """A file's sha256 ("missing" where it does not exist: staging then says so)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "missing"
 
 
 def own_data_listing(data: dict) -> str:
@@ -228,7 +245,7 @@ def training_fingerprint(run: dict) -> dict[str, Any]:
     if run.get("weights"):  # the file's sha256, or run:NAME's own training fingerprint
         identity = run["weights"].get("sha256") or run["weights"]["source_fingerprint"]
         flat.update({"model.weights": run["weights"]["spec"], "model.weights_sha256": identity})
-    if fsdp:  # at any world size: its checkpoints and layout are fsdp's, even on 1 rank
+    if fsdp:  # at any world size and mesh: its checkpoints and layout are fsdp's, even on 1 rank
         flat.update(flatten({"train": {"strategy": "fsdp", "fsdp": run["train"]["fsdp"]}}))
     flat["device"] = "cuda" if gpu else "cpu"
     return flat

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ddpflow.checks import weight_files as weights
 from ddpflow.checks.batch import resolve_micro_batch
+from ddpflow.checks.tokenizer import check_tokenizer
 from ddpflow.checks.values import check_export, check_resolved_run, check_tracking
 from ddpflow.config.fingerprint import TOKEN_SOURCES, dataset_id
 from ddpflow.config.machine import world_size
@@ -17,7 +18,6 @@ from ddpflow.config.sweep import has_sweep, sweep_entries
 from ddpflow.config.yamlfile import read_config_file
 from ddpflow.plugins import is_plugin
 from ddpflow.task import DEFAULT_TASK, Task, TaskError, get_task
-from ddpflow.task.builtin_views import TEXT_VOCABULARY
 
 SECTIONS = ("data", "model", "train", "eval", "machine")
 
@@ -203,11 +203,7 @@ def _check_language_model(run: dict, task: Task | None, where: str) -> None:
             f"{where}: data.vocab_size is required for data.source tokens: your tokenizer's "
             "vocabulary size (every token id must be below it; GPT-2's is 50257)"
         )
-    if source == "text" and data["vocab_size"] not in (None, TEXT_VOCABULARY):
-        raise ConfigError(
-            f"{where}: data.vocab_size {data['vocab_size']}: data.source text is tokenised "
-            "as bytes, 257 tokens (256 bytes and the end-of-document token); remove it"
-        )
+    check_tokenizer(data, where)  # data.tokenizer with data.vocab_size
     if model != "gpt" and not is_plugin(model):
         raise ConfigError(
             f"{where}: model.name {model!r} is an image model; a language model is model.name "
@@ -217,7 +213,8 @@ def _check_language_model(run: dict, task: Task | None, where: str) -> None:
 
 def _refuse_language_model_keys(data: dict, model: str, source: str, where: str) -> None:
     """A run of another task with a language model's data keys or model."""
-    for key, default in (("block_size", 64), ("vocab_size", None)):
+    later = (("block_size", 64), ("vocab_size", None), ("tokenizer", "bytes"))
+    for key, default in (*later, ("tokenizer_sha256", None)):
         if data[key] != default:
             raise ConfigError(
                 f"{where}: data.{key} {data[key]} is set for data.source {source}; it is a "

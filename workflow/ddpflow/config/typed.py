@@ -174,8 +174,19 @@ class DataSpec(_Section):
     #: tokens (inputs and the next-token targets)
     block_size: int = 64
     #: tokens: the vocabulary size of your tokenizer (every token id must be below it), e.g.
-    #: 50257 for GPT-2's; text: 257 (256 bytes and the end-of-document token), so leave it null
+    #: 50257 for GPT-2's. text: the model's vocabulary: with data.tokenizer bytes 257 (256 bytes
+    #: and the end-of-document token), so leave it null; bpe: the ids it trains (required, at
+    #: least 257); a tokenizer.json: at least its ids (null: its ids)
     vocab_size: int | None = None
+    #: text: how the text becomes token ids. bytes: each UTF-8 byte is a token; bpe: a byte-level
+    #: BPE of data.vocab_size ids trained at staging on the train split only (Hugging Face
+    #: tokenizers), staged as tokenizer.json; or the path of your own tokenizer.json (a byte-
+    #: level BPE, GPT-2's kind), copied into the staged data. The samples decode with it;
+    #: eval_metrics.json's bits_per_byte compares across them
+    tokenizer: str = "bytes"
+    #: the sha256 data.tokenizer's file must have (a path, not bytes or bpe): a changed file is
+    #: refused before anything runs. Pinning the file retrains nothing
+    tokenizer_sha256: str | None = None
     val_fraction: float = 0.1
     #: digits, text, and tokens without test.bin (carved from the end of train): the other
     #: sources have an official test split (synthetic: synthetic.test_size)
@@ -319,17 +330,6 @@ class TrainFsdpSpec(_Section):
 
 
 @dataclass(frozen=True, slots=True)
-class TrainDdpSpec(_Section):
-    """train.ddp: the schema's `train.ddp` section."""
-
-    bucket_cap_mb: float = 25
-    gradient_as_bucket_view: bool = True
-    static_graph: bool = False
-    #: compress gradients before the all-reduce (halves the bytes moved)
-    comm_hook: Literal["none", "bf16_compress", "fp16_compress"] = "none"
-
-
-@dataclass(frozen=True, slots=True)
 class TrainHsdpSpec(_Section):
     """train.hsdp: the schema's `train.hsdp` section."""
 
@@ -338,6 +338,17 @@ class TrainHsdpSpec(_Section):
     #: the ranks of one node (machine.gpus_per_node, or machine.cpu_ranks_per_node on CPU ranks).
     #: A machine setting: changing it retrains nothing
     shard_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TrainDdpSpec(_Section):
+    """train.ddp: the schema's `train.ddp` section."""
+
+    bucket_cap_mb: float = 25
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    #: compress gradients before the all-reduce (halves the bytes moved)
+    comm_hook: Literal["none", "bf16_compress", "fp16_compress"] = "none"
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,7 +50,7 @@ def stage_dataset(
     if data_cfg["source"] in TOKEN_SOURCES:  # the token data of a task that reads tokens
         from ddpflow.data.text import stage_tokens
 
-        return stage_tokens(data_cfg, out_dir, seed)
+        return stage_tokens(data_cfg, out_dir, seed, threads)
     raw = load_source(data_cfg, seed)
     task = run_task(data_cfg)
     plan = split_indices(raw, data_cfg, seed, task.strata(raw.train_y))

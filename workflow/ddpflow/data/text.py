@@ -11,9 +11,11 @@ split, the vocabulary, the block size, the source files, the sha256 and size of 
 text: every file under data.path (recursively, in sorted order of the relative path; hidden
 files and folders skipped) read as bytes, one end-of-document token between two files, the
 stream cut into contiguous chunks: train, then val (data.val_fraction), then test
-(data.test_fraction). tokens: train.bin/val.bin/test.bin (uint16, nanoGPT's prepare scripts)
-or .npy (uint16/uint32, 1-D) as they are; without a test file, test is the last
-data.test_fraction of train.
+(data.test_fraction); data.tokenizer bpe or a tokenizer.json: the same stream and cuts
+through that tokenizer (ddpflow.data.subword), its tokenizer.json staged with the ids (the
+manifest's "tokenizer": kind, file, sha256, end-of-document id). tokens:
+train.bin/val.bin/test.bin (uint16, nanoGPT's prepare scripts) or .npy (uint16/uint32, 1-D)
+as they are; without a test file, test is the last data.test_fraction of train.
 
 Samples: a split's windows of block_size + 1 tokens, read by memory map (never loaded
 whole): ddpflow.data.windows.
@@ -29,8 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ddpflow.data import byte_level
 from ddpflow.data.raw import DataError
 from ddpflow.data.staged import FORMAT_VERSION, MANIFEST, SPLITS, check_file
+from ddpflow.data.subword import stage_subword
 from ddpflow.data.windows import scored_blocks, train_blocks
 from ddpflow.runtime import atomic_write_json, fsync_dir, replace_dir, sha256_file
 from ddpflow.task.lm import LanguageModel
@@ -43,8 +47,9 @@ TEXT_VOCAB = 257
 CHUNK = 1 << 22  # tokens copied and checked at a time (memory stays bounded)
 
 
-def stage_tokens(data_cfg: dict, out_dir, seed: int) -> dict:
-    """Stage data_cfg (source text or tokens) into out_dir, atomically; the manifest."""
+def stage_tokens(data_cfg: dict, out_dir, seed: int, threads: int = 1) -> dict:
+    """Stage data_cfg (source text or tokens) into out_dir, atomically; the manifest.
+    threads: the CPUs a subword tokenizer encodes on (ddpflow.data.subword)."""
     from ddpflow.config.fingerprint import LATER_DATA_DEFAULTS
 
     # the stage rule's params leave a key at its default out (config.fingerprint)
@@ -53,17 +58,26 @@ def stage_tokens(data_cfg: dict, out_dir, seed: int) -> dict:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
     try:
-        if source == "text":
+        made: dict = {"kind": byte_level.BYTES} if source == "text" else {}
+        if source == "text" and data_cfg["tokenizer"] != byte_level.BYTES:
+            corpus = text_files(Path(data_cfg["path"]))
+            counts, vocab, made = stage_subword(data_cfg, corpus, tmp, threads)
+            sources = _text_listing(data_cfg)
+        elif source == "text":
             counts, sources, vocab = _stage_text(data_cfg, tmp), _text_listing(data_cfg), TEXT_VOCAB
         else:
             vocab = int(data_cfg["vocab_size"])
             counts, sources = _stage_token_files(data_cfg, tmp, vocab)
         _check_block_size(counts, int(data_cfg["block_size"]))
+        names = [f"{split}.tokens.npy" for split in SPLITS]
+        if "file" in made:  # the tokenizer.json the ids were encoded with
+            names.append(made["file"])
         files = {}
-        for split in SPLITS:
-            name = f"{split}.tokens.npy"
+        for name in names:
             files[name] = {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
         manifest = _manifest(data_cfg, seed, counts, vocab, sources, files)
+        if made:  # text: the tokenizer that wrote the ids (ddpflow.data.tokenizer)
+            manifest["tokenizer"] = made
         atomic_write_json(tmp / MANIFEST, manifest)  # fsynced with the directory below
         fsync_dir(tmp)
         replace_dir(tmp, out_dir)
@@ -108,8 +122,7 @@ def describe_tokens(manifest: dict) -> str:
     )
 
 
-def _dtype(vocab: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
+_dtype = byte_level.token_dtype
 
 
 def _check_block_size(counts: dict, block: int) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ddpflow.config.fingerprint import CHECK_DATA_KEYS, LATER_DATA_DEFAULTS
 from ddpflow.report import metrics
 from ddpflow.task import Selection, record_task
 from ddpflow.task.builtin_views import TEXT_VOCABULARY as BYTE_VOCABULARY
@@ -64,7 +65,10 @@ def _data(ev: dict) -> dict:
     data = config.get("data") if isinstance(config, dict) else None
     if not isinstance(data, dict):
         return {}
-    kept = {k: v for k, v in data.items() if k not in PREPARATION_KEYS}
+    kept = {k: v for k, v in data.items() if k not in PREPARATION_KEYS + CHECK_DATA_KEYS}
+    for name, default in LATER_DATA_DEFAULTS.items():  # as runs before the key recorded it
+        if kept.get(name, default) == default:
+            kept.pop(name, None)
     key = record_task(ev).train_record_key  # a language model's counts its split's tokens
     lm = ev.get("train", {}).get(key) if key else None
     if isinstance(lm, dict) and isinstance(lm.get("tokens"), dict):

@@ -98,13 +98,16 @@ def language_model_blocks(found: list[tuple[str, dict]]) -> list[tuple]:
     """The language models (docs/language-models.md): their data, speed, and the samples they
     generated from a fixed prompt with fixed seeds (text data)."""
     text = (
-        "Runs of task language_model: the context (data.block_size), the vocabulary, the "
-        "tokens of each split and those trained on, and training tokens per second (all "
-        "ranks). Perplexity is exp(loss), the loss in nats per token over every scored position."
+        "Runs of task language_model: the context (data.block_size), the tokenizer and the "
+        "vocabulary, the tokens of each split and those trained on, and training tokens per "
+        "second (all ranks). Perplexity is exp(loss), the loss in nats per token over every "
+        "scored position; it compares runs of one tokenizer. Bits per byte (the loss over the "
+        "UTF-8 bytes of the scored text) compares runs across tokenizers."
     )
     header = [
         "Run",
         "Block size",
+        "Tokenizer",
         "Vocabulary",
         "Tokens (train/val/test)",
         "Tokens trained",
@@ -114,6 +117,7 @@ def language_model_blocks(found: list[tuple[str, dict]]) -> list[tuple]:
         [
             name,
             str(lm["block_size"]),
+            tokenizer_words(lm),
             str(lm["vocab_size"]),
             "/".join(f"{lm['tokens'].get(s, 0):,}" for s in ("train", "val", "test")),
             f"{lm['tokens_trained']:,}",
@@ -133,6 +137,19 @@ def language_model_blocks(found: list[tuple[str, dict]]) -> list[tuple]:
             text = made["prompt"] + sample["text"]
             blocks.append(("details", f"seed {sample['seed']}", text, "text"))
     return blocks
+
+
+def tokenizer_words(lm: dict) -> str:
+    """A language model's tokenizer (its train record's) in a table cell: "bytes", "bpe
+    (sha256 42cb96c8)", "gpt2.json (sha256 ...)"; "token ids" for token files. A text run
+    recorded before data.tokenizer (samples, no tokenizer) read bytes."""
+    entry = lm.get("tokenizer")
+    if not isinstance(entry, dict):
+        return "bytes" if lm.get("generated") else "token ids"
+    if entry.get("kind") == "bytes":
+        return "bytes"
+    name = "bpe" if entry.get("kind") == "bpe" else str(entry.get("from", "tokenizer.json"))
+    return f"{name.rsplit('/', 1)[-1]} (sha256 {str(entry.get('sha256', ''))[:8]})"
 
 
 def model_blocks(exports, fine_tuned, language_models=()) -> list[tuple]:

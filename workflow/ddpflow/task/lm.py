@@ -6,9 +6,12 @@ int64 token and correct counts), so they do not depend on the world size or the 
 
     loss = sum of -log p(target) / tokens     (nats per token: the token-weighted mean)
     perplexity = exp(loss)                    token_accuracy = correct / tokens
+    bits_per_byte = sum of -log p(target) / (ln 2 * bytes)         (text only)
 
 never the mean of per-batch values (a last partial batch would weigh as much as a full one).
-The validation perplexity selects (lower is better)."""
+bytes: the UTF-8 bytes the scored targets stand for, an int64 sum of the tokenizer's bytes
+per id (the manifest's "token_bytes", ddpflow.data.tokenizer): the figure that compares
+across tokenizers. The validation perplexity selects (lower is better)."""
 
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ PAD = -1  # ddpflow.data.windows.PAD: a target that is not scored
 class LanguageModel(LanguageModelView, Task):
     name = "language_model"
     selection = Selection("val_perplexity", False, "validation perplexity")
-    headline = ("perplexity", "loss", "token_accuracy")
+    # bits_per_byte: text only (token files carry no bytes): n/a for token data
+    headline = ("perplexity", "bits_per_byte", "loss", "token_accuracy")
     reads = "tokens"
     exports = ("safetensors",)  # the traced formats take an image batch
     no_prediction = (
@@ -53,12 +57,18 @@ class LanguageModel(LanguageModelView, Task):
         def count():
             return torch.zeros((), dtype=torch.int64, device=device)
 
-        return {
+        state = {
             "loss": torch.zeros((), dtype=torch.float64, device=device),
             "tokens": count(),
             "correct": count(),
             "blocks": count(),
         }
+        if manifest.get("token_bytes") is not None:  # text: its tokenizer's bytes per id
+            state["bytes"] = count()
+            state["_token_bytes"] = torch.as_tensor(
+                manifest["token_bytes"], dtype=torch.int64, device=device
+            )
+        return state
 
     def update(self, state: dict, outputs, targets) -> None:
         import torch.nn.functional as F
@@ -71,35 +81,47 @@ class LanguageModel(LanguageModelView, Task):
         state["tokens"] += scored.sum()
         state["correct"] += ((logits.argmax(dim=1) == flat) & scored).sum()
         state["blocks"] += targets.shape[0]
+        if "bytes" in state:  # the UTF-8 bytes of the scored text
+            state["bytes"] += state["_token_bytes"][flat[scored]].sum()
 
     def metrics(self, state: dict, manifest: dict) -> dict:
         tokens = int(state["tokens"])
         loss = float(state["loss"]) / tokens if tokens else 0.0
-        return {
+        found = {
             "loss": loss,
             "perplexity": math.exp(loss) if tokens else None,
             "token_accuracy": int(state["correct"]) / tokens if tokens else 0.0,
             "tokens": tokens,
             "samples_evaluated": int(state["blocks"]),
         }
+        if "bytes" in state:  # text: the loss in bits per UTF-8 byte of the scored text
+            scored = found["bytes"] = int(state["bytes"])
+            bits = float(state["loss"]) / (math.log(2) * scored) if scored else None
+            found["bits_per_byte"] = bits
+        return found
 
     def validation(self, metrics: dict) -> dict:
-        return {
+        found = {
             "val_perplexity": metrics["perplexity"],
             "val_loss": metrics["loss"],
             "val_token_accuracy": metrics["token_accuracy"],
         }
+        if metrics.get("bits_per_byte") is not None:  # text
+            found["val_bits_per_byte"] = metrics["bits_per_byte"]
+        return found
 
     def describe(self, metrics: dict) -> str:
+        bits = metrics.get("bits_per_byte")
         return (
             f"perplexity {metrics['perplexity']:.4f}, loss {metrics['loss']:.4f} nats/token, "
-            f"token accuracy {metrics['token_accuracy']:.4f} ({metrics['tokens']:,} tokens)"
+            + (f"{bits:.4f} bits/byte, " if bits is not None else "")
+            + f"token accuracy {metrics['token_accuracy']:.4f} ({metrics['tokens']:,} tokens)"
         )
 
     def train_record(self, loop, generated) -> dict:
         """train_summary's "language_model": the block and the vocabulary, the tokens of each
         split and those trained on, the training tokens/s, and for text, `generated`:
-        samples from a fixed prompt with fixed seeds (training.gpt)."""
+        samples from a fixed prompt with fixed seeds (training.gpt), and its tokenizer."""
         data = loop.data
         if not data.tokens:
             return {}
@@ -114,6 +136,8 @@ class LanguageModel(LanguageModelView, Task):
             "tokens_per_s": trained / seconds if seconds else 0.0,
             "generated": generated,
         }
+        if "tokenizer" in data.manifest:  # text: which tokenizer (kind, sha256)
+            record["tokenizer"] = data.manifest["tokenizer"]
         return {self.train_record_key: record}
 
     def throughput(self, summary: dict) -> str:

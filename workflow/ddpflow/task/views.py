@@ -36,6 +36,7 @@ READ = {
     "mae": ("MAE", ".4g"),
     "r2": ("R²", ".4f"),
     "perplexity": ("perplexity", ".4f"),
+    "bits_per_byte": ("bits per byte", ".4f"),
     "token_accuracy": ("token accuracy", ".2%"),
 }
 

@@ -15,9 +15,10 @@ from ddpflow.checks.weight_files import input_normalisation
 from ddpflow.cluster import distenv
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config.typed import RunSpec
-from ddpflow.data import feed
+from ddpflow.data import feed, tokenizer
 from ddpflow.data.staged import DataError, choose_in_memory, open_split, read_manifest
 from ddpflow.data.text import open_tokens
+from ddpflow.data.tokenizer import ByteLevelBPE, ByteTokenizer
 from ddpflow.data.windows import TokenBlocks, TokenFeed
 from ddpflow.task import DEFAULT_TASK, Task, get_task, run_task
 from ddpflow.training.evaluate import Scoring
@@ -54,11 +55,18 @@ class RankData:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     task: Task = field(default_factory=get_task)  # what the targets are (ddpflow.task)
     tokens: bool = False  # a language model's token windows (ddpflow.data.windows), not images
+    # text: the tokenizer of its ids (ddpflow.data.tokenizer): samples decode with it, and
+    # its bytes per id count the bytes that bits per byte divides by
+    tokenizer: ByteTokenizer | ByteLevelBPE | None = None
 
     @property
     def task_manifest(self) -> dict:
-        """The manifest as the task reads it (tests' data has none: the class count only)."""
-        return {**self.manifest, "num_classes": self.num_classes}
+        """The manifest as the task reads it (tests' data has none: the class count only),
+        with the tokenizer's bytes per id for text."""
+        found = {**self.manifest, "num_classes": self.num_classes}
+        if self.tokenizer is not None:
+            found["token_bytes"] = self.tokenizer.token_bytes()
+        return found
 
     def scoring(self, batch_size: int, autocast=None, stride: int | None = None) -> Scoring:
         """How this data's splits are scored (evaluate.evaluate_split); stride: a language
@@ -138,6 +146,12 @@ def _token_data(run: RunSpec, staged: str, env: DistEnv, device, splits, verify,
         return Split(blocks, torch.empty((len(blocks), 0), device=device))
 
     found = _open_verified(staged, splits, env, opened)
+    made = None
+    if manifest.get("source") == "text":  # its tokenizer, checked as the splits are
+        loaded = _open_verified(
+            staged, ("tokenizer",), env, lambda _: tokenizer.load(staged, manifest, verify)
+        )
+        made = loaded["tokenizer"]
     one = torch.zeros(1, device=device)
     data = RankData(
         splits=found,
@@ -149,6 +163,7 @@ def _token_data(run: RunSpec, staged: str, env: DistEnv, device, splits, verify,
         device=device,
         task=task,
         tokens=True,
+        tokenizer=made,
     )
     if "train" in found:
         assert isinstance(found["train"].inputs, TokenBlocks)
