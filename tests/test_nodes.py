@@ -166,6 +166,51 @@ def test_after_failure_records_and_names_the_node(tmp_path, monkeypatch):
     assert nodes.read_ledger(ledger)[0]["run"] == "cnn"
 
 
+class StandInJob:
+    """What after_success uses of a submitit SlurmJob: its id and cancel()."""
+
+    def __init__(self, job_id: str):
+        self.job_id, self.cancels = job_id, 0
+
+    def cancel(self, check: bool = True) -> None:
+        self.cancels += 1
+
+
+def test_a_job_that_finished_although_a_node_failed_records_it_and_cancels_the_requeue(
+    tmp_path, monkeypatch, caplog
+):
+    """The ranks finished within KillWait after Slurm ended the run as NODE_FAIL (seen at 8
+    nodes): the results stand, the node goes into the ledger, Slurm's requeue is cancelled."""
+    answers = {"sacct": golden("nodefail_sacct.txt"), "scontrol": golden("nodefail_nodes.txt")}
+    monkeypatch.setattr(nodes, "_query", lambda cmd: answers.get(cmd[0], ""))
+    queue = iter(["PENDING", ""])  # Slurm's requeue of job 4, gone once cancelled
+    monkeypatch.setattr(nodes, "squeue_state", lambda job_id: next(queue))
+    monkeypatch.setattr(nodes.time, "sleep", lambda s: None)
+    log_file = tmp_path / "4_0_log.err"
+    cancelled = "*** JOB 4 ON node1 CANCELLED AT 2026-11-23T20:20:08 DUE TO NODE FAILURE ***"
+    log_file.write_text(f"slurmstepd-node1: error: {cancelled}\n")
+    job, ledger = StandInJob("4"), tmp_path / "bad_nodes.json"
+    with caplog.at_level(logging.WARNING):
+        nodes.after_success(job, ledger, "cnn", log_file)
+    (entry,) = nodes.read_ledger(ledger)
+    assert (entry["node"], entry["job_id"], entry["run"]) == ("node2", "4", "cnn")
+    assert job.cancels == 1 and next(queue, "asked once more") == "asked once more"
+    assert "job 4 finished its work, but node failure: node2 (NODE_FAIL in job 4" in caplog.text
+
+
+def test_a_job_that_finished_as_usual_asks_slurm_nothing(tmp_path, monkeypatch):
+    def query(*args):
+        raise AssertionError("no Slurm query after a usual end")
+
+    monkeypatch.setattr(nodes, "_query", query)
+    monkeypatch.setattr(nodes, "squeue_state", query)
+    log_file = tmp_path / "5_0_log.err"
+    log_file.write_text("INFO submitit: Job completed successfully\n")
+    nodes.after_success(StandInJob("5"), tmp_path / "bad_nodes.json", "cnn", log_file)
+    nodes.after_success(StandInJob("5"), tmp_path / "bad_nodes.json", "cnn", tmp_path / "none")
+    assert not (tmp_path / "bad_nodes.json").exists()
+
+
 # ---------------------------------------------------------------- how many nodes
 
 

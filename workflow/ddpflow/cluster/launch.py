@@ -11,7 +11,6 @@ import contextlib
 import json
 import logging
 import os
-import subprocess
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -185,7 +184,7 @@ def _results(job, task, request: JobRequest, watch: JobWatch) -> list:
 
 def _wait_and_blame(job, job_name, record, on_poll, poll_s, run_name, watch=None, ledger=None):
     try:
-        return wait(job, job_name, poll_s, on_poll=on_poll, watch=watch)
+        results = wait(job, job_name, poll_s, on_poll=on_poll, watch=watch)
     except LaunchError as err:
         # the job ended and failed: a retry or rerun must submit a new one, not
         # reattach to this one and read its failure again
@@ -195,6 +194,9 @@ def _wait_and_blame(job, job_name, record, on_poll, poll_s, run_name, watch=None
             raise
         _blame_nodes(err, job, ledger, run_name)
         raise  # not reached: _blame_nodes always raises
+    if watch is not None:  # every rank returned, yet Slurm may have requeued the job
+        nodes.after_success(job, ledger, run_name, job.paths.stderr)
+    return results
 
 
 def _blame_nodes(err: LaunchError, job, ledger, run_name: str):
@@ -289,16 +291,7 @@ def reattach(record, launcher: str, folder, fingerprint: str, num_tasks: int):
 
 
 def slurm_job_alive(job_id: str) -> bool:
-    try:
-        out = subprocess.run(
-            ["squeue", "-h", "-j", str(job_id), "-o", "%T"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0 and bool(out.stdout.strip())
+    return bool(nodes.squeue_state(job_id))  # "" once it left the queue (or squeue failed)
 
 
 def wait(

@@ -239,7 +239,7 @@ def cancel_requeued(job, timeout_s: float = 30.0) -> None:
     same work folder. Cancel it, also when the requeue comes after a first cancel."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        state = _squeue_state(job.job_id)
+        state = squeue_state(job.job_id)
         if state not in LIVE_STATES:
             return
         if state != "NODE_FAIL":
@@ -248,7 +248,7 @@ def cancel_requeued(job, timeout_s: float = 30.0) -> None:
     log.error("job %s is still in the queue %.0fs after its node failure", job.job_id, timeout_s)
 
 
-def _squeue_state(job_id: str) -> str:
+def squeue_state(job_id: str) -> str:
     """The job's state in squeue; "" once it left the queue (squeue then exits non-zero)."""
     try:
         out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"],
@@ -256,6 +256,28 @@ def _squeue_state(job_id: str) -> str:
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def after_success(job, ledger: str | Path, run: str, batch_log: str | Path) -> None:
+    """Called when every rank of a Slurm job returned: a node can still have failed under it.
+    Slurm then ends the run as NODE_FAIL and signals the ranks, which ignore the SIGTERM
+    (submitit bypasses it) and may finish their work within KillWait (seen at 8 nodes on
+    tests/slurm's cluster); Slurm requeues the job all the same, and the requeued job would
+    wait for the lost node or, once it is back, train again in the finished run's folder.
+    The results stand; the node goes into the ledger and the requeued job is cancelled.
+    batch_log: the job's own log (rank 0's stderr), where Slurm writes "... DUE TO NODE
+    FAILURE"."""
+    try:
+        text = Path(batch_log).read_text(errors="replace")
+    except OSError:
+        text = ""
+    if "DUE TO NODE FAILURE" not in text:
+        return  # the usual end: no Slurm query
+    failed = failed_nodes(job.job_id, patience_s=10.0)
+    if failed:
+        line = describe(add_to_ledger(ledger, run, job.job_id, failed), ledger)
+        log.warning("run %r: job %s finished its work, but %s", run, job.job_id, line)
+    cancel_requeued(job)
 
 
 def describe(failed: list[dict], ledger: str | Path) -> str:
