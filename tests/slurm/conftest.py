@@ -65,9 +65,9 @@ def _can_use_netns() -> str | None:
     return None
 
 
-def _script(cmd: str, timeout: float) -> subprocess.CompletedProcess[str]:
+def _script(cmd: str, timeout: float, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["bash", str(SCRIPT), cmd], capture_output=True, text=True, timeout=timeout
+        ["bash", str(SCRIPT), cmd, *args], capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -78,6 +78,18 @@ def _parse_env(text: str) -> dict[str, str]:
             key, _, value = line.removeprefix("export ").partition("=")
             env[key] = value.strip('"')
     return env
+
+
+def _cluster(env: dict[str, str]) -> SlurmCluster:
+    return SlurmCluster(
+        partition=env["DDPFLOW_SLURM_PARTITION"],
+        short_partition=env["DDPFLOW_SLURM_SHORT_PARTITION"],
+        account=env["DDPFLOW_SLURM_ACCOUNT"],
+        nodes=tuple(env["DDPFLOW_SLURM_NODES"].split()),
+        state_dir=Path(env["DDPFLOW_SLURM_DIR"]),
+        script=SCRIPT,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -98,15 +110,27 @@ def slurm_cluster():
             # SLURM_CONF lets every client find the cluster without /etc/slurm.
             for key, value in env.items():
                 mp.setenv(key, value)
-            yield SlurmCluster(
-                partition=env["DDPFLOW_SLURM_PARTITION"],
-                short_partition=env["DDPFLOW_SLURM_SHORT_PARTITION"],
-                account=env["DDPFLOW_SLURM_ACCOUNT"],
-                nodes=tuple(env["DDPFLOW_SLURM_NODES"].split()),
-                state_dir=Path(env["DDPFLOW_SLURM_DIR"]),
-                script=SCRIPT,
-                env=env,
-            )
+            yield _cluster(env)
     finally:
         down = _script("down", DOWN_TIMEOUT_S)
         assert down.returncode == 0, f"cluster.sh down left things behind:\n{down.stderr}"
+
+
+@pytest.fixture(scope="module")
+def eight_node_cluster(slurm_cluster):
+    """The session's cluster rebuilt at 8 nodes for one module's tests, then rebuilt at the
+    session's size (`cluster.sh up N` rebuilds a cluster of another size: about 6 s each way,
+    cheaper than 8 nodes for every test, whose checks are written for the session's size).
+    A rebuild starts with empty accounting: job ids restart at 1."""
+    size = str(len(slurm_cluster.nodes))
+    up = _script("up", UP_TIMEOUT_S, "8")
+    try:
+        assert up.returncode == 0, f"cluster.sh up 8 failed:\n{up.stdout}\n{up.stderr}"
+        env = _parse_env(_script("env", 30).stdout)
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in env.items():
+                mp.setenv(key, value)
+            yield _cluster(env)
+    finally:
+        back = _script("up", UP_TIMEOUT_S, size)
+        assert back.returncode == 0, f"cluster.sh up {size} failed:\n{back.stdout}\n{back.stderr}"

@@ -70,18 +70,19 @@ def node_blip(cluster, name: str):
             subprocess.run(["scontrol", "update", f"NodeName={name}", "State=RESUME"], timeout=30)
 
 
-def _wait_for_checkpoint(workdir: Path, proc: subprocess.Popen) -> None:
-    checkpoints = workdir / "results/work/nf/checkpoints"
+def wait_for_checkpoint(workdir: Path, proc: subprocess.Popen, run: str = "nf") -> Path:
+    """The run's first checkpoint, once its training job wrote it (Snakemake still running)."""
+    checkpoints = workdir / f"results/work/{run}/checkpoints"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        if list(checkpoints.glob("ckpt-*.pt")):
-            return
+        if written := sorted(checkpoints.glob("ckpt-*.pt")):
+            return written[0]
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         time.sleep(0.5)
     raise AssertionError("no checkpoint written")
 
 
-def _job_ids(folder: Path) -> list[str]:
+def job_ids_in_order(folder: Path) -> list[str]:
     return sorted({p.name.split("_")[0] for p in folder.glob("*_0_log.out")}, key=int)
 
 
@@ -101,14 +102,14 @@ def test_failed_node_is_excluded_and_the_retry_runs_on_the_rest(slurm_cluster, t
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=tmp_path)  # fmt: skip
     try:
-        _wait_for_checkpoint(tmp_path, proc)
+        wait_for_checkpoint(tmp_path, proc)
         with lose(slurm_cluster, "node2"):
             output, _ = proc.communicate(timeout=480)
     finally:
         if proc.poll() is None:
             proc.kill()
     folder = tmp_path / "logs/submitit/nf/train"
-    ids = _job_ids(folder)
+    ids = job_ids_in_order(folder)
     assert proc.returncode == 0, output[-5000:] + "".join(job_story(i, folder) for i in ids)
     first, retry = ids  # the job that lost node2, the retry's
 

@@ -1,0 +1,159 @@
+"""Eight nodes on the real Slurm cluster, and one of them dies: an 8-node x 1 CPU rank training
+through `snakemake --profile slurm`; after its first checkpoint a node (not rank 0's) dies and
+stays dead. The job's run ends in NODE_FAIL and Slurm's requeue of it is cancelled; the rule's
+retry excludes the node and runs on the 7 left (machine.min_nodes: 7) with the same global
+batch, continuing from the 8-node job's checkpoint; the bad-node ledger, the report and the
+terminal name the node. The suite's one test at 8 nodes (the cluster is rebuilt at 8 nodes
+for this module: conftest.eight_node_cluster)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from slurm_helpers import job_story, sacct_state
+from test_node_failure import job_ids_in_order, node_dead, wait_for_checkpoint
+from test_workflow_slurm import CLUSTER_MACHINE, FAST_POLL
+from workflow_helpers import REPO, snakemake_command, write_config
+
+pytestmark = pytest.mark.slurm
+
+LOST = "node5"  # rank 4's node: rank 0 (node1) writes the checkpoints
+MACHINE = {**CLUSTER_MACHINE, "nodes": 8, "min_nodes": 7, "cpu_ranks_per_node": 1}
+# micro-batch auto: 2, the largest that splits 112 at 8 ranks (7 micro-batches a step each)
+# and at 7 (8 each), so the retry trains the same global batch
+TRAIN = {
+    "epochs": 4,
+    "progress": False,
+    "global_batch_size": 112,
+    "micro_batch_size": "auto",
+    "checkpoint": {"every_steps": 0, "every_epochs": 1},
+}
+MODEL = {"name": "cnn", "cnn_channels": 8}
+RESUMED = re.compile(
+    r"resuming from ckpt-(?P<ckpt>\d+)\.pt \(written by attempt 1\).*RESUMED from attempt 1: "
+    r"resumed at epoch (?P<epoch>\d+) step (?P<step>\d+) on 7 ranks; the checkpoint was written "
+    r"on 8",
+    re.S,
+)
+
+
+@contextlib.contextmanager
+def node_lost(cluster, name: str):
+    """node_dead (the node's slurmd stops answering, Slurm holds it DOWN), and the job's rank
+    there killed: its peers lose it at their next all-reduce instead of training on within
+    Slurm's KillWait. The node's slurmstepd is spared: where it goes too, the first node's
+    step waits a minute for its completion message (Slurm's reverse-tree timeout) and Slurm
+    drains that node as well ("Kill task failed", tests/slurm/README.md)."""
+    with node_dead(cluster, name):
+        found = subprocess.run(
+            ["ip", "netns", "pids", f"ddpf-{name}"], capture_output=True, text=True, timeout=30
+        )
+        ranks = [int(pid) for pid in found.stdout.split() if _command(pid).startswith("python")]
+        assert ranks, f"no rank runs on {name}"
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        yield
+
+
+def _command(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def test_a_node_lost_at_eight_nodes_is_named_excluded_and_the_run_resumes_on_seven(
+    eight_node_cluster, tmp_path
+):
+    assert len(eight_node_cluster.nodes) == 8
+    configfile = write_config(
+        tmp_path / "config.yaml",
+        {"model": MODEL, "train": TRAIN, "machine": MACHINE, "runs": [{"name": "eight"}]},
+    )
+    # the workflow's shared Slurm poll every 2 s (15 s by default): Slurm's requeue of the
+    # 8-node job is seen within seconds of the node's loss
+    cmd, env = snakemake_command(
+        tmp_path,
+        configfile,
+        "--profile",
+        str(REPO / "profiles/slurm"),
+        *FAST_POLL,
+        env={"DDPFLOW_SLURM_POLL_S": "2"},
+    )
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path
+    )
+    try:
+        seen = wait_for_checkpoint(tmp_path, proc, "eight")
+        with node_lost(eight_node_cluster, LOST):
+            output, _ = proc.communicate(timeout=480)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    folder = tmp_path / "logs/submitit/eight/train"
+    ids = job_ids_in_order(folder)
+    assert proc.returncode == 0, output[-5000:] + "".join(job_story(i, folder) for i in ids)
+    first, retry = ids  # the job that lost the node, the retry's
+
+    # the 8-node job: a NODE_FAIL run; Slurm's requeue of it was cancelled
+    runs = subprocess.run(
+        ["sacct", "-D", "-X", "-n", "-P", "-j", first, "-o", "State,NodeList"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+    assert "NODE_FAIL|node[1-8]" in runs, runs
+    queued = subprocess.run(
+        ["squeue", "-h", "-j", first, "-t", "PD,R,CF"], capture_output=True, text=True, timeout=30
+    )
+    assert queued.stdout.strip() == "", f"Slurm's requeue of job {first} was left queued"
+
+    # named: the ledger, the terminal and the report
+    (entry,) = json.loads((tmp_path / "results/work/bad_nodes.json").read_text())["nodes"]
+    assert (entry["node"], entry["job_id"], entry["run"]) == (LOST, first, "eight")
+    assert entry["reason"].startswith(f"NODE_FAIL in job {first} (node DOWN"), entry
+    assert f"node failure: {LOST} (NODE_FAIL in job {first}" in output, output[-5000:]
+    assert (
+        f"run 'eight': excluding {LOST} (NODE_FAIL in job {first}" in output
+        and "running on 7 nodes of 8 (machine.min_nodes: 7)" in output
+    ), output[-5000:]
+    report = (tmp_path / "results/report/report.md").read_text()
+    assert "## Bad nodes" in report and f"| {LOST} | NODE\\_FAIL in job {first}" in report
+
+    # excluded: the retry asked Slurm to avoid the node and ran on the 7 others
+    assert sacct_state(retry) == "COMPLETED", job_story(retry, folder)
+    assert f"#SBATCH --exclude={LOST}" in (folder / f"{retry}_submission.sh").read_text()
+    shown = subprocess.run(
+        ["scontrol", "--oneliner", "show", "job", retry], capture_output=True, text=True, timeout=30
+    ).stdout
+    assert f"ExcNodeList={LOST} " in shown and " NodeList=node[1-4,6-8] " in shown, shown
+    train = json.loads((tmp_path / "results/runs/eight/eval_metrics.json").read_text())["train"]
+    others = {f"node{i}" for i in range(1, 9)} - {LOST}
+    assert (train["nodes"], train["world_size"], set(train["hosts"])) == (7, 7, others)
+
+    # resumed: from a checkpoint the 8-node job wrote, no earlier than the one seen before the
+    # node died, at the same global batch (7 ranks x 8 micro-batches of 2)
+    rank0 = (folder / f"{retry}_0_log.err").read_text(errors="replace")
+    resumed = RESUMED.search(rank0)
+    assert resumed, rank0[-3000:]
+    step = int(resumed.group("step"))
+    assert step == int(resumed.group("ckpt")) >= int(seen.stem.split("-")[1]) > 0, resumed[0]
+    assert "global batch 112 = micro-batch 2 x 7 ranks x 8 accumulation steps" in rank0
+    # the training's record: steps 0 to `step` on the 8 nodes, the rest on the 7
+    summary = json.loads((tmp_path / "results/runs/eight/train_summary.json").read_text())
+    eight, seven = summary["segments"]
+    assert (eight["attempt"], eight["world_size"], eight["start_step"]) == (1, 8, 0)
+    assert (seven["attempt"], seven["world_size"], seven["start_step"]) == (2, 7, step)
+    assert eight["end_step"] == step and set(eight["hosts"]) == others | {LOST}
+    assert set(seven["hosts"]) == others
+    per_epoch = step // (int(resumed.group("epoch")) - 1)  # whole epochs were checkpointed
+    assert seven["end_step"] == summary["steps"] == TRAIN["epochs"] * per_epoch
+    assert "training from scratch" not in output, output[-5000:]
