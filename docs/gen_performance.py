@@ -809,12 +809,54 @@ def render_accumulation_drift(doc: dict) -> list[str]:
     return [table(header, rows), f"After epoch {epochs}:", table(distance, pairs)]
 
 
+def render_lm_windows(doc: dict) -> list[str]:
+    """Fixed vs fresh block boundaries: validation loss per epoch and at the end, and the
+    final models' validation loss at smaller evaluation strides."""
+    runs, c = doc["runs"], doc["conditions"]
+    name = {False: "same blocks", True: "fresh windows"}
+    means = [
+        [name[s["fresh_windows"]], ", ".join(map(str, s["seeds"])),
+         f"{s['final_val_loss_mean']:.4f}", f"{s['best_val_loss_mean']:.4f}",
+         f"{s['final_train_loss_mean']:.4f}"]
+        for s in doc["summary"]
+    ]  # fmt: skip
+    fixed, fresh = doc["summary"]
+    gap = fresh["final_val_loss_mean"] - fixed["final_val_loss_mean"]
+    columns = [f"{name[r['fresh_windows']]}, seed {r['seed']}" for r in runs]
+    by_epoch = [
+        [str(e + 1), *(f"{r['epochs'][e]['val_loss']:.4f}" for r in runs)]
+        for e in range(len(runs[0]["epochs"]))
+    ]
+    strides = list(runs[0]["val_loss_by_stride"])
+    by_stride = [
+        [f"{name[r['fresh_windows']]}, seed {r['seed']}",
+         *(f"{r['val_loss_by_stride'][s]:.4f}" for s in strides)]
+        for r in runs
+    ]  # fmt: skip
+    corpus = c["corpus"]
+    return [
+        f"{c['model']}; {c['training']}. Corpus: the standard library's `{corpus['package']}` "
+        f"package, {num(corpus['files'])} files, {num(corpus['bytes'])} bytes (train "
+        f"{num(corpus['tokens']['train'])}, val {num(corpus['tokens']['val'])} tokens). Loss "
+        "in nats per token (byte). Means over the seeds; fresh minus same blocks, final "
+        f"validation loss: {gap:+.4f}.",
+        table(["blocks", "seeds", "final val loss", "best val loss", "final train loss"], means),
+        "Validation loss by epoch (non-overlapping windows, as training validates):",
+        table(["epoch", *columns], by_epoch),
+        "The final models' validation loss by eval.stride (each token scored once, with at "
+        "least block_size - stride tokens of context):",
+        table(["model", *(f"stride {s}" for s in strides)], by_stride),
+    ]
+
+
 def render_unknown(doc: dict) -> list[str]:
     keys = ", ".join(f"`{k}`" for k in doc)
     return [f"No table renderer for this benchmark; its top-level keys: {keys}."]
 
 
 def renderer(doc: dict):
+    if doc.get("benchmark") == "lm_windows":  # before the peers': it has "summary" and "runs"
+        return render_lm_windows
     if "by_micro_batch" in doc:
         return render_micro_batch
     if "summary" in doc and "runs" in doc:

@@ -1,7 +1,7 @@
 """The benchmarks (bench/throughput.py, end_to_end.py, memory.py, data.py, layout.py,
-finetune.py, lm.py, scaling.py, micro_batch.py, memory_estimate.py, store_scale.py,
-accumulation_drift.py) run in a tiny configuration and write complete JSON, through the
-harness every one of them shares (bench/harness.py).
+finetune.py, lm.py, lm_windows.py, scaling.py, micro_batch.py, memory_estimate.py,
+store_scale.py, accumulation_drift.py) run in a tiny configuration and write complete JSON,
+through the harness every one of them shares (bench/harness.py).
 
 Speed is measured by the benchmarks and never asserted here: only that the numbers exist.
 """
@@ -540,3 +540,24 @@ def test_accumulation_drift_tiny_run_compares_the_world_sizes(tmp_path):
     (pair,) = doc["distances"]
     assert (pair["a"], pair["b"]) == (1, 2) and math.isfinite(pair["relative_l2"])
     assert pair["max_abs"] >= 0 and isinstance(pair["bitwise_equal"], bool)
+
+
+def test_lm_windows_quick_run_writes_complete_json(tmp_path):
+    """bench/lm_windows.py --quick: the same gpt with the same blocks every epoch and with
+    fresh windows, each epoch's losses and the final models at every eval stride; the
+    performance page renders it."""
+    out = tmp_path / "lm_windows.json"
+    cmd = [sys.executable, str(REPO / "bench" / "lm_windows.py"), "--quick", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    report = json.loads(out.read_text())
+    assert report["conditions"]["corpus"]["package"] == "json" and report["machine"]["cpu_count"]
+    fixed, fresh = report["runs"]
+    assert (fixed["fresh_windows"], fresh["fresh_windows"]) == (False, True)
+    assert fresh["steps_per_epoch"] == fixed["steps_per_epoch"] > 0
+    n = report["conditions"]["corpus"]["tokens"]["val"]
+    for run in report["runs"]:
+        assert len(run["epochs"]) == 2 and all(math.isfinite(e["val_loss"]) for e in run["epochs"])
+        assert list(run["val_loss_by_stride"]) == ["32", "16", "8", "4"]
+        assert set(run["val_tokens_by_stride"].values()) == {n - 1}  # each token once
+    assert "| fresh windows | 0 |" in "\n".join(_renderer(report)(report))

@@ -82,7 +82,25 @@ def test_a_text_folder_trains_gpt_at_2_ranks_and_1_to_the_same_perplexity(workdi
     planned = jobs_planned(workdir, write_config(workdir / "config.yaml", deeper))
     assert "train" in planned and "stage" not in planned
     assert jobs_planned(workdir, write_config(workdir / "config.yaml", _config())) == set()
+    _the_window_keys_rerun_what_they_change(workdir)
     _generations_at_2_ranks_and_1(workdir)
+
+
+def _the_window_keys_rerun_what_they_change(workdir: Path) -> None:
+    """eval.stride at block_size and train.fresh_windows: false are what the finished runs
+    did: nothing to do. A smaller stride re-evaluates only; fresh windows retrain only."""
+
+    def planned(section: str, **keys) -> set:
+        config = _config()
+        config[section] = {**config.get(section, {}), **keys}
+        return jobs_planned(workdir, write_config(workdir / "config.yaml", config))
+
+    assert planned("eval", stride=64) | planned("train", fresh_windows=False) == set()
+    strided = planned("eval", stride=16)
+    assert "evaluate" in strided and not {"stage", "train"} & strided
+    fresh = planned("train", fresh_windows=True)
+    assert "train" in fresh and "stage" not in fresh
+    write_config(workdir / "config.yaml", _config())
 
 
 def _the_docs_sampling_example_runs(workdir: Path, run: str) -> None:
