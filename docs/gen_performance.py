@@ -849,6 +849,36 @@ def render_lm_windows(doc: dict) -> list[str]:
     ]
 
 
+def render_generate(doc: dict) -> list[str]:
+    """Decoding tokens/s with the GPT's KV cache and recomputing the context, per case."""
+    header = [
+        "case",
+        "parameters",
+        "prompt + new tokens",
+        "steps read from the cache",
+        "with the cache, tokens/s",
+        "recomputing, tokens/s",
+        "cache / recompute",
+        "by CPU s",
+        "same tokens",
+    ]
+    rows = [
+        [
+            r["case"],
+            num(r["parameters"]),
+            f"{r['prompt_tokens']} + {r['new_tokens']}",
+            num(r["cached_steps"]),
+            num(r["with_cache"]["tokens_per_s"]),
+            num(r["recompute"]["tokens_per_s"]),
+            ratio(r["speedup"]),
+            ratio(r["cpu_time_speedup"]),
+            num(r["same_tokens"]),
+        ]
+        for r in doc["runs"]
+    ]
+    return [table(header, rows)]
+
+
 def render_unknown(doc: dict) -> list[str]:
     keys = ", ".join(f"`{k}`" for k in doc)
     return [f"No table renderer for this benchmark; its top-level keys: {keys}."]
@@ -890,6 +920,8 @@ def renderer(doc: dict):
         return render_accumulation_drift
     if runs and "fold_share" in runs[0]:
         return render_batchnorm
+    if runs and "with_cache" in runs[0]:
+        return render_generate
     if doc.get("benchmark") == "login_cpu":
         return render_login_cpu
     if doc.get("rows") and "estimate_total_gb" in doc["rows"][0]:

@@ -1,7 +1,7 @@
 """The benchmarks (bench/throughput.py, end_to_end.py, memory.py, data.py, layout.py,
-finetune.py, lm.py, lm_windows.py, scaling.py, micro_batch.py, memory_estimate.py,
-store_scale.py, accumulation_drift.py) run in a tiny configuration and write complete JSON,
-through the harness every one of them shares (bench/harness.py).
+finetune.py, lm.py, generate.py, lm_windows.py, scaling.py, micro_batch.py,
+memory_estimate.py, store_scale.py, accumulation_drift.py) run in a tiny configuration and
+write complete JSON, through the harness every one of them shares (bench/harness.py).
 
 Speed is measured by the benchmarks and never asserted here: only that the numbers exist.
 """
@@ -336,6 +336,23 @@ def test_lm_quick_run_writes_complete_json(tmp_path):
             assert row[loop]["tokens_per_s"] > 0 and row[loop]["gflops"] > 0
             assert row[loop]["mfu"] is None  # no --peak-tflops
     assert "| bf16 | cpu | 2 |" in "\n".join(_renderer(report)(report))
+
+
+def test_generate_quick_run_writes_complete_json(tmp_path):
+    """bench/generate.py --quick: decoding with and without the KV cache, the same greedy
+    tokens both ways; the performance page renders it."""
+    out = tmp_path / "generate.json"
+    cmd = [sys.executable, str(REPO / "bench" / "generate.py"), "--quick", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    report = json.loads(out.read_text())
+    assert {"hostname", "cpu_model", "cpu_count"} <= set(report["machine"])
+    assert report["conditions"]["batch"] == 1 and report["conditions"]["repeats"] == 1
+    (row,) = report["runs"]
+    assert row["same_tokens"] and row["cached_steps"] > 0
+    for way in ("with_cache", "recompute"):
+        assert len(row[way]["seconds"]) == 1 and row[way]["tokens_per_s"] > 0
+    assert "| gpt 2x64, T 32 |" in "\n".join(_renderer(report)(report))
 
 
 # --- strong scaling and the sampler's cost (issue 23) ----------------------------------
