@@ -15,7 +15,7 @@ import torch
 from ddpflow import config as ddpconfig
 from ddpflow.config import ConfigError
 from ddpflow.config.fingerprint import dataset_id, evaluation_fingerprint, training_fingerprint
-from ddpflow.data.codec import ByteCodec, IdCodec
+from ddpflow.data.codec import IdCodec, codec_for
 from ddpflow.generate import (
     check_can_generate,
     encode_prompts,
@@ -147,10 +147,26 @@ def test_a_long_prompt_keeps_its_last_block_size_tokens_and_ids_are_checked():
         encode_prompts(["def"], SETTINGS, ids, "staged")
 
 
-def test_the_codecs_round_trip():
+def test_prompts_are_encoded_with_the_runs_tokenizer(tmp_path):
+    """Bytes, a byte-level BPE staged as its tokenizer.json (ddpflow.data.tokenizer: the seam
+    samples decode with too) and token ids written as numbers."""
+    from ddpflow.data.byte_level import train_bpe
+
     text = "ünïcode\tand bytes"
-    assert ByteCodec().decode(ByteCodec().encode(text)) == text
-    assert ByteCodec().decode([104, 256, 105]) == "h\ni"  # the end of a document: a break
+    plain = {"source": "text", "block_size": 8, "vocab_size": 257}
+    codec = codec_for(plain, tmp_path)
+    assert codec.encode(text) == list(text.encode()) and codec.decode(codec.encode(text)) == text
+    assert codec.decode([104, 256, 105]) == "h\ni"  # the end of a document: a line break
+    spec = train_bpe(["def load(fp):\n    return fp.read()\n"] * 50, 300)
+    (tmp_path / "tokenizer.json").write_text(spec)
+    files = {"tokenizer.json": {"bytes": (tmp_path / "tokenizer.json").stat().st_size}}
+    entry = {"kind": "bpe", "file": "tokenizer.json", "eod": 0}
+    bpe = codec_for({**plain, "vocab_size": 300, "tokenizer": entry, "files": files}, tmp_path)
+    ids = bpe.encode("def load(fp):")
+    assert len(ids) < len("def load(fp):") and bpe.decode(ids) == "def load(fp):"
+    manifest = {**plain, "block_size": 2, "tokenizer": entry, "files": files}
+    (prompt,) = encode_prompts(["def load(fp):"], SETTINGS, manifest, tmp_path)
+    assert prompt["tokens"] == ids[-2:] and prompt["cropped"] == len(ids) - 2  # BPE tokens
     assert IdCodec(50).decode([1, 22, 3]) == "1 22 3"
 
 

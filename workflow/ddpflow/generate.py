@@ -115,7 +115,8 @@ def encode_prompts(prompts: list[str], generate: dict, manifest: dict, staged) -
             raise ConfigError(f"generate.prompts line {index + 1}: {err}") from None
         if not ids:
             raise ConfigError(
-                f"generate.prompts line {index + 1}: no token ({codec.kind}); write a prompt"
+                f"generate.prompts line {index + 1}: no token in it; write a prompt (for "
+                "data.source tokens: its token ids separated by spaces)"
             )
         seed = prompt_seed(generate["seed"], index)
         kept, cropped = ids[-block:], max(0, len(ids) - block)

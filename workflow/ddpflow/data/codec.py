@@ -6,8 +6,8 @@ with (ddpflow.generate, ddpflow.training.generate_ranks). Imports no torch.
     ids = codec.encode("def load(")          # ValueError: text it cannot encode, and why
     text = codec.decode(ids)
 
-- data.source text, bytes: a token is a byte of the UTF-8 text; the end-of-document token
-  (256) decodes as a line break, bytes that are not UTF-8 as U+FFFD.
+- data.source text: the run's tokenizer (data.tokenizer: bytes, bpe or a tokenizer.json;
+  ddpflow.data.tokenizer.load, the one seam samples decode with too).
 - data.source tokens (your own tokenizer's ids, no tokenizer here): a prompt is its token
   ids, separated by spaces, and a completion is written the same way.
 """
@@ -15,36 +15,19 @@ with (ddpflow.generate, ddpflow.training.generate_ranks). Imports no torch.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
-from ddpflow.data.text import EOD
-
-
-class Codec:
-    """encode(text) -> ids and decode(ids) -> text for one staged dataset; `kind` names it
-    in messages ("bytes", "token ids")."""
-
-    kind = ""
-
-    def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
-
-    def decode(self, ids: list[int]) -> str:
-        raise NotImplementedError
+from ddpflow.data import tokenizer
 
 
-class ByteCodec(Codec):
-    kind = "bytes"
+class Codec(Protocol):
+    def encode(self, text: str) -> list[int]: ...
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        raw = b"".join(b"\n" if t == EOD else bytes([t]) for t in ids if 0 <= t <= EOD)
-        return raw.decode("utf-8", errors="replace")
+    def decode(self, ids: list[int]) -> str: ...
 
 
-class IdCodec(Codec):
-    kind = "token ids"
+class IdCodec:
+    """Token ids written as numbers: data.source tokens carries no tokenizer."""
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -70,7 +53,8 @@ class IdCodec(Codec):
 
 
 def codec_for(manifest: dict, staged_dir: str | Path) -> Codec:
-    """The codec of a staged token dataset (its manifest.json, read)."""
+    """The codec of a staged token dataset (its manifest.json, read): its tokenizer for
+    text, token ids as numbers for token data."""
     if manifest.get("source") == "text":
-        return ByteCodec()
+        return tokenizer.load(staged_dir, manifest)
     return IdCodec(int(manifest["vocab_size"]))
