@@ -13,7 +13,7 @@ TRACKING_TEST_STAMP := $(VENV)/.ddpflow-tracking-server-installed
 ONNX_STAMP := $(VENV)/.ddpflow-onnx-installed
 
 .PHONY: run test test-fast lint bench clean profile docs docs-build docs-reference tracking \
-	typed-config onnx
+	typed-config onnx image
 
 run: $(STAMP) profile
 	$(BIN)/snakemake
@@ -79,6 +79,12 @@ $(ONNX_STAMP): envs/onnx.txt $(STAMP)
 $(TRACKING_TEST_STAMP): envs/tracking-server.txt envs/tracking.txt $(STAMP)
 	$(BIN)/python -m pip install --quiet -r envs/tracking-server.txt
 	touch $@
+
+# machine.container's image of the pinned environment: a Charliecloud directory image at
+# images/ddpflow (docs/software-on-the-nodes.md); needs root (debootstrap) and the apt mirror.
+# envs/ddpflow.def builds the same for Apptainer where a site builds there.
+image: $(STAMP)
+	bash envs/charliecloud-image.sh
 
 # the configuration reference, generated from the schema (tests/test_config_reference.py
 # fails when the committed file is stale)

@@ -26,6 +26,7 @@ from ddpflow.config.fingerprint import (
     training_fingerprint,
 )
 from ddpflow.config.machine import uses_channels_last
+from ddpflow.data import in_image
 from ddpflow.data.staged import choose_in_memory, read_manifest
 from ddpflow.data.staging import stage_dataset
 from ddpflow.data.text import describe_tokens
@@ -69,7 +70,11 @@ def _stage_data(data_cfg: dict, out_dir: str, threads: int) -> dict:
         "staging %s into %s %s (%s)", data_cfg["source"], out_dir, where, counted(threads, "thread")
     )
     start = time.perf_counter()
-    manifest = stage_dataset(data_cfg, out_dir, seed=data_cfg["seed"], threads=threads)
+    machine = in_image.staging_machine(out_dir)  # a staging job with machine.container
+    if machine is not None:
+        manifest = in_image.stage(machine, data_cfg, out_dir, threads)
+    else:
+        manifest = stage_dataset(data_cfg, out_dir, seed=data_cfg["seed"], threads=threads)
     seconds = time.perf_counter() - start
     if manifest.get("kind") == "tokens":  # ddpflow.data.text
         log.info("staged %s into %s in %.1fs: %s", data_cfg["source"], out_dir, seconds,

@@ -8,6 +8,7 @@ from ddpflow import config as ddpconfig
 from ddpflow import paths as ddppaths
 from ddpflow.checks import weight_files as ddpweights
 from ddpflow.checks.values import run_warnings, tracking_enabled
+from ddpflow.data import in_image as ddpimage
 
 try:
     # validate (schema + cluster-independent checks) and fill defaults before any job runs;
@@ -29,6 +30,8 @@ try:
     STAGE_WHERE = ddpconfig.stage_where(resolved, config["launcher"])
 except ddpconfig.ConfigError as err:
     sys.exit(f"ddpflow: configuration error: {err}")
+# a staging job runs its Python in machine.container: the job finds it in its environment
+ddpimage.export_staging_machines(resolved, STAGE_WHERE)
 
 # Against the real cluster too (partition, account, nodes, GPUs, time limit), before anything
 # is queued. Only in the main process: jobs re-read this file where sacctmgr may be missing.

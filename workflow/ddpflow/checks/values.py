@@ -10,6 +10,7 @@ import importlib.util
 import os
 
 from ddpflow.checks.batch import check_world_size
+from ddpflow.checks.container import check_container, container_warnings
 from ddpflow.checks.host import cpu_computes_bf16, local_gpu_count
 from ddpflow.checks.model_kwargs import check_gpt_kwargs
 from ddpflow.checks.token_windows import check_token_windows
@@ -47,6 +48,7 @@ def _check_machine(where: str, machine: dict, launcher: str) -> None:
     if launcher == "local" and machine["gpus_per_node"]:
         _check_local_gpus(where, machine["gpus_per_node"])
     _check_min_nodes(where, machine)
+    check_container(where, machine, launcher)
 
 
 def _check_features(where: str, run: dict) -> None:
@@ -216,7 +218,7 @@ def run_warnings(run: dict, launcher: str) -> list[str]:
             f"{where}: train.precision fp16 on CPU ranks (machine.gpus_per_node 0) trains in "
             "fp32: fp16 is for GPUs; for mixed precision on a CPU set train.precision: bf16"
         )
-    out += _strategy_warnings(where, run)
+    out += _strategy_warnings(where, run) + container_warnings(where, machine, launcher)
     if launcher == "local" and not machine["gpus_per_node"]:
         cores = usable_cores()
         wanted = machine["cpu_ranks_per_node"] * machine["cpus_per_task"]

@@ -20,18 +20,24 @@ from ddpflow.paths import RunPaths
 class _RankJob:
     task_module, task_name = "ddpflow.training.entry", ""
 
-    def __init__(self, run: dict, paths: RunPaths):
-        self.run, self.paths = run, paths
+    def __init__(self, run: dict, paths: RunPaths, planned: dict | None = None):
+        # planned: the login node's ddpflow, torch, CUDA and NCCL (cluster.software); a job
+        # pickled before it was passed has none, and checks nothing
+        self.run, self.paths, self.planned = run, paths, planned
 
     def __call__(self) -> dict:
         import atexit
         import gc
         import importlib
 
+        from ddpflow.cluster import distenv, software
+
         # a rank holds millions of objects (torch and its compiler's modules) that the
         # interpreter's last collection scans at exit, 0.6-0.9 s a process on a CPU core;
         # frozen first, they are not scanned (atexit handlers and module teardown still run)
         atexit.register(gc.freeze)
+        # this node's software is the login node's, before anything is built (the image)
+        software.check_planned(getattr(self, "planned", None), distenv.discover().rank)
         module = importlib.import_module(self.task_module)
         return getattr(module, self.task_name)(self.run, self.paths)()
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import submitit
 
-from ddpflow.cluster import failures, nodes, poll, private
+from ddpflow.cluster import container, failures, nodes, poll, private
 from ddpflow.cluster.interrupts import (
     controller_output,
     ignore_stop_signals,
@@ -67,6 +67,9 @@ def slurm_parameters(machine: dict, job_name: str, exclude=(), folder=None) -> d
         "stderr_to_stdout": False,
     }
     params["setup"] += list(machine["setup"])  # the job folder's check first
+    # machine.container: pyxis's srun options, ch-run's $USER (ddpflow.cluster.container)
+    params["srun_args"] += container.srun_args(machine)
+    params["setup"] += container.setup_lines(machine)
     if machine["gpus_per_node"]:
         params["gpus_per_node"] = machine["gpus_per_node"]
     for key in ("account", "qos", "constraint"):
@@ -83,17 +86,19 @@ def make_executor(
     max_requeues: int = 3,
     exclude=(),
 ):
+    python = container.python_command(machine, launcher)  # None: this process's Python
     if launcher == "local":
-        local = submitit.LocalExecutor(folder=str(folder))
+        local = submitit.LocalExecutor(folder=str(folder), python=python)
         local.update_parameters(
             nodes=1,
             tasks_per_node=ranks_per_node(machine),
             gpus_per_node=machine["gpus_per_node"],
             timeout_min=machine["time_min"],
+            setup=container.setup_lines(machine),
         )
         return local
     # max_num_timeout: requeues after hitting the time limit (preemptions are not counted)
-    executor = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=max_requeues)
+    executor = submitit.SlurmExecutor(str(folder), max_num_timeout=max_requeues, python=python)
     executor.update_parameters(**slurm_parameters(machine, job_name, exclude, folder))
     return executor
 

@@ -9,12 +9,13 @@ epoch lines in the terminal. The train, evaluate and predict rules submit throug
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
 
 from ddpflow import runtime
-from ddpflow.cluster import launch, nodes, placement, private
+from ddpflow.cluster import container, launch, nodes, placement, private, software
 from ddpflow.config.fingerprint import config_hash, evaluation_fingerprint, training_fingerprint
 from ddpflow.errors import UserError
 from ddpflow.paths import LIVE_METRICS, RunPaths
@@ -65,7 +66,7 @@ def submit_and_wait(
     fingerprint = {**fingerprint, **(computes or {})}
     request = launch.JobRequest(
         run["launcher"],
-        run["machine"],
+        machine_for_job(run, paths, folder),
         folder,
         f"ddpflow-{stage_name}-{run['name']}",
         max_requeues=run["train"]["max_requeues"],
@@ -78,7 +79,9 @@ def submit_and_wait(
         on_poll=progress if stage_name == "train" else None,
         ledger=nodes.ledger_beside(paths.work),
     )
-    results = launch.launch(task_cls(run, paths), request, watch)
+    # the versions each rank checks its own against before it builds the model
+    task = task_cls(run, paths, planned=software.planned_versions())
+    results = launch.launch(task, request, watch)
     log.info(
         "%s of run %r: %s done in %.1fs",
         stage_name,
@@ -87,6 +90,18 @@ def submit_and_wait(
         time.perf_counter() - start,
     )
     return results
+
+
+def machine_for_job(run: dict, paths: RunPaths, folder: Path) -> dict:
+    """The run's machine section as its job uses it: machine.container with every path the
+    job reads and writes bound (ddpflow.cluster.container.job_binds), their mount points made
+    in a Charliecloud directory image."""
+    if container.of(run["machine"]) is None:
+        return run["machine"]
+    files = [getattr(paths, field.name) for field in dataclasses.fields(paths)]
+    machine = container.bound(run["machine"], container.job_binds(run, files, folder))
+    container.make_mount_points(machine)
+    return machine
 
 
 def refuse_an_unsafe_torch(run: dict) -> None:

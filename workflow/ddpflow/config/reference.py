@@ -42,6 +42,7 @@ CONTEXTS: dict[str, dict] = {
     "train.strategy: fsdp": {"train": {"strategy": "fsdp"}},
     "train.strategy: hsdp": {"train": {"strategy": "hsdp"}},
     "train.augment.enabled: true": {"train": {"augment": {"enabled": True}}},
+    "machine.container": {"machine": {"container": {"runtime": "charliecloud", "image": NOWHERE}}},
 }
 # what a rerun redoes, from least to most: each level redoes the ones before it too
 LEVELS = ("nothing", "re-evaluate", "retrain", "restage")
@@ -126,6 +127,8 @@ def _edited(run: dict, path: tuple, value) -> dict:
 def _current(run: dict, path: tuple):
     value = run
     for key in path:
+        if value is None:  # below a section that is null in this run
+            return None
         value = value[key]
     return value
 
@@ -157,6 +160,9 @@ def _effect(path: tuple, node: dict, runs: dict[str, dict]) -> str:
         )
     levels = {}
     for name, run in runs.items():
+        if _current(run, path[:-1]) is None:  # a section that is off here (machine.container)
+            levels[name] = 0
+            continue
         before = _outcome(run)
         value = _current(run, path)
         edits = [_edited(run, path, v) for v in _alternatives(node, value)]

@@ -571,6 +571,12 @@ class MachineSpec(_Section):
     sbatch_extra: Mapping[str, Any] = field(default_factory=lambda: _frozen({}))
     #: shell lines run before the ranks start (module load ..., source venv)
     setup: tuple[str, ...] = ()
+    #: run every job's Python (the ranks; the staging, evaluate and predict jobs) inside this
+    #: image, with the project, the job folder, data, results and node-local copies bound at
+    #: their own paths; each node checks that the image's ddpflow, torch, CUDA and NCCL are the
+    #: login node's before the model is built (docs/software-on-the-nodes.md). null: the host's
+    #: Python. Changes no result: nothing retrains
+    container: Mapping[str, Any] | None = None
     #: Snakemake stopped (Ctrl-C, SIGTERM) cancels the running Slurm job; false leaves it running
     #: and a rerun of the same command reattaches to it
     cancel_on_interrupt: bool = True

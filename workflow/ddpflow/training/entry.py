@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ddpflow import export, runtime
 from ddpflow.checks.links import run_preflight
-from ddpflow.cluster import distenv, private
+from ddpflow.cluster import distenv, private, software
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import config_hash, evaluation_fingerprint, uses_channels_last
 from ddpflow.config.typed import RunSpec
@@ -77,8 +77,9 @@ def rank_context(spec: RunSpec, rendezvous_dir: str | None):
 
 
 def gather_hosts(env: DistEnv, device) -> list[str]:
-    """Every rank's host name, in rank order (a tensor all_gather: nothing pickled)."""
-    return distenv.all_gather_text(socket.gethostname(), env.world_size, device)
+    """Every rank's host name in rank order, once their software agrees (cluster.software)."""
+    hosts = distenv.all_gather_text(socket.gethostname(), env.world_size, device)
+    return software.agreed(hosts, env.world_size, device)
 
 
 class DistributedTask:
@@ -249,6 +250,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             count_parameters(model), _slurm_job_id(env), generated,
         )  # fmt: skip
         summary["startup"] = startup.record(ckpt.save_seconds)
+        summary["software"] = software.record()  # per host: its runtime, image and versions
         runtime.atomic_write_bytes(paths.train_metrics, self.live_metrics.read_bytes())
         runtime.atomic_write_json(paths.train_summary, summary)
         return {**summary, "model_sha256": sha256}
