@@ -14,6 +14,7 @@ The rule's params (the data keys) stay what they were: a container changes no st
 
 from __future__ import annotations
 
+import getpass
 import json
 import logging
 import os
@@ -65,7 +66,8 @@ def stage(machine: dict, data_cfg: dict, out_dir: str, threads: int) -> dict:
     argv = [*container.argv(machine), "-m", "ddpflow.data.in_image", job]
     spec = machine["container"]
     log.info("staging inside the %s image %s", spec["runtime"], container.image_path(spec))
-    done = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    env = {**os.environ, "USER": os.environ.get("USER") or getpass.getuser()}  # ch-run needs it
+    done = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env)
     for line in (done.stdout + done.stderr).splitlines():
         log.info("  image: %s", line)
     if done.returncode != 0:
