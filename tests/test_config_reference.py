@@ -61,7 +61,12 @@ def _redoes(rendered: str, key: str) -> str:
         ("train.checkpoint.every_steps", "nothing"),
         ("train.deterministic", "nothing; retrain with GPUs"),
         ("train.augment.crop_padding", "nothing; retrain with train.augment.enabled: true"),
-        ("train.fsdp.cpu_offload", "nothing; retrain with train.strategy: fsdp"),
+        (
+            "train.fsdp.cpu_offload",
+            "nothing; retrain with train.strategy: fsdp or train.strategy: hsdp",
+        ),
+        ("train.hsdp.shard_size", "nothing"),
+        ("train.strategy", "retrain"),
         ("model.mlp_hidden", "nothing; retrain with model.name: mlp"),
         ("machine.nodes", "nothing"),
         ("machine.partition", "nothing"),
