@@ -62,10 +62,14 @@ def planned_versions() -> dict[str, str | None]:
         return found  # no torch here: the ranks' environment decides (they agree, below)
     values = _torch_version_file(Path(next(iter(spec.submodule_search_locations))))
     found["torch"] = values.get("__version__")
-    cuda = values.get("cuda")
-    found["cuda"] = cuda or "none"
-    found["nccl"] = _nccl_distribution() if cuda else "none"
+    found["cuda"] = _gpu_runtime(values.get("cuda"), values.get("hip"))
+    found["nccl"] = _nccl_distribution() if found["cuda"] != "none" else "none"
     return found
+
+
+def _gpu_runtime(cuda: str | None, hip: str | None) -> str:
+    """torch's CUDA version, "hip X" for a ROCm build (AMD GPUs), "none" for a CPU build."""
+    return cuda or (f"hip {hip}" if hip else "none")
 
 
 def _torch_version_file(package: Path) -> dict[str, Any]:
@@ -104,12 +108,13 @@ def _rank_versions() -> dict[str, str | None]:
     import torch
 
     nccl = "none"
-    if torch.version.cuda and torch.distributed.is_nccl_available():
+    cuda = _gpu_runtime(torch.version.cuda, getattr(torch.version, "hip", None))
+    if cuda != "none" and torch.distributed.is_nccl_available():  # RCCL under ROCm
         nccl = ".".join(str(part) for part in torch.cuda.nccl.version())
     return {
         **ddpflow_version(),
         "torch": torch.__version__,
-        "cuda": torch.version.cuda or "none",
+        "cuda": cuda,
         "nccl": nccl,
     }
 
