@@ -356,7 +356,7 @@ MISPLACED_KEYS = [
     ("data-in-memory", "data: {in_memory: true}", "data", "did you mean data.loading.in_memory?"),
     ("train-nodes", "train: {nodes: 2}", "train", "did you mean machine.nodes?"),
     ("machine-optimizer", "machine: {optimizer: {lr: 0.1}}", "machine", "train.optimizer?"),
-    ("eval-seed-two-places", "eval: {seed: 1}", "eval", "did you mean data.seed or train.seed?"),
+    ("eval-seed-two-places", "eval: {seed: 1}", "eval", "did you mean data.seed or train.seed or generate.seed?"),
     ("run-train-nodes", "runs: [{name: a, train: {nodes: 2}}]", "runs[0] ('a'): train",
      "did you mean machine.nodes?"),
     ("run-entry-epochs", "runs: [{name: a, epochs: 2}]", "runs[0]", "did you mean train.epochs?"),

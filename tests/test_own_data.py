@@ -450,8 +450,10 @@ def test_on_small_is_in_the_dataset_id_only_where_it_can_act(tmp_path):
     (the reasons: ddpflow/config/fingerprint.py, above data_keys)."""
     root = make_folder(tmp_path / "images", per_class=(4, 2))
     old = _data(root=str(root))
-    # as a ddpflow without on_small (and labels_csv, block_size, vocab_size) resolved it
-    for later in ("on_small", "labels_csv", "block_size", "vocab_size"):
+    # as a ddpflow without on_small (and labels_csv, block_size, vocab_size, tokenizer,
+    # tokenizer_sha256) resolved it
+    later_keys = ("on_small", "labels_csv", "block_size", "vocab_size", "tokenizer")
+    for later in (*later_keys, "tokenizer_sha256"):
         del old[later]
     old_keys = {k: v for k, v in old.items() if k not in ddpconfig.DATA_RUNTIME_KEYS}
     old_id = (
