@@ -208,11 +208,12 @@ def python_command(machine: Mapping[str, Any], launcher: str) -> str | None:
 
 
 def srun_args(machine: Mapping[str, Any]) -> list[str]:
-    """pyxis's options for srun (submitit's srun_args); none for the other runtimes."""
+    """pyxis's options for srun (submitit's srun_args, which it quotes: a $VARIABLE in a bind
+    takes its value here, on the login node); none for the other runtimes."""
     container = of(machine)
     if container is None or container["runtime"] != "pyxis":
         return []
-    return wrapper(machine)[:-1]
+    return [os.path.expandvars(word) for word in wrapper(machine)[:-1]]
 
 
 def setup_lines(machine: Mapping[str, Any]) -> list[str]:
