@@ -315,6 +315,8 @@ def _listeners_after_a_collective(env):
     dist.all_reduce(torch.ones(1))  # gloo's pairs are connected: every listener is up
     mine = f"{socket.gethostname()}-rank{env.rank}-\u00e9"  # any UTF-8
     hosts = distenv.all_gather_text(mine, env.world_size, torch.device("cpu"))
+    some_empty = distenv.all_gather_text(mine if env.rank else "", env.world_size, "cpu")
+    assert some_empty == ["", hosts[1]], some_empty
     dist.barrier()
     return {"listeners": own_listeners(), "hosts": hosts,
             "ifname": os.environ.get("GLOO_SOCKET_IFNAME")}  # fmt: skip

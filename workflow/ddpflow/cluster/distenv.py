@@ -269,7 +269,8 @@ def all_gather_text(text: str, world_size: int, device) -> list[str]:
     data = text.encode()[: TEXT_BYTES - 1]
     mine = torch.zeros(TEXT_BYTES, dtype=torch.uint8)
     mine[0] = len(data)
-    mine[1 : 1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    if data:  # torch.frombuffer refuses an empty buffer
+        mine[1 : 1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     mine = mine.to(device)
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine)
