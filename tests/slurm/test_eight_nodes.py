@@ -3,22 +3,21 @@ through `snakemake --profile slurm`; after its first checkpoint a node (not rank
 stays dead. The job's run ends in NODE_FAIL and Slurm's requeue of it is cancelled; the rule's
 retry excludes the node and runs on the 7 left (machine.min_nodes: 7) with the same global
 batch, continuing from the 8-node job's checkpoint; the bad-node ledger, the report and the
-terminal name the node. The suite's one test at 8 nodes (the cluster is rebuilt at 8 nodes
-for this module: conftest.eight_node_cluster)."""
+terminal name the node. The node dies as in test_node_failure.py: its slurmd stops answering,
+Slurm holds it DOWN and its rank is killed (its slurmstepd stays: where that goes too, Slurm's
+first node waits a minute for it and is drained as well, tests/slurm/README.md). The suite's
+one test at 8 nodes (the cluster is rebuilt at 8 nodes for this module:
+conftest.eight_node_cluster)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
 import subprocess
-from pathlib import Path
 
 import pytest
 from slurm_helpers import job_story, sacct_state
-from test_node_failure import job_ids_in_order, node_dead, wait_for_checkpoint
+from test_node_failure import QUICK, job_ids_in_order, node_dead, wait_for_checkpoint
 from test_workflow_slurm import CLUSTER_MACHINE, FAST_POLL
 from workflow_helpers import REPO, snakemake_command, write_config
 
@@ -44,32 +43,6 @@ RESUMED = re.compile(
 )
 
 
-@contextlib.contextmanager
-def node_lost(cluster, name: str):
-    """node_dead (the node's slurmd stops answering, Slurm holds it DOWN), and the job's rank
-    there killed: its peers lose it at their next all-reduce instead of training on within
-    Slurm's KillWait. The node's slurmstepd is spared: where it goes too, the first node's
-    step waits a minute for its completion message (Slurm's reverse-tree timeout) and Slurm
-    drains that node as well ("Kill task failed", tests/slurm/README.md)."""
-    with node_dead(cluster, name):
-        found = subprocess.run(
-            ["ip", "netns", "pids", f"ddpf-{name}"], capture_output=True, text=True, timeout=30
-        )
-        ranks = [int(pid) for pid in found.stdout.split() if _command(pid).startswith("python")]
-        assert ranks, f"no rank runs on {name}"
-        for pid in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        yield
-
-
-def _command(pid: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
 def test_a_node_lost_at_eight_nodes_is_named_excluded_and_the_run_resumes_on_seven(
     eight_node_cluster, tmp_path
 ):
@@ -78,22 +51,15 @@ def test_a_node_lost_at_eight_nodes_is_named_excluded_and_the_run_resumes_on_sev
         tmp_path / "config.yaml",
         {"model": MODEL, "train": TRAIN, "machine": MACHINE, "runs": [{"name": "eight"}]},
     )
-    # the workflow's shared Slurm poll every 2 s (15 s by default): Slurm's requeue of the
-    # 8-node job is seen within seconds of the node's loss
     cmd, env = snakemake_command(
-        tmp_path,
-        configfile,
-        "--profile",
-        str(REPO / "profiles/slurm"),
-        *FAST_POLL,
-        env={"DDPFLOW_SLURM_POLL_S": "2"},
+        tmp_path, configfile, "--profile", str(REPO / "profiles/slurm"), *FAST_POLL, env=QUICK
     )
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path
     )
     try:
         seen = wait_for_checkpoint(tmp_path, proc, "eight")
-        with node_lost(eight_node_cluster, LOST):
+        with node_dead(eight_node_cluster, LOST):
             output, _ = proc.communicate(timeout=480)
     finally:
         if proc.poll() is None:

@@ -6,7 +6,10 @@ What Slurm does here (tests/slurm/README.md, "A node that fails"): the node set 
 job's run as NODE_FAIL and Slurm requeues the job under the same id; with a live slurmd the
 node is back in service within milliseconds (ReturnToService=2), so the test stops that
 node's slurmd (SIGSTOP to the PID cluster.sh recorded) for the node to stay down, as a dead
-one does, and restores it (SIGCONT, State=RESUME) whatever happens."""
+one does, and restores it (SIGCONT, State=RESUME) whatever happens. Either way the job's rank
+on the node is killed, as a dead or rebooted node's are: left alive, the ranks ignore the
+SIGTERM that follows the NODE_FAIL and train on until Slurm's SIGKILL, which a short training
+outlives (its results then stand: ddpflow.cluster.nodes.after_success)."""
 
 from __future__ import annotations
 
@@ -26,6 +29,9 @@ from workflow_helpers import REPO, snakemake_command, write_config
 pytestmark = pytest.mark.slurm
 
 MACHINE = {**CLUSTER_MACHINE, "cpu_ranks_per_node": 1}
+# the workflow's shared Slurm status every 2 s (15 s by default): Slurm's requeue after the
+# node's loss, and the end of the job cancelled for it, are seen within seconds
+QUICK = {"DDPFLOW_SLURM_POLL_S": "2"}
 TRAIN = {"epochs": 40, "progress": False, "checkpoint": {"every_steps": 0, "every_epochs": 1}}
 
 
@@ -40,14 +46,35 @@ def _node_state(name: str) -> str:
     return out.stdout.split()[0] if out.stdout.split() else ""
 
 
+def kill_ranks(name: str) -> None:
+    """SIGKILL the job's ranks on node `name`: the Python processes in its network namespace
+    (cluster.sh's ddpf-<name>; its slurmd and the job's slurmstepd are left)."""
+    netns = ["ip", "netns", "pids", f"ddpf-{name}"]
+    found = subprocess.run(netns, capture_output=True, text=True, timeout=30).stdout.split()
+    ranks = [int(pid) for pid in found if _command(pid).startswith("python")]
+    assert ranks, f"no rank runs on {name}"
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _command(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:  # the process ended
+        return ""
+
+
 @contextlib.contextmanager
 def node_dead(cluster, name: str):
     """`name` dies and stays dead until the block ends: its slurmd (a PID cluster.sh
-    started) stops answering and Slurm is told the node is DOWN; then it is restored."""
+    started) stops answering, Slurm is told the node is DOWN and the job's rank there is
+    killed; then it is restored."""
     pid = int((cluster.state_dir / "pids" / f"slurmd-{name}.pid").read_text())
     os.kill(pid, signal.SIGSTOP)
     try:
         _scontrol("update", f"NodeName={name}", "State=DOWN", "Reason=ddpflow-test")
+        kill_ranks(name)
         yield
     finally:
         os.kill(pid, signal.SIGCONT)
@@ -61,9 +88,10 @@ def node_dead(cluster, name: str):
 def node_blip(cluster, name: str):
     """`name` is set DOWN under the job, but its slurmd lives and answers: with
     ReturnToService=2 the node is back in service within milliseconds (a node that
-    rebooted); only slurmdbd's node events still name it."""
+    rebooted: its rank is gone); only slurmdbd's node events still name it."""
     _scontrol("update", f"NodeName={name}", "State=DOWN", "Reason=ddpflow-test")
     try:
+        kill_ranks(name)
         yield
     finally:
         if _node_state(name).startswith("down"):
@@ -97,7 +125,7 @@ def test_failed_node_is_excluded_and_the_retry_runs_on_the_rest(slurm_cluster, t
         {"train": TRAIN, "machine": {**MACHINE, "min_nodes": 1}, "runs": [{"name": "nf"}]},
     )
     cmd, env = snakemake_command(
-        tmp_path, configfile, "--profile", str(REPO / "profiles/slurm"), *FAST_POLL
+        tmp_path, configfile, "--profile", str(REPO / "profiles/slurm"), *FAST_POLL, env=QUICK
     )
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=tmp_path)  # fmt: skip
