@@ -273,7 +273,8 @@ def test_fsdp_on_two_nodes_trains_what_it_trains_on_one_machine(
 def test_hsdp_on_two_nodes_shards_within_a_node(slurm_cluster, fsdp_local, tmp_path):
     """train.strategy: hsdp across 2 nodes x 2 ranks: a 2 x 2 mesh (a node's two ranks share
     one sharded copy, the nodes replicate it), the same science as fsdp: its losses equal
-    the local fsdp run's within float rounding, and its test predictions the same."""
+    the local fsdp run's within float rounding (the gradients summed in another order), and
+    its test predictions the same."""
     science = {**FSDP_SCIENCE, "train": {**FSDP_SCIENCE["train"], "strategy": "hsdp"}}
     metrics, losses = _sharded_on_two_nodes(tmp_path / "slurm", science)
     local_metrics, local_losses = _metrics_and_losses(fsdp_local)
@@ -281,7 +282,8 @@ def test_hsdp_on_two_nodes_shards_within_a_node(slurm_cluster, fsdp_local, tmp_p
     assert "hsdp mesh: 2 replicas x 2 shards" in rank0, rank0[-2000:]
     assert sorted(set(metrics["train"]["hosts"])) == ["node1", "node2"]
     assert metrics["confusion_matrix"] == local_metrics["confusion_matrix"]
-    assert losses == pytest.approx(local_losses, rel=1e-5)
+    # each epoch's mean loss after 4 epochs of sums in another order: ~1e-5 apart measured
+    assert losses == pytest.approx(local_losses, rel=1e-4)
 
 
 def test_deleted_evaluation_is_scored_alone_in_a_job_of_its_own(slurm_run):
