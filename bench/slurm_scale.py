@@ -44,6 +44,10 @@ SLURM_COMMANDS = ("sbatch", "srun", "sacct", "squeue", "scontrol", "sinfo", "sca
 FIGURES = ("to_first_step_s", "rendezvous_s", "step_sync_s", "checkpoint_s", "queries_per_min")
 
 
+# the performance page's heading
+DESCRIPTION = "the same small job through snakemake --profile slurm at 1 to 16 nodes"
+
+
 def config_for(nodes: int, epochs: int) -> dict:
     return {
         "model": {"name": "cnn", "cnn_channels": 8},
@@ -134,7 +138,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--tmp", type=Path, default=Path("/tmp/ddpflow-bench-scale"))
     args = parser.parse_args()
-    result = {**harness.head("slurm_scale"), "rows": []}
+    result = {**harness.head("slurm_scale", description=DESCRIPTION), "rows": []}
     try:
         for nodes in args.nodes:
             cluster("down")

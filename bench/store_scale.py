@@ -44,6 +44,10 @@ DEFAULT_SIZES = [64, 128, 256, 512, 1024]
 QUICK_RES_OPTIONS = "timeout:1 attempts:1"
 
 
+# the performance page's heading
+DESCRIPTION = "the rendezvous store: time until N clients joined and passed a barrier"
+
+
 def one_size(clients: int, timeout_s: float, stall_s: float) -> dict:
     """In the child: rank 0's store and `clients` client threads; the timings (seconds)."""
     import torch.distributed as dist
@@ -150,7 +154,7 @@ def main(argv=None) -> int:
         return 0
     started = time.perf_counter()
     doc = {
-        **harness.head("store_scale"),
+        **harness.head("store_scale", description=DESCRIPTION),
         **measure(args),
         "conditions": {
             "store": "ddpflow.cluster.rendezvous.master_store (TCPStore, libuv, 127.0.0.1)",

@@ -933,9 +933,9 @@ def renderer(doc: dict):
 def section(path: Path) -> str:
     doc = json.loads(path.read_text())
     rel = path.relative_to(ROOT).as_posix()
-    title = doc.get("benchmark", path.stem)
+    title = doc.get("description") or doc.get("benchmark", path.stem)
     parts = [
-        f"### {path.stem}: {title}",
+        f"### {path.stem}: {title}" if title != path.stem else f"### {path.stem}",
         f"`{rel}`",
         f"**Machine**: {machine_line(doc)}.  \n**Date**: {provenance_line(doc)}.",
     ]
