@@ -57,6 +57,12 @@ def of(machine: Mapping[str, Any]) -> dict[str, Any] | None:
     return None if container is None else {**DEFAULTS, **container}
 
 
+def described(machine: Mapping[str, Any]) -> str:
+    """What the terminal's submission line adds: ' in <runtime> image <image>', or ''."""
+    spec = of(machine)
+    return f" in {spec['runtime']} image {spec['image']}" if spec else ""
+
+
 def image_path(container: Mapping[str, Any]) -> str:
     """The image as the runtime is given it: a path made absolute (jobs start elsewhere); a
     podman-hpc image name, an apptainer URI (docker://...) or a pyxis registry image (an

@@ -232,11 +232,12 @@ def submit(task, request: JobRequest, watch: JobWatch):
         job = executor.submit(task)
     private.seal_files(folder)  # submitit's pickles: 0600 in the 0700 folder
     log.info(
-        "submitted %s as %s job %s (%s); logs in %s",
+        "submitted %s as %s job %s (%s%s); logs in %s",
         job_name,
         launcher,
         job.job_id,
         counted(job.num_tasks, "rank"),
+        container.described(machine),
         folder,
     )
     if record:
