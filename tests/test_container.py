@@ -392,3 +392,6 @@ def test_the_local_launcher_trains_inside_the_image_as_on_the_host(workdir):
     assert inside["ranks"] == [0, 1] and inside["torch"] == software.planned_versions()["torch"]
     [(_, outside)] = summaries["host"]["software"].items()
     assert outside["runtime"] == "host" and outside["image"] is None
+    # the terminal says where each run's ranks run
+    assert f"(2 ranks in charliecloud image {image}); logs in" in result.stderr
+    assert "ddpflow-train-host as local job" in result.stderr
