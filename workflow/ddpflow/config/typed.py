@@ -478,6 +478,14 @@ class TrainSpec(_Section):
     #: science as fsdp (train.fsdp's settings apply), its checkpoints resume at any mesh and
     #: world size
     strategy: Literal["ddp", "zero", "fsdp", "hsdp"] = "ddp"
+    #: model gpt: ranks per tensor-parallel group. Each block's attention and MLP projections are
+    #: split over the group's ranks (qkv and the MLP's first layer column-wise, attn.proj and its
+    #: second layer row-wise, Megatron-style, with DTensor), which compute the same micro-
+    #: batches; train.strategy (ddp or fsdp) acts across the world size / tensor_parallel groups.
+    #: It must divide model.kwargs.n_head and the ranks of a node (a group never spans nodes). A
+    #: machine setting: changing it retrains nothing, and a run resumes at another degree. 1: no
+    #: tensor parallelism
+    tensor_parallel: int = 1
 
 
 @dataclass(frozen=True, slots=True)

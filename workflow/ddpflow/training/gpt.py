@@ -33,16 +33,21 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         b, t, c = x.shape
+        qkv = self.qkv(x)
+        # this rank's share of the heads: all of them, or 1/N under tensor parallelism
+        # (ddpflow.training.tensor_parallel), where qkv holds the same heads of q, k and v
+        local = qkv.shape[-1] // 3
+        heads = self.n_head * local // c
         q, k, v = (
-            part.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-            for part in self.qkv(x).split(c, dim=2)
+            part.view(b, t, heads, local // heads).transpose(1, 2)
+            for part in qkv.split(local, dim=2)
         )
         if cache is None:
             drop = self.dropout if self.training else 0.0
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
         else:  # decoding (eval mode: no dropout)
             y = cache.attend(q, k, v)
-        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, t, local)))
 
 
 class GPTBlock(nn.Module):

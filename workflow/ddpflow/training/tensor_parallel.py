@@ -1,0 +1,208 @@
+"""train.tensor_parallel: N, Megatron-style tensor parallelism for model gpt, with DTensor's
+parallelize_module on a 2-D mesh ("data", "tensor") of (world / N, N) ranks.
+
+Within each GPTBlock the attention's qkv and the MLP's first layer are split column-wise
+(each rank computes N-th of the heads and of the hidden units), attn.proj and the MLP's
+second layer row-wise (each rank's partial product is summed over the tensor group): one
+all-reduce per layer in the forward and one in the backward. qkv's rows are q, k and v
+stacked, so it is split per part (DTensor's _StridedShard, split factor 3): a rank holds
+the same heads of q, k and v. Embeddings, norms and the tied output layer stay whole on
+every rank (DTensor sums their gradients over the tensor group in the backward).
+
+The N ranks of a tensor group are consecutive (srun's numbering puts them on one node) and
+compute the same micro-batches: to the data, the loop and the evaluation they are one
+data-parallel rank (data_view). Across the data dimension the strategy applies: ddp
+all-reduces the gradients over each data group after the step's last micro-batch
+(GradientSync; DDP itself takes no DTensor parameters), fsdp shards every block over it
+(FSDP2's fully_shard on the data mesh: the 2-D data x tensor layout of torchtitan).
+
+Checkpoints are DCP's (sharding.save): their tensors are saved whole-indexed, so a run
+resumes at another degree and world size, tensor_parallel 1 included; model.pt holds the
+whole model (sharding.full_model_state), which evaluation, prediction and generation load
+as any gpt's."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpflow.cluster.distenv import DistEnv
+
+log = logging.getLogger(__name__)
+
+MESH_NAMES = ("data", "tensor")
+
+
+def degree(run) -> int:
+    """train.tensor_parallel of a run (RunSpec or resolved dict); 1 where absent."""
+    train = run.train if hasattr(run, "train") else run["train"]
+    value = getattr(train, "tensor_parallel", None) if hasattr(run, "train") else None
+    if value is None and isinstance(train, dict):
+        value = train.get("tensor_parallel")
+    return int(value or 1)
+
+
+def mesh(device: torch.device, world: int, tensor: int):
+    """The 2-D DeviceMesh (data, tensor): rank r is in tensor group r // tensor (the
+    consecutive ranks r - r % tensor, ..., a node's) and data group r % tensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (world // tensor, tensor), mesh_dim_names=MESH_NAMES)
+
+
+def data_view(env: DistEnv, device_mesh) -> DistEnv:
+    """The rank as the data sees it: its data-parallel rank and the data group's size, its
+    collectives over the data group (env.group); env.tensor_rank its place in its tensor
+    group. is_master stays global rank 0 alone (the data rank 0 with tensor rank 0)."""
+    tensor = device_mesh["tensor"].size()
+    return dataclasses.replace(
+        env,
+        rank=device_mesh["data"].get_local_rank(),
+        world_size=device_mesh["data"].size(),
+        local_rank=env.local_rank,
+        local_world_size=max(1, env.local_world_size // tensor),
+        tensor_rank=device_mesh["tensor"].get_local_rank(),
+        tensor_parallel=tensor,
+        group=device_mesh["data"].get_group(),
+    )
+
+
+def _plan() -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "attn.qkv": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(),
+        "mlp.0": ColwiseParallel(),
+        "mlp.2": RowwiseParallel(),
+    }
+
+
+def parallelize(model: nn.Module, tensor_mesh) -> int:
+    """Split every GPTBlock's projections over tensor_mesh (in place); returns the blocks.
+    Every rank holds the same initial weights (placed_model seeds them alike), so each
+    takes its slice of its own copy: nothing is sent. qkv's rows are first regrouped per
+    rank (by_rank), so that a contiguous N-th is whole heads of q, k and v."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from ddpflow.training.gpt import GPT
+
+    if not isinstance(model, GPT):
+        raise ValueError(
+            f"train.tensor_parallel splits model gpt's blocks; {type(model).__name__} has "
+            "none: set train.tensor_parallel: 1"
+        )
+    degree = tensor_mesh.size()
+    with torch.no_grad():
+        for block in model.blocks:
+            for param in block.attn.qkv.parameters():
+                param.copy_(by_rank(param, degree))
+            parallelize_module(block, tensor_mesh, _plan())
+    return len(model.blocks)
+
+
+def by_rank(qkv: torch.Tensor, degree: int) -> torch.Tensor:
+    """qkv's rows [q; k; v] regrouped as [q_0 k_0 v_0 | q_1 k_1 v_1 | ...], where _r are
+    tensor rank r's heads (a copy; inverse: in_parts)."""
+    parts = qkv.reshape(3, degree, qkv.shape[0] // (3 * degree), *qkv.shape[1:])
+    return parts.transpose(0, 1).reshape(qkv.shape)
+
+
+def in_parts(qkv: torch.Tensor, degree: int) -> torch.Tensor:
+    """by_rank's inverse: the rows back as [q; k; v] (how a gpt holds them)."""
+    groups = qkv.reshape(degree, 3, qkv.shape[0] // (3 * degree), *qkv.shape[1:])
+    return groups.transpose(0, 1).reshape(qkv.shape)
+
+
+QKV = ("attn.qkv.weight", "attn.qkv.bias")
+
+
+def whole_state(state: dict, degree: int) -> dict:
+    """Collective: a copy of a (nested) model or optimizer state dict as DCP's
+    get_state_dict gives it (keys are parameter names) in which qkv's tensors, and their
+    optimizer state, are whole on every rank with their rows as a gpt holds them ([q; k;
+    v]): checkpoints and model.pt hold the layout of a run without tensor parallelism (the
+    same keys and shapes), which any degree reads (split_state). The other tensors stay as
+    they are (DCP saves their shards). Every rank walks the same keys in the same order."""
+    return _walk(state, state, lambda value, _: in_parts(_full(value), degree))
+
+
+def split_state(loaded: dict, like: dict, degree: int) -> dict:
+    """whole_state's inverse for a state loaded into whole qkv tensors: each regrouped per
+    rank (by_rank) and cut into this rank's share as its counterpart in `like` (the rank's
+    own state dict) is placed (no communication: every rank holds the whole)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    def share(value: torch.Tensor, template) -> torch.Tensor:
+        if not isinstance(template, DTensor):
+            return value
+        whole = by_rank(value.to(template.device), degree)
+        mesh, placements = template.device_mesh, template.placements
+        return distribute_tensor(whole, mesh, placements, src_data_rank=None)
+
+    return _walk(loaded, like, share)
+
+
+def _walk(state: dict, like: dict, change, inside: bool = False) -> dict:
+    """A copy of the nested state with change(tensor, its counterpart in like) applied to
+    every tensor under a qkv parameter's name (not its optimizer step count, a scalar)."""
+    result: dict = {}
+    for key, value in state.items():
+        under = inside or (isinstance(key, str) and key.endswith(QKV))
+        if isinstance(value, dict):
+            result[key] = _walk(value, like[key], change, under)
+        elif under and isinstance(value, torch.Tensor) and value.dim() > 0:
+            result[key] = change(value, like[key])
+        else:
+            result[key] = value
+    return result
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+class GradientSync(nn.Module):
+    """Strategy ddp with tensor_parallel: the model's forward, and its gradients averaged
+    over the data group by sync() after the step's last micro-batch (one flat all-reduce per
+    dtype, of each DTensor's local shard and each whole tensor). no_sync() is DDP's name for
+    what needs nothing here: gradients accumulate until sync() is called."""
+
+    def __init__(self, model: nn.Module, group, size: int):
+        super().__init__()
+        self.module, self.group, self.size = model, group, size
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        yield
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        if self.size == 1:
+            return
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        grads = [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
+        for dtype in sorted({g.dtype for g in grads}, key=str):
+            same = [g for g in grads if g.dtype == dtype]
+            flat = _flatten_dense_tensors(same)
+            dist.all_reduce(flat, group=self.group)
+            flat.div_(self.size)
+            for grad, mean in zip(same, _unflatten_dense_tensors(flat, same), strict=True):
+                grad.copy_(mean)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
