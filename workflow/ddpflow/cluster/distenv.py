@@ -17,6 +17,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ddpflow.cluster import rendezvous
 
@@ -38,10 +39,31 @@ class DistEnv:
     job_id: str
     launcher: str  # slurm | torchrun | submitit-local | single
     restart_count: int = 0
+    # train.tensor_parallel (ddpflow.training.tensor_parallel.data_view): rank and world_size
+    # are then the data-parallel ones, tensor_rank the place in the tensor group, and mesh
+    # the (data, tensor) DeviceMesh whose data group the collectives of the data run over
+    tensor_rank: int = 0
+    tensor_parallel: int = 1
+    mesh: Any = None
 
     @property
     def is_master(self) -> bool:
-        return self.rank == 0
+        return self.rank == 0 and self.tensor_rank == 0
+
+    @property
+    def global_rank(self) -> int:
+        """The process's rank in the job (a tensor group's ranks are consecutive)."""
+        return self.rank * self.tensor_parallel + self.tensor_rank
+
+    @property
+    def processes(self) -> int:
+        """Every process of the job: the world size, times the tensor-parallel degree."""
+        return self.world_size * self.tensor_parallel
+
+    @property
+    def group(self):
+        """The process group of the data-parallel ranks (None: the whole world)."""
+        return None if self.mesh is None else self.mesh["data"].get_group()
 
 
 def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
@@ -214,7 +236,7 @@ def _make_store(env: DistEnv, timeout: datetime.timedelta, rendezvous_dir, inter
 
 def barrier(env: DistEnv) -> None:
     """Wait for every rank (nothing to wait for in a single-process run)."""
-    if env.world_size > 1:
+    if env.processes > 1:
         import torch.distributed as dist
 
         dist.barrier()
@@ -237,7 +259,7 @@ def leave_together(env: DistEnv, wait: bool = True, timeout_s: float = 10.0) -> 
     if not dist.is_initialized():
         return
     store = None
-    if wait and env.world_size > 1:
+    if wait and env.processes > 1:
         try:
             store = dist.distributed_c10d._get_default_store()
         except (RuntimeError, ValueError, AttributeError):
@@ -248,7 +270,7 @@ def leave_together(env: DistEnv, wait: bool = True, timeout_s: float = 10.0) -> 
     deadline = time.monotonic() + timeout_s
     try:
         store.add(LEFT_KEY, 1)
-        while store.add(LEFT_KEY, 0) < env.world_size and time.monotonic() < deadline:
+        while store.add(LEFT_KEY, 0) < env.processes and time.monotonic() < deadline:
             time.sleep(0.02)
     except (RuntimeError, OSError):  # the store's host (rank 0) saw everyone leave and left
         return

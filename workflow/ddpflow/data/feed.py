@@ -213,7 +213,7 @@ def node_local_copy(staged: str, target_root: str, env: DistEnv) -> str:
             copy = f"could not copy the staged data to data.loading.node_local_dir {root}"
             log.error("%s: %s: %s", where, copy, exc)
             failed = True
-    if any_rank(env.world_size, failed):
+    if any_rank(env.processes, failed):
         raise DataError(
             f"the staged data could not be copied to data.loading.node_local_dir {target_root} "
             "on at least one node (its rank's log names the host and cause); fix the path "

@@ -335,7 +335,7 @@ class RunMonitor:
         series = None
         if cfg.system_interval_s > 0:
             (run_dir / SYSTEM_DIR).mkdir(parents=True, exist_ok=True)
-            series = run_dir / SYSTEM_DIR / f"rank-{env.rank}.jsonl"
+            series = run_dir / SYSTEM_DIR / f"rank-{env.global_rank}.jsonl"
             if resumed_step is None:
                 series.unlink(missing_ok=True)
         self.system = SystemSampler(device, cfg.system_interval_s, env.rank, series)
@@ -347,7 +347,7 @@ class RunMonitor:
         if env.is_master and resumed_step is None:  # a fresh start: no earlier run's trace
             shutil.rmtree(run_dir / PROFILE_DIR, ignore_errors=True)
         if profile.enabled and (env.is_master or profile.ranks == "all"):
-            self.profiler = StepProfiler(profile, run_dir / PROFILE_DIR, env.rank, device)
+            self.profiler = StepProfiler(profile, run_dir / PROFILE_DIR, env.global_rank, device)
         self._flagged: set[int] = set()
 
     def wrap_step(self, inner):
@@ -368,7 +368,7 @@ class RunMonitor:
         if self.env.world_size > 1:  # one float64 tensor per rank: nothing pickled
             packed = torch.tensor(pack_summary(mine), dtype=torch.float64, device=self.device)
             parts = [torch.empty_like(packed) for _ in range(self.env.world_size)]
-            dist.all_gather(parts, packed)
+            dist.all_gather(parts, packed, group=self.env.group)
             ranks = [
                 unpack_summary(part.cpu().tolist(), r, self.hosts[r])
                 for r, part in enumerate(parts)

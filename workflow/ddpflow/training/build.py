@@ -18,7 +18,7 @@ from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import trains_sharded, uses_channels_last
 from ddpflow.config.machine import SHARDED_STRATEGIES
 from ddpflow.config.typed import OptimizerSpec, RunSpec, TrainDdpSpec, TrainSpec
-from ddpflow.training import sharding
+from ddpflow.training import sharding, tensor_parallel
 from ddpflow.training.batchnorm import only_batchnorm_buffers
 from ddpflow.training.models import build_model, place
 from ddpflow.training.schedule import effective_lr, lr_schedule
@@ -43,6 +43,9 @@ class TrainingParts:
     scaler: torch.amp.GradScaler  # enabled for fp16 on CUDA only
     autocast: Callable | None  # a context-manager factory; None: fp32
     loss_fn: nn.Module
+    # tensor parallelism under ddp: the gradients' all-reduce over the data group, called
+    # after each step's last backward (tensor_parallel.GradientSync); None elsewhere
+    grad_sync: Callable[[], None] | None = None
 
 
 def placed_model(run: RunSpec, shape, num_classes: int, device: torch.device):
@@ -53,7 +56,9 @@ def placed_model(run: RunSpec, shape, num_classes: int, device: torch.device):
     torch.manual_seed(run.train.seed)
     model = build_model(run.resolved["model"], shape, num_classes)  # a plug-in's kwargs as written
     loaded = load_weights(model, run.weights, num_classes) if run.weights else None
-    return place(model, device, uses_channels_last(run), move=not trains_sharded(run)), loaded
+    # tensor parallelism splits the model where it is: on its device
+    move = not trains_sharded(run) or run.train.tensor_parallel > 1
+    return place(model, device, uses_channels_last(run), move=move), loaded
 
 
 def build_training(
@@ -72,8 +77,9 @@ def build_training(
         "cuda", enabled=tcfg.precision == "fp16" and device.type == "cuda"
     )
     loss_fn = loss_fn.to(device)
+    sync = wrapped.sync if isinstance(wrapped, tensor_parallel.GradientSync) else None
     return TrainingParts(
-        strategy, model, wrapped, lr, optimizer, scheduler, scaler, autocast, loss_fn
+        strategy, model, wrapped, lr, optimizer, scheduler, scaler, autocast, loss_fn, sync
     )
 
 
@@ -100,7 +106,7 @@ def unfrozen(run: RunSpec, env: DistEnv, device, model, wrapped, steps_per_epoch
     tcfg = run.train
     strategy = training_strategy(tcfg, env)
     apply_freeze(model, ())
-    if strategy not in SHARDED_STRATEGIES:
+    if strategy not in SHARDED_STRATEGIES and env.tensor_parallel == 1:  # GradientSync: any
         wrapped = wrap_ddp(model, device, tcfg.ddp) if env.world_size > 1 else model
         if tcfg.compile:
             wrapped = cast(nn.Module, torch.compile(wrapped))
@@ -116,12 +122,17 @@ def _wrap(model: nn.Module, strategy: str, env: DistEnv, device, tcfg: TrainSpec
         if env.is_master:
             what = "each forward recomputed in the backward"
             log.info("activation checkpointing: %s, %s", counted(blocks, "block"), what)
+    if env.tensor_parallel > 1:  # in place: the blocks' projections become DTensor shards
+        tensor_parallel.parallelize(model, env.mesh["tensor"])
     if strategy in SHARDED_STRATEGIES:  # in place: the model's parameters become DTensor shards
         shard_size = tcfg.hsdp.shard_size or env.local_world_size  # null: a node's ranks
         mesh = sharding.mesh_shape(strategy, env.world_size, shard_size)
-        model = wrapped = sharding.shard(model, device, tcfg.fsdp, tcfg.precision, mesh)
+        data = env.mesh["data"] if env.mesh is not None else None  # across tensor groups
+        model = wrapped = sharding.shard(model, device, tcfg.fsdp, tcfg.precision, mesh, data)
         if env.is_master and strategy == "hsdp":
             log.info("hsdp mesh: %d replicas x %d shards", *mesh)
+    elif env.tensor_parallel > 1:
+        wrapped = tensor_parallel.GradientSync(model, env.group, env.world_size)
     else:
         wrapped = wrap_ddp(model, device, tcfg.ddp) if env.world_size > 1 else model
     if tcfg.compile:
@@ -142,7 +153,11 @@ def _optimizer(model: nn.Module, tcfg: TrainSpec, device, strategy: str):
     """The run's optimizer over the model's trainable parameters (build.trainable)."""
     params = trainable(model, tcfg)
     zero, fsdp = strategy == "zero", strategy in SHARDED_STRATEGIES
-    return make_optimizer(params, tcfg.optimizer, effective_lr(tcfg), device, zero, dtensors=fsdp)
+    # tensor parallelism under ddp mixes DTensors and tensors, which torch's multi-tensor
+    # kernels refuse: the per-parameter loop steps them
+    mixed = tcfg.tensor_parallel > 1 and not fsdp
+    lr = effective_lr(tcfg)
+    return make_optimizer(params, tcfg.optimizer, lr, device, zero, dtensors=fsdp, mixed=mixed)
 
 
 def trainable(model: nn.Module, tcfg: TrainSpec):
@@ -153,14 +168,21 @@ def trainable(model: nn.Module, tcfg: TrainSpec):
 
 
 def make_optimizer(
-    params, opt_cfg: OptimizerSpec, lr: float, device: torch.device, sharded=False, dtensors=False
+    params,
+    opt_cfg: OptimizerSpec,
+    lr: float,
+    device: torch.device,
+    sharded=False,
+    dtensors=False,
+    mixed=False,
 ):
     """The configured optimizer; sharded: ZeRO stage 1 (each rank holds and updates the state
     of 1/N of the parameters, then broadcasts them: the same arithmetic per element);
-    dtensors: FSDP's sharded parameters, which the fused kernels do not take (foreach)."""
+    dtensors: FSDP's sharded parameters, which the fused kernels do not take (foreach);
+    mixed: DTensors and plain tensors (tensor parallelism under ddp: a loop per tensor)."""
     # fused kernels (one kernel for all parameters) exist for CUDA and CPU tensors; on CPU
     # the default per-tensor loop was 3-5x slower per step (bench/throughput.py, MLP/CNN)
-    fast = {"foreach": True} if dtensors else {"fused": True}
+    fast = {"foreach": not mixed} if dtensors or mixed else {"fused": True}
     kwargs: dict[str, Any] = {"lr": lr, "weight_decay": opt_cfg.weight_decay, **fast}
     cls: type[torch.optim.Optimizer]
     if opt_cfg.name == "sgd":

@@ -162,7 +162,7 @@ class Checkpointer:
             mismatch = None
         except CheckpointMismatch as exc:
             state, mismatch = None, exc
-        if any_rank(self.env.world_size, mismatch is not None):
+        if any_rank(self.env.processes, mismatch is not None):
             if self.on_config_change != "start_over":
                 raise mismatch or CheckpointMismatch(
                     f"another rank found checkpoints of another config in {self.directory}"
@@ -234,7 +234,7 @@ class Checkpointer:
 
     def stop_agreed(self) -> bool:
         """True on every rank once any rank got the signal (ranks must stop at one step)."""
-        return any_rank(self.env.world_size, self.stop_requested)
+        return any_rank(self.env.processes, self.stop_requested)
 
 
 def position(state: dict, path: Path) -> dict:
@@ -272,7 +272,7 @@ def _gather_rng(env: DistEnv, device: torch.device | None = None) -> list[dict]:
     for key, state in local.items():
         mine = state.to(device)
         parts = [torch.empty_like(mine) for _ in range(env.world_size)]
-        dist.all_gather(parts, mine)
+        dist.all_gather(parts, mine, group=env.group)
         for rank, part in enumerate(parts):
             gathered[rank][key] = part.cpu()
     return gathered

@@ -27,7 +27,7 @@ from ddpflow.config import config_hash, evaluation_fingerprint, uses_channels_la
 from ddpflow.config.typed import RunSpec
 from ddpflow.monitoring import sampler as monitor
 from ddpflow.paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
-from ddpflow.training import evaluate, sharding, startup
+from ddpflow.training import evaluate, sharding, startup, tensor_parallel
 from ddpflow.training.build import cpu_has_native_bf16, placed_model
 from ddpflow.training.checkpoint import (
     Checkpointer,
@@ -58,16 +58,8 @@ def rank_context(spec: RunSpec, rendezvous_dir: str | None):
         runtime.configure_cuda(spec.train.deterministic)
     device = runtime.select_device(machine.gpus_per_node, env.local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    log.info(
-        "rank %d/%d local %d node %d via %s on %s (%s)",
-        env.rank,
-        env.world_size,
-        env.local_rank,
-        env.node_rank,
-        env.launcher,
-        device,
-        backend,
-    )
+    where = (env.rank, env.world_size, env.local_rank, env.node_rank, env.launcher, device, backend)
+    log.info("rank %d/%d local %d node %d via %s on %s (%s)", *where)
     startup.timed_rendezvous(
         lambda: distenv.init_process_group(
             env, backend, machine.pg_timeout_s, rendezvous_dir, machine.network_interface
@@ -124,6 +116,8 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         start = time.perf_counter()
         if spec.machine.preflight.enabled:
             run_preflight(spec.machine.preflight, env, device, hosts)
+        # train.tensor_parallel: from here on, rank and world size are the data-parallel ones
+        env, hosts = tensor_parallel.arrange(spec, env, device, hosts)
         in_train = spec.eval.in_train
         # the evaluation split too when this job evaluates at the end: loaded (and verified)
         # now, so that bad data fails before the training, not after it
@@ -140,9 +134,8 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         if data.tokens:  # a language model's samples (collective under FSDP)
             from ddpflow.training.gpt import text_samples
 
-            generated = text_samples(
-                model, data, spec.train.seed, sharding.is_sharded(model), env.is_master
-            )
+            every_rank = sharding.is_sharded(model) or env.tensor_parallel > 1
+            generated = text_samples(model, data, spec.train.seed, every_rank, env.is_master)
         if env.is_master:
             outputs = (model, weights, env, hosts, loop, ckpt, start, generated)
             summary = self._write_outputs(*outputs)

@@ -143,7 +143,7 @@ def evaluate_split(
     if world > 1:
         for key, value in state.items():
             if not key.startswith("_"):
-                dist.all_reduce(value, op=dist.ReduceOp.SUM)
+                dist.all_reduce(value, op=dist.ReduceOp.SUM, group=env.group)
     result = scoring.task.metrics(state, scoring.manifest)
     total = result["samples_evaluated"]
     if total != images.shape[0]:

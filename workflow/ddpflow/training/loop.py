@@ -83,6 +83,7 @@ class Loop(Resumable):
         self.fsdp = self.strategy in SHARDED_STRATEGIES  # fsdp or hsdp
         self.lr, self.optimizer, self.scheduler = parts.lr, parts.optimizer, parts.scheduler
         self.scaler, self.autocast, self.loss_fn = parts.scaler, parts.autocast, parts.loss_fn
+        self.grad_sync = parts.grad_sync
         self._compiling = tcfg.compile and env.is_master
         self.clock = PhaseClock(device)
         # position (global: epoch and optimizer step within it, never a rank's own index) and
@@ -237,7 +238,7 @@ class Loop(Resumable):
         A copy: this rank's own sums stay as they are."""
         losses = self.step_losses.detach().clone()
         if self.env.world_size > 1:
-            dist.all_reduce(losses)
+            dist.all_reduce(losses, group=self.env.group)
         return losses
 
     def _micro_step(self, batch, inputs, last_micro, step, micro) -> torch.Tensor:
@@ -275,6 +276,8 @@ class Loop(Resumable):
                 # DDP/FSDP average over the ranks, so 1/accum here makes the gradient the
                 # mean over the step's micro-batches (no extra kernel when accum is 1)
                 self.scaler.scale(loss / accum if accum > 1 else loss).backward()
+                if last_micro and self.grad_sync is not None:
+                    self.grad_sync()  # tensor parallelism under ddp
         loss = loss.detach().float()
         self.nonfinite.add(loss)
         if last_micro:

@@ -191,7 +191,7 @@ def _open_verified(staged: str, splits, env: DistEnv, open_one) -> dict:
     except DataError as exc:
         log.error("rank %d on %s: %s", env.rank, socket.gethostname(), exc)
         failed = exc
-    if distenv.any_rank(env.world_size, failed is not None):
+    if distenv.any_rank(env.processes, failed is not None):
         raise failed or DataError(
             f"the staged data {staged} failed its check on another rank (its log names the "
             "file); delete it and restage"

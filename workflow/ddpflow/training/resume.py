@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpflow.config.machine import SHARDED_STRATEGIES
 from ddpflow.data import feed
-from ddpflow.training import evaluate, sharding, zero_state
+from ddpflow.training import evaluate, sharding, tensor_parallel, zero_state
 
 if TYPE_CHECKING:
     from ddpflow.cluster.distenv import DistEnv
@@ -80,7 +80,7 @@ class Resumable:
         """Collective under FSDP: the whole model's state dict, on rank 0 (what model.pt
         holds; the other ranks get an empty dict). Elsewhere the local state dict."""
         self.norm_stats.settle()
-        if self.fsdp:
+        if self.fsdp or self.env.tensor_parallel > 1:
             return sharding.full_model_state(self.model)
         return self.model.state_dict()
 
@@ -113,7 +113,7 @@ class Resumable:
     def checkpoints_sharded(self) -> bool:
         """Strategy fsdp checkpoints in DCP's resharding format at every world size (on one
         rank too, where it trains unsharded), so that any world size continues them."""
-        return self.tcfg.strategy in SHARDED_STRATEGIES
+        return self.tcfg.strategy in SHARDED_STRATEGIES or self.env.tensor_parallel > 1
 
     def load_state_dict(self, state: dict, path: Path | None = None) -> None:
         """Collective, at any world size: the position is global, the step losses are the
@@ -126,6 +126,9 @@ class Resumable:
         if "sharded" in state:
             assert path is not None, "a sharded checkpoint is read from beside its path"
             sharding.load(self.model, self.optimizer, path, state["sharded"])
+        elif self.env.tensor_parallel > 1:  # a whole state (ddp at tensor_parallel 1)
+            whole = state["model"], state["optimizer"]
+            tensor_parallel.load_whole(self.model, self.optimizer, *whole)
         else:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])

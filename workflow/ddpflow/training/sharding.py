@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpflow.config.machine import hsdp_mesh
+from ddpflow.training import tensor_parallel
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -126,17 +127,19 @@ def shard(
     cfg: TrainFsdpSpec,
     precision: str,
     mesh_dims: tuple[int, ...] | None = None,
+    data_mesh=None,
 ) -> nn.Module:
     """fully_shard every unit, then the root (in place; returns the model), as train.fsdp
     and train.precision say, on a 1-D mesh of the world (fsdp) or a 2-D replicate x shard
     mesh (hsdp: FSDP2 shards along the second dimension and all-reduces gradients along
-    the first)."""
+    the first). data_mesh: the data dimension of tensor parallelism's mesh, which fsdp
+    shards over instead (tensor_parallel: the 2-D data x tensor layout)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     dims = mesh_dims or (dist.get_world_size(),)
     names = ("replicate", "shard") if len(dims) == 2 else ("shard",)
-    mesh = init_device_mesh(device.type, dims, mesh_dim_names=names)
+    mesh = data_mesh or init_device_mesh(device.type, dims, mesh_dim_names=names)
     kwargs: dict = {"mesh": mesh, "reshard_after_forward": cfg.reshard_after_forward}
     if device.type == "cuda" and precision == "bf16":
         reduce = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.reduce_dtype]
@@ -172,7 +175,9 @@ def full_model_state(model: nn.Module) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    degree = tensor_parallel.degree_of(model)
+    state = get_model_state_dict(model, options=options)
+    return tensor_parallel.whole_state(state, degree) if degree > 1 else state
 
 
 def dcp_dir(pt: Path) -> Path:
@@ -200,9 +205,11 @@ def save(model: nn.Module, optimizer, pt: Path, is_master: bool, world_size: int
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
         dist.barrier()  # rank 0 removed a crashed attempt's directory before anyone writes
-    model_state, optim_state = get_state_dict(model, optimizer)
+    state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer), strict=True))
+    if (degree := tensor_parallel.degree_of(model)) > 1:  # qkv whole, in gpt's row order
+        state = tensor_parallel.whole_state(state, degree)
     with _single_process_quiet(distributed):
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=directory)
+        dcp.save(state, checkpoint_id=directory)
     if distributed:
         dist.barrier()  # every rank's files are complete before rank 0 hashes them
     if not is_master:
@@ -243,8 +250,12 @@ def load(model: nn.Module, optimizer, pt: Path, sharded: dict) -> None:
 
     model_state, optim_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
+    degree = tensor_parallel.degree_of(model)
+    into = tensor_parallel.whole_state(state, degree) if degree > 1 else state
     with _single_process_quiet(dist.is_initialized()):
-        dcp.load(state, checkpoint_id=pt.with_name(sharded["dir"]))
+        dcp.load(into, checkpoint_id=pt.with_name(sharded["dir"]))
+    if degree > 1:  # each rank's share of the whole qkv tensors it read
+        state = tensor_parallel.split_state(into, state, degree)
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )

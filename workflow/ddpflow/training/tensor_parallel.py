@@ -38,15 +38,6 @@ log = logging.getLogger(__name__)
 MESH_NAMES = ("data", "tensor")
 
 
-def degree(run) -> int:
-    """train.tensor_parallel of a run (RunSpec or resolved dict); 1 where absent."""
-    train = run.train if hasattr(run, "train") else run["train"]
-    value = getattr(train, "tensor_parallel", None) if hasattr(run, "train") else None
-    if value is None and isinstance(train, dict):
-        value = train.get("tensor_parallel")
-    return int(value or 1)
-
-
 def mesh(device: torch.device, world: int, tensor: int):
     """The 2-D DeviceMesh (data, tensor): rank r is in tensor group r // tensor (the
     consecutive ranks r - r % tensor, ..., a node's) and data group r % tensor."""
@@ -57,7 +48,7 @@ def mesh(device: torch.device, world: int, tensor: int):
 
 def data_view(env: DistEnv, device_mesh) -> DistEnv:
     """The rank as the data sees it: its data-parallel rank and the data group's size, its
-    collectives over the data group (env.group); env.tensor_rank its place in its tensor
+    collectives over the data group (env.group, of env.mesh); env.tensor_rank its place in its tensor
     group. is_master stays global rank 0 alone (the data rank 0 with tensor rank 0)."""
     tensor = device_mesh["tensor"].size()
     return dataclasses.replace(
@@ -68,7 +59,7 @@ def data_view(env: DistEnv, device_mesh) -> DistEnv:
         local_world_size=max(1, env.local_world_size // tensor),
         tensor_rank=device_mesh["tensor"].get_local_rank(),
         tensor_parallel=tensor,
-        group=device_mesh["data"].get_group(),
+        mesh=device_mesh,
     )
 
 
@@ -206,3 +197,63 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def arrange(run, env: DistEnv, device: torch.device, hosts: list[str]):
+    """(env, hosts) as the training sees them: at train.tensor_parallel N > 1 the data view
+    of the rank on a fresh (data, tensor) mesh, and the host of each data-parallel rank
+    (a tensor group is on one node); unchanged at 1."""
+    tensor = run.train.tensor_parallel
+    if tensor == 1:
+        return env, hosts
+    if env.world_size % tensor:
+        raise ValueError(
+            f"train.tensor_parallel {tensor} does not divide the world size {env.world_size}: "
+            "set it to a divisor of the ranks of a node"
+        )
+    view = data_view(env, mesh(device, env.world_size, tensor))
+    if view.is_master:
+        what = "each block's projections split over consecutive ranks of a node"
+        log.info("tensor parallel: %d data x %d tensor ranks (%s)", view.world_size, tensor, what)
+    return view, hosts[::tensor]
+
+
+def degree_of(model: nn.Module) -> int:
+    """The tensor-parallel degree a model was split with (parallelize): 1 if it was not."""
+    from torch.distributed.tensor import DTensor
+
+    for name, param in model.named_parameters():
+        if name.endswith(QKV[0]) and isinstance(param, DTensor):
+            names = param.device_mesh.mesh_dim_names or ()
+            return param.device_mesh["tensor"].size() if "tensor" in names else 1
+    return 1
+
+
+@torch.no_grad()
+def load_whole(model: nn.Module, optimizer, model_state: dict, optimizer_state: dict) -> None:
+    """A checkpoint that holds the whole model and optimizer state (strategy ddp at
+    tensor_parallel 1) into a split model: each rank takes its share of every tensor (qkv's
+    rows regrouped per rank first), and of the optimizer state of the same shape."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    degree, names = degree_of(model), {id(p): n for n, p in model.named_parameters()}
+
+    def share(name: str, like: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        if not isinstance(like, DTensor):
+            return whole
+        whole = by_rank(whole, degree) if name.endswith(QKV) else whole
+        return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements)
+
+    own = model.state_dict()
+    model.load_state_dict({k: share(k, own[k], v) for k, v in model_state.items()})
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, values in optimizer_state["state"].items():
+        param = params[index]
+        state[index] = {
+            key: share(names[id(param)], param, value)
+            if isinstance(value, torch.Tensor) and value.shape == param.shape
+            else value
+            for key, value in values.items()
+        }
+    optimizer.load_state_dict({**optimizer_state, "state": state})
