@@ -3,11 +3,12 @@ parallelize_module on a 2-D mesh ("data", "tensor") of (world / N, N) ranks.
 
 Within each GPTBlock the attention's qkv and the MLP's first layer are split column-wise
 (each rank computes N-th of the heads and of the hidden units), attn.proj and the MLP's
-second layer row-wise (each rank's partial product is summed over the tensor group): one
-all-reduce per layer in the forward and one in the backward. qkv's rows are q, k and v
-stacked, so it is split per part (DTensor's _StridedShard, split factor 3): a rank holds
-the same heads of q, k and v. Embeddings, norms and the tied output layer stay whole on
-every rank (DTensor sums their gradients over the tensor group in the backward).
+second layer row-wise (each rank's partial product is summed over the tensor group): two
+all-reduces per block in the forward (after attn.proj and mlp.2) and two in the backward
+(the input gradients of qkv and mlp.0). qkv's rows are q, k and v stacked: parallelize
+regroups them per rank first (by_rank), so that a rank's contiguous N-th holds the same
+heads of q, k and v. Embeddings, norms and the tied output layer stay whole on every rank,
+with the same gradients (the activations around them are whole and the same).
 
 The N ranks of a tensor group are consecutive (srun's numbering puts them on one node) and
 compute the same micro-batches: to the data, the loop and the evaluation they are one
@@ -16,10 +17,11 @@ all-reduces the gradients over each data group after the step's last micro-batch
 (GradientSync; DDP itself takes no DTensor parameters), fsdp shards every block over it
 (FSDP2's fully_shard on the data mesh: the 2-D data x tensor layout of torchtitan).
 
-Checkpoints are DCP's (sharding.save): their tensors are saved whole-indexed, so a run
-resumes at another degree and world size, tensor_parallel 1 included; model.pt holds the
-whole model (sharding.full_model_state), which evaluation, prediction and generation load
-as any gpt's."""
+Checkpoints are DCP's (sharding.save), with qkv's tensors (and their optimizer state) whole
+in gpt's own row order (whole_state): the same keys and shapes as a run without tensor
+parallelism, so a run resumes at another degree and world size, tensor_parallel 1 included,
+and a whole ddp state resumes split (load_whole). model.pt holds the whole model
+(sharding.full_model_state), which evaluation, prediction and generation load as any gpt's."""
 
 from __future__ import annotations
 
@@ -48,8 +50,8 @@ def mesh(device: torch.device, world: int, tensor: int):
 
 def data_view(env: DistEnv, device_mesh) -> DistEnv:
     """The rank as the data sees it: its data-parallel rank and the data group's size, its
-    collectives over the data group (env.group, of env.mesh); env.tensor_rank its place in its tensor
-    group. is_master stays global rank 0 alone (the data rank 0 with tensor rank 0)."""
+    collectives over the data group (env.group, of env.mesh); env.tensor_rank its place in
+    its tensor group. is_master stays global rank 0 alone (data and tensor rank 0)."""
     tensor = device_mesh["tensor"].size()
     return dataclasses.replace(
         env,
@@ -120,7 +122,15 @@ def whole_state(state: dict, degree: int) -> dict:
     v]): checkpoints and model.pt hold the layout of a run without tensor parallelism (the
     same keys and shapes), which any degree reads (split_state). The other tensors stay as
     they are (DCP saves their shards). Every rank walks the same keys in the same order."""
-    return _walk(state, state, lambda value, _: in_parts(_full(value), degree))
+    # under fsdp too a whole qkv takes two all-gathers (data, then tensor), which DTensor
+    # warns about on every rank at every save: they gather, nothing is summed
+    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return _walk(state, state, lambda value, _: in_parts(_full(value), degree))
+    finally:
+        quiet.setLevel(level)
 
 
 def split_state(loaded: dict, like: dict, degree: int) -> dict:
