@@ -16,7 +16,10 @@ For the run (default: the config's first) at nodes x ranks per node:
 * each rank's micro-batches of an optimizer step (ddpflow.training.schedule);
 * the checkpoint: its files, and after a resume at --resume-nodes which files each rank reads.
 
-The strategies planned are those ddpflow trains (ddp, zero, fsdp, hsdp).
+The strategies planned are those ddpflow trains (ddp, zero, fsdp, hsdp). With
+train.tensor_parallel T: ddp and fsdp (those that combine with it); the micro-batches, the
+fsdp mesh and a resume's reads are of the data-parallel ranks (world size / T), and the
+memory counts a rank's tensor share of each GPT block's projections.
 """
 
 from __future__ import annotations
@@ -31,12 +34,15 @@ from pathlib import Path
 from ddpflow import config as ddpconfig
 from ddpflow.checks import memory as fits
 from ddpflow.checks.early import RUNTIME, input_of, read_footprints
+from ddpflow.checks.tensor_parallel import WITH_TENSOR_PARALLEL
 from ddpflow.config.fingerprint import TOKEN_SOURCES
 from ddpflow.config.machine import (
     SHARDED_STRATEGIES,
     accumulation_steps,
+    data_parallel_size,
     micro_batches_per_step,
     ranks_per_node,
+    tensor_parallel_degree,
 )
 from ddpflow.paths import RunPaths
 from ddpflow.task.builtin_views import TEXT_VOCABULARY
@@ -104,7 +110,8 @@ def memory(run: dict, inputs) -> dict[str, dict]:
     cpu = fits.device_of(run) == "cpu"
     process = rank_process() if cpu else {"anon": 0, "file": 0}
     out = {}
-    for strategy in STRATEGIES:
+    planned = STRATEGIES if tensor_parallel_degree(run["train"]) == 1 else WITH_TENSOR_PARALLEL
+    for strategy in planned:
         variant = {**run, "train": {**run["train"], "strategy": strategy}}
         est = fits.estimate(variant, figures, process, data_bytes)
         others = dataclasses.replace(est, gather=0)  # only rank 0 gathers for a checkpoint
@@ -135,10 +142,11 @@ def plan(configfile: str, nodes: int, per_node: int, name=None, resume_nodes=Non
     run = load_run(configfile, nodes, per_node, name)
     world, inputs = run["world_size"], model_input(run)
     resume = resume_nodes or max(1, nodes // 2)
-    per_node = ranks_per_node(run["machine"])
-    mesh = _mesh(run, nodes, per_node)
+    per_node, tensor = ranks_per_node(run["machine"]), tensor_parallel_degree(run["train"])
+    mesh = _mesh(run, nodes, per_node // tensor)  # over the data-parallel ranks
     layout = sp.shard_layout(run["model"], inputs[0], inputs[1], mesh)
-    shares = sp.micro_batch_shares(micro_batches_per_step(run["train"]), world)
+    data = data_parallel_size(run["train"], world)
+    shares = sp.micro_batch_shares(micro_batches_per_step(run["train"]), data)
     strategies = memory(run, inputs)
     own = run["train"]["strategy"] if world > 1 else "ddp"
     return {
@@ -146,6 +154,8 @@ def plan(configfile: str, nodes: int, per_node: int, name=None, resume_nodes=Non
         "nodes": nodes,
         "ranks_per_node": per_node,
         "world_size": world,
+        "tensor_parallel": tensor,
+        "data_parallel_size": data,
         "strategy": own,
         "peak_bytes": strategies[own]["peak_bytes"],
         "strategies": strategies,
@@ -185,16 +195,21 @@ def _micro_part(run: dict, shares: list[list[int]]) -> dict:
     return {
         "per_step": micro_batches_per_step(train),
         "micro_batch_size": train["micro_batch_size"],
-        "per_rank": accumulation_steps(train, run["world_size"]),
+        # by data-parallel rank: a tensor group's ranks compute the same micro-batches
+        "per_rank": accumulation_steps(train, data_parallel_size(train, run["world_size"])),
         "by_rank": shares,
     }
 
 
 def _checkpoint_part(run: dict, layout, resume_world: int, per_node: int) -> dict:
     """fsdp: one DCP file per rank (its shards) and which ones each rank reads after a resume
-    at resume_world; ddp and zero: rank 0's one file, read whole by every rank."""
+    at resume_world; ddp and zero: rank 0's one file, read whole by every rank; with
+    train.tensor_parallel: _tensor_checkpoint_part."""
     from ddpflow.training import sharding_plan as sp
 
+    tensor = tensor_parallel_degree(run["train"])
+    if tensor > 1:
+        return _tensor_checkpoint_part(run, resume_world)
     if run["train"]["strategy"] not in SHARDED_STRATEGIES or run["world_size"] == 1:
         return {
             "format": "torch.save (rank 0)",
@@ -223,9 +238,28 @@ def _checkpoint_part(run: dict, layout, resume_world: int, per_node: int) -> dic
     }
 
 
+def _tensor_checkpoint_part(run: dict, resume_world: int) -> dict:
+    """train.tensor_parallel: DCP at every strategy, one file per rank; after a resume each
+    rank reads its slices by index (not planned file by file here)."""
+    data = data_parallel_size(run["train"], resume_world)
+    reads = "each rank reads its tensor and data slices by index (not planned per file)"
+    if not data or micro_batches_per_step(run["train"]) % data:
+        reads = f"{data} data-parallel ranks do not divide the step's micro-batches"
+    return {
+        "format": "DCP (ckpt-<step>.dcp/__<rank>_0.distcp per rank, rank 0's .pt commits)",
+        "files": run["world_size"],
+        "resume_world_size": resume_world,
+        "reads": reads,
+    }
+
+
 def render(doc: dict) -> str:
     """The terminal's short table."""
-    gib = 2**30
+    gib, tensor = 2**30, doc.get("tensor_parallel", 1)
+    who, split = "rank", ""
+    if tensor > 1:  # the data-parallel ranks split the batch and shard the state
+        who = f"data-parallel rank (of {doc['data_parallel_size']}; tensor_parallel {tensor})"
+        split = f", each block's projections then split {tensor} ways"
     lines = [
         f"run {doc['run']!r} at {doc['nodes']} nodes x {doc['ranks_per_node']} ranks = "
         f"{doc['world_size']} ranks (planned in {doc['seconds']:.1f} s, nothing allocated)",
@@ -242,8 +276,8 @@ def render(doc: dict) -> str:
         f"{doc['strategy'] if doc['strategy'] == 'hsdp' else 'fsdp'} mesh "
         f"{fsdp['mesh']['shape']} {fsdp['mesh']['names']}, {len(fsdp['units'])} "
         f"units; {fsdp['parameter_bytes_per_rank'] / 2**20:.1f} MiB of parameters per rank "
-        f"(even split {fsdp['even_split_bytes'] / 2**20:.1f} MiB)",
-        f"micro-batches: {micro['per_step']} per step, {micro['per_rank']} per rank "
+        f"(even split {fsdp['even_split_bytes'] / 2**20:.1f} MiB{split})",
+        f"micro-batches: {micro['per_step']} per step, {micro['per_rank']} per {who} "
         f"(rank r computes [r*{micro['per_rank']}, (r+1)*{micro['per_rank']}))",
         f"checkpoint: {ckpt['format']}, {ckpt['files']} files; resumed at "
         f"{ckpt['resume_world_size']} ranks: " + _reads_text(ckpt),

@@ -1,7 +1,9 @@
 """The global batch against the machine, checked before anything is queued: a world size
 that cannot split it into whole micro-batches (naming those that can), train.micro_batch_size
 auto resolved for every world size a request can run at, a global batch larger than the
-staged training split, and one that leaves much of it out of each epoch.
+staged training split, and one that leaves much of it out of each epoch. With
+train.tensor_parallel the data-parallel ranks (world size / tensor_parallel) split the
+global batch: a tensor group's ranks compute the same micro-batches.
 
     resolve_micro_batch("runs ('a')", train, machine)   # (train, how it was chosen)
 """
@@ -10,10 +12,13 @@ from __future__ import annotations
 
 import logging
 
+from ddpflow.checks.tensor_parallel import check_tensor_group
 from ddpflow.config.machine import (
+    data_parallel_size,
     ranks_per_node,
     request_world_sizes,
     splitting_micro_batch,
+    tensor_parallel_degree,
     working_world_sizes,
 )
 from ddpflow.config.schema import ConfigError
@@ -24,7 +29,8 @@ log = logging.getLogger(__name__)
 
 def check_world_size(where: str, train: dict, world: int, machine_text: str = "") -> None:
     """Refuse, before anything is submitted, a world size that cannot compute the recipe's
-    global batch in whole micro-batches, naming the sizes that can."""
+    global batch in whole micro-batches, naming the sizes that can. With
+    train.tensor_parallel, the data-parallel ranks (world size / tensor_parallel) split it."""
     global_, micro = train["global_batch_size"], train["micro_batch_size"]
     if global_ % micro:
         raise ConfigError(
@@ -35,7 +41,10 @@ def check_world_size(where: str, train: dict, world: int, machine_text: str = ""
             "another micro_batch_size"
         )
     count = global_ // micro
-    if count % world:
+    if tensor_parallel_degree(train) > 1:  # the data-parallel ranks split the global batch
+        if count % data_parallel_size(train, world):
+            raise ConfigError(_data_ranks_refusal(where, train, world, machine_text))
+    elif count % world:
         works = ", ".join(map(str, working_world_sizes(train)))
         batches = counted(count, "micro-batch", "micro-batches")
         raise ConfigError(
@@ -48,31 +57,60 @@ def check_world_size(where: str, train: dict, world: int, machine_text: str = ""
         )
 
 
+def _data_ranks_refusal(where: str, train: dict, world: int, machine_text: str) -> str:
+    global_, micro = train["global_batch_size"], train["micro_batch_size"]
+    tensor = tensor_parallel_degree(train)
+    data, count = world // tensor, global_ // micro
+    works = ", ".join(map(str, working_world_sizes(train)))
+    shape = machine_text.strip().removeprefix("(").removesuffix(")")  # "machine.nodes ..."
+    shape = f"; {shape}" if shape else ""
+    return (
+        f"{where}: {global_} = {micro} x data-parallel ranks x accumulation steps "
+        f"(train.global_batch_size = train.micro_batch_size x ...), but {data} data-parallel "
+        f"ranks (world size {world} / train.tensor_parallel {tensor}{shape}) do not divide "
+        f"{counted(count, 'micro-batch', 'micro-batches')}: {works} data-parallel ranks "
+        f"work; {data} do not. Change the machine or train.tensor_parallel, or the two batch "
+        "sizes, or set train.micro_batch_size: auto (the largest micro-batch that splits, per "
+        "world size)"
+    )
+
+
 def resolve_micro_batch(where: str, train: dict, machine: dict) -> tuple[dict, dict]:
     """train.micro_batch_size as the run trains it, and how it was chosen. `auto`: the
     largest micro-batch up to train.max_micro_batch_size that splits the global batch at
-    every world size of the request (request_world_sizes), else refused naming the world
-    sizes that work. The cap leaves the train section (and so every fingerprint): the
-    micro-batch it resolves to is the science, as a number written by hand is."""
+    every world size of the request (request_world_sizes; with train.tensor_parallel, its
+    data-parallel ranks), else refused naming the world sizes that work. The cap leaves the
+    train section (and so every fingerprint): the micro-batch it resolves to is the science,
+    as a number written by hand is."""
     train = dict(train)
     cap = train.pop("max_micro_batch_size", None)
     if train["micro_batch_size"] != "auto":
         return train, {"size": train["micro_batch_size"], "auto": False, "max": cap}
-    global_, worlds = train["global_batch_size"], request_world_sizes(machine)
+    check_tensor_group(where, train, machine)  # else the data-parallel ranks are no count
+    global_ = train["global_batch_size"]
+    worlds = [data_parallel_size(train, world) for world in request_world_sizes(machine)]
     micro = splitting_micro_batch(global_, cap, worlds)
     if micro is None:
-        works = [w for w in range(1, global_ + 1) if splitting_micro_batch(global_, cap, [w])]
-        sizes = ", ".join(map(str, worlds))
-        raise ConfigError(
-            f"{where}: train.micro_batch_size auto finds no micro-batch "
-            f"{f'up to train.max_micro_batch_size {cap} ' if cap else ''}that splits "
-            f"train.global_batch_size {global_} evenly at world size {sizes} "
-            f"({_nodes(machine)} x {ranks_per_node(machine)} ranks per node): world sizes "
-            f"{_few(works)} work. Change the machine, or the global batch (a multiple of the "
-            "world size)"
-        )
+        raise ConfigError(_auto_refusal(where, train, cap, worlds, machine))
     train["micro_batch_size"] = micro
     return train, {"size": micro, "auto": True, "max": cap}
+
+
+def _auto_refusal(where: str, train: dict, cap: int | None, worlds: list[int], machine) -> str:
+    global_, tensor = train["global_batch_size"], tensor_parallel_degree(train)
+    works = [w for w in range(1, global_ + 1) if splitting_micro_batch(global_, cap, [w])]
+    sizes, shape = ", ".join(map(str, worlds)), f"{ranks_per_node(machine)} ranks per node"
+    at, fix, count = f"world size {sizes}", "Change the machine", "world size"
+    if tensor > 1:
+        at, shape = f"{sizes} data-parallel ranks", f"{shape} / train.tensor_parallel {tensor}"
+        fix, count = "Change the machine or train.tensor_parallel", "data-parallel ranks"
+    return (
+        f"{where}: train.micro_batch_size auto finds no micro-batch "
+        f"{f'up to train.max_micro_batch_size {cap} ' if cap else ''}that splits "
+        f"train.global_batch_size {global_} evenly at {at} ({_nodes(machine)} x {shape}): "
+        f"{'world sizes' if tensor == 1 else 'data-parallel ranks'} {_few(works)} work. "
+        f"{fix}, or the global batch (a multiple of the {count})"
+    )
 
 
 def _nodes(machine: dict) -> str:
@@ -92,11 +130,11 @@ def check_batch_fits(run: dict, train_samples: int) -> None:
     steps, so a global batch larger than the staged training split would train nothing."""
     global_, micro = run["train"]["global_batch_size"], run["train"]["micro_batch_size"]
     if global_ > train_samples:
-        unit = micro * run["world_size"]  # a global batch this world size can split
+        unit = micro * data_parallel_size(run["train"], run["world_size"])  # splits alike
         fits = train_samples // unit * unit
         advice = (
             f"set train.global_batch_size to at most {fits} (a multiple of micro_batch_size "
-            f"{micro} x world size {run['world_size']})"
+            f"{micro} x {_data_ranks(run)})"
             if fits
             else f"lower train.micro_batch_size (now {micro}) and the global batch"
         )
@@ -107,6 +145,18 @@ def check_batch_fits(run: dict, train_samples: int) -> None:
         )
 
 
+def _data_ranks(run: dict) -> str:
+    """'world size 4', or with tensor parallelism '2 data-parallel ranks (world size 4 /
+    train.tensor_parallel 2)'."""
+    world, tensor = run["world_size"], tensor_parallel_degree(run["train"])
+    if tensor == 1:
+        return f"world size {world}"
+    return (
+        f"{data_parallel_size(run['train'], world)} data-parallel ranks (world size {world} / "
+        f"train.tensor_parallel {tensor})"
+    )
+
+
 def warn_what_sits_out(run: dict, samples: int) -> None:
     """A warning in the terminal when a large share of the training split sits out of each
     epoch (an epoch is whole global batches of a fresh shuffle): small data, large batch."""
@@ -115,7 +165,7 @@ def warn_what_sits_out(run: dict, samples: int) -> None:
     left = samples % global_
     if left * 5 <= samples:  # a fifth or less
         return
-    unit = micro * run["world_size"]  # the global batches this world size can split
+    unit = micro * data_parallel_size(train, run["world_size"])  # the batches it can split
     fewer = min(range(unit, global_, unit), key=lambda b: (samples % b, -b), default=None)
     better = f"batch (e.g. {fewer})" if fewer and samples % fewer < left else "and micro batch"
     log.warning(

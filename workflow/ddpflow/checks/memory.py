@@ -21,6 +21,11 @@ Per rank, with P parameters, G gradients, O optimizer state (bytes) and N ranks:
                     unit's unsharded gradients
     hsdp            as fsdp with N the shard group's ranks (train.hsdp.shard_size)
 
+With train.tensor_parallel T, P, G and O are first a rank's share of the split model
+(ddpflow.checks.tensor_parallel.rank_figures: each GPT block's projections 1/T, the rest
+whole), N counts the data-parallel ranks (world size / T), and ddp keeps no buckets (no
+DistributedDataParallel wraps the model).
+
 where A, what a step and the evaluation add: on a GPU the larger of a training micro-batch's
 activations and an evaluation forward's (torch's caching allocator hands the blocks the step
 freed to the evaluation); on a CPU rank their sum, since glibc keeps the blocks a step frees
@@ -48,7 +53,15 @@ import os
 from pathlib import Path
 
 from ddpflow.checks import memory_knobs
-from ddpflow.config.machine import SHARDED_STRATEGIES, hsdp_mesh, hsdp_shard_size, ranks_per_node
+from ddpflow.checks.tensor_parallel import rank_figures
+from ddpflow.config.machine import (
+    SHARDED_STRATEGIES,
+    data_parallel_size,
+    hsdp_mesh,
+    hsdp_shard_size,
+    ranks_per_node,
+    tensor_parallel_degree,
+)
 
 GIB = 2**30
 WARN_SHARE = 0.8
@@ -151,20 +164,23 @@ def eval_batch(run, rows: int | None) -> int:
     """The inputs of one evaluation forward in the training job: eval.batch_size, or a
     rank's whole shard where that is smaller."""
     size = int(run["eval"]["batch_size"])
-    return size if rows is None else max(1, min(size, math.ceil(rows / run["world_size"])))
+    ranks = data_parallel_size(run["train"], run["world_size"])  # each scores its shard
+    return size if rows is None else max(1, min(size, math.ceil(rows / ranks)))
 
 
 def estimate(run, figures: dict, process: dict, data_bytes: int) -> Estimate:
     """One rank's peak (rank 0's, the largest) from the measured figures at the run's world
     size and strategy; process: a rank's process before its model ({"anon", "file"}
-    resident bytes)."""
+    resident bytes). With train.tensor_parallel: the figures of a rank's tensor share
+    (tensor_parallel.rank_figures), across the data-parallel ranks."""
     train, world = run["train"], run["world_size"]
     strategy = train["strategy"] if world > 1 else "plain"
-    device = device_of(run)
+    device, figures = device_of(run), rank_figures(run, figures)
     params = figures["parameters"] + figures["buffers"]
     grads, opt = figures["gradients"], figures["optimizer"]
     acts, gather = figures["activations"], 0
-    if strategy in ("ddp", "zero") and not train["ddp"]["gradient_as_bucket_view"]:
+    wrapped = tensor_parallel_degree(train) == 1  # DistributedDataParallel, and its buckets
+    if strategy in ("ddp", "zero") and wrapped and not train["ddp"]["gradient_as_bucket_view"]:
         grads *= 2  # the buckets beside the gradients
     if strategy == "zero":
         opt = math.ceil(opt / world)
@@ -190,9 +206,9 @@ def estimate(run, figures: dict, process: dict, data_bytes: int) -> Estimate:
 
 
 def shard_group(run) -> int:
-    """The ranks one copy of the model is sharded across: the world under fsdp, the shard
-    group under hsdp."""
-    world = run["world_size"]
+    """The ranks one copy of the model is sharded across: the world (its data-parallel
+    ranks) under fsdp, the shard group under hsdp."""
+    world = data_parallel_size(run["train"], run["world_size"])
     if run["train"]["strategy"] != "hsdp":
         return world
     mesh = hsdp_mesh(world, hsdp_shard_size(run["train"], run["machine"]))

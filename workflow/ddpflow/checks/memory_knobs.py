@@ -18,7 +18,12 @@ import math
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ddpflow.config.machine import ranks_per_node, splitting_micro_batch
+from ddpflow.config.machine import (
+    data_parallel_size,
+    ranks_per_node,
+    splitting_micro_batch,
+    tensor_parallel_degree,
+)
 
 GIB = 2**30
 # the built-in models have no torchvision stem to change (ddpflow.training.models)
@@ -123,7 +128,8 @@ def _together(ctx: Context) -> str | None:
 
 def _smallest_batches(ctx: Context, run: dict, figures: dict) -> tuple[list[str], int] | None:
     """The largest micro-batch, then evaluation batch, with which run fits, or None."""
-    train, world = run["train"], run["world_size"]
+    train = run["train"]
+    world = data_parallel_size(train, run["world_size"])  # the ranks that split the batch
     fixed, per_sample = _activation_line(figures, train["micro_batch_size"])
     per_eval = figures.get("evaluation", 0) / max(figures.get("eval_batch", 0), 1)
     micros = [
@@ -165,9 +171,9 @@ def _batch_knobs(ctx: Context) -> list[str]:
     run, figures, out = ctx.run, ctx.figures, []
     train = run["train"]
     fixed, per_sample = _activation_line(figures, train["micro_batch_size"])
-    cap = train["micro_batch_size"] - 1
+    cap, world = train["micro_batch_size"] - 1, data_parallel_size(train, run["world_size"])
     while cap >= 1 and per_sample > 0:
-        micro = splitting_micro_batch(train["global_batch_size"], cap, [run["world_size"]])
+        micro = splitting_micro_batch(train["global_batch_size"], cap, [world])
         if micro is None:
             break
         acts = int(fixed + per_sample * micro)
@@ -198,17 +204,17 @@ def _eval_batch_knob(ctx: Context) -> list[str]:
 def _strategy_knobs(ctx: Context) -> list[str]:
     run = ctx.run
     out: list[str] = []
-    if run["world_size"] == 1:
+    ranks = data_parallel_size(run["train"], run["world_size"])
+    if ranks == 1:
         return out
-    for strategy in ("zero", "fsdp"):
+    tensor = tensor_parallel_degree(run["train"])
+    for strategy in ("zero", "fsdp") if tensor == 1 else ("fsdp",):  # zero: not with it yet
         if run["train"]["strategy"] == strategy:
             continue
         total = _fits(ctx, _with(run, "train", strategy=strategy), ctx.figures)
         if total is not None:
-            out.append(
-                f"train.strategy: {strategy} (state divided by the {run['world_size']} ranks: "
-                f"{_gb(total)} GB)"
-            )
+            over = f"{ranks} ranks" if tensor == 1 else f"{ranks} data-parallel ranks"
+            out.append(f"train.strategy: {strategy} (state divided by the {over}: {_gb(total)} GB)")
     return out
 
 
@@ -233,10 +239,13 @@ def _machine_knobs(ctx: Context) -> list[str]:
         need = math.ceil(held * per_node / GIB * 10) / 10
         if part is None or need * 1024 <= part.mem_mb:
             out.append(f"machine.mem_gb {need:g} or more")
+        tensor = tensor_parallel_degree(run["train"])  # a node holds whole tensor groups
         for fewer in range(per_node - 1, 0, -1):
             nodes = machine["nodes"] * per_node // fewer
             most = part.mem_mb * 2**20 if part else None
             if (machine["nodes"] * per_node) % fewer or (part and nodes > part.nodes):
+                continue
+            if fewer % tensor:
                 continue
             mem_gb = math.ceil(held * fewer / GIB * 10) / 10
             if most is None or mem_gb * GIB <= most:
@@ -247,6 +256,7 @@ def _machine_knobs(ctx: Context) -> list[str]:
                 break
     elif est.device == "cpu":
         most = est.total and (ctx.room * per_node) // est.total
+        most -= most % tensor_parallel_degree(run["train"])  # whole tensor groups
         if 1 <= most < per_node:
             out.append(f"machine.cpu_ranks_per_node {most} (each needs {_gb(est.total)} GB)")
     elif part is None or not part.gpu_types:

@@ -13,14 +13,17 @@ from ddpflow.checks.batch import check_world_size
 from ddpflow.checks.container import check_container, container_warnings
 from ddpflow.checks.host import cpu_computes_bf16, local_gpu_count
 from ddpflow.checks.model_kwargs import check_gpt_kwargs
+from ddpflow.checks.tensor_parallel import check_tensor_parallel
 from ddpflow.checks.token_windows import check_token_windows
 from ddpflow.config.fingerprint import BUILT_IN_MODELS
 from ddpflow.config.machine import (
     SHARDED_STRATEGIES,
     accumulation_steps,
+    data_parallel_size,
     hsdp_mesh,
     hsdp_shard_size,
     ranks_per_node,
+    tensor_parallel_degree,
     trains_sharded,
 )
 from ddpflow.config.schema import ConfigError, validate
@@ -52,9 +55,10 @@ def _check_machine(where: str, machine: dict, launcher: str) -> None:
 
 
 def _check_features(where: str, run: dict) -> None:
-    """Training features that do not combine (strategies fsdp and hsdp: _check_fsdp,
-    hsdp's mesh: _check_hsdp)."""
+    """Training features that do not combine (train.tensor_parallel: checks.tensor_parallel,
+    strategies fsdp and hsdp: _check_fsdp, hsdp's mesh: _check_hsdp)."""
     train = run["train"]
+    check_tensor_parallel(where, run)
     if train["strategy"] in SHARDED_STRATEGIES:
         _check_fsdp(where, run)
     if train["strategy"] == "hsdp":
@@ -100,7 +104,8 @@ def _check_data_and_model(where: str, run: dict) -> None:
 
 
 def _check_batches(where: str, run: dict) -> None:
-    """The global batch against the world size, the training samples and DDP's static graph."""
+    """The global batch against the world size (its data-parallel ranks: world size /
+    train.tensor_parallel), the training samples and DDP's static graph."""
     machine, train, world = run["machine"], run["train"], run["world_size"]
     machine_text = (
         f" (machine.nodes {machine['nodes']} x {counted(ranks_per_node(machine), 'rank')})"
@@ -114,9 +119,11 @@ def _check_batches(where: str, run: dict) -> None:
             f"step; raise max_train_samples or lower global_batch_size"
         )
     # torch 2.14 fails an internal assert at the first no_sync micro-step with a static graph
-    # (pytorch/pytorch#143580): refuse it here, not minutes later on every rank
-    accum = accumulation_steps(train, world)
-    if train["ddp"]["static_graph"] and accum > 1 and world > 1:
+    # (pytorch/pytorch#143580): refuse it here, not minutes later on every rank. With
+    # train.tensor_parallel no DistributedDataParallel wraps the model (run_warnings says so)
+    accum = accumulation_steps(train, data_parallel_size(train, world))
+    wraps_ddp = tensor_parallel_degree(train) == 1 and world > 1
+    if train["ddp"]["static_graph"] and accum > 1 and wraps_ddp:
         raise ConfigError(
             f"{where}: train.ddp.static_graph is true with {accum} accumulation steps per "
             f"rank (global_batch_size {train['global_batch_size']} / (micro_batch_size "
@@ -247,14 +254,17 @@ def _strategy_warnings(where: str, run: dict) -> list[str]:
             f"{where}: train.hsdp.shard_size set, but train.strategy is {train['strategy']}: "
             "it is ignored (it shapes strategy hsdp's mesh)"
         )
-    if trains_sharded(run):
+    tensor = tensor_parallel_degree(train)
+    if trains_sharded(run) or tensor > 1:
         defaults = validate({})["train"]["ddp"]
         changed = sorted(k for k, v in train["ddp"].items() if v != defaults[k])
+        trains = f"strategy {train['strategy']}"
+        if tensor > 1:  # ddp's gradients are averaged by training.tensor_parallel's sync
+            trains = f"train.tensor_parallel {tensor} (strategy {train['strategy']})"
         if changed:
             out.append(
-                f"{where}: train.ddp.{', train.ddp.'.join(changed)} set, but strategy "
-                f"{train['strategy']} does not use DistributedDataParallel: these settings "
-                "are ignored"
+                f"{where}: train.ddp.{', train.ddp.'.join(changed)} set, but {trains} does not "
+                "use DistributedDataParallel: these settings are ignored"
             )
     return out
 

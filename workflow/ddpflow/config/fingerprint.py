@@ -25,9 +25,12 @@ from ddpflow.task import DEFAULT_TASK, get_task
 # sums gradients another way and checkpoints shards: it is part of the fingerprint (with
 # its settings), ddp and zero are not; hsdp is fsdp on another mesh (a machine setting: its
 # checkpoints resume at any mesh), recorded as fsdp. activation_checkpointing recomputes the
-# same values
+# same values. tensor_parallel is a machine setting like the world size: the same
+# micro-batches are computed, only the order of float sums changes, and its checkpoints are
+# DCP's, which resume at any degree (1 included)
 VOLATILE_TRAIN_KEYS = ("progress", "checkpoint", "max_requeues", "on_nonfinite", "monitor",
-                       "strategy", "fsdp", "hsdp", "activation_checkpointing")  # fmt: skip
+                       "strategy", "fsdp", "hsdp", "activation_checkpointing",
+                       "tensor_parallel")  # fmt: skip
 # train keys that act on GPUs only: on CPU ranks they change nothing, so nothing retrains.
 # precision acts on CPU ranks when it is bf16 (fp16 and fp32 train in fp32 there).
 # channels_last acts on every device (oneDNN's NHWC convolutions are faster on CPU too), but

@@ -1,7 +1,8 @@
-"""What a run's settings mean on its machine: ranks, world size, memory, gradient
-accumulation and the world sizes and micro-batches that split the global batch, the staging
-job's resources, sharding, memory layout. Arithmetic of the config alone: what this machine
-has is probed in ddpflow.checks.host, and the refusals are ddpflow.checks.batch's.
+"""What a run's settings mean on its machine: ranks, world size, data-parallel ranks (world
+size / train.tensor_parallel), memory, gradient accumulation and the world sizes and
+micro-batches that split the global batch, the staging job's resources, sharding, memory
+layout. Arithmetic of the config alone: what this machine has is probed in
+ddpflow.checks.host, and the refusals are ddpflow.checks.batch's.
 """
 
 from __future__ import annotations
@@ -21,9 +22,23 @@ def world_size(machine: dict) -> int:
     return machine["nodes"] * ranks_per_node(machine)
 
 
+def tensor_parallel_degree(train: SectionView) -> int:
+    """train.tensor_parallel: the ranks of one tensor-parallel group (1: none; a run
+    resolved before the key existed has none)."""
+    return train.get("tensor_parallel") or 1
+
+
+def data_parallel_size(train: SectionView, world: int) -> int:
+    """The data-parallel ranks of `world` ranks: world / train.tensor_parallel. The ranks of
+    a tensor group compute the same micro-batches, so every split of the global batch counts
+    these (checks.tensor_parallel has made sure the degree divides a node's ranks)."""
+    return world // tensor_parallel_degree(train)
+
+
 def accumulation_steps(train: SectionView, world: int) -> int:
     """Micro-batches each rank computes per optimizer step: global / (micro x world),
-    derived (check_world_size has made sure it divides)."""
+    derived (check_world_size has made sure it divides); world: the data-parallel ranks
+    (data_parallel_size)."""
     return train["global_batch_size"] // (train["micro_batch_size"] * world)
 
 
