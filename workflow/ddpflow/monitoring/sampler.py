@@ -363,15 +363,18 @@ class RunMonitor:
 
     def on_epoch(self, record: dict) -> None:
         """Every rank: add the per-rank summaries to the record (a collective)."""
-        mine = rank_summary(record, self.system.take(), self.env.rank, self.hosts[self.env.rank])
+        # tensor parallelism: the data group's members, named by their rank in the job
+        env, tensor, me = self.env, self.env.tensor_parallel, self.env.global_rank
+        mine = rank_summary(record, self.system.take(), me, self.hosts[me])
         ranks = [mine]
         if self.env.world_size > 1:  # one float64 tensor per rank: nothing pickled
             packed = torch.tensor(pack_summary(mine), dtype=torch.float64, device=self.device)
             parts = [torch.empty_like(packed) for _ in range(self.env.world_size)]
             dist.all_gather(parts, packed, group=self.env.group)
+            members = [r * tensor + env.tensor_rank for r in range(len(parts))]
             ranks = [
                 unpack_summary(part.cpu().tolist(), r, self.hosts[r])
-                for r, part in enumerate(parts)
+                for r, part in zip(members, parts, strict=True)
             ]
         record["ranks"] = ranks
         if not self.env.is_master:

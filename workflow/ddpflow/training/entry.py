@@ -217,7 +217,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
             return
         if env.is_master:
             record = evaluation_record(
-                run, result, data.manifest, env.world_size, hosts, summary, "train job"
+                run, result, data.manifest, env.processes, hosts, summary, "train job"
             )
             record["model_sha256"] = summary.pop("model_sha256")
             record["eval_key"] = config_hash(evaluation_fingerprint(run.resolved))
@@ -305,7 +305,7 @@ def _start_log(run: RunSpec, model, loop, resumed, attempt, live_metrics: Path) 
     log_fine_tuning(loop)
     if resumed:
         log.info("RESUMED from attempt %d: %s", resumed["attempt"],
-                 resumed_line(resumed, loop.env.world_size))  # fmt: skip
+                 resumed_line(resumed, loop.env.processes))  # fmt: skip
 
 
 def _progress_bar(run: RunSpec, env: DistEnv):

@@ -112,8 +112,9 @@ class Loop(Resumable):
     def begin_segment(self, hosts: list[str], attempt: int) -> None:
         """A stretch of training on this allocation starts at the current step."""
         step = self.scheduler.last_epoch
-        world_size = self.env.world_size
-        segment = {"world_size": world_size, "hosts": list(hosts), "attempt": attempt}
+        segment = {"world_size": self.env.processes, "hosts": list(hosts), "attempt": attempt}
+        if self.env.tensor_parallel > 1:  # world_size / tensor_parallel data-parallel ranks
+            segment["tensor_parallel"] = self.env.tensor_parallel
         self.segments.append({**segment, "start_step": step, "end_step": step})
 
     def close_segment(self, step: int | None = None) -> None:

@@ -105,7 +105,7 @@ class Resumable:
             "step_losses": (losses if losses is not None else self.step_losses).detach().cpu(),
             "epoch_seconds": dict(self.epoch_seconds),
             "history": list(self.history),
-            "world_size": self.env.world_size,
+            "world_size": self.env.processes,  # the ranks that wrote it
             "segments": [dict(s) for s in self.segments],
         }
 

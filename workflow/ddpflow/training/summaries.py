@@ -112,7 +112,8 @@ def train_summary(
     phases = {p: sum(r["seconds"][p] for r in records) for p in records[0]["seconds"]}
     return {
         "run": run.name,
-        "world_size": env.world_size,
+        "world_size": env.processes,  # every rank (tensor-parallel ones too)
+        **tensor_record(env),
         "nodes": env.num_nodes,
         "hosts": hosts,
         "launcher": env.launcher,
@@ -136,13 +137,18 @@ def train_summary(
         # chosen by train.micro_batch_size auto for this world size (checks.batch)
         "micro_batch_auto": run.micro_batch.get("auto", False),
         "accumulation_steps": loop.accum,
-        # the world size and hosts of each stretch of the training, in order (one unless
-        # it was continued on another allocation)
+        # each stretch of the training: world size, hosts (one unless continued elsewhere)
         "segments": loop.segments,
         "precision": run.train.precision if loop.autocast else "fp32",
         **pruned,
         **task_fields(run),
     }
+
+
+def tensor_record(env: DistEnv) -> dict:
+    """train.tensor_parallel of the ranks (their world_size / it data-parallel ranks), where
+    it is above 1: train_summary's "tensor_parallel"; absent otherwise."""
+    return {"tensor_parallel": env.tensor_parallel} if env.tensor_parallel > 1 else {}
 
 
 def fine_tuning_record(run, loop) -> dict:

@@ -83,7 +83,7 @@ def parallelize(model: nn.Module, tensor_mesh) -> int:
     rank (by_rank), so that a contiguous N-th is whole heads of q, k and v."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from ddpflow.training.gpt import GPT
+    from ddpflow.training.gpt import GPT, GPTBlock
 
     if not isinstance(model, GPT):
         raise ValueError(
@@ -93,6 +93,7 @@ def parallelize(model: nn.Module, tensor_mesh) -> int:
     degree = tensor_mesh.size()
     with torch.no_grad():
         for block in model.blocks:
+            assert isinstance(block, GPTBlock)
             for param in block.attn.qkv.parameters():
                 param.copy_(by_rank(param, degree))
             parallelize_module(block, tensor_mesh, _plan())
@@ -211,8 +212,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def arrange(run, env: DistEnv, device: torch.device, hosts: list[str]):
     """(env, hosts) as the training sees them: at train.tensor_parallel N > 1 the data view
-    of the rank on a fresh (data, tensor) mesh, and the host of each data-parallel rank
-    (a tensor group is on one node); unchanged at 1."""
+    of the rank on a fresh (data, tensor) mesh; the hosts stay every rank's (a data rank
+    r's tensor group is ranks r * N to r * N + N - 1, on one node); unchanged at 1."""
     tensor = run.train.tensor_parallel
     if tensor == 1:
         return env, hosts
@@ -225,7 +226,7 @@ def arrange(run, env: DistEnv, device: torch.device, hosts: list[str]):
     if view.is_master:
         what = "each block's projections split over consecutive ranks of a node"
         log.info("tensor parallel: %d data x %d tensor ranks (%s)", view.world_size, tensor, what)
-    return view, hosts[::tensor]
+    return view, hosts
 
 
 def degree_of(model: nn.Module) -> int:
