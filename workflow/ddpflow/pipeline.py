@@ -175,12 +175,20 @@ def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
         "train %r: %s on %s (%s)",
         run["name"],
         run_task(run).throughput(summary),
-        counted(summary["world_size"], "rank"),
+        counted(summary["world_size"], "rank") + _tensor_text(summary),
         ", ".join(sorted(set(summary["hosts"]))),
     )
     if summary.get("pruned"):  # a sweep's median pruning stopped it: an ordinary end
         log.warning("%s", pruned_line(run["name"], summary["pruned"], selection_of(summary)))
     return summary
+
+
+def _tensor_text(summary: dict) -> str:
+    """' (2 data x 2 tensor-parallel)' for a run trained with train.tensor_parallel."""
+    tensor = summary.get("tensor_parallel", 1)
+    if tensor == 1:
+        return ""
+    return f" ({summary['world_size'] // tensor} data x {tensor} tensor-parallel)"
 
 
 def evaluate_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:

@@ -299,13 +299,17 @@ def _start_log(run: RunSpec, model, loop, resumed, attempt, live_metrics: Path) 
         "model %s: %d parameters; lr %.4g (global batch %d = micro-batch %d x %s x %s); "
         "strategy %s; attempt %d",
         run.model.name, count_parameters(model), loop.lr, train.global_batch_size,
-        train.micro_batch_size, counted(loop.env.world_size, "rank"),
+        train.micro_batch_size, counted(loop.env.world_size, _data_ranks(loop.env)),
         counted(loop.accum, "accumulation step"), loop.strategy, attempt,
     )  # fmt: skip
     log_fine_tuning(loop)
     if resumed:
         log.info("RESUMED from attempt %d: %s", resumed["attempt"],
                  resumed_line(resumed, loop.env.processes))  # fmt: skip
+
+
+def _data_ranks(env: DistEnv) -> str:
+    return "data-parallel rank" if env.tensor_parallel > 1 else "rank"
 
 
 def _progress_bar(run: RunSpec, env: DistEnv):
