@@ -183,3 +183,21 @@ def test_the_data_view_is_unchanged_without_tensor_parallelism():
     env = _single()
     assert tensor_parallel.arrange(spec, env, CPU, ["h"]) == (env, ["h"])
     assert env.processes == 1 and env.global_rank == 0 and env.group is None
+
+
+def test_cpu_ranks_are_warned_and_a_resume_names_the_degree_it_was_written_at():
+    from ddpflow.checks.values import run_warnings
+    from ddpflow.training.checkpoint import resumed_line
+
+    warned = run_warnings(_run(Path("corpus"), 2, 2), "local")
+    assert any("train.tensor_parallel 2 on CPU ranks" in line for line in warned), warned
+    assert not any("tensor_parallel" in line for line in run_warnings(_run("c", 2, 1), "local"))
+    state = {"epoch": 1, "step": 30, "world_size": 4, "tensor_parallel": 2}
+    assert resumed_line(state, 4, 1) == (
+        "resumed at epoch 2 step 30 on 4 ranks at tensor_parallel 1; the checkpoint was "
+        "written on 4 at tensor_parallel 2"
+    )
+    del state["tensor_parallel"]  # written before the key existed: degree 1
+    assert resumed_line(state, 4) == (
+        "resumed at epoch 2 step 30 on 4 ranks, the world size it was written on"
+    )

@@ -121,3 +121,17 @@ def rank_figures(run: dict, figures: dict) -> dict:
         "optimizer": figures["optimizer"] - math.floor(figures["optimizer"] * share),
         "largest_unit": figures["largest_unit"] - saved // blocks,
     }
+
+
+def tensor_parallel_warnings(where: str, run: dict) -> list[str]:
+    """train.tensor_parallel on CPU ranks: legal (the tests run it), rarely what is meant."""
+    tensor = tensor_parallel_degree(run["train"])
+    if tensor == 1 or run["machine"]["gpus_per_node"]:
+        return []
+    return [
+        f"{where}: train.tensor_parallel {tensor} on CPU ranks (machine.gpus_per_node 0): "
+        "every block's four all-reduces per step go through gloo, so a step is several times "
+        "slower than at tensor_parallel 1 (bench/tensor_parallel.py); it divides the memory "
+        "of each block's projections, not the time. Keep it where the model does not fit a "
+        "rank, else set train.tensor_parallel: 1"
+    ]

@@ -13,7 +13,7 @@ from ddpflow.checks.batch import check_world_size
 from ddpflow.checks.container import check_container, container_warnings
 from ddpflow.checks.host import cpu_computes_bf16, local_gpu_count
 from ddpflow.checks.model_kwargs import check_gpt_kwargs
-from ddpflow.checks.tensor_parallel import check_tensor_parallel
+from ddpflow.checks.tensor_parallel import check_tensor_parallel, tensor_parallel_warnings
 from ddpflow.checks.token_windows import check_token_windows
 from ddpflow.config.fingerprint import BUILT_IN_MODELS
 from ddpflow.config.machine import (
@@ -226,6 +226,7 @@ def run_warnings(run: dict, launcher: str) -> list[str]:
             "fp32: fp16 is for GPUs; for mixed precision on a CPU set train.precision: bf16"
         )
     out += _strategy_warnings(where, run) + container_warnings(where, machine, launcher)
+    out += tensor_parallel_warnings(where, run)
     if launcher == "local" and not machine["gpus_per_node"]:
         cores = usable_cores()
         wanted = machine["cpu_ranks_per_node"] * machine["cpus_per_task"]

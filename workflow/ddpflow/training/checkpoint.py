@@ -244,11 +244,15 @@ def position(state: dict, path: Path) -> dict:
     return {"checkpoint": path.name, **where}
 
 
-def resumed_line(state: dict, world_size: int) -> str:
-    """'resumed at epoch 3 step 41 on 2 ranks; the checkpoint was written on 4'."""
+def resumed_line(state: dict, world_size: int, tensor_parallel: int = 1) -> str:
+    """'resumed at epoch 3 step 41 on 2 ranks; the checkpoint was written on 4' (and, where
+    train.tensor_parallel changed, 'at tensor_parallel 2')."""
     where = f"epoch {state['epoch'] + 1} step {state['step']}"
-    written = state["world_size"]
+    written, degree = state["world_size"], state.get("tensor_parallel", 1)
     ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
+    if degree != tensor_parallel:
+        ranks += f" at tensor_parallel {tensor_parallel}"
+        written = f"{written} at tensor_parallel {degree}"
     if written == world_size:
         return f"resumed at {where} on {ranks}, the world size it was written on"
     return f"resumed at {where} on {ranks}; the checkpoint was written on {written}"

@@ -305,7 +305,7 @@ def _start_log(run: RunSpec, model, loop, resumed, attempt, live_metrics: Path) 
     log_fine_tuning(loop)
     if resumed:
         log.info("RESUMED from attempt %d: %s", resumed["attempt"],
-                 resumed_line(resumed, loop.env.processes))  # fmt: skip
+                 resumed_line(resumed, loop.env.processes, loop.env.tensor_parallel))  # fmt: skip
 
 
 def _data_ranks(env: DistEnv) -> str:

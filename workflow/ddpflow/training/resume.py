@@ -106,6 +106,7 @@ class Resumable:
             "epoch_seconds": dict(self.epoch_seconds),
             "history": list(self.history),
             "world_size": self.env.processes,  # the ranks that wrote it
+            "tensor_parallel": self.env.tensor_parallel,
             "segments": [dict(s) for s in self.segments],
         }
 
