@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -92,10 +93,18 @@ def _train(env, staged: str, corpus, work: str, tensor: int, strategy: str = "dd
 
 
 def _at_four(env, staged: str, corpus, base: Path) -> dict:
+    warned: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warned.append  # type: ignore[method-assign]
+    logging.getLogger(tensor_parallel.__name__).addHandler(handler)
+    # a cyclic task distribution: each tensor group's two ranks on two hosts
+    spec = RunSpec.from_run(_run(corpus, env.world_size, 2))
+    tensor_parallel.arrange(spec, env, CPU, ["a", "b", "a", "b"])
     return {
         "ddp": _train(env, staged, corpus, str(base / "tp2"), 2),
         "fsdp": _train(env, staged, corpus, str(base / "tp2-fsdp"), 2, "fsdp"),
         "from_one": _train(env, staged, corpus, str(base / "one-to-tp2"), 2),
+        "spread": [record.getMessage() for record in warned],
     }
 
 
@@ -144,6 +153,10 @@ def test_a_rank_holds_half_of_each_blocks_projections_and_sees_its_data_rank(run
     views = [(0, 2, 0, True), (0, 2, 1, False), (1, 2, 0, False), (1, 2, 1, False)]
     assert [rank["view"] for rank in ranks] == views
     assert ranks[0]["hosts"] == ["host"] * 4  # every rank's
+    # a tensor group spread over two hosts is named, by rank 0 only
+    spread = [rank["spread"] for rank in runs["four"]]
+    assert spread[1:] == [[], [], []] and len(spread[0]) == 1, spread
+    assert "2 tensor groups span nodes (ranks 0-1 on a, b)" in spread[0][0]
 
 
 def test_checkpoints_resume_at_another_degree(runs):

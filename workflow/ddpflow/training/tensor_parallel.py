@@ -223,6 +223,17 @@ def arrange(run, env: DistEnv, device: torch.device, hosts: list[str]):
             "set it to a divisor of the ranks of a node"
         )
     view = data_view(env, mesh(device, env.world_size, tensor))
+    spread = [r for r in range(0, len(hosts), tensor) if len(set(hosts[r : r + tensor])) > 1]
+    if spread and view.is_master:  # correct, but its all-reduces cross the slower network
+        first = hosts[spread[0] : spread[0] + tensor]
+        where = f"ranks {spread[0]}-{spread[0] + tensor - 1} on {', '.join(sorted(set(first)))}"
+        log.warning(
+            "tensor parallel: %d tensor groups span nodes (%s): Slurm did not number a node's "
+            "ranks consecutively (a cyclic task distribution?); launch with srun "
+            "--distribution=block",
+            len(spread),
+            where,
+        )
     if view.is_master:
         what = "each block's projections split over consecutive ranks of a node"
         log.info("tensor parallel: %d data x %d tensor ranks (%s)", view.world_size, tensor, what)
