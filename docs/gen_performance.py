@@ -879,6 +879,42 @@ def render_generate(doc: dict) -> list[str]:
     return [table(header, rows)]
 
 
+def render_tensor_parallel(doc: dict) -> list[str]:
+    """Per gpt size: each configuration's step time and its ranks' training state."""
+    c = doc["conditions"]
+    header = [
+        *("gpt", "configuration", "data x tensor ranks", "step, ms", "vs ddp"),
+        *("CPU ms/step", "vs ddp", "state per rank, MB", "vs ddp", "/ theory"),
+        "collectives/step",
+    ]
+    rows = [tensor_parallel_cells(run["gpt"], r) for run in doc["runs"] for r in run["rows"]]
+    return [
+        f"{c['world_size']} gloo ranks, 1 thread each; global batch {c['global_batch']} "
+        f"blocks, AdamW fp32. Step: median of {c['repeats']} epochs x {c['steps'] - 1} "
+        "steps, the slowest rank; CPU ms/step: both ranks' CPU time. State: parameters + "
+        "gradients + optimizer state a rank holds (local tensors), the largest rank.",
+        table(header, rows),
+    ]
+
+
+def tensor_parallel_cells(g: dict, r: dict) -> list[str]:
+    short = {"all_reduce": "all-reduce", "all_gather": "all-gather"}
+    comms = r.get("collectives_per_step") or {}
+    return [
+        f"{g['n_layer']}x{g['n_embd']}, {g['n_head']} heads, T {g['block_size']}",
+        f"{r['strategy']}, tensor_parallel {r['tensor_ranks']}",
+        f"{r['data_ranks']} x {r['tensor_ranks']}",
+        num(r["step_seconds"] * 1e3, 1),
+        ratio(r["step_vs_baseline"]),
+        num(r["step_cpu_seconds"] * 1e3, 1),
+        ratio(r["cpu_vs_baseline"]),
+        mb(r["state"]["total_bytes"]),
+        ratio(r["state_vs_baseline"]),
+        f"{r['measured_over_theory']:.3f}",
+        ", ".join(f"{n} {short.get(k, k)}" for k, n in comms.items()) or "—",
+    ]
+
+
 def render_unknown(doc: dict) -> list[str]:
     keys = ", ".join(f"`{k}`" for k in doc)
     return [f"No table renderer for this benchmark; its top-level keys: {keys}."]
@@ -918,6 +954,8 @@ def renderer(doc: dict):
         return render_store_scale
     if doc.get("benchmark") == "accumulation_drift":
         return render_accumulation_drift
+    if doc.get("benchmark") == "tensor_parallel":
+        return render_tensor_parallel
     if runs and "fold_share" in runs[0]:
         return render_batchnorm
     if runs and "with_cache" in runs[0]:

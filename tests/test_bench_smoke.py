@@ -1,6 +1,7 @@
 """The benchmarks (bench/throughput.py, end_to_end.py, memory.py, data.py, layout.py,
 finetune.py, lm.py, generate.py, lm_windows.py, scaling.py, micro_batch.py,
-memory_estimate.py, store_scale.py, accumulation_drift.py) run in a tiny configuration and
+memory_estimate.py, store_scale.py, accumulation_drift.py, tensor_parallel.py) run in a tiny
+configuration and
 write complete JSON, through the harness every one of them shares (bench/harness.py).
 
 Speed is measured by the benchmarks and never asserted here: only that the numbers exist.
@@ -557,6 +558,34 @@ def test_accumulation_drift_tiny_run_compares_the_world_sizes(tmp_path):
     (pair,) = doc["distances"]
     assert (pair["a"], pair["b"]) == (1, 2) and math.isfinite(pair["relative_l2"])
     assert pair["max_abs"] >= 0 and isinstance(pair["bitwise_equal"], bool)
+
+
+def test_tensor_parallel_quick_run_counts_each_ranks_state_and_collectives(tmp_path):
+    """bench/tensor_parallel.py --quick (a 1-block gpt): ddp, ddp at tensor_parallel 2 and
+    fsdp at 2 ranks; a rank's state is the theory's share, tensor parallelism runs two
+    all-reduces per block in the forward and two in the backward; the page renders it."""
+    out = tmp_path / "tensor_parallel.json"
+    cmd = [sys.executable, str(REPO / "bench" / "tensor_parallel.py"), "--quick"]
+    result = subprocess.run(
+        [*cmd, "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    report = json.loads(out.read_text())
+    (run,) = report["runs"]
+    rows = {r["case"]: r for r in run["rows"]}
+    layout = {name: (r["data_ranks"], r["tensor_ranks"]) for name, r in rows.items()}
+    assert layout == {"ddp": (2, 1), "ddp_tp2": (1, 2), "fsdp": (2, 1)}
+    assert 0 < run["split_parameters"] < run["parameters"]
+    for r in rows.values():
+        assert math.isfinite(r["step_seconds"]) and r["step_seconds"] > 0
+        assert r["measured_over_theory"] == pytest.approx(1.0, rel=0.01), r["case"]
+    # a rank holds half of each block's projections: less than ddp, more than fsdp's half
+    assert rows["fsdp"]["state_vs_baseline"] < rows["ddp_tp2"]["state_vs_baseline"] < 1
+    blocks = run["gpt"]["n_layer"]
+    assert rows["ddp_tp2"]["collectives_per_step"] == {"all_reduce": 4 * blocks}
+    assert rows["ddp"]["collectives_per_step"] == {"all_reduce": 1}  # DDP's one bucket
+    assert all(r["collectives_same_every_step"] for r in rows.values())
+    assert "| ddp, tensor_parallel 2 | 1 x 2 |" in "\n".join(_renderer(report)(report))
 
 
 def test_lm_windows_quick_run_writes_complete_json(tmp_path):
