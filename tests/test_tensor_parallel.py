@@ -1,11 +1,12 @@
 """train.tensor_parallel on real gloo process groups (docs/strategies.md): the gpt trained at
 4 ranks as 2 data x 2 tensor ranks, under ddp and fsdp, against the same run at 1 rank.
 
-- per-step losses within 1e-5 (relative) of tensor_parallel 1's;
+- per-step losses within 1e-5 (relative) of tensor_parallel 1's (ddp with activation
+  checkpointing too);
 - a rank holds half of each block's projections (qkv, attn.proj, mlp) and all of the rest;
 - model.pt's weights are gpt's own layout (qkv rows [q; k; v]): they equal 1 rank's;
-- a checkpoint written at tensor_parallel 2 mid-epoch resumes at 1 (1 rank, ddp) to the
-  uninterrupted run's weights, and one written at 1 (a whole ddp state) resumes at 2;
+- a checkpoint written at tensor_parallel 2 mid-epoch resumes at 1 (1 rank; ddp and fsdp)
+  to the uninterrupted run's weights, and one written at 1 (a whole ddp state) resumes at 2;
 - every token is scored once by the in-run evaluation (data-parallel shards only)."""
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ SPLIT = ("attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight")
 SPLIT += ("mlp.0.weight", "mlp.0.bias", "mlp.2.weight")
 
 
-def _run(corpus, ranks: int, tensor: int, strategy: str = "ddp") -> dict:
+def _run(corpus, ranks: int, tensor: int, strategy: str = "ddp", **train) -> dict:
     return make_run(
         task="language_model",
         data={"source": "text", "path": str(corpus), "block_size": BLOCK},
@@ -54,15 +55,16 @@ def _run(corpus, ranks: int, tensor: int, strategy: str = "ddp") -> dict:
             "tensor_parallel": tensor,
             "optimizer": {"name": "adamw", "lr": 0.01, "weight_decay": 0.1},
             "checkpoint": {"every_steps": 1, "every_epochs": 0, "keep": 50},
+            **train,
         },
         machine={"cpu_ranks_per_node": ranks},
     )
 
 
-def _train(env, staged: str, corpus, work: str, tensor: int, strategy: str = "ddp") -> dict:
+def _train(env, staged: str, corpus, work: str, tensor: int, strategy="ddp", **train) -> dict:
     """Train (or resume from work's checkpoints) as TrainTask.work does: the data view of
     the rank at tensor_parallel > 1, the model seeded alike on every rank."""
-    spec = RunSpec.from_run(_run(corpus, env.world_size, tensor, strategy))
+    spec = RunSpec.from_run(_run(corpus, env.world_size, tensor, strategy, **train))
     env, hosts = tensor_parallel.arrange(spec, env, CPU, ["host"] * env.world_size)
     data = load_data(spec, staged, env, CPU, splits=("train", "val", "test"))
     torch.manual_seed(spec.train.seed)
@@ -104,6 +106,9 @@ def _at_four(env, staged: str, corpus, base: Path) -> dict:
         "ddp": _train(env, staged, corpus, str(base / "tp2"), 2),
         "fsdp": _train(env, staged, corpus, str(base / "tp2-fsdp"), 2, "fsdp"),
         "from_one": _train(env, staged, corpus, str(base / "one-to-tp2"), 2),
+        "recomputed": _train(
+            env, staged, corpus, str(base / "tp2-ac"), 2, activation_checkpointing=True
+        ),
         "spread": [record.getMessage() for record in warned],
     }
 
@@ -126,7 +131,9 @@ def runs(tmp_path_factory):
     four = run_group(4, _at_four, (staged, corpus, base), base / "rdzv")
     _keep_only(base / "tp2", [SAVE_AT], base / "tp2-to-one")
     back = _train(_single(), staged, corpus, str(base / "tp2-to-one"), 1)
-    return {"one": one, "four": four, "back": back}
+    _keep_only(base / "tp2-fsdp", [SAVE_AT], base / "fsdp-to-one")
+    fsdp_back = _train(_single(), staged, corpus, str(base / "fsdp-to-one"), 1, "fsdp")
+    return {"one": one, "four": four, "back": back, "fsdp_back": fsdp_back}
 
 
 def _close_weights(got: dict, expected: dict, what: str) -> None:
@@ -138,7 +145,7 @@ def _close_weights(got: dict, expected: dict, what: str) -> None:
 def test_tensor_parallel_2_at_4_ranks_matches_tensor_parallel_1(runs):
     one = runs["one"]["losses"]
     assert len(one) == 15 and one[-1] < one[0]
-    for strategy in ("ddp", "fsdp"):
+    for strategy in ("ddp", "fsdp", "recomputed"):  # recomputed: activation checkpointing
         got = runs["four"][0][strategy]
         np.testing.assert_allclose(got["losses"], one, rtol=LOSS_RTOL, err_msg=strategy)
         # model.pt's weights: gpt's own layout, equal to 1 rank's
@@ -164,6 +171,9 @@ def test_checkpoints_resume_at_another_degree(runs):
     assert back["resumed_at"] == SAVE_AT
     _close_weights(back["weights"], runs["four"][0]["ddp"]["weights"], "2 -> 1: ")
     np.testing.assert_allclose(back["losses"], runs["one"]["losses"][SAVE_AT:], rtol=LOSS_RTOL)
+    fsdp_back = runs["fsdp_back"]  # fsdp at 2 data x 2 tensor ranks, resumed at 1 rank
+    assert fsdp_back["resumed_at"] == SAVE_AT
+    _close_weights(fsdp_back["weights"], runs["four"][0]["fsdp"]["weights"], "fsdp 2 -> 1: ")
     from_one = runs["four"][0]["from_one"]  # a whole ddp state, resumed at 2
     assert from_one["resumed_at"] == SAVE_AT
     _close_weights(from_one["weights"], runs["one"]["weights"], "1 -> 2: ")
