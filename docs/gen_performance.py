@@ -898,8 +898,8 @@ def render_tensor_parallel(doc: dict) -> list[str]:
 
 
 def tensor_parallel_cells(g: dict, r: dict) -> list[str]:
-    short = {"all_reduce": "all-reduce", "all_gather": "all-gather"}
     comms = r.get("collectives_per_step") or {}
+    kinds = {k: k.replace("_", "-") + ("s" if n != 1 else "") for k, n in comms.items()}
     return [
         f"{g['n_layer']}x{g['n_embd']}, {g['n_head']} heads, T {g['block_size']}",
         f"{r['strategy']}, tensor_parallel {r['tensor_ranks']}",
@@ -911,7 +911,7 @@ def tensor_parallel_cells(g: dict, r: dict) -> list[str]:
         mb(r["state"]["total_bytes"]),
         ratio(r["state_vs_baseline"]),
         f"{r['measured_over_theory']:.3f}",
-        ", ".join(f"{n} {short.get(k, k)}" for k, n in comms.items()) or "—",
+        ", ".join(f"{n} {kinds[k]}" for k, n in comms.items()) or "—",
     ]
 
 
