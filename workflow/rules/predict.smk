@@ -1,7 +1,7 @@
 rule predict_run:
     """Apply one run's model to predict.input on the run's machine (one Slurm job, or the
     local ranks): each input scored once by one rank, merged in input order into
-    predictions.csv (ddpflow.predict, ddpflow.training.predict)."""
+    predictions.csv (ddpflow.predict, ddpflow.training.predict_ranks)."""
     input:
         staged=staged_dir,
         model=run_file("model"),

@@ -237,7 +237,7 @@ def cancel_requeued(job, timeout_s: float = 30.0) -> None:
     """Slurm requeues a NODE_FAIL job (JobRequeue=1) a few seconds after the failure, under
     the same id: it would pend for the lost node, or rerun behind the retry's back into the
     same work folder. Cancel it, also when the requeue comes after a first cancel."""
-    deadline = time.monotonic() + timeout_s
+    deadline, state = time.monotonic() + timeout_s, squeue_state(job.job_id)
     while time.monotonic() < deadline:
         state = squeue_state(job.job_id)
         if state not in LIVE_STATES:
@@ -245,7 +245,16 @@ def cancel_requeued(job, timeout_s: float = 30.0) -> None:
         if state != "NODE_FAIL":
             job.cancel(check=False)
         time.sleep(2.0)
-    log.error("job %s is still in the queue %.0fs after its node failure", job.job_id, timeout_s)
+    if state == "COMPLETING":  # cancelled; Slurm winds it down once the lost node answers
+        log.warning(
+            "job %s, cancelled after its node failure, is still completing %.0fs later (Slurm "
+            "waits for the lost node); should Slurm requeue it after all, scancel %s",
+            job.job_id,
+            timeout_s,
+            job.job_id,
+        )
+        return
+    log.error("job %s is still %s %.0fs after its node failure", job.job_id, state, timeout_s)
 
 
 def squeue_state(job_id: str) -> str:
