@@ -82,6 +82,8 @@ def _train(env, staged: str, corpus, work: str, tensor: int, strategy="ddp", **t
     split = [p for n, p in loop.model.named_parameters() if n.endswith(SPLIT)]
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in split)
     test = evaluate.evaluate_split(loop.model, data.split("test"), data.scoring(5), env)
+    kinds = {type(p).__name__ for p in loop.model.parameters()}
+    kernel = [group.get("foreach") for group in loop.optimizer.param_groups]
     return {
         "losses": losses,
         "weights": {k: v.detach().clone() for k, v in loop.full_model_state().items()},
@@ -91,6 +93,9 @@ def _train(env, staged: str, corpus, work: str, tensor: int, strategy="ddp", **t
         "view": (env.rank, env.world_size, env.tensor_rank, env.is_master),
         "resumed_at": None if resumed is None else resumed["step"],
         "test": test,
+        "kinds": kinds,
+        "kernel": kernel,
+        "tied": loop.model.head.weight is loop.model.wte.weight,
     }
 
 
@@ -157,6 +162,9 @@ def test_a_rank_holds_half_of_each_blocks_projections_and_sees_its_data_rank(run
     total = ranks[0]["split_total"]
     assert all(rank["split_local"] * 2 == total for rank in ranks)
     # ranks 0, 1 are data rank 0 (tensor ranks 0, 1), ranks 2, 3 data rank 1
+    # every parameter a DTensor (the whole ones replicated), so AdamW steps them with its
+    # multi-tensor kernel; the output layer still tied to the token embedding
+    assert all(r["kinds"] == {"DTensor"} and r["kernel"] == [True] and r["tied"] for r in ranks)
     views = [(0, 2, 0, True), (0, 2, 1, False), (1, 2, 0, False), (1, 2, 1, False)]
     assert [rank["view"] for rank in ranks] == views
     assert ranks[0]["hosts"] == ["host"] * 4  # every rank's

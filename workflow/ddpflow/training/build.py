@@ -153,11 +153,8 @@ def _optimizer(model: nn.Module, tcfg: TrainSpec, device, strategy: str):
     """The run's optimizer over the model's trainable parameters (build.trainable)."""
     params = trainable(model, tcfg)
     zero, fsdp = strategy == "zero", strategy in SHARDED_STRATEGIES
-    # tensor parallelism under ddp mixes DTensors and tensors, which torch's multi-tensor
-    # kernels refuse: the per-parameter loop steps them
-    mixed = tcfg.tensor_parallel > 1 and not fsdp
-    lr = effective_lr(tcfg)
-    return make_optimizer(params, tcfg.optimizer, lr, device, zero, dtensors=fsdp, mixed=mixed)
+    dtensors = fsdp or tcfg.tensor_parallel > 1  # every parameter a DTensor (tensor_parallel)
+    return make_optimizer(params, tcfg.optimizer, effective_lr(tcfg), device, zero, dtensors)
 
 
 def trainable(model: nn.Module, tcfg: TrainSpec):
@@ -168,21 +165,15 @@ def trainable(model: nn.Module, tcfg: TrainSpec):
 
 
 def make_optimizer(
-    params,
-    opt_cfg: OptimizerSpec,
-    lr: float,
-    device: torch.device,
-    sharded=False,
-    dtensors=False,
-    mixed=False,
+    params, opt_cfg: OptimizerSpec, lr: float, device: torch.device, sharded=False, dtensors=False
 ):
     """The configured optimizer; sharded: ZeRO stage 1 (each rank holds and updates the state
     of 1/N of the parameters, then broadcasts them: the same arithmetic per element);
-    dtensors: FSDP's sharded parameters, which the fused kernels do not take (foreach);
-    mixed: DTensors and plain tensors (tensor parallelism under ddp: a loop per tensor)."""
+    dtensors: FSDP's or tensor parallelism's DTensor parameters, which the fused kernels do
+    not take (foreach)."""
     # fused kernels (one kernel for all parameters) exist for CUDA and CPU tensors; on CPU
     # the default per-tensor loop was 3-5x slower per step (bench/throughput.py, MLP/CNN)
-    fast = {"foreach": not mixed} if dtensors or mixed else {"fused": True}
+    fast = {"foreach": True} if dtensors else {"fused": True}
     kwargs: dict[str, Any] = {"lr": lr, "weight_decay": opt_cfg.weight_decay, **fast}
     cls: type[torch.optim.Optimizer]
     if opt_cfg.name == "sgd":

@@ -8,7 +8,9 @@ all-reduces per block in the forward (after attn.proj and mlp.2) and two in the 
 (the input gradients of qkv and mlp.0). qkv's rows are q, k and v stacked: parallelize
 regroups them per rank first (by_rank), so that a rank's contiguous N-th holds the same
 heads of q, k and v. Embeddings, norms and the tied output layer stay whole on every rank,
-with the same gradients (the activations around them are whole and the same).
+with the same gradients (the activations around them are whole and the same), as DTensors
+replicated over the tensor group: every parameter is a DTensor, which AdamW's multi-tensor
+kernel steps together.
 
 The N ranks of a tensor group are consecutive (srun's numbering puts them on one node) and
 compute the same micro-batches: to the data, the loop and the evaluation they are one
@@ -97,7 +99,45 @@ def parallelize(model: nn.Module, tensor_mesh) -> int:
             for param in block.attn.qkv.parameters():
                 param.copy_(by_rank(param, degree))
             parallelize_module(block, tensor_mesh, _plan())
+    _replicate_the_rest(model, tensor_mesh)
     return len(model.blocks)
+
+
+def _replicate_the_rest(model: nn.Module, tensor_mesh) -> None:
+    """The parameters left whole (embeddings, norms, the tied output layer) as DTensors
+    replicated over the tensor group, each module taking and giving plain tensors: every
+    parameter is then a DTensor, which torch's multi-tensor optimizer kernels (foreach)
+    step together. The tie of the output layer to the token embedding is kept."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def partition(name, module, mesh):
+        for key, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                whole = DTensor.from_local(param.data, mesh, [Replicate()], run_check=False)
+                module.register_parameter(key, nn.Parameter(whole, param.requires_grad))
+
+    def inputs(module, args, mesh):
+        return tuple(
+            DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+            if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+            else a
+            for a in args
+        )
+
+    def outputs(module, output, mesh):
+        return output.to_local() if isinstance(output, DTensor) else output
+
+    split = {id(module) for block in model.blocks for module in _split(block)}
+    for name, module in model.named_modules():
+        if id(module) in split or not any(True for _ in module.parameters(recurse=False)):
+            continue
+        if name == "head":  # tied: the embedding's replicated weight, set before
+            module.weight = model.wte.weight
+        distribute_module(module, tensor_mesh, partition, inputs, outputs)
+
+
+def _split(block) -> list[nn.Module]:
+    return [block.attn.qkv, block.attn.proj, block.mlp[0], block.mlp[2]]
 
 
 def by_rank(qkv: torch.Tensor, degree: int) -> torch.Tensor:
