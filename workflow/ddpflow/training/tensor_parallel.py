@@ -30,12 +30,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ddpflow.cluster.distenv import DistEnv
+
+if TYPE_CHECKING:
+    from ddpflow.training.gpt import GPT
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +107,7 @@ def parallelize(model: nn.Module, tensor_mesh) -> int:
     return len(model.blocks)
 
 
-def _replicate_the_rest(model: nn.Module, tensor_mesh) -> None:
+def _replicate_the_rest(model: GPT, tensor_mesh) -> None:
     """The parameters left whole (embeddings, norms, the tied output layer) as DTensors
     replicated over the tensor group, each module taking and giving plain tensors: every
     parameter is then a DTensor, which torch's multi-tensor optimizer kernels (foreach)
