@@ -5,6 +5,7 @@ scaler, and the loss."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -211,15 +212,20 @@ def cpu_has_native_bf16() -> bool:
 
 def wrap_ddp(model: nn.Module, device: torch.device, ddp_cfg: TrainDdpSpec) -> DDP:
     """DDP with the configured bucket size, bucket views, static graph and compression hook."""
+    # BatchNorm statistics are equal on every rank after each step (training.batchnorm):
+    # DDP's broadcast of rank 0's buffers before each step's forward is then redundant.
+    # torch 2.14 names it forward_sync_buffers (broadcast_buffers warns: deprecated); both
+    # sync them once at the start, where every rank holds the same buffers anyway
+    sync = not only_batchnorm_buffers(model)
+    renamed = "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    buffers: dict[str, Any] = {"forward_sync_buffers" if renamed else "broadcast_buffers": sync}
     ddp = DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=ddp_cfg.bucket_cap_mb,
         gradient_as_bucket_view=ddp_cfg.gradient_as_bucket_view,
         static_graph=ddp_cfg.static_graph,
-        # BatchNorm statistics are equal on every rank after each step (training.batchnorm):
-        # DDP's broadcast of rank 0's buffers before each step's forward is then redundant
-        broadcast_buffers=not only_batchnorm_buffers(model),
+        **buffers,
     )
     if ddp_cfg.comm_hook != "none":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
