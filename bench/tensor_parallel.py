@@ -424,8 +424,7 @@ def conditions(args: argparse.Namespace) -> dict:
         "4(W + S/2) (S: the blocks' split projections, W: the rest), fsdp 4P/2",
         "collectives": "not counted (--no-profile)" if args.no_profile else COUNTING,
         "optimizer": f"AdamW {OPTIMIZER}; the kernel as build.make_optimizer picks it: fused "
-        "(ddp), foreach (fsdp: DTensors), a loop per tensor (tensor_parallel under ddp: "
-        "DTensors and tensors mixed)",
+        "(ddp), foreach (fsdp and tensor_parallel: every parameter a DTensor)",
         "data": f"the standard library's {CORPUS_PACKAGE} package's .py sources, staged as "
         "bytes (vocabulary 257), train exactly steps x global batch blocks",
         "launch": "one process per rank, gloo on 127.0.0.1; every configuration of a gpt size "
