@@ -177,7 +177,9 @@ class ExactStatistics:
         if self.world_size > 1:  # every rank's rows of the pending steps (of every slot)
             slots = layout.slots
             mine = slots[dist.get_rank()].clone()
-            dist.all_gather_into_tensor(slots.view(-1, *slots.shape[2:]), mine)
+            # torch 2.14's name (all_gather_into_tensor warns there: deprecated)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(slots.view(-1, *slots.shape[2:]), mine)
         for step in range(layout.pending):
             self._fold(layout, step)
         layout.pending = 0
