@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -130,6 +131,11 @@ def _replicate_the_rest(model: GPT, tensor_mesh) -> None:
 
     def outputs(module, output, mesh):
         return output.to_local() if isinstance(output, DTensor) else output
+
+    # the logits are then a view (to_local's), which FSDP2 warns about at every forward of
+    # its root: an in-place op on them would skip its hooks. Nothing writes to the logits
+    # (the loss, evaluation and sampling read them), and a copy would double their memory
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
     split = {id(module) for block in model.blocks for module in _split(block)}
     for name, module in model.named_modules():
