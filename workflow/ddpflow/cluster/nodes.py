@@ -237,7 +237,7 @@ def cancel_requeued(job, timeout_s: float = 30.0) -> None:
     """Slurm requeues a NODE_FAIL job (JobRequeue=1) a few seconds after the failure, under
     the same id: it would pend for the lost node, or rerun behind the retry's back into the
     same work folder. Cancel it, also when the requeue comes after a first cancel."""
-    deadline, state = time.monotonic() + timeout_s, squeue_state(job.job_id)
+    deadline, state = time.monotonic() + timeout_s, None
     while time.monotonic() < deadline:
         state = squeue_state(job.job_id)
         if state not in LIVE_STATES:
