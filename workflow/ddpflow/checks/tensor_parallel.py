@@ -66,12 +66,17 @@ def _check_heads(where: str, tensor: int, kwargs: dict) -> None:
     if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or heads % tensor == 0:
         return
     given = "" if "n_head" in kwargs else " (gpt's default)"
-    divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+    what = f"model.kwargs.n_head {heads}{given}: each rank of a tensor group computes whole heads"
+    _refuse_degree(where, tensor, heads, what, "model.kwargs.n_head")
+
+
+def _refuse_degree(where: str, tensor: int, count: int, what: str, key: str) -> None:
+    """The degree does not divide `count` (what: it, named, and why it must)."""
+    divisors = ", ".join(str(d) for d in range(1, count + 1) if count % d == 0)
     raise ConfigError(
-        f"{where}: train.tensor_parallel {tensor} does not divide model.kwargs.n_head "
-        f"{heads}{given}: each rank of a tensor group computes whole heads; set "
-        f"train.tensor_parallel to a divisor of {heads} ({', '.join(map(str, divisors))}), or "
-        f"model.kwargs.n_head to a multiple of {tensor}"
+        f"{where}: train.tensor_parallel {tensor} does not divide {what}; set "
+        f"train.tensor_parallel to a divisor of {count} ({divisors}), or {key} to a multiple "
+        f"of {tensor}"
     )
 
 
@@ -82,13 +87,9 @@ def check_tensor_group(where: str, train: dict, machine: dict) -> None:
     if per_node % tensor == 0:
         return
     rank_key = "machine.gpus_per_node" if machine["gpus_per_node"] else "machine.cpu_ranks_per_node"
-    divisors = [d for d in range(1, per_node + 1) if per_node % d == 0]
-    raise ConfigError(
-        f"{where}: train.tensor_parallel {tensor} does not divide the {per_node} ranks of a "
-        f"node ({rank_key} {per_node}): a tensor group's ranks are on one node; set "
-        f"train.tensor_parallel to a divisor of {per_node} ({', '.join(map(str, divisors))}), "
-        f"or {rank_key} to a multiple of {tensor}"
-    )
+    what = f"the {per_node} ranks of a node ({rank_key} {per_node})"
+    what += ": a tensor group's ranks are on one node"
+    _refuse_degree(where, tensor, per_node, what, rank_key)
 
 
 def split_parameters(kwargs: dict) -> tuple[int, int]:
