@@ -97,6 +97,21 @@ def test_failed_nodes_asks_sacct_then_scontrol(monkeypatch):
     assert asked[0][:3] == ["sacct", "-D", "-X"] and asked[1][-1] == "node1,node2"
 
 
+def test_a_lost_node_is_found_in_the_events_before_accounting_shows_node_fail(monkeypatch):
+    """The job's log has Slurm's "DUE TO NODE FAILURE" line, the node is back in service
+    and slurmdbd still shows the run as running (it lagged under load, seen in CI): the
+    node events name the node all the same; without the line nothing is blamed."""
+    answers = {
+        "sacct": "1|RUNNING|node[1-2]|2026-11-23T20:17:31|Unknown\n",
+        "scontrol": golden("testbed_nodes.txt"),
+        "sacctmgr": golden("nodefail_events.txt"),
+    }
+    monkeypatch.setattr(nodes, "_query", lambda cmd: answers.get(cmd[0], ""))
+    (blamed,) = nodes.failed_nodes("1", said=True)
+    assert blamed["node"] == "node2" and "back in service" in blamed["reason"]
+    assert nodes.failed_nodes("1") == []
+
+
 def test_a_job_that_failed_on_healthy_nodes_blames_none(monkeypatch):
     answers = {"sacct": "7|FAILED|node[1-2]|2026-11-23T20:00:00|2026-11-23T20:01:00\n",
                "scontrol": golden("testbed_nodes.txt")}  # fmt: skip
@@ -158,7 +173,7 @@ def test_an_unreadable_ledger_is_ignored_with_a_warning(tmp_path, caplog):
 
 def test_after_failure_records_and_names_the_node(tmp_path, monkeypatch):
     failed = [{"node": "node2", "reason": "NODE_FAIL in job 4 (node DOWN: x)", "state": "DOWN"}]
-    monkeypatch.setattr(nodes, "failed_nodes", lambda job_id, patience_s: failed)
+    monkeypatch.setattr(nodes, "failed_nodes", lambda job_id, patience_s, said=False: failed)
     ledger = tmp_path / "bad_nodes.json"
     line = nodes.after_failure("4", ledger, "cnn", False, "...DUE TO NODE FAILURE...")
     assert line.startswith("node failure: node2 (NODE_FAIL in job 4")

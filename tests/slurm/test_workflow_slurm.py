@@ -487,12 +487,12 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=120)
 
 
-def _long_config(workdir: Path, cancel: bool) -> Path:
+def _long_config(workdir: Path, cancel: bool, epochs: int = 40) -> Path:
     machine = {**CLUSTER_MACHINE, "cancel_on_interrupt": cancel}
     return write_config(
         workdir / "config.yaml",
         {
-            "train": {**SCIENCE["train"], "epochs": 40},
+            "train": {**SCIENCE["train"], "epochs": epochs},
             "machine": machine,
             "runs": [{"name": "long"}],
         },
@@ -501,8 +501,9 @@ def _long_config(workdir: Path, cancel: bool) -> Path:
 
 def test_stopping_snakemake_cancels_the_job(slurm_cluster, tmp_path):
     """SIGINT to Snakemake's own PID (not its process group: Snakemake itself does not signal
-    running rules) cancels the Slurm job; nothing is left in the queue."""
-    configfile = _long_config(tmp_path, cancel=True)
+    running rules) cancels the Slurm job; nothing is left in the queue. 400 epochs: 40 (about
+    10 s on the test cluster) could end before Snakemake saw the signal, under CI's load."""
+    configfile = _long_config(tmp_path, cancel=True, epochs=400)
     proc = _start_and_wait_for_running_train(tmp_path, configfile)
     job_id = job_ids(tmp_path / "logs/submitit/long/train")[0]
     proc.send_signal(signal.SIGINT)

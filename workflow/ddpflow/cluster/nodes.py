@@ -131,9 +131,12 @@ def job_instances(job_id: str) -> tuple[JobInstance, ...]:
     return parse_job_instances(_query(cmd))
 
 
-def failed_nodes(job_id: str, patience_s: float = 0.0) -> list[dict]:
+def failed_nodes(job_id: str, patience_s: float = 0.0, said: bool = False) -> list[dict]:
     """The nodes job_id failed on: [{"node", "reason", "state"}], [] where none is to blame.
-    patience_s: how long to wait for accounting to show the NODE_FAIL (sacct lags)."""
+    patience_s: how long to wait for accounting to show the NODE_FAIL (sacct lags). said:
+    the job's log has Slurm's "DUE TO NODE FAILURE" line, so a node was lost even where
+    accounting shows no NODE_FAIL run yet (slurmdbd lagged past the patience under load):
+    a node back in service is then looked for in the node events of all the job's runs."""
     deadline = time.monotonic() + patience_s
     while True:
         runs = job_instances(job_id)
@@ -146,8 +149,9 @@ def failed_nodes(job_id: str, patience_s: float = 0.0) -> list[dict]:
         return []
     found = blame_nodes(job_id, lost, _query(["scontrol", "--all", "--oneliner", "show", "node",
                                               ",".join(used)]))  # fmt: skip
-    if lost and not found:  # back in service already (ReturnToService): accounting knows
-        found = blame_from_events(job_id, lost, _events(lost))
+    candidates = lost or (list(runs) if said else [])
+    if candidates and not found:  # back in service already (ReturnToService): events know
+        found = blame_from_events(job_id, candidates, _events(candidates))
     return found
 
 
@@ -188,7 +192,8 @@ def blame_from_events(job_id: str, lost: list[JobInstance], event_text: str) -> 
         if began is None or not {"DOWN", "FAIL"} & set(event.state.upper().split("+")):
             continue
         for run in lost:
-            start, end = _parse_time(run.start), _parse_time(run.end)
+            # a run accounting still shows running (End Unknown) has not ended yet
+            start, end = _parse_time(run.start), _parse_time(run.end) or time.time()
             if event.node in run.nodes and start is not None and end is not None and (
                 start <= began <= end + EVENT_SLACK_S
             ):  # fmt: skip
@@ -282,7 +287,7 @@ def after_success(job, ledger: str | Path, run: str, batch_log: str | Path) -> N
         text = ""
     if "DUE TO NODE FAILURE" not in text:
         return  # the usual end: no Slurm query
-    failed = failed_nodes(job.job_id, patience_s=10.0)
+    failed = failed_nodes(job.job_id, patience_s=10.0, said=True)
     if failed:
         line = describe(add_to_ledger(ledger, run, job.job_id, failed), ledger)
         log.warning("run %r: job %s finished its work, but %s", run, job.job_id, line)
@@ -302,8 +307,9 @@ def describe(failed: list[dict], ledger: str | Path) -> str:
 def after_failure(job_id: str, ledger: str | Path, run: str, requeued: bool, text: str) -> str:
     """Called when a Slurm job failed: find the nodes to blame, record them, and return the
     line that goes first in the rule's error ("" where no node is to blame)."""
-    expected = requeued or "DUE TO NODE FAILURE" in text
-    failed = failed_nodes(job_id, patience_s=10.0 if expected else 0.0)
+    said = "DUE TO NODE FAILURE" in text
+    expected = requeued or said
+    failed = failed_nodes(job_id, patience_s=10.0 if expected else 0.0, said=said)
     if not failed:
         if expected:
             log.warning("job %s lost a node, but Slurm names none down now: nothing excluded",
