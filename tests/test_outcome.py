@@ -215,3 +215,22 @@ def test_the_hooks_end_snakemakes_rescheduling_timers_and_only_those():
     finally:
         other.cancel()
         gc.unfreeze()  # exit_promptly froze this test process's objects
+
+
+def test_a_stop_signal_snakemake_was_started_ignoring_stays_ignored():
+    """`nohup`, or a background job of a non-interactive shell, starts Snakemake with SIGINT
+    ignored: it goes on after a SIGINT, so forwarding it to the rules would only stop the
+    training for Snakemake to retry it. The signals it handles are forwarded."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import signal\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "from ddpflow.cluster.interrupts import forward_stop_signals\n"
+        "forward_stop_signals()\n"
+        "print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN,\n"
+        "      signal.getsignal(signal.SIGTERM).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "handler"], out.stdout + out.stderr

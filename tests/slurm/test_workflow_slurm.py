@@ -469,6 +469,9 @@ def _start_and_wait_for_running_train(workdir: Path, configfile: Path) -> subpro
         env=env,
         cwd=workdir,
         start_new_session=True,
+        # as from a terminal: a CI started in the background (a non-interactive shell's
+        # `&`) passes SIGINT down ignored, and Snakemake then rightly ignores it
+        preexec_fn=_default_sigint,
     )
     folder = workdir / "logs/submitit/long/train"
     deadline = time.monotonic() + 180
@@ -480,6 +483,10 @@ def _start_and_wait_for_running_train(workdir: Path, configfile: Path) -> subpro
         time.sleep(1)
     proc.kill()
     raise AssertionError("training never started on the cluster")
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _stop(proc: subprocess.Popen) -> None:
