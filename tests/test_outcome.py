@@ -218,9 +218,9 @@ def test_the_hooks_end_snakemakes_rescheduling_timers_and_only_those():
 
 
 def test_a_stop_signal_snakemake_was_started_ignoring_stays_ignored():
-    """`nohup`, or a background job of a non-interactive shell, starts Snakemake with SIGINT
-    ignored: it goes on after a SIGINT, so forwarding it to the rules would only stop the
-    training for Snakemake to retry it. The signals it handles are forwarded."""
+    """A background job of a non-interactive shell starts Snakemake with SIGINT ignored
+    (`nohup`: SIGHUP): it goes on after a SIGINT, so forwarding it to the rules would only
+    stop the training for Snakemake to retry it. The signals it handles are forwarded."""
     import subprocess
     import sys
 

@@ -63,9 +63,9 @@ def rule_scripts(root: int | None = None) -> list[int]:
 def forward_stop_signals() -> None:
     """In front of the current handlers of SIGINT, SIGTERM and SIGHUP: SIGTERM to the running
     rule scripts, then the previous handler. Main thread only (as every signal handler).
-    A signal Snakemake was started ignoring stays ignored (`nohup`; SIGINT in a background
-    job of a non-interactive shell): Snakemake goes on after it, so stopping the rules would
-    only have it retry them."""
+    A signal Snakemake was started ignoring stays ignored (SIGHUP under `nohup`; SIGINT in a
+    background job of a non-interactive shell): Snakemake goes on after it, so stopping the
+    rules would only have it retry them."""
     for signum in STOP_SIGNALS:
         previous = signal.getsignal(signum)
         if previous == signal.SIG_IGN:
