@@ -64,7 +64,6 @@ def data_view(env: DistEnv, device_mesh) -> DistEnv:
         env,
         rank=device_mesh["data"].get_local_rank(),
         world_size=device_mesh["data"].size(),
-        local_rank=env.local_rank,
         local_world_size=max(1, env.local_world_size // tensor),
         tensor_rank=device_mesh["tensor"].get_local_rank(),
         tensor_parallel=tensor,
@@ -147,7 +146,7 @@ def _replicate_the_rest(model: GPT, tensor_mesh) -> None:
 
 
 def _split(block) -> list[nn.Module]:
-    return [block.attn.qkv, block.attn.proj, block.mlp[0], block.mlp[2]]
+    return [block.get_submodule(name) for name in _plan()]
 
 
 def by_rank(qkv: torch.Tensor, degree: int) -> torch.Tensor:
@@ -188,16 +187,23 @@ def split_state(loaded: dict, like: dict, degree: int) -> dict:
     """whole_state's inverse for a state loaded into whole qkv tensors: each regrouped per
     rank (by_rank) and cut into this rank's share as its counterpart in `like` (the rank's
     own state dict) is placed (no communication: every rank holds the whole)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     def share(value: torch.Tensor, template) -> torch.Tensor:
         if not isinstance(template, DTensor):
             return value
-        whole = by_rank(value.to(template.device), degree)
-        mesh, placements = template.device_mesh, template.placements
-        return distribute_tensor(whole, mesh, placements, src_data_rank=None)
+        return _share(by_rank(value, degree), template)
 
     return _walk(loaded, like, share)
+
+
+def _share(whole: torch.Tensor, like) -> torch.Tensor:
+    """This rank's share of `whole`, placed as the DTensor `like` (no communication: every
+    rank holds the same whole tensor)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    placed = whole.to(like.device)
+    return distribute_tensor(placed, like.device_mesh, like.placements, src_data_rank=None)
 
 
 def _walk(state: dict, like: dict, change, inside: bool = False) -> dict:
@@ -306,15 +312,14 @@ def load_whole(model: nn.Module, optimizer, model_state: dict, optimizer_state: 
     """A checkpoint that holds the whole model and optimizer state (strategy ddp at
     tensor_parallel 1) into a split model: each rank takes its share of every tensor (qkv's
     rows regrouped per rank first), and of the optimizer state of the same shape."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     degree, names = degree_of(model), {id(p): n for n, p in model.named_parameters()}
 
     def share(name: str, like: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
         if not isinstance(like, DTensor):
             return whole
-        whole = by_rank(whole, degree) if name.endswith(QKV) else whole
-        return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements)
+        return _share(by_rank(whole, degree) if name.endswith(QKV) else whole, like)
 
     own = model.state_dict()
     model.load_state_dict({k: share(k, own[k], v) for k, v in model_state.items()})
