@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from ddpflow.checks.norm_batch import normalisation
 from ddpflow.checks.tensor_parallel import check_tensor_group
 from ddpflow.config.machine import (
     data_parallel_size,
@@ -75,25 +76,54 @@ def _data_ranks_refusal(where: str, train: dict, world: int, machine_text: str) 
     )
 
 
-def resolve_micro_batch(where: str, train: dict, machine: dict) -> tuple[dict, dict]:
-    """train.micro_batch_size as the run trains it, and how it was chosen. `auto`: the
-    largest micro-batch up to train.max_micro_batch_size that splits the global batch at
-    every world size of the request (request_world_sizes; with train.tensor_parallel, its
-    data-parallel ranks), else refused naming the world sizes that work. The cap leaves the
-    train section (and so every fingerprint): the micro-batch it resolves to is the science,
-    as a number written by hand is."""
+def resolve_micro_batch(
+    where: str, train: dict, machine: dict, role: str = "draws", recorded: int | None = None
+) -> tuple[dict, dict]:
+    """train.micro_batch_size as the run trains it, its normalisation batch
+    (train.norm_batch_size, checks.norm_batch) and how they were chosen. role: batch_role's;
+    recorded: the normalisation batch the run last trained with. `auto`: the largest
+    micro-batch up to train.max_micro_batch_size that splits the global batch at every world
+    size of the request (request_world_sizes; with train.tensor_parallel, its data-parallel
+    ranks), else refused naming the world sizes that work; under BatchNorm, the largest part
+    of the normalisation batch that groups of ranks can hold. The cap leaves the train
+    section (and so every fingerprint). The science the fingerprint holds is "science": the
+    normalisation batch where the micro-batch is not the science itself."""
     train = dict(train)
     cap = train.pop("max_micro_batch_size", None)
-    if train["micro_batch_size"] != "auto":
-        return train, {"size": train["micro_batch_size"], "auto": False, "max": cap}
+    train.setdefault("norm_batch_size", "auto")
     check_tensor_group(where, train, machine)  # else the data-parallel ranks are no count
-    global_ = train["global_batch_size"]
     worlds = [data_parallel_size(train, world) for world in request_world_sizes(machine)]
-    micro = splitting_micro_batch(global_, cap, worlds)
-    if micro is None:
-        raise ConfigError(_auto_refusal(where, train, cap, worlds, machine))
-    train["micro_batch_size"] = micro
-    return train, {"size": micro, "auto": True, "max": cap}
+    auto = train["micro_batch_size"] == "auto"
+    if role == "norm":
+        norm, group = normalisation(where, train, cap, worlds, role, recorded)
+        micro, science = norm // group, norm
+    else:
+        micro = train["micro_batch_size"]
+        if auto:
+            micro = splitting_micro_batch(train["global_batch_size"], cap, worlds)
+            if micro is None:
+                raise ConfigError(_auto_refusal(where, train, cap, worlds, machine))
+        norm, group = micro, 1
+        science = micro if role == "draws" else _free_science(train, cap, recorded, micro)
+    train["micro_batch_size"], train["norm_batch_size"] = micro, norm
+    info = {"size": micro, "auto": auto, "max": cap, "norm": norm, "group": group,
+            "science": science, "role": role}  # fmt: skip
+    return train, info
+
+
+def _free_science(train: dict, cap: int | None, recorded: int | None, micro: int) -> int:
+    """A run whose micro-batch decides nothing of its science (no BatchNorm, no draws): the
+    fingerprint keeps the batch it trained with, so no world size retrains it; a number
+    written for micro_batch_size or norm_batch_size is the user's own science."""
+    given = train["norm_batch_size"]
+    if given != "auto":
+        return given
+    if train["micro_batch_size"] != "auto":
+        return micro
+    global_ = train["global_batch_size"]
+    if recorded and global_ % recorded == 0:
+        return recorded
+    return splitting_micro_batch(global_, cap, [1]) or micro
 
 
 def _auto_refusal(where: str, train: dict, cap: int | None, worlds: list[int], machine) -> str:

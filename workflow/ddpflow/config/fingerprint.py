@@ -228,6 +228,12 @@ def training_fingerprint(run: dict) -> dict[str, Any]:
     if not gpu and run["train"]["precision"] == "bf16":  # bf16 autocast on CPU ranks too
         ignored = tuple(key for key in ignored if key != "precision")
     train = {k: v for k, v in run["train"].items() if k not in ignored}
+    # the science a micro-batch decides (checks.norm_batch): the normalisation batch, under
+    # the key and value runs recorded before it existed; the micro-batch is the machine's
+    science = (run.get("micro_batch") or {}).get("science")
+    if science is not None:
+        train["micro_batch_size"] = science
+    train.pop("norm_batch_size", None)
     for key, default in LATER_TRAIN_DEFAULTS.items():  # absent at their default
         if train.get(key, default) == default:
             train.pop(key, None)

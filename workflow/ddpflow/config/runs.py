@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ddpflow.checks import weight_files as weights
 from ddpflow.checks.batch import resolve_micro_batch
+from ddpflow.checks.norm_batch import batch_role, recorded_norm_batch
 from ddpflow.checks.tokenizer import check_tokenizer
 from ddpflow.checks.values import check_export, check_resolved_run, check_tracking
 from ddpflow.config.fingerprint import TOKEN_SOURCES, dataset_id
@@ -110,7 +111,11 @@ def _resolve(config: dict, entry: dict, where: str) -> dict:
     _resolve_task(resolved, where)
     resolved["name"] = entry["name"]
     resolved["train"], resolved["micro_batch"] = resolve_micro_batch(
-        where, resolved["train"], resolved["machine"]
+        where,
+        resolved["train"],
+        resolved["machine"],
+        batch_role(resolved),
+        recorded_norm_batch(resolved.get("results_dir", "results"), entry["name"]),
     )
     resolved["world_size"] = world_size(resolved["machine"])
     resolved["dataset_id"] = dataset_id(resolved["data"])

@@ -160,20 +160,24 @@ class StreamFeed:
         self.loader = None
 
 
-def augment(x: torch.Tensor, cfg: TrainAugmentSpec, draws: int):
+def augment(x: torch.Tensor, cfg: TrainAugmentSpec, draws: int, part=(0, 1)):
     """Random crop (zero padding cfg.crop_padding each side, then a crop back to size) and
     horizontal flip of a uint8 [B, C, H, W] batch, in one gather on its device. The draws
     come from the micro-batch's seed `draws` alone (schedule.micro_batch_seed: seed, epoch,
     step, micro-batch): a resumed run, or one at another world size, draws what the
-    uninterrupted one drew, on any path and device."""
+    uninterrupted one drew, on any path and device. part (index, of): x is that part of a
+    normalisation batch `of` times its size (train.norm_batch_size held by a group of ranks):
+    the draws are the whole batch's, sliced, as one rank computing all of it draws them."""
     if not cfg.enabled or x.shape[0] == 0:
         return x
     n, _, height, width = x.shape
+    index, parts = part
+    mine = slice(index * n, (index + 1) * n)
     pad = cfg.crop_padding
     generator = torch.Generator().manual_seed(draws)
-    offsets = torch.randint(0, 2 * pad + 1, (n, 2), generator=generator)
+    offsets = torch.randint(0, 2 * pad + 1, (n * parts, 2), generator=generator)[mine]
     if cfg.horizontal_flip:
-        flips = torch.rand(n, generator=generator) < 0.5
+        flips = (torch.rand(n * parts, generator=generator) < 0.5)[mine]
     else:
         flips = torch.zeros(n, dtype=torch.bool)
     if pad == 0 and not flips.any():

@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpflow.training.schedule import norm_batch_part
+
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 STEPS_PER_GATHER = 64  # at most; 1 at one rank
@@ -122,8 +124,13 @@ class ExactStatistics:
         world_size: int,
         device,
         steps_per_gather: int | None = None,
+        group: int = 1,
+        accum: int = 1,
     ):
         self.model, self.micro_per_step = model, micro_per_step
+        # the step's positions folded, in the global order: one per normalisation batch (a
+        # group of ranks holds each part of one, with its statistics: training.norm_groups)
+        self._folded = _first_parts(micro_per_step, accum, group)
         self.world_size, self.device = world_size, device
         self._steps_per_gather = steps_per_gather
         self._layers = batchnorm_layers(model)  # the training ones of them at each step
@@ -200,10 +207,11 @@ class ExactStatistics:
         running = torch.cat([b.float() for b in buffers])
         factors, keep = self._update_factors(layout)
         rows = layout.slots[:, step].reshape(self.micro_per_step, -1)  # in the global order
-        for micro in range(self.micro_per_step):
-            running = factors[micro] * rows[micro] + keep[micro] * running
+        for index, micro in enumerate(self._folded):
+            running = factors[index] * rows[micro] + keep[index] * running
         torch._foreach_copy_(buffers, list(running.split(layout.sizes)))
-        torch._foreach_add_([own["num_batches_tracked"] for own in layout.own], self.micro_per_step)
+        batches = len(self._folded)
+        torch._foreach_add_([own["num_batches_tracked"] for own in layout.own], batches)
 
     def _update_factors(self, layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
         """(f, 1 - f) per micro-batch and statistic, [micro-batches, width] in float32 from
@@ -211,7 +219,8 @@ class ExactStatistics:
         if self._factors is not None:
             return self._factors
         columns = []
-        steps = torch.arange(1, self.micro_per_step + 1, device=self.device, dtype=torch.float64)
+        count = len(self._folded)
+        steps = torch.arange(1, count + 1, device=self.device, dtype=torch.float64)
         for m, own, momentum in zip(layout.norms, layout.own, layout.momenta, strict=True):
             if momentum is None:  # cumulative average: 1 / batches seen, this one included
                 factor = 1.0 / (own["num_batches_tracked"].double() + steps)
@@ -223,3 +232,12 @@ class ExactStatistics:
         if all(momentum is not None for momentum in layout.momenta):
             self._factors = pair
         return pair
+
+
+def _first_parts(micro_per_step: int, accum: int, group: int) -> list[int]:
+    """The positions of a step whose statistics are folded, in the global order: every one at
+    group 1; else the first part of each normalisation batch, by the batch's index."""
+    if group == 1:
+        return list(range(micro_per_step))
+    parts = {norm_batch_part(j, accum, group): j for j in range(micro_per_step)}
+    return [parts[(norm, 0)] for norm in range(micro_per_step // group)]

@@ -40,7 +40,14 @@ from ddpflow.training.build import build_training, unfrozen
 from ddpflow.training.divergence import NonfiniteWatch, output_parameter
 from ddpflow.training.rankdata import RankData
 from ddpflow.training.resume import Resumable
-from ddpflow.training.schedule import micro_batch_seed, rank_micro_batches, step_micro_batches
+from ddpflow.training.norm_groups import norm_process_group, normalise_in_groups
+from ddpflow.training.schedule import (
+    grouped,
+    micro_batch_seed,
+    norm_batch_part,
+    rank_micro_batches,
+    step_micro_batches,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +109,16 @@ class Loop(Resumable):
         self.last_loss: torch.Tensor | None = None  # the last micro-step's, on the device
         watched = None if self.fsdp else output_parameter(self.model)
         # BatchNorm's running statistics, the same at any world size (training.batchnorm)
-        self.norm_stats = ExactStatistics(self.model, self.micro_per_step, env.world_size, device)
+        self.norm_group = _norm_group_size(tcfg.norm_batch_size, self.micro_batch_size)
+        normalise_in_groups(
+            self.model,
+            norm_process_group(env.world_size, env.rank, self.norm_group),
+            self.norm_group,
+        )
+        self.norm_stats = ExactStatistics(
+            self.model, self.micro_per_step, env.world_size, device,
+            group=self.norm_group, accum=self.accum,
+        )  # fmt: skip
         self.nonfinite = NonfiniteWatch(run, self.lr, device, env.world_size, watched, self.scaler)
 
     def watch_steps(self, callback: Callable[[Loop], None] | None) -> None:
@@ -146,6 +162,7 @@ class Loop(Resumable):
             tcfg.seed,
             self.epoch,
         )
+        batches = grouped(batches, self.accum, self.norm_group)  # a group: one norm batch
         mine = rank_micro_batches(batches, env.world_size, env.rank)
         feed_ = self.feed
         assert feed_ is not None  # __init__ made one
@@ -252,10 +269,13 @@ class Loop(Resumable):
             x = next(inputs)
             # every random draw of this micro-batch (augmentation, a model's dropout) comes
             # from (seed, epoch, step, micro), whichever rank computes it
-            draws = micro_batch_seed(self.tcfg.seed, self.epoch, step, micro)
+            # (its normalisation batch's, where a group of ranks holds it: norm_groups)
+            norm, part = norm_batch_part(micro, accum, self.norm_group)
+            draws = micro_batch_seed(self.tcfg.seed, self.epoch, step, norm)
             _seed_random_draws(draws, self.device)
             tokens = self.data.tokens  # a language model's blocks: no augmentation
-            x = x if tokens else feed.augment(x, self.tcfg.augment, draws)
+            whole = (part, self.norm_group)
+            x = x if tokens else feed.augment(x, self.tcfg.augment, draws, whole)
             y = self.data.train.labels.index_select(0, batch)
             x, y = evaluate.model_batch(x, y, self.data.norm, tokens)
         # no_sync(): skip the gradient all-reduce on all but the last micro-step
@@ -298,6 +318,12 @@ class Loop(Resumable):
         result = evaluate.evaluate_split(self.model, self.data.val, scoring, self.env)
         assert result is not None  # without guard a failed evaluation raises
         return self.data.task.validation(result)
+
+
+def _norm_group_size(norm_batch, micro: int) -> int:
+    """The ranks that hold one normalisation batch (checks.norm_batch resolved it; a run
+    resolved before train.norm_batch_size existed normalises its micro-batch)."""
+    return norm_batch // micro if isinstance(norm_batch, int) else 1
 
 
 def _seed_random_draws(seed: int, device: torch.device) -> None:

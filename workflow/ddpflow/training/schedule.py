@@ -7,7 +7,10 @@ seeded shuffle cut into optimizer steps of train.global_batch_size samples, each
 micro-batches of train.micro_batch_size; micro-batch j of step s is fixed by (seed, epoch, s,
 j), and rank r computes the contiguous block j in [r*a, (r+1)*a) (a accumulation steps), so
 every world size that divides the step computes the same micro-batches with the same random
-draws, and the gradient is their mean. A language model's fresh windows shift every block of
+draws, and the gradient is their mean. Where a rank's micro-batch is a part of the run's
+normalisation batch (train.norm_batch_size), the parts of one normalisation batch go to the
+ranks of one group at the same accumulation step (grouped), and its draws are made for the
+whole normalisation batch (ddpflow.training.norm_groups). A language model's fresh windows shift every block of
 an epoch by one offset drawn from (seed, epoch) (window_offset).
 """
 
@@ -39,6 +42,29 @@ def rank_micro_batches(batches: torch.Tensor, world: int, rank: int) -> torch.Te
     step the contiguous block j in [rank * a, (rank + 1) * a), a = micro-batches / world."""
     accum = batches.shape[1] // world
     return batches[:, rank * accum : (rank + 1) * accum].reshape(-1, batches.shape[2])
+
+
+def norm_batch_part(position: int, accum: int, group: int) -> tuple[int, int]:
+    """(normalisation batch, part of it) of the micro-batch at `position` of a step
+    (rank * accum + accumulation step, the position rank_micro_batches hands out) when
+    `group` consecutive ranks hold each normalisation batch (train.norm_batch_size): the
+    parts of one sit at the same accumulation step of the group's ranks."""
+    rank, within = divmod(position, accum)
+    team, part = divmod(rank, group)
+    return team * accum + within, part
+
+
+def grouped(batches: torch.Tensor, accum: int, group: int) -> torch.Tensor:
+    """step_micro_batches' micro-batches in the positions a normalisation group computes
+    them (norm_batch_part): normalisation batch b is micro-batches [b * group, (b + 1) *
+    group) of the step's order, each part on one rank of its group. Unchanged at group 1."""
+    if group == 1:
+        return batches
+    order = [
+        norm * group + part
+        for norm, part in (norm_batch_part(j, accum, group) for j in range(batches.shape[1]))
+    ]
+    return batches[:, order]
 
 
 def micro_batch_seed(seed: int, epoch: int, step: int, micro: int) -> int:

@@ -136,6 +136,9 @@ def train_summary(
         "micro_batch": run.train.micro_batch_size,
         # chosen by train.micro_batch_size auto for this world size (checks.batch)
         "micro_batch_auto": run.micro_batch.get("auto", False),
+        # the science the micro-batch decides (checks.norm_batch): BatchNorm's batch, which
+        # norm_group ranks hold together where the micro-batch is smaller
+        **_norm_record(run.micro_batch),
         "accumulation_steps": loop.accum,
         # each stretch of the training: world size, hosts (one unless continued elsewhere)
         "segments": loop.segments,
@@ -143,6 +146,15 @@ def train_summary(
         **pruned,
         **task_fields(run),
     }
+
+
+def _norm_record(chosen) -> dict:
+    """train_summary's "norm_batch" (what a later parse keeps as the run's normalisation
+    batch: checks.norm_batch.recorded_norm_batch) and "norm_group" (ranks per normalisation
+    batch); absent for a run resolved before train.norm_batch_size."""
+    if chosen.get("science") is None:
+        return {}
+    return {"norm_batch": chosen["science"], "norm_group": chosen.get("group", 1)}
 
 
 def tensor_record(env: DistEnv) -> dict:

@@ -1,0 +1,153 @@
+"""What a micro-batch decides for the science, apart from the machine: train.norm_batch_size.
+
+A micro-batch is the samples one rank computes in one forward. Most of what it decides is the
+order of float sums, a machine matter like the world size. What it decides for the science:
+
+- BatchNorm normalises each forward's samples together: its batch is the normalisation batch
+  (`norm`). When a rank's micro-batch is smaller, the ranks that together hold one
+  normalisation batch (`group` consecutive ranks, ddpflow.training.norm_groups) normalise it
+  together, so a run normalises over the same samples at any world size;
+- augmentation draws are made per normalisation batch and sliced, so they are the same too;
+- a model that draws random numbers in its forward (dropout; torchvision's and your own
+  models, which ddpflow cannot see into) keeps the micro-batch as its science, as before.
+
+The normalisation batch of `micro_batch_size: auto` is the one the run trained with (its
+train_summary.json: a run trained before the key keeps its identity at any world size), or
+for a new run the micro-batch auto resolves to at one rank: a function of the recipe alone.
+
+    role = batch_role(run)                      # "norm", "free" or "draws"
+    norm, group = normalisation(where, train, cap, worlds, role, recorded)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ddpflow.config.machine import splitting_micro_batch
+from ddpflow.config.schema import ConfigError
+from ddpflow.kept import KEPT
+from ddpflow.paths import RUN_FILES, run_dir
+
+# built-in models with BatchNorm and no random draws in their forward
+BATCH_NORM_MODELS = ("cnn", "resnet18", "resnet34")
+# built-in models with neither: their micro-batch is a machine setting alone
+PLAIN_MODELS = ("mlp",)
+
+
+def batch_role(run: dict) -> str:
+    """How the micro-batch acts on this run's science. "norm": a batch that BatchNorm
+    normalises (or augmentation draws for), kept by the normalisation batch; "free": none,
+    the micro-batch is the machine's; "draws": the forward draws random numbers per
+    micro-batch (dropout, or a model ddpflow cannot see into), so the micro-batch is the
+    science."""
+    model = run["model"]
+    name = model["name"]
+    if name == "gpt":
+        plain = not (model.get("kwargs") or {}).get("dropout")
+    elif name in PLAIN_MODELS + BATCH_NORM_MODELS:
+        plain = True
+    else:
+        return "draws"
+    augments = run["train"]["augment"]["enabled"] and run["task"] != "language_model"
+    return "norm" if name in BATCH_NORM_MODELS or (plain and augments) else (
+        "free" if plain else "draws"
+    )
+
+
+def recorded_norm_batch(results_dir: str, name: str) -> int | None:
+    """The normalisation batch the run last trained with (its train_summary.json's
+    norm_batch; from a run before the key, its micro_batch), else None. The kept copy
+    (ddpflow.kept) counts while a rerun has its outputs removed."""
+    folder = run_dir(results_dir, name)
+    for path in (folder / RUN_FILES["train_summary"],
+                 folder / KEPT / "train" / RUN_FILES["train_summary"]):  # fmt: skip
+        summary = _read(path)
+        if summary:
+            value = summary.get("norm_batch", summary.get("micro_batch"))
+            return value if isinstance(value, int) and value > 0 else None
+    return None
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def normalisation(
+    where: str, train: dict, cap: int | None, worlds: list[int], role: str, recorded
+) -> tuple[int, int]:
+    """(normalisation batch, ranks per normalisation group) for a "norm" run; the micro-batch
+    is norm // group. Refused, naming what works, where no group of ranks can hold it."""
+    global_, micro, norm = (train[k] for k in ("global_batch_size", "micro_batch_size",
+                                               "norm_batch_size"))  # fmt: skip
+    if norm == "auto":
+        norm = micro if micro != "auto" else _auto_norm(global_, cap, recorded)
+    if global_ % norm:
+        raise ConfigError(
+            f"{where}: train.global_batch_size {global_} is not a multiple of "
+            f"train.norm_batch_size {norm}: a step is whole normalisation batches; set one "
+            f"a multiple of the other (e.g. norm_batch_size {_divisor_below(global_, norm)})"
+        )
+    if micro != "auto":
+        if norm % micro:
+            raise ConfigError(
+                f"{where}: train.micro_batch_size {micro} does not divide "
+                f"train.norm_batch_size {norm}: the ranks that share a normalisation batch "
+                f"hold equal parts of it; set micro_batch_size to a divisor of {norm} "
+                f"(e.g. {_divisor_below(norm, micro)}) or auto"
+            )
+        groups = [norm // micro] if _fits(norm // micro, global_ // norm, worlds) else []
+    else:
+        groups = [g for g in range(1, norm + 1)
+                  if norm % g == 0 and _fits(g, global_ // norm, worlds)]  # fmt: skip
+    if not groups:
+        raise ConfigError(_refusal(where, train, norm, worlds))
+    within_cap = [g for g in groups if cap is None or norm // g <= cap]
+    return norm, (within_cap or groups)[0]
+
+
+def _auto_norm(global_: int, cap: int | None, recorded: int | None) -> int:
+    """The run's own normalisation batch where it has one that still splits the global
+    batch, else the micro-batch auto resolves to at one rank."""
+    if recorded and global_ % recorded == 0:
+        return recorded
+    return splitting_micro_batch(global_, cap, [1]) or 1
+
+
+def _fits(group: int, norms: int, worlds: list[int]) -> bool:
+    """Whether every world size holds normalisation groups of `group` consecutive ranks that
+    share out the step's `norms` normalisation batches evenly."""
+    return all(w % group == 0 and norms % (w // group) == 0 for w in worlds)
+
+
+def _divisor_below(number: int, near: int) -> int:
+    return max(d for d in range(1, number + 1) if number % d == 0 and d <= max(near, 1))
+
+
+def working_worlds(global_: int, norm: int, micro) -> list[int]:
+    """The world sizes (up to the step's samples) that hold the normalisation batches."""
+    sizes = [norm // micro] if micro != "auto" else [g for g in range(1, norm + 1) if norm % g == 0]
+    return [
+        w
+        for w in range(1, global_ + 1)
+        if any(_fits(g, global_ // norm, [w]) for g in sizes if norm % g == 0)
+    ]
+
+
+def _refusal(where: str, train: dict, norm: int, worlds: list[int]) -> str:
+    global_, micro = train["global_batch_size"], train["micro_batch_size"]
+    works = working_worlds(global_, norm, micro)
+    shown = ", ".join(map(str, works[:12])) + (f", ... ({len(works)} in all)" * (len(works) > 12))
+    sizes = ", ".join(map(str, worlds))
+    return (
+        f"{where}: world size {sizes} cannot hold train.global_batch_size {global_} as whole "
+        f"normalisation batches of {norm} (train.norm_batch_size, BatchNorm's batch: "
+        f"{global_ // norm} per step, each normalised by one rank or by a group of ranks that "
+        f"holds equal parts of it): world sizes {shown} work. Change the machine, or set "
+        "train.norm_batch_size to a number that splits at this size (the science changes: "
+        "the run retrains)"
+    )
