@@ -95,7 +95,8 @@ def resolve_micro_batch(
     worlds = [data_parallel_size(train, world) for world in request_world_sizes(machine)]
     auto = train["micro_batch_size"] == "auto"
     if role == "norm":
-        norm, group = normalisation(where, train, cap, worlds, role, recorded)
+        shape = f" ({_nodes(machine)} x {ranks_per_node(machine)} ranks per node)"
+        norm, group = normalisation(where, train, cap, worlds, recorded, shape)
         micro, science = norm // group, norm
     else:
         micro = train["micro_batch_size"]
@@ -107,7 +108,7 @@ def resolve_micro_batch(
         science = micro if role == "draws" else _free_science(train, cap, recorded, micro)
     train["micro_batch_size"], train["norm_batch_size"] = micro, norm
     info = {"size": micro, "auto": auto, "max": cap, "norm": norm, "group": group,
-            "science": science, "role": role}  # fmt: skip
+            "science": science, "role": role, "recorded": recorded}  # fmt: skip
     return train, info
 
 

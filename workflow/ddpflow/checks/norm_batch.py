@@ -16,7 +16,7 @@ train_summary.json: a run trained before the key keeps its identity at any world
 for a new run the micro-batch auto resolves to at one rank: a function of the recipe alone.
 
     role = batch_role(run)                      # "norm", "free" or "draws"
-    norm, group = normalisation(where, train, cap, worlds, role, recorded)
+    norm, group = normalisation(where, train, cap, worlds, recorded)
 """
 
 from __future__ import annotations
@@ -78,44 +78,53 @@ def _read(path: Path) -> dict | None:
 
 
 def normalisation(
-    where: str, train: dict, cap: int | None, worlds: list[int], role: str, recorded
+    where: str, train: dict, cap: int | None, worlds: list[int], recorded, shape: str = ""
 ) -> tuple[int, int]:
     """(normalisation batch, ranks per normalisation group) for a "norm" run; the micro-batch
     is norm // group. Refused, naming what works, where no group of ranks can hold it."""
     global_, micro, norm = (train[k] for k in ("global_batch_size", "micro_batch_size",
                                                "norm_batch_size"))  # fmt: skip
-    if norm == "auto":
-        norm = micro if micro != "auto" else _auto_norm(global_, cap, recorded)
+    if norm == "auto" and micro == "auto" and not (recorded and global_ % recorded == 0):
+        norm = _new_norm(global_, cap, worlds)  # a run's first: the recipe's
+    elif norm == "auto":
+        norm = micro if micro != "auto" else recorded
     if global_ % norm:
         raise ConfigError(
             f"{where}: train.global_batch_size {global_} is not a multiple of "
             f"train.norm_batch_size {norm}: a step is whole normalisation batches; set one "
             f"a multiple of the other (e.g. norm_batch_size {_divisor_below(global_, norm)})"
         )
-    if micro != "auto":
-        if norm % micro:
-            raise ConfigError(
-                f"{where}: train.micro_batch_size {micro} does not divide "
-                f"train.norm_batch_size {norm}: the ranks that share a normalisation batch "
-                f"hold equal parts of it; set micro_batch_size to a divisor of {norm} "
-                f"(e.g. {_divisor_below(norm, micro)}) or auto"
-            )
-        groups = [norm // micro] if _fits(norm // micro, global_ // norm, worlds) else []
-    else:
-        groups = [g for g in range(1, norm + 1)
-                  if norm % g == 0 and _fits(g, global_ // norm, worlds)]  # fmt: skip
+    if micro != "auto" and norm % micro:
+        raise ConfigError(
+            f"{where}: train.micro_batch_size {micro} does not divide "
+            f"train.norm_batch_size {norm}: the ranks that share a normalisation batch "
+            f"hold equal parts of it; set micro_batch_size to a divisor of {norm} "
+            f"(e.g. {_divisor_below(norm, micro)}) or auto"
+        )
+    groups = _groups(norm, micro, global_, worlds)
+    if not groups and micro != "auto" and train["norm_batch_size"] == "auto":
+        return norm, 1  # a number alone is today's micro-batch: checks.batch refuses it
     if not groups:
-        raise ConfigError(_refusal(where, train, norm, worlds))
+        raise ConfigError(_refusal(where, train, norm, worlds, shape))
     within_cap = [g for g in groups if cap is None or norm // g <= cap]
     return norm, (within_cap or groups)[0]
 
 
-def _auto_norm(global_: int, cap: int | None, recorded: int | None) -> int:
-    """The run's own normalisation batch where it has one that still splits the global
-    batch, else the micro-batch auto resolves to at one rank."""
-    if recorded and global_ % recorded == 0:
-        return recorded
-    return splitting_micro_batch(global_, cap, [1]) or 1
+def _groups(norm: int, micro, global_: int, worlds: list[int]) -> list[int]:
+    """The group sizes (ranks per normalisation batch) that every world size can hold."""
+    sizes = [norm // micro] if micro != "auto" else range(1, norm + 1)
+    return [g for g in sizes if norm % g == 0 and _fits(g, global_ // norm, worlds)]
+
+
+def _new_norm(global_: int, cap: int | None, worlds: list[int]) -> int:
+    """A new run's normalisation batch: the micro-batch auto resolves to at one rank (the
+    recipe's alone), unless the request cannot hold it at every world size it may run at
+    (machine.min_nodes): then the largest up to the cap that it can."""
+    first = splitting_micro_batch(global_, cap, [1]) or 1
+    for norm in range(first, 0, -1):
+        if global_ % norm == 0 and _groups(norm, "auto", global_, worlds):
+            return norm
+    return first  # refused by the caller, naming the world sizes that work
 
 
 def _fits(group: int, norms: int, worlds: list[int]) -> bool:
@@ -138,16 +147,27 @@ def working_worlds(global_: int, norm: int, micro) -> list[int]:
     ]
 
 
-def _refusal(where: str, train: dict, norm: int, worlds: list[int]) -> str:
+def _refusal(where: str, train: dict, norm: int, worlds: list[int], shape: str) -> str:
     global_, micro = train["global_batch_size"], train["micro_batch_size"]
     works = working_worlds(global_, norm, micro)
     shown = ", ".join(map(str, works[:12])) + (f", ... ({len(works)} in all)" * (len(works) > 12))
     sizes = ", ".join(map(str, worlds))
+    given = f" with train.micro_batch_size {micro}" if micro != "auto" else ""
+    groups = _groups(norm, "auto", global_, worlds)
+    if micro != "auto" and groups:  # the science holds at this size with smaller parts
+        fix = (
+            f"To keep the science at this size, write train.micro_batch_size: "
+            f"{norm // groups[0]} and train.norm_batch_size: {norm} ({groups[0]} ranks "
+            "normalise each batch together: nothing retrains), or micro_batch_size: auto"
+        )
+    else:
+        fix = (
+            "Change the machine, or set train.norm_batch_size to a number that splits at this "
+            "size (the science changes: the run retrains)"
+        )
     return (
-        f"{where}: world size {sizes} cannot hold train.global_batch_size {global_} as whole "
-        f"normalisation batches of {norm} (train.norm_batch_size, BatchNorm's batch: "
-        f"{global_ // norm} per step, each normalised by one rank or by a group of ranks that "
-        f"holds equal parts of it): world sizes {shown} work. Change the machine, or set "
-        "train.norm_batch_size to a number that splits at this size (the science changes: "
-        "the run retrains)"
+        f"{where}: world size {sizes}{shape} cannot hold train.global_batch_size {global_} as "
+        f"whole normalisation batches of {norm} (train.norm_batch_size, BatchNorm's batch: "
+        f"{global_ // norm} per step, each normalised by one rank or by a group of ranks "
+        f"that holds equal parts of it){given}: world sizes {shown} work. {fix}"
     )

@@ -202,17 +202,36 @@ def _check_local_gpus(where: str, wanted: int) -> None:
     )
 
 
+def micro_batch_warnings(where: str, train: dict, chosen) -> list[str]:
+    """A cap below the micro-batch written by hand, and an edit that changes the micro-batch
+    of a model whose forward draws per micro-batch (checks.norm_batch): that retrains."""
+    out, micro = [], train["micro_batch_size"]
+    if chosen.get("max") is not None and not chosen["auto"] and micro > chosen["max"]:
+        out.append(
+            f"{where}: train.micro_batch_size {micro} is above train.max_micro_batch_size "
+            f"{chosen['max']}, which acts only with micro_batch_size auto; lower the number "
+            "to fit the cap, or set micro_batch_size: auto"
+        )
+    recorded = chosen.get("recorded")
+    if chosen.get("role") == "draws" and chosen.get("auto") and recorded not in (None, micro):
+        keep = (
+            f"write train.micro_batch_size: {recorded} to keep it"
+            if train["global_batch_size"] % recorded == 0 else "no micro-batch keeps it"
+        )  # fmt: skip
+        out.append(
+            f"{where}: this retrains: train.micro_batch_size auto resolves to {micro} at this "
+            f"machine, and the run trained with {recorded}; its model draws random numbers per "
+            f"micro-batch (dropout, or a model ddpflow cannot see into), so the micro-batch is "
+            f"its science; {keep} (where the world size splits it)"
+        )
+    return out
+
+
 def run_warnings(run: dict, launcher: str) -> list[str]:
     """Legal but suspicious settings: the run starts, and these lines say what looks wrong."""
     where = f"run {run['name']!r}"
     machine, train, out = run["machine"], run["train"], []
-    chosen = run.get("micro_batch", {})
-    if chosen.get("max") is not None and not chosen["auto"]:
-        out.append(
-            f"{where}: train.max_micro_batch_size {chosen['max']} is set but "
-            f"train.micro_batch_size is {train['micro_batch_size']}, so the cap does nothing; "
-            "set train.micro_batch_size: auto for it to act"
-        )
+    out += micro_batch_warnings(where, train, run.get("micro_batch", {}))
     if train["warmup_epochs"] > train["epochs"]:
         reached = train["epochs"] / train["warmup_epochs"]
         out.append(
