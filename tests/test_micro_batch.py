@@ -224,13 +224,18 @@ def test_a_model_that_draws_per_micro_batch_says_the_edit_retrains(tmp_path):
 def test_a_micro_batch_that_does_not_divide_the_normalisation_batch_is_refused():
     config = _shipped()
     config["train"].update(micro_batch_size=12, norm_batch_size=32)
-    with pytest.raises(ConfigError, match="micro_batch_size 12 does not divide.*norm_batch_size 32"):
+    with pytest.raises(
+        ConfigError, match="micro_batch_size 12 does not divide.*norm_batch_size 32"
+    ):
         _run(config)
     config["train"].update(micro_batch_size=8, norm_batch_size=48)
     with pytest.raises(ConfigError, match="global_batch_size 64 is not a multiple of.*48"):
         _run(config)
     config["train"].update(micro_batch_size=8, norm_batch_size=32)  # 4 ranks share one
     config["machine"]["cpu_ranks_per_node"] = 2  # 2 ranks cannot: a group is 4
-    with pytest.raises(ConfigError, match="world sizes 4, 8 work. To keep the science at this "
-                       "size, write train.micro_batch_size: 32 and train.norm_batch_size: 32"):
+    with pytest.raises(
+        ConfigError,
+        match="world sizes 4, 8 work. To keep the science at this "
+        "size, write train.micro_batch_size: 32 and train.norm_batch_size: 32",
+    ):
         _run(config)

@@ -30,3 +30,6 @@ rule generate:
     """`snakemake generate`: generations.jsonl of every run (or of generate.runs)."""
     input:
         expand(generate_file("generations"), run=GENERATE_RUNS),
+        # what `snakemake` makes: a model retrained for these (an edited science) brings
+        # its evaluation, exports and the report along, never a model newer than its metrics
+        final_outputs(),

@@ -27,3 +27,6 @@ rule predict:
     """`snakemake predict`: predictions.csv of every run (or of predict.runs)."""
     input:
         expand(predict_file("predictions"), run=PREDICT_RUNS),
+        # what `snakemake` makes: a model retrained for these (an edited science) brings
+        # its evaluation, exports and the report along, never a model newer than its metrics
+        final_outputs(),

@@ -99,17 +99,17 @@ def resolve_micro_batch(
         norm, group = normalisation(where, train, cap, worlds, recorded, shape)
         micro, science = norm // group, norm
     else:
-        micro = train["micro_batch_size"]
+        found = train["micro_batch_size"]
         if auto:
-            micro = splitting_micro_batch(train["global_batch_size"], cap, worlds)
-            if micro is None:
+            found = splitting_micro_batch(train["global_batch_size"], cap, worlds)
+            if found is None:
                 raise ConfigError(_auto_refusal(where, train, cap, worlds, machine))
+        micro = found
         norm, group = micro, 1
         science = micro if role == "draws" else _free_science(train, cap, recorded, micro)
     train["micro_batch_size"], train["norm_batch_size"] = micro, norm
-    info = {"size": micro, "auto": auto, "max": cap, "norm": norm, "group": group,
-            "science": science, "role": role, "recorded": recorded}  # fmt: skip
-    return train, info
+    info = dict(size=micro, auto=auto, max=cap, norm=norm, group=group, science=science)
+    return train, {**info, "role": role, "recorded": recorded}
 
 
 def _free_science(train: dict, cap: int | None, recorded: int | None, micro: int) -> int:

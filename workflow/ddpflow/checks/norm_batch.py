@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ddpflow.config.fingerprint import TOKEN_SOURCES
 from ddpflow.config.machine import splitting_micro_batch
 from ddpflow.config.schema import ConfigError
 from ddpflow.kept import KEPT
@@ -49,10 +50,10 @@ def batch_role(run: dict) -> str:
         plain = True
     else:
         return "draws"
-    augments = run["train"]["augment"]["enabled"] and run["task"] != "language_model"
-    return "norm" if name in BATCH_NORM_MODELS or (plain and augments) else (
-        "free" if plain else "draws"
-    )
+    images = run["data"]["source"] not in TOKEN_SOURCES  # augmentation draws for images
+    if name in BATCH_NORM_MODELS or (plain and images and run["train"]["augment"]["enabled"]):
+        return "norm"
+    return "free" if plain else "draws"
 
 
 def recorded_norm_batch(results_dir: str, name: str) -> int | None:
@@ -60,8 +61,8 @@ def recorded_norm_batch(results_dir: str, name: str) -> int | None:
     norm_batch; from a run before the key, its micro_batch), else None. The kept copy
     (ddpflow.kept) counts while a rerun has its outputs removed."""
     folder = run_dir(results_dir, name)
-    for path in (folder / RUN_FILES["train_summary"],
-                 folder / KEPT / "train" / RUN_FILES["train_summary"]):  # fmt: skip
+    name = RUN_FILES["train_summary"]
+    for path in (folder / name, folder / KEPT / "train" / name):
         summary = _read(path)
         if summary:
             value = summary.get("norm_batch", summary.get("micro_batch"))
@@ -82,12 +83,14 @@ def normalisation(
 ) -> tuple[int, int]:
     """(normalisation batch, ranks per normalisation group) for a "norm" run; the micro-batch
     is norm // group. Refused, naming what works, where no group of ranks can hold it."""
-    global_, micro, norm = (train[k] for k in ("global_batch_size", "micro_batch_size",
-                                               "norm_batch_size"))  # fmt: skip
-    if norm == "auto" and micro == "auto" and not (recorded and global_ % recorded == 0):
+    global_, micro = train["global_batch_size"], train["micro_batch_size"]
+    norm = train["norm_batch_size"]
+    if norm == "auto" and micro != "auto":
+        return micro, 1  # a number alone is the micro-batch as before (checks.batch refuses)
+    if norm == "auto" and not (recorded and global_ % recorded == 0):
         norm = _new_norm(global_, cap, worlds)  # a run's first: the recipe's
     elif norm == "auto":
-        norm = micro if micro != "auto" else recorded
+        norm = recorded
     if global_ % norm:
         raise ConfigError(
             f"{where}: train.global_batch_size {global_} is not a multiple of "
@@ -102,8 +105,6 @@ def normalisation(
             f"(e.g. {_divisor_below(norm, micro)}) or auto"
         )
     groups = _groups(norm, micro, global_, worlds)
-    if not groups and micro != "auto" and train["norm_batch_size"] == "auto":
-        return norm, 1  # a number alone is today's micro-batch: checks.batch refuses it
     if not groups:
         raise ConfigError(_refusal(where, train, norm, worlds, shape))
     within_cap = [g for g in groups if cap is None or norm // g <= cap]

@@ -214,10 +214,9 @@ def micro_batch_warnings(where: str, train: dict, chosen) -> list[str]:
         )
     recorded = chosen.get("recorded")
     if chosen.get("role") == "draws" and chosen.get("auto") and recorded not in (None, micro):
-        keep = (
-            f"write train.micro_batch_size: {recorded} to keep it"
-            if train["global_batch_size"] % recorded == 0 else "no micro-batch keeps it"
-        )  # fmt: skip
+        keep = "no micro-batch keeps it"
+        if train["global_batch_size"] % recorded == 0:
+            keep = f"write train.micro_batch_size: {recorded} to keep it"
         out.append(
             f"{where}: this retrains: train.micro_batch_size auto resolves to {micro} at this "
             f"machine, and the run trained with {recorded}; its model draws random numbers per "

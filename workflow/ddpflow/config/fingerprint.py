@@ -230,9 +230,9 @@ def training_fingerprint(run: dict) -> dict[str, Any]:
     train = {k: v for k, v in run["train"].items() if k not in ignored}
     # the science a micro-batch decides (checks.norm_batch): the normalisation batch, under
     # the key and value runs recorded before it existed; the micro-batch is the machine's
-    science = (run.get("micro_batch") or {}).get("science")
-    if science is not None:
-        train["micro_batch_size"] = science
+    chosen = run.get("micro_batch") or {}
+    if chosen.get("science") is not None and chosen["size"] == train["micro_batch_size"]:
+        train["micro_batch_size"] = chosen["science"]
     train.pop("norm_batch_size", None)
     for key, default in LATER_TRAIN_DEFAULTS.items():  # absent at their default
         if train.get(key, default) == default:

@@ -56,10 +56,14 @@ NOT_A_RERUN = {
     "model.weights": "retrain (the file's sha256, or run:NAME's own training, is in the "
     "fingerprint; replacing the file retrains too)",
     "model.weights_sha256": "nothing where the file has it; another hash is refused",
-    "train.micro_batch_size": "retrain, where the micro-batch the run trains with changes "
-    "(with auto: also a machine edit that changes the micro-batch auto resolves to)",
-    "train.max_micro_batch_size": "nothing with a numeric micro_batch_size; with auto, retrain "
-    "where the micro-batch it resolves to changes",
+    "train.micro_batch_size": "a number: retrain where it changes the normalisation batch "
+    "(train.norm_batch_size auto follows it); auto: nothing where the model has BatchNorm or "
+    "no draws (the normalisation batch stays the run's), retrain for a model that draws per "
+    "micro-batch (dropout) where the micro-batch auto resolves to changes",
+    "train.max_micro_batch_size": "nothing where the model has BatchNorm or no draws; with "
+    "auto, retrain for a model that draws per micro-batch where the micro-batch changes",
+    "train.norm_batch_size": "retrain where the normalisation batch changes (auto: the run's "
+    "own, so writing the number it trained with retrains nothing)",
     # resolved before a run exists (config.runs._resolve_task): the data section carries it
     "task": "restage and retrain (the targets are staged as the task needs them)",
     "task_kwargs": "multilabel threshold: re-evaluate; regression loss, huber_delta: retrain; "

@@ -56,6 +56,8 @@ class Group:
     identity: Identity
     rows: list[dict] = field(default_factory=list)
     best: dict | None = None
+    tied: list[dict] = field(default_factory=list)  # the runs equal on every ranking figure
+    loss_decided: bool = False  # the selection figure tied; the validation loss chose
 
 
 def _data(ev: dict) -> dict:
@@ -103,21 +105,36 @@ def groups(rows: list[dict], evals: dict[str, dict], pick: str | None = None) ->
         row["group"] = group.number
     for group in found.values():
         if len(group.rows) > 1:
-            group.best = min(group.rows, key=_ranking(group.identity.selection, pick))
+            ranking = _ranking(group.identity.selection, pick)
+            ranked = sorted(group.rows, key=ranking)
+            group.tied = [row for row in ranked if ranking(row) == ranking(ranked[0])]
+            group.best = ranked[0] if len(group.tied) == 1 else None
+            group.loss_decided = not group.tied[1:] and _metric_tie(group, ranked)
     for row in rows:
         row["best"] = any(row is group.best for group in found.values())
     return list(found.values())
 
 
+LOSS = Selection("val_loss", False, "validation loss")  # what breaks a tie on the metric
+
+
 def _ranking(chosen: Selection, pick: str | None):
     """A sort key of rows, best first: the final validation figure in the selection's
-    direction, then the sweep's pick, then the faster run (min keeps the first listed)."""
+    direction, then the sweep's pick, then the lower final validation loss. Runs equal on
+    all three are a tie: none is selected (the speed of a noisy machine never decides)."""
     final = f"final_{chosen.metric}"
     return lambda r: (
         metrics.score(chosen, r.get(final)),
         r["run"] != pick,
-        -r["train_samples_per_s"],
+        metrics.score(LOSS, r.get("final_val_loss")),
     )
+
+
+def _metric_tie(group: Group, ranked: list[dict]) -> bool:
+    """Whether the selected run shares its selection figure with the next (the validation
+    loss decided)."""
+    final = f"final_{group.identity.selection.metric}"
+    return ranked[0].get(final) == ranked[1].get(final)
 
 
 def _names(group: Group) -> str:
@@ -129,17 +146,31 @@ def _names(group: Group) -> str:
 
 def _selected(group: Group) -> str:
     chosen, best = group.identity.selection, group.best
-    assert best is not None, "headline names the groups that selected a run"
-    return (
-        f"selected on {chosen.label}{metrics.direction(chosen)} among "
-        f"{_names(group)}: {best['run']}"
-    )
+    if best is None:  # a tie on every figure
+        final = group.tied[0].get(f"final_{chosen.metric}")
+        names = ", ".join(row["run"] for row in group.tied)
+        return (
+            f"{names} tie on {chosen.label} ({_figure(final)}) and validation loss: no run "
+            f"selected among {_names(group)}"
+        )
+    said = f"selected on {chosen.label}{metrics.direction(chosen)} among {_names(group)}: "
+    if group.loss_decided:
+        final = best.get(f"final_{chosen.metric}")
+        return said + (
+            f"{best['run']} (tied on {chosen.label} {_figure(final)}; the lower validation "
+            f"loss, {_figure(best.get('final_val_loss'))}, decided)"
+        )
+    return said + best["run"]
+
+
+def _figure(value) -> str:
+    return f"{value:.4f}" if isinstance(value, int | float) else "?"
 
 
 def headline(found: list[Group]) -> str:
-    """The headline's words on ranking: what selected each group's run, then which runs are
-    not compared and why."""
-    said = [_selected(g) for g in found if g.best is not None]
+    """The headline's words on ranking: what selected each group's run (or that its best
+    runs tie), then which runs are not compared and why."""
+    said = [_selected(g) for g in found if len(g.rows) > 1]
     said += _apart(found)
     if not said:
         return "nothing to compare it with."

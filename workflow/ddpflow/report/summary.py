@@ -34,6 +34,8 @@ def summary_row(name: str, epochs: list[dict], ev: dict) -> dict:
         "attempts": train["attempts"], "eval_seconds": ev["eval_seconds"],
         "eval_world_size": ev["world_size"], "final_train_loss": epochs[-1]["train_loss"],
         f"final_{chosen.metric}": epochs[-1][chosen.metric],
+        # what breaks a tie on it (report.compare)
+        "final_val_loss": epochs[-1].get("val_loss"),
         "git_commit": ev["provenance"]["git_commit"],
         # device name and precision: written since the GPU path ran (older files: cpu/cuda)
         "device": train.get("device_name", str(train.get("device", "cpu")).split(":")[0])

@@ -38,9 +38,9 @@ from ddpflow.training import evaluate, faults, sharding, weights
 from ddpflow.training.batchnorm import ExactStatistics
 from ddpflow.training.build import build_training, unfrozen
 from ddpflow.training.divergence import NonfiniteWatch, output_parameter
+from ddpflow.training.norm_groups import norm_process_group, normalise_in_groups
 from ddpflow.training.rankdata import RankData
 from ddpflow.training.resume import Resumable
-from ddpflow.training.norm_groups import norm_process_group, normalise_in_groups
 from ddpflow.training.schedule import (
     grouped,
     micro_batch_seed,
@@ -108,17 +108,8 @@ class Loop(Resumable):
         self._on_step: Callable[[Loop], None] | None = None
         self.last_loss: torch.Tensor | None = None  # the last micro-step's, on the device
         watched = None if self.fsdp else output_parameter(self.model)
-        # BatchNorm's running statistics, the same at any world size (training.batchnorm)
-        self.norm_group = _norm_group_size(tcfg.norm_batch_size, self.micro_batch_size)
-        normalise_in_groups(
-            self.model,
-            norm_process_group(env.world_size, env.rank, self.norm_group),
-            self.norm_group,
-        )
-        self.norm_stats = ExactStatistics(
-            self.model, self.micro_per_step, env.world_size, device,
-            group=self.norm_group, accum=self.accum,
-        )  # fmt: skip
+        # BatchNorm's batch and running statistics, the same at any world size
+        self.norm_group, self.norm_stats = _norm_batches(self.model, tcfg, env, device, self.accum)
         self.nonfinite = NonfiniteWatch(run, self.lr, device, env.world_size, watched, self.scaler)
 
     def watch_steps(self, callback: Callable[[Loop], None] | None) -> None:
@@ -268,16 +259,15 @@ class Loop(Resumable):
         with self.clock.phase(seconds, "data"):
             x = next(inputs)
             # every random draw of this micro-batch (augmentation, a model's dropout) comes
-            # from (seed, epoch, step, micro), whichever rank computes it
-            # (its normalisation batch's, where a group of ranks holds it: norm_groups)
+            # from (seed, epoch, step, micro), whichever rank computes it (its normalisation
+            # batch's, sliced, where a group of ranks holds that: norm_groups)
             norm, part = norm_batch_part(micro, accum, self.norm_group)
             draws = micro_batch_seed(self.tcfg.seed, self.epoch, step, norm)
             _seed_random_draws(draws, self.device)
-            tokens = self.data.tokens  # a language model's blocks: no augmentation
-            whole = (part, self.norm_group)
-            x = x if tokens else feed.augment(x, self.tcfg.augment, draws, whole)
+            if not self.data.tokens:  # a language model's blocks: no augmentation
+                x = feed.augment(x, self.tcfg.augment, draws, (part, self.norm_group))
             y = self.data.train.labels.index_select(0, batch)
-            x, y = evaluate.model_batch(x, y, self.data.norm, tokens)
+            x, y = evaluate.model_batch(x, y, self.data.norm, self.data.tokens)
         # no_sync(): skip the gradient all-reduce on all but the last micro-step
         skip_sync: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if not last_micro and self.env.world_size > 1:
@@ -320,10 +310,17 @@ class Loop(Resumable):
         return self.data.task.validation(result)
 
 
-def _norm_group_size(norm_batch, micro: int) -> int:
-    """The ranks that hold one normalisation batch (checks.norm_batch resolved it; a run
-    resolved before train.norm_batch_size existed normalises its micro-batch)."""
-    return norm_batch // micro if isinstance(norm_batch, int) else 1
+def _norm_batches(model: nn.Module, tcfg, env: DistEnv, device, accum: int):
+    """(ranks per normalisation batch, the running statistics' fold): BatchNorm normalises
+    train.norm_batch_size samples together, shared by a group of ranks where a rank's
+    micro-batch is smaller (training.norm_groups; a run resolved before the key normalises
+    its micro-batch), and its running statistics are one rank's (training.batchnorm)."""
+    norm, micro = tcfg.norm_batch_size, tcfg.micro_batch_size
+    group = norm // micro if isinstance(norm, int) else 1
+    normalise_in_groups(model, norm_process_group(env.world_size, env.rank, group), group)
+    per_step = micro_batches_per_step(tcfg)
+    fold = ExactStatistics(model, per_step, env.world_size, device, group=group, accum=accum)
+    return group, fold
 
 
 def _seed_random_draws(seed: int, device: torch.device) -> None:

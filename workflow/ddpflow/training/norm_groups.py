@@ -5,9 +5,9 @@ run's normalisation batches per step: checks.norm_batch), the `group` consecutiv
 hold one normalisation batch compute its mean and variance together: each training BatchNorm
 all-reduces its per-channel sums within the group in the forward (two small collectives: the
 sum, then the centred squares, as torch's own two-pass statistics) and the gradients of those
-sums in the backward (_GroupSum: torch.distributed.nn's differentiable all_reduce, which
-warns that it is deprecated in torch 2.14, without the warning in every rank's log). The samples a layer
-normalises together are then the ones one rank normalised at the run's own micro-batch, at
+sums in the backward (_GroupSum: torch.distributed.nn's differentiable all_reduce, which warns
+in torch 2.14 that it is deprecated, without the warning in every rank's log). The samples a
+layer normalises together are then the ones one rank normalised at the run's own micro-batch, at
 any world size: what SyncBatchNorm does across all ranks, within groups that keep the science.
 
 Which micro-batches a group computes at once is the schedule's (schedule.grouped): the parts
@@ -34,14 +34,14 @@ class _GroupSum(torch.autograd.Function):
     """The sum over the group's ranks; its gradient is the sum of the ranks' gradients."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
         summed = tensor.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(summed, group=group)
         return summed
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         return _GroupSum.apply(grad, ctx.group), None
 
 
@@ -70,7 +70,7 @@ def normalise_in_groups(model: nn.Module, group, size: int) -> int:
     layers = [m for m in model.modules() if isinstance(m, _BatchNorm)]
     for layer in layers:
         # an instance attribute: the class, its state_dict and its checkpoints stay torch's
-        layer.forward = functools.partial(_group_forward, layer, group, size)
+        layer.forward = functools.partial(_group_forward, layer, group, size)  # type: ignore[method-assign]
     return len(layers)
 
 

@@ -10,8 +10,8 @@ every world size that divides the step computes the same micro-batches with the 
 draws, and the gradient is their mean. Where a rank's micro-batch is a part of the run's
 normalisation batch (train.norm_batch_size), the parts of one normalisation batch go to the
 ranks of one group at the same accumulation step (grouped), and its draws are made for the
-whole normalisation batch (ddpflow.training.norm_groups). A language model's fresh windows shift every block of
-an epoch by one offset drawn from (seed, epoch) (window_offset).
+whole normalisation batch (ddpflow.training.norm_groups). A language model's fresh windows
+shift every block of an epoch by one offset drawn from (seed, epoch) (window_offset).
 """
 
 from __future__ import annotations

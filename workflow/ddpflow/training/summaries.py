@@ -132,14 +132,7 @@ def train_summary(
         **fine_tuning_record(run, loop),  # model.weights, train.freeze: only where set
         **run_task(run).train_record(loop, generated),  # a language model's tokens/s
         "lr": loop.lr,
-        "global_batch": run.train.global_batch_size,
-        "micro_batch": run.train.micro_batch_size,
-        # chosen by train.micro_batch_size auto for this world size (checks.batch)
-        "micro_batch_auto": run.micro_batch.get("auto", False),
-        # the science the micro-batch decides (checks.norm_batch): BatchNorm's batch, which
-        # norm_group ranks hold together where the micro-batch is smaller
-        **_norm_record(run.micro_batch),
-        "accumulation_steps": loop.accum,
+        **_batch_record(run, loop),
         # each stretch of the training: world size, hosts (one unless continued elsewhere)
         "segments": loop.segments,
         "precision": run.train.precision if loop.autocast else "fp32",
@@ -148,13 +141,21 @@ def train_summary(
     }
 
 
-def _norm_record(chosen) -> dict:
-    """train_summary's "norm_batch" (what a later parse keeps as the run's normalisation
-    batch: checks.norm_batch.recorded_norm_batch) and "norm_group" (ranks per normalisation
-    batch); absent for a run resolved before train.norm_batch_size."""
-    if chosen.get("science") is None:
-        return {}
-    return {"norm_batch": chosen["science"], "norm_group": chosen.get("group", 1)}
+def _batch_record(run: RunSpec, loop) -> dict:
+    """The batches: global, micro (chosen by train.micro_batch_size auto for this world size:
+    checks.batch), accumulation steps, and the science the micro-batch decides
+    (checks.norm_batch): "norm_batch", what a later parse keeps as the run's normalisation
+    batch (recorded_norm_batch), and "norm_group", the ranks that hold one together (absent
+    for a run resolved before train.norm_batch_size)."""
+    chosen = run.micro_batch
+    record = {
+        "global_batch": run.train.global_batch_size,
+        "micro_batch": run.train.micro_batch_size,
+        "micro_batch_auto": chosen.get("auto", False),
+    }
+    if chosen.get("science") is not None:
+        record.update(norm_batch=chosen["science"], norm_group=loop.norm_group)
+    return {**record, "accumulation_steps": loop.accum}
 
 
 def tensor_record(env: DistEnv) -> dict:
