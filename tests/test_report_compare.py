@@ -157,3 +157,37 @@ def test_a_language_models_vocabulary_without_its_train_record(data, vocab):
     ev = lm_eval("x", 3.0, data, vocab)
     del ev["train"]["language_model"]
     assert identity(ev).vocabulary == vocab
+
+
+def _tied(name: str, loss: float, rate: float) -> list[dict]:
+    """Epochs whose final validation MSE is 0.3 (a tie), with this validation loss."""
+    return [
+        {**_epoch(name, 1, e, 1.0, rate), "val_mse": 0.3, "val_mae": 0.3, "val_r2": 0.5,
+         "val_loss": loss}
+        for e in range(2)
+    ]  # fmt: skip
+
+
+def test_a_tie_goes_to_the_lower_validation_loss_never_to_the_faster_run(tmp_path):
+    """a and b tie on validation MSE; a is much faster, b has the lower validation loss: b is
+    selected, and the headline says the metric tied and what decided."""
+    same = _data("npz", path="house.npz")
+    evals = {n: _config(regression_eval(n, 0.2), same, "regression") for n in ("a", "b")}
+    epochs = {"a": _tied("a", 0.5, 9000.0), "b": _tied("b", 0.4, 90.0)}
+    paths = _report(tmp_path / "results", evals, epochs)
+    markdown = paths["markdown"].read_text()
+    assert "among runs a, b: b (tied on validation MSE 0.3000; the lower validation loss, " in (
+        markdown
+    )
+    assert _starred(paths) == ["b ★ best"]
+
+
+def test_runs_equal_on_metric_and_loss_are_a_tie_with_no_star(tmp_path):
+    same = _data("npz", path="house.npz")
+    evals = {n: _config(regression_eval(n, 0.2), same, "regression") for n in ("a", "b")}
+    epochs = {"a": _tied("a", 0.4, 9000.0), "b": _tied("b", 0.4, 90.0)}
+    paths = _report(tmp_path / "results", evals, epochs)
+    markdown = paths["markdown"].read_text()
+    assert "a, b tie on validation MSE (0.3000) and validation loss: no run selected" in markdown
+    assert _starred(paths) == []
+    assert json.loads(paths["summary_json"].read_text())["best_run"] is None
