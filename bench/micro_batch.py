@@ -1,23 +1,24 @@
-"""What `train.micro_batch_size: auto` does to the science: the shipped default job (digits,
-the built-in CNN with BatchNorm, 12 epochs, global batch 64) at the micro-batches auto resolves
-to with `max_micro_batch_size: 32` (32 at 1-2 ranks, 16 at 4, 8 at 8), each with several
-`train.seed` values, in one run of the real workflow.
+"""What BatchNorm's batch does to the science of the default job (digits, the built-in CNN
+with BatchNorm, 12 epochs, global batch 64): runs at BatchNorm batches of 32, 16 and 8 (the
+micro-batches `micro_batch_size: auto` resolves to at 1-2, 4 and 8 ranks with
+`max_micro_batch_size: 32`), each with several `train.seed` values, in one run of the real
+workflow.
 
-The micro-batch is BatchNorm's batch (training normalises each layer over one rank's
-micro-batch; DDP does not synchronise batch statistics) and the unit of the data order and
-random draws (training/schedule.py), so a world-size edit that changes it trains another
-model. This measures how much: test accuracy and loss (mean, standard deviation, range over
-the seeds) and the training time, for each micro-batch.
+Each run pins `train.micro_batch_size` to the number, which is then its normalisation batch
+(train.norm_batch_size: BatchNorm normalises each micro-batch on one rank) and the unit of the
+data order and random draws (training/schedule.py). The shipped config keeps a batch of 32 at
+every world size (groups of ranks share it where auto resolves a smaller micro-batch), so the
+16 and 8 rows are the science of writing norm_batch_size 16 or 8: this measures how much that
+changes: test accuracy and loss (mean, standard deviation, range over the seeds) and the
+training time, for each batch.
 
 One workflow in a fresh directory, as a user runs it (`snakemake --cores 2` with the shipped
-config.yaml copied in, overhead.py's run), whose `runs:` list holds one run per (micro-batch,
-seed): `train.micro_batch_size` pinned to the number (the cap set to null; the micro-batch is
-the run's science, whether auto or a hand picks it: the 32 / seed-0 run has the shipped
-default run's training fingerprint). Every run trains at `--ranks` CPU ranks (default 2):
-the micro-batches, their order and draws do not depend on the world size
-(tests/test_world_size.py), so 16 and 8 here are the runs auto makes at 4 and 8 ranks, up to
-float summation order and BatchNorm's running statistics (rank 0's; see the conditions). To
-measure that difference, the --check-seeds (0) train 16 and 8 once more at 4 and 8 ranks.
+config.yaml copied in, overhead.py's run), whose `runs:` list holds one run per (batch,
+seed), the cap set to null; the 32 / seed-0 run has the shipped default run's training
+fingerprint. Every run trains at `--ranks` CPU ranks (default 2): the micro-batches, their
+order and draws do not depend on the world size (tests/test_world_size.py), so a batch here
+trains what it trains at 4 or 8 ranks, up to float summation order; the --check-seeds (0)
+train 16 and 8 once more at 4 and 8 ranks to measure that.
 
     python bench/micro_batch.py             # 32, 16, 8 x seeds 0, 1, 2 + 2 checks: ~6 min
     python bench/micro_batch.py --micro-batches 32 16 --seeds 3 --check-seeds 3 --epochs 1
@@ -279,17 +280,15 @@ def conditions(args: argparse.Namespace, config: dict, run: dict, wall: float, r
         f"{', '.join(map(str, args.check_seeds)) or '(none)'} once more at the world size auto "
         f"picks (its ranks oversubscribe the {args.cores} cores: their times are not comparable)",
         "batchnorm": "training normalises every BatchNorm layer with the statistics of one "
-        "micro-batch on one rank (per channel, over micro-batch x height x width; no "
-        "SyncBatchNorm: DDP does not synchronise batch statistics), so BatchNorm's batch is "
-        f"the micro-batch: {', '.join(map(str, args.micro_batches))} samples. The running "
-        "mean/variance that evaluation uses are rank 0's (DDP broadcasts rank 0's buffers to "
-        "the other ranks; the saved model is rank 0's), updated at each of rank 0's forwards "
-        "(momentum 0.1): global / (micro-batch x world size) forwards per step (the batchnorm "
-        "rows: here and at the world sizes auto picks each micro-batch for)",
-        "resume": "a run resumed at another world size keeps its micro-batch only where auto "
-        "resolves the same one there (1 <-> 2 ranks: 32); a world-size edit that changes it "
-        "(2 -> 4: 32 -> 16) changes the run's training fingerprint and trains a new model from "
-        "the start, and this table is the difference that makes",
+        "micro-batch on one rank (per channel, over micro-batch x height x width), the run's "
+        "normalisation batch here (a pinned micro_batch_size with train.norm_batch_size auto): "
+        f"{', '.join(map(str, args.micro_batches))} samples. The running mean/variance that "
+        "evaluation uses are one rank's stepping through every micro-batch in the global order "
+        "(ddpflow.training.batchnorm), folded once per normalisation batch",
+        "resume": "the shipped config keeps the run's normalisation batch at every world size "
+        "(train.norm_batch_size auto: the batch it trained with), so a world-size edit retrains "
+        "nothing; writing norm_batch_size 16 or 8 does retrain, and this table is the "
+        "difference that makes",
         "timing": "train_seconds: rank 0's training epochs from train_summary.json (no "
         "validation, start-up or evaluation); task wall: rank 0's whole task (data, model, fit "
         "with per-epoch validation, checkpoints, in-training evaluation). Every micro-batch at "
@@ -347,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         report = {
-            **harness.head("micro-batch (BatchNorm's batch) and the science of the default job"),
+            **harness.head("BatchNorm's batch and the science of the default job"),
             **measure(args, workdir),
         }
     finally:

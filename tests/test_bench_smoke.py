@@ -1,6 +1,7 @@
 """The benchmarks (bench/throughput.py, end_to_end.py, memory.py, data.py, layout.py,
 finetune.py, lm.py, generate.py, lm_windows.py, scaling.py, micro_batch.py,
-memory_estimate.py, store_scale.py, accumulation_drift.py, tensor_parallel.py) run in a tiny
+memory_estimate.py, store_scale.py, accumulation_drift.py, tensor_parallel.py,
+norm_groups.py) run in a tiny
 configuration and
 write complete JSON, through the harness every one of them shares (bench/harness.py).
 
@@ -492,7 +493,7 @@ def test_micro_batch_tiny_run_writes_complete_json(tmp_path):
     assert (c["ranks"], c["cores"]) == (2, 2) and len(c["loadavg_after"]) == 3
     assert c["runs_listed"] == ["micro32-seed3", "micro16-seed3", "micro16-seed3-4ranks"]
     assert sorted(c["runs_trained_in_order"]) == sorted(c["runs_listed"])
-    assert "BatchNorm's batch is the micro-batch" in c["batchnorm"]
+    assert "the run's normalisation batch here" in c["batchnorm"]
     runs = {r["micro_batch"]: r for r in report["seed_runs"]}
     assert sorted(runs) == [16, 32]
     for micro, accum in ((32, 1), (16, 2)):
@@ -504,11 +505,12 @@ def test_micro_batch_tiny_run_writes_complete_json(tmp_path):
     # 32 is what auto picks at 2 ranks: the shipped default run's science; 16 is another
     assert runs[32]["same_training_fingerprint_as_shipped_default"] is True
     assert runs[16]["same_training_fingerprint_as_shipped_default"] is False
-    # ... and 16 is the shipped default's at 4 ranks, where the check run trains it
+    # ... and at 4 ranks, where auto resolves micro-batch 16, the shipped default keeps its
+    # BatchNorm batch of 32: a batch of 16 there is still another science
     (check,) = report["at_auto_world_size"]
     assert (check["micro_batch"], check["seed"], check["world_size"]) == (16, 3, 4)
     assert check["accumulation_steps"] == 1 and check["steps"] == runs[16]["steps"]
-    assert check["same_training_fingerprint_as_shipped_default"] is True
+    assert check["same_training_fingerprint_as_shipped_default"] is False
     assert check["at_ranks_here"]["test_accuracy"] == runs[16]["test_accuracy"]
     assert 0.0 < check["test_accuracy"] <= 1.0
     bn = {r["micro_batch"]: r for r in report["batchnorm"]}
@@ -607,3 +609,19 @@ def test_lm_windows_quick_run_writes_complete_json(tmp_path):
         assert list(run["val_loss_by_stride"]) == ["32", "16", "8", "4"]
         assert set(run["val_tokens_by_stride"].values()) == {n - 1}  # each token once
     assert "| fresh windows | 0 |" in "\n".join(_renderer(report)(report))
+
+
+def test_norm_groups_tiny_run_times_both_loops(tmp_path):
+    """bench/norm_groups.py: the grouped loop shares each BatchNorm batch between the two
+    ranks, the other does not; both step times measured and rendered (no timing asserted)."""
+    out = tmp_path / "norm_groups.json"
+    cmd = [sys.executable, str(REPO / "bench" / "norm_groups.py"), "--repeats", "1"]
+    result = subprocess.run(
+        [*cmd, "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    report = json.loads(out.read_text())
+    (run,) = report["runs"]
+    assert run["groups"] == {"grouped": 2, "own": 1}
+    assert all(math.isfinite(s) and s > 0 for s in run["step_s"].values())
+    assert "| grouped | 2 |" in "\n".join(_renderer(report)(report))

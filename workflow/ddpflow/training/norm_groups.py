@@ -3,12 +3,13 @@
 When a rank's micro-batch is a part of the run's normalisation batch (more ranks than the
 run's normalisation batches per step: checks.norm_batch), the `group` consecutive ranks that
 hold one normalisation batch compute its mean and variance together: each training BatchNorm
-all-reduces its per-channel sums within the group in the forward (two small collectives: the
-sum, then the centred squares, as torch's own two-pass statistics) and the gradients of those
-sums in the backward (_GroupSum: torch.distributed.nn's differentiable all_reduce, which warns
-in torch 2.14 that it is deprecated, without the warning in every rank's log). The samples a
-layer normalises together are then the ones one rank normalised at the run's own micro-batch, at
-any world size: what SyncBatchNorm does across all ranks, within groups that keep the science.
+all-reduces its per-channel sums of x and x squared within the group in the forward (one small
+collective, in float64) and the gradients of those sums in the backward (one more; _GroupSum is
+torch.distributed.nn's differentiable all_reduce, which warns in torch 2.14 that it is
+deprecated, without the warning in every rank's log). The samples a layer normalises together
+are then the ones one rank normalised at the run's own micro-batch, at any world size: what
+SyncBatchNorm does across all ranks, within groups that keep the science. What it costs per
+step: bench/norm_groups.py.
 
 Which micro-batches a group computes at once is the schedule's (schedule.grouped): the parts
 of one normalisation batch sit at the same accumulation step of the group's ranks. The running
@@ -54,6 +55,8 @@ def norm_process_group(world: int, rank: int, size: int):
     rank creates every group, in the same order (None where size is 1)."""
     if size == 1:
         return None
+    if size == world:  # the whole world: its own group, whose gloo collectives are quicker
+        return dist.group.WORLD
     mine = None
     for start in range(0, world, size):
         group = dist.new_group(list(range(start, start + size)))
@@ -82,13 +85,16 @@ def _group_forward(layer: _BatchNorm, group, size: int, x: torch.Tensor) -> torc
     shape = [1, -1] + [1] * (x.dim() - 2)
     values = x.float()
     count = values.numel() // values.shape[1] * size  # every part is the same size
-    mean = all_reduce_with_grad(values.sum(dims), group) / count
-    centred = values - mean.view(shape)
-    var = all_reduce_with_grad(centred.square().sum(dims), group) / count
-    out = centred * torch.rsqrt(var + layer.eps).view(shape)
+    # one collective for both sums, in float64: E[x^2] - E[x]^2 loses nothing float32 holds
+    wide = values.double()
+    sums = all_reduce_with_grad(torch.cat([wide.sum(dims), wide.square().sum(dims)]), group)
+    mean, square = (sums / count).chunk(2)
+    var = (square - mean.square()).clamp_min(0.0)
+    centred = values - mean.float().view(shape)
+    out = centred * torch.rsqrt(var.float() + layer.eps).view(shape)
     if layer.affine:
         out = out * layer.weight.view(shape) + layer.bias.view(shape)
-    _update_running(layer, mean.detach(), var.detach(), count)
+    _update_running(layer, mean.detach().float(), var.detach().float(), count)
     return out.to(x.dtype)
 
 
