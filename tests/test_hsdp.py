@@ -182,3 +182,15 @@ def test_a_shard_size_under_another_strategy_is_named_as_ignored():
     run = make_run(train={"strategy": "fsdp", "hsdp": {"shard_size": 2}})
     (warning,) = ddpconfig.run_warnings(run, "slurm")
     assert "train.hsdp.shard_size set, but train.strategy is fsdp" in warning
+
+
+def test_a_shard_size_larger_than_the_world_is_refused_not_clamped():
+    """shard_size 3 at 2 ranks: refused before anything runs (the docs' promise), naming the
+    world size and what fits; null (a node's ranks) is fine."""
+    from ddpflow import config as ddpconfig
+
+    train = {"strategy": "hsdp", "hsdp": {"shard_size": 3}}
+    named = r"train.hsdp.shard_size 3 is more than the world size 2 \(1 nodes x 2 ranks\)"
+    with pytest.raises(ddpconfig.ConfigError, match=named):
+        ddpconfig.load(None, {"train": train})
+    ddpconfig.load(None, {"train": {**train, "hsdp": {"shard_size": None}}})

@@ -390,6 +390,8 @@ def test_the_provenance_says_what_staging_upscaled_or_skipped():
     assert lines["old"] == (
         "data: s (train 5); 1 corrupt image skipped, 2 files that are not images ignored"
     )
+    one = dataset_line({"source": "s", "sizes": {}, "source_notes": {**folder, "ignored_files": 1}})
+    assert "1 file that is not an image ignored" in one[0][1]
     assert lines["folder"] == lines["old"] + (
         "; 12 images smaller than data.image_size [32, 48] upscaled (data.on_small: upscale)"
     )
@@ -522,3 +524,20 @@ def test_a_plot_its_numbers_cannot_draw_is_named_and_the_report_written(tmp_path
     assert "plot_throughput" not in paths and not (out / "plots/throughput.png").exists()
     assert "](plots/loss.png)" in markdown and "plot_confusion_r4" in paths
     assert len(json.loads(paths["summary_json"].read_text())["runs"]) == 3
+
+
+def test_runs_evaluated_on_different_splits_show_it_and_are_not_ranked(tmp_path):
+    """One run evaluated on val, one on test: a Split column says which, no star, and the
+    headline says why they are not compared."""
+    runs = [_write_run(tmp_path / n, n, 2, 1, 900.0) for n in ("onval", "ontest")]
+    ev = json.loads(runs[0]["eval_metrics"].read_text())
+    ev["split"] = "val"
+    runs[0]["eval_metrics"].write_text(json.dumps(ev))
+    paths = build_report(runs, tmp_path / "out")
+    markdown = paths["markdown"].read_text()
+    assert "| Run | Split | Evaluation accuracy |" in markdown
+    assert "| onval | val |" in markdown and "| ontest | test |" in markdown
+    assert "★" not in markdown
+    assert "onval (eval.split val) and ontest (eval.split test) are evaluated on different" in (
+        markdown
+    )

@@ -191,3 +191,10 @@ def test_runs_equal_on_metric_and_loss_are_a_tie_with_no_star(tmp_path):
     assert "a, b tie on validation MSE (0.3000) and validation loss: no run selected" in markdown
     assert _starred(paths) == []
     assert json.loads(paths["summary_json"].read_text())["best_run"] is None
+
+
+def test_the_data_words_name_each_split_by_its_own_size():
+    """digits: val 144, test 359; the identity's JSON sorts test before val."""
+    from ddpflow.report.compare import _data_value
+
+    assert _data_value("sizes", {"test": 359, "val": 144}) == "samples val/test 144/359"

@@ -164,8 +164,16 @@ def _check_hsdp(where: str, run: dict) -> None:
     shard = hsdp_shard_size(run["train"], machine)
     per_node = ranks_per_node(machine)
     fewest = machine["min_nodes"] or machine["nodes"]
-    bad = [n * per_node for n in range(fewest, machine["nodes"] + 1)]
-    bad = [world for world in bad if world > 1 and hsdp_mesh(world, shard) is None]
+    worlds = [n * per_node for n in range(fewest, machine["nodes"] + 1)]
+    given = run["train"]["hsdp"]["shard_size"]
+    if given is not None and given > min(worlds) > 1:  # would be clamped: not what was asked
+        raise ConfigError(
+            f"{where}: train.hsdp.shard_size {given} is more than the world size "
+            f"{min(worlds)} ({min(worlds) // per_node} nodes x {per_node} ranks): a shard group "
+            f"holds at most every rank; set train.hsdp.shard_size to a divisor of "
+            f"{min(worlds)}, or null (the {per_node} ranks of a node)"
+        )
+    bad = [world for world in worlds if world > 1 and hsdp_mesh(world, shard) is None]
     if bad:
         raise ConfigError(
             f"{where}: train.hsdp.shard_size {shard} does not divide the world size "

@@ -46,6 +46,7 @@ class Identity:
     selection: Selection
     data: str  # canonical JSON of the data that is validated and tested ("" unrecorded)
     vocabulary: int | None  # Task.compared_by: a language model's; None for other tasks
+    split: str = "test"  # eval.split: figures of another split are not ranked beside these
 
 
 @dataclass
@@ -90,6 +91,7 @@ def identity(ev: dict) -> Identity:
         selection=metrics.selection(ev),
         data=json.dumps(data, sort_keys=True, default=str) if data else "",
         vocabulary=task.compared_by(ev),  # a language model's: other tokenizers differ
+        split=ev.get("split", "test"),
     )
 
 
@@ -204,6 +206,9 @@ def _why_apart(mine: list[Group]) -> str:
     elif len({i.selection for i in ids}) > 1:
         described = [i.selection.label + metrics.direction(i.selection) for i in ids]
         why = "are selected by different metrics"
+    elif len({i.split for i in ids}) > 1:
+        described = [f"eval.split {i.split}" for i in ids]
+        why = "are evaluated on different splits"
     else:
         described = _data_words([i.data for i in ids])
         why = "were validated and tested on different data"
@@ -233,9 +238,9 @@ def _data_words(datas: list[str]) -> list[str]:
 
 def _data_value(key: str, value) -> str:
     if key in ("sizes", "tokens") and isinstance(value, dict):  # what staging found
-        return f"{'tokens' if key == 'tokens' else 'samples'} val/test " + "/".join(
-            str(v) for v in value.values()
-        )
+        # by name: the identity's JSON sorts the keys (test before val)
+        unit = "tokens" if key == "tokens" else "samples"
+        return f"{unit} val/test {value.get('val', '?')}/{value.get('test', '?')}"
     shown = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
     return f"data.{key} {shown if len(shown) <= 40 else shown[:37] + '...'}"
 

@@ -91,7 +91,9 @@ def _runs_table(rows: list[dict], scaling: bool, heads: dict | None = None) -> t
     scores = [f"{label.capitalize()} {metrics.label(key)}" for key in keys]
     task_head = ["Task"] if "task" in rows[0] else []
     score_heads = scores if shared else [f"{label.capitalize()} metrics"]
-    headers = ["Run", *task_head, *score_heads, f"Evaluated / {label} size", *_RECIPE_HEADS]
+    split_head = ["Split"] if label == "evaluation" else []  # runs evaluated on several
+    headers = ["Run", *task_head, *split_head, *score_heads]
+    headers += [f"Evaluated / {label} size", *_RECIPE_HEADS]
     body, best = [], []
     for index, row in enumerate(rows):
         task = [row["task"]] if "task" in row else []
@@ -102,7 +104,8 @@ def _runs_table(rows: list[dict], scaling: bool, heads: dict | None = None) -> t
             shown = [", ".join(f"{metrics.label(k)} {metrics.shown(k, row.get(k))}" for k in own)]
         name = row["run"] + (" ★ best" if row["best"] else "")
         evaluated = f"{row['samples_evaluated']} / {row['test_size']}"
-        body.append([name, *task, *shown, evaluated, *_recipe_cells(row)])
+        split = [row.get("split", "test")] if split_head else []
+        body.append([name, *task, *split, *shown, evaluated, *_recipe_cells(row)])
         best += [index] if row["best"] else []
     return ("table", headers, body, best[0] if len(best) == 1 else tuple(best) or None)
 

@@ -202,8 +202,8 @@ def dataset_line(dataset: dict) -> list[tuple]:
     notes = dataset.get("source_notes") or {}
     if "skipped_corrupt" in notes:  # an image folder
         corrupt, ignored = notes["skipped_corrupt"], notes["ignored_files"]
-        text += (f"; {counted(corrupt, 'corrupt image')} skipped, "
-                 f"{counted(ignored, 'file')} that are not images ignored")  # fmt: skip
+        not_images = counted(ignored, "file that is not an image", "files that are not images")
+        text += f"; {counted(corrupt, 'corrupt image')} skipped, {not_images} ignored"
     for done in ("upscaled", "skipped"):  # data.on_small (a manifest staged before: none)
         if count := notes.get(f"{done}_small"):
             size, mode = notes["image_size"], notes["on_small"]
