@@ -62,15 +62,20 @@ OUTPUTS = ("model.pt", "train_metrics.jsonl", "train_summary.json", "eval_metric
 
 
 def _state(workdir: Path) -> dict[str, tuple[str, int]]:
-    """sha256 and modification time (ns) of the run's outputs."""
+    """sha256 and modification time (ns) of every file in the run's folder: its outputs,
+    TensorBoard events, each rank's system series."""
     folder = workdir / "results/runs/r"
-    return {
-        name: (
-            hashlib.sha256((folder / name).read_bytes()).hexdigest(),
-            (folder / name).stat().st_mtime_ns,
-        )  # fmt: skip
-        for name in OUTPUTS
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    state = {
+        str(p.relative_to(folder)): (
+            hashlib.sha256(p.read_bytes()).hexdigest(),
+            p.stat().st_mtime_ns,
+        )
+        for p in files
     }
+    assert set(OUTPUTS) <= set(state) and any(k.startswith("tensorboard/") for k in state)
+    assert any(k.startswith("system/rank-") for k in state), sorted(state)
+    return state
 
 
 def _edited(**sections) -> dict:

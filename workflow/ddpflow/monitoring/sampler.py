@@ -9,9 +9,12 @@ record gets a `ranks` list, kept in train_metrics.jsonl and in checkpoints, from
 report draws its per-rank table and `stragglers` flags a rank that holds the others up.
 Rank 0 writes TensorBoard scalars (results/runs/<run>/tensorboard); with
 `train.profile.enabled` torch.profiler records a few steps (results/runs/<run>/profile: a
-Chrome/Perfetto trace per profiled rank and its top operators by self time).
+Chrome/Perfetto trace per profiled rank and its top operators by self time). While a training
+runs, all of it is written in its work folder (results/work/<run>/monitor/) and moved into
+the run's folder when it finishes (training.workspace.publish_monitor): a stopped or failed
+retrain leaves the finished run's files as they were.
 
-    watch = RunMonitor(run, run_dir, env, device, hosts, resumed_step)
+    watch = RunMonitor(run, monitor_dir(work), env, device, hosts, resumed_step)
     loop.watch_steps(watch.wrap_step(ckpt.on_step))
     ... on_epoch: watch.on_epoch(record) ... finally: watch.close()
 """

@@ -42,6 +42,7 @@ from ddpflow.training.pruning import MedianPruner
 from ddpflow.training.rankdata import RankData, load_data
 from ddpflow.training.summaries import evaluation_record, published, train_summary
 from ddpflow.training.weights import log_fine_tuning
+from ddpflow.training.workspace import monitor_dir, publish_monitor
 from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,8 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         loop = Loop(spec, data, env, device, model, loaded)
         ckpt = Checkpointer(spec, paths.work, env)
         self._train(loop, ckpt, env, hosts)
+        if env.processes > 1:  # every rank's monitor closed before rank 0 publishes it
+            dist.barrier()
         summary = None
         weights = loop.full_model_state()  # collective under FSDP; the whole model on rank 0
         generated = None
@@ -157,7 +160,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         if env.is_master:
             _start_log(run, loop.model, loop, resumed, ckpt.attempt, self.live_metrics)
         watch = monitor.RunMonitor(
-            run, Path(self.paths.model).parent, env, loop.device, hosts,
+            run, monitor_dir(self.paths.work), env, loop.device, hosts,
             resumed["step"] if resumed else None,
         )  # fmt: skip
         loop.watch_steps(watch.wrap_step(startup.noting_the_first_step(ckpt.on_step)))
@@ -246,6 +249,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         summary["software"] = software.record()  # per host: its runtime, image and versions
         runtime.atomic_write_bytes(paths.train_metrics, self.live_metrics.read_bytes())
         runtime.atomic_write_json(paths.train_summary, summary)
+        publish_monitor(paths.work, Path(paths.model).parent)
         return {**summary, "model_sha256": sha256}
 
 

@@ -168,3 +168,29 @@ def clean(work: str | Path, everything: bool = False) -> list[Path]:
         else:
             path.unlink(missing_ok=True)
     return removed
+
+
+# an attempt's monitoring (TensorBoard events, each rank's system series, profiler traces),
+# in the work folder until the training finishes: a stopped or failed retrain never touches
+# the finished run's (ddpflow.monitoring.sampler writes them; publish_monitor moves them)
+MONITOR = "monitor"
+MONITORED = ("tensorboard", "system", "profile")
+
+
+def monitor_dir(work: str | Path) -> Path:
+    return Path(work) / MONITOR
+
+
+def publish_monitor(work: str | Path, run_dir: str | Path) -> None:
+    """After a finished training (rank 0, every rank's monitor closed): the attempt's
+    folders replace the run's, each by a rename; a folder the attempt did not write (its
+    monitor off) goes, since it described the previous model."""
+    for name in MONITORED:
+        made, shown = monitor_dir(work) / name, Path(run_dir) / name
+        old = shown.with_name(f".replaced-{name}")
+        shutil.rmtree(old, ignore_errors=True)
+        if shown.exists():
+            shown.rename(old)
+        if made.exists():
+            shutil.move(str(made), str(shown))  # a rename on one filesystem
+        shutil.rmtree(old, ignore_errors=True)
