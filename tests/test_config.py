@@ -541,6 +541,11 @@ WORKFLOW_CASES = [
      ["runs[1]", "broken", "train.epochs"]),
     ("cores-times-threads", {"machine": {"cpu_ranks_per_node": 2, "cpus_per_task": 0}},
      ["machine.cpus_per_task"]),
+    # folders that cannot be made: one ddpflow block, not Snakemake's tracebacks
+    ("results-below-a-file", {"results_dir": "results/runs/default/model.pt/results"},
+     ["results_dir 'results/runs/default/model.pt/results'", "is a file, not a folder"]),
+    ("logs-in-proc", {"logs_dir": "/proc/ddpflow-logs"},
+     ["logs_dir '/proc/ddpflow-logs'", "/proc is the kernel's"]),
 ]  # fmt: skip
 
 # what an earlier, successful run left: a bad config must not touch any of it
@@ -705,3 +710,35 @@ def test_snakemake_names_the_yaml_error_in_config_yaml(tmp_path):
     assert done.returncode != 0
     assert "ddpflow: configuration error: config/config.yaml:4:6: not valid YAML" in output
     assert "Traceback" not in output and "not valid JSON or YAML" not in output, output
+
+
+def test_a_plugin_tasks_kwargs_typo_is_a_configuration_error(in_workdir):
+    """What the workflow's parse builds anyway (a plug-in task with its task_kwargs) is
+    refused as ddpflow's one block, not Snakemake's ConfigError in common.smk."""
+    import shutil
+
+    shutil.copy(REPO / "tests/plugin_task/ordinal.py", in_workdir / "ordinal.py")
+    run = make_run(
+        task="ordinal:make", task_kwargs={"grades": 5}, data={"source": "npz", "path": "g.npz"}
+    )
+    with pytest.raises(ConfigError, match="run 'default': task 'ordinal:make'.*'grades'"):
+        ddpconfig.check_plugin_tasks([run])
+
+
+def test_an_immutable_run_folder_is_refused_before_the_workflow_starts(tmp_path):
+    """chattr +i on a finished run's folder: one configuration error naming the folder (the
+    kept-outputs hook would otherwise end in a traceback)."""
+    from ddpflow.checks.host import check_run_folders
+
+    folder = tmp_path / "results/runs/default"
+    folder.mkdir(parents=True)
+    (folder / "model.pt").write_bytes(b"weights")
+    check_run_folders(str(tmp_path / "results"), ["default", "absent"])  # writable: fine
+    made = subprocess.run(["chattr", "+i", str(folder)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"chattr +i does not work here: {made.stderr.strip()}")
+    try:
+        with pytest.raises(ConfigError, match=r"run 'default': .*runs/default cannot be written"):
+            check_run_folders(str(tmp_path / "results"), ["default"])
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)

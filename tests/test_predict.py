@@ -168,11 +168,13 @@ def test_an_added_image_replans_predict_and_nothing_else(trained):
         assert jobs_planned(workdir, configfile) == set()  # no retraining, no re-evaluation
     finally:
         added.unlink()
-    # a retrained run (its science edited) predicts again, after its training
+    # a retrained run (its science edited) predicts again, after its training, and brings
+    # its evaluation and the report along: never a model newer than its metrics
     science = {**_config(), "train": {**CONFIG["train"], "optimizer": {"lr": 0.02}}}
     write_config(configfile, science)
     try:
-        assert {"train", "predict_run"} <= jobs_planned(workdir, configfile, "predict")
+        planned = jobs_planned(workdir, configfile, "predict")
+        assert {"train", "evaluate", "report", "predict_run"} <= planned
     finally:
         write_config(configfile, _config())
 

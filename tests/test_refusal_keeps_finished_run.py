@@ -55,7 +55,8 @@ def build(input_shape, num_classes):
 
 BASE = {
     "model": {"name": "flaky:build"},
-    "train": {"epochs": 2, "progress": False},
+    # every rank samples its system use often enough to write its series in a short run
+    "train": {"epochs": 2, "progress": False, "monitor": {"system_interval_s": 0.1}},
     "runs": [{"name": "r"}],
 }
 OUTPUTS = ("model.pt", "train_metrics.jsonl", "train_summary.json", "eval_metrics.json")

@@ -7,6 +7,7 @@ import sys
 from ddpflow import config as ddpconfig
 from ddpflow import paths as ddppaths
 from ddpflow.checks import weight_files as ddpweights
+from ddpflow.checks.host import check_output_folders, check_run_folders
 from ddpflow.checks.values import run_warnings, tracking_enabled
 from ddpflow.data import in_image as ddpimage
 
@@ -14,6 +15,9 @@ try:
     # validate (schema + cluster-independent checks) and fill defaults before any job runs;
     # the schema runs once for the config and once per run
     checked, resolved = ddpconfig.check_runs(config)
+    check_output_folders(checked)
+    check_run_folders(checked["results_dir"], [run["name"] for run in resolved])
+    ddpconfig.check_plugin_tasks(resolved)
 except ddpconfig.ConfigError as err:
     sys.exit(f"ddpflow: configuration error: {err}")
 config.update(checked)

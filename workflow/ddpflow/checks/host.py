@@ -46,3 +46,56 @@ def cpu_computes_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
         return True
     flags = next((line for line in text.splitlines() if line.startswith("flags")), None)
     return flags is None or bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+
+
+def check_output_folders(config: dict) -> None:
+    """results_dir and logs_dir can be made and written here, before Snakemake lists their
+    files (a path below a regular file, in /proc or without permission otherwise ends in
+    Snakemake's own tracebacks). Nothing is created: the nearest folder that exists must be
+    a folder this user can write."""
+    from ddpflow.config.schema import ConfigError
+
+    for key in ("results_dir", "logs_dir"):
+        folder = Path(config[key]).expanduser().absolute()
+        why = _unwritable(folder)
+        if why:
+            raise ConfigError(
+                f"{key} {config[key]!r} cannot be created or written here ({why}); set "
+                f"{key} to a folder you can write (a relative path is below the working "
+                "directory)"
+            )
+
+
+def check_run_folders(results_dir: str, names) -> None:
+    """Each run's folder that exists, and the files in it, can be written: a rerun replaces
+    them and first keeps the finished ones aside (ddpflow.kept); an immutable or read-only
+    one is refused here, naming it, not met as a traceback once the workflow started."""
+    from ddpflow.config.schema import ConfigError
+    from ddpflow.paths import run_dir
+
+    for name in names:
+        folder = run_dir(results_dir, name)
+        if not folder.is_dir():
+            continue
+        stuck = [p for p in (folder, *folder.iterdir()) if not os.access(p, os.W_OK)]
+        if stuck:
+            raise ConfigError(
+                f"run {name!r}: {stuck[0]} cannot be written by this user (read-only or "
+                "immutable: `ls -ld` and `lsattr -d` say which), so its outputs could be "
+                "neither redone nor kept aside for a failed rerun; make it writable again, "
+                "or set results_dir to another folder"
+            )
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why `folder` cannot be made or written (None: it can)."""
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    if existing.is_relative_to("/proc") or existing.is_relative_to("/sys"):
+        return f"{existing} is the kernel's, not a folder for files"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by this user"
+    return None

@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from ddpflow.config.runs import (
         SECTIONS,
         check,
+        check_plugin_tasks,
         check_runs,
         export_formats,
         load,
@@ -106,6 +107,7 @@ _HOME_OF = {
     "check": "ddpflow.config.runs",
     "check_runs": "ddpflow.config.runs",
     "export_formats": "ddpflow.config.runs",
+    "check_plugin_tasks": "ddpflow.config.runs",
     "load": "ddpflow.config.runs",
     "resolve_runs": "ddpflow.config.runs",
     "run_by_name": "ddpflow.config.runs",
@@ -142,6 +144,7 @@ __all__ = [
     "describe_changes",
     "evaluation_fingerprint",
     "export_formats",
+    "check_plugin_tasks",
     "flatten",
     "load",
     "load_schema",

@@ -56,6 +56,19 @@ def check_runs(config: dict) -> tuple[dict, list[dict]]:
     return config, runs
 
 
+def check_plugin_tasks(runs: list[dict]) -> None:
+    """A plug-in task built with its task_kwargs, as the workflow's parse builds it anyway
+    (export_formats): a typo in them is refused as a ddpflow configuration error."""
+    from ddpflow.task import run_task
+
+    for run in runs:
+        if is_plugin(run["task"]):
+            try:
+                run_task(run)
+            except TaskError as err:
+                raise ConfigError(f"run {run['name']!r}: {err}") from err
+
+
 def export_formats(run: dict, formats: list[str]) -> list[str]:
     """The export.formats that apply to a run, as its task says (Task.exports: a language
     model's is safetensors only, the traced formats take an image batch)."""
