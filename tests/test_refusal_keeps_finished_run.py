@@ -160,18 +160,20 @@ def _summary(workdir: Path) -> dict:
 
 
 def test_a_failed_staging_reports_this_config(finished):
-    """A run added with a wrong data.path: its staging fails, and the report afterwards is
-    this config's (the finished run, and the added one with the cause), not the last one's."""
+    """A run added with an unreadable data.path: its staging fails, and the report afterwards
+    is this config's (the finished run, and the added one with the cause), not the last
+    one's. (A path that does not exist is refused before anything runs.)"""
     workdir, configfile = finished
     before = _state(workdir)
-    own = {"name": "own", "data": {"source": "npz", "path": "missing.npz"}}
+    (workdir / "broken.npz").write_bytes(b"not an npz")
+    own = {"name": "own", "data": {"source": "npz", "path": "broken.npz"}}
     added = {**BASE, "runs": [*BASE["runs"], own]}
     result = snakemake(workdir, write_config(workdir / "added.yaml", added))
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert (
-        "ddpflow: run 'own' did not finish (stage failed: data.path missing.npz: no such "
-        "file); fix that" in output
+        "ddpflow: run 'own' did not finish (stage failed: data.path broken.npz: not a "
+        "readable .npz file" in output
     ), output[-3000:]
     assert "ddpflow: report of the 1 finished of 2 runs" in output, output[-3000:]
     report = _summary(workdir)

@@ -19,6 +19,7 @@ from ddpflow import config as ddpconfig
 from ddpflow.checks import slurm as sc
 from ddpflow.cluster import slurm_parse as sp
 from ddpflow.config import ConfigError
+from ddpflow.config import machine as machine_config
 from ddpflow.config.machine import stage_rule_resources
 
 CAPTURED = Path(__file__).resolve().parents[1] / "golden" / "slurm"
@@ -358,6 +359,32 @@ def test_the_default_staging_cpus_fit_a_partition_of_smaller_nodes():
     with pytest.raises(ConfigError, match="machine.stage.cpus is 4 but the nodes of partition "
                                           "'debug' have at most 2 CPUs"):  # fmt: skip
         sc.check_stage_job(written, small)
+
+
+def test_the_default_staging_memory_fits_nodes_of_4000_mb_and_the_job_asks_the_same(
+    monkeypatch,
+):
+    """Left unset, machine.stage.mem_gb asks for 4 GB, or a node's all where the partition's
+    nodes have less (4000 MB: the issue's cluster); the staging job's own Snakemake, which
+    cannot ask the cluster, takes the CPUs and memory fitted on the login node, so srun
+    inside the job is asked for what the job holds."""
+    nodes = re.sub(r"CPU(Tot|Efctv)=4", r"CPU\1=2", captured("testbed_nodes.txt"))
+    nodes = re.sub(r"RealMemory=8000", "RealMemory=4000", nodes)
+    small = sc.Cluster(sp.parse_partitions(captured("testbed_partitions.txt")),
+                       sp.parse_nodes(nodes), "alice", None, None)  # fmt: skip
+    (login,) = runs_for({})
+    assert ddpconfig.stage_job_resources(login)["mem_mb"] == 4096  # unfitted: the default
+    sc.check_stage_job(login, small)
+    fitted = ddpconfig.stage_job_resources(login)
+    assert (fitted["cpus_per_task"], fitted["mem_mb"]) == (2, 4000)
+    monkeypatch.delenv(machine_config.STAGE_FITTED, raising=False)
+    machine_config.export_fitted_stage([login])
+    (job,) = runs_for({})  # the staging job's parse: no cluster to ask
+    machine_config.apply_fitted_stage([job])
+    assert ddpconfig.stage_job_resources(job) == fitted
+    (written,) = runs_for({"stage": {"mem_gb": 2, "cpus": 1}})  # numbers stay as written
+    machine_config.apply_fitted_stage([written])
+    assert (written["machine"]["stage"]["cpus"], written["machine"]["stage"]["mem_gb"]) == (1, 2)
 
 
 def test_where_staging_runs_and_what_its_job_asks_for():

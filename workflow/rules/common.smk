@@ -5,6 +5,7 @@ import re
 import sys
 
 from ddpflow import config as ddpconfig
+from ddpflow.config import machine as ddpmachine
 from ddpflow import paths as ddppaths
 from ddpflow.checks import weight_files as ddpweights
 from ddpflow.checks.host import check_output_folders, check_run_folders
@@ -50,6 +51,10 @@ if config["launcher"] == "slurm" and workflow.is_main_process:
         )
     except ddpconfig.ConfigError as err:
         sys.exit(f"ddpflow: configuration error: {err}")
+    # the staging job's own Snakemake takes the CPUs and memory fitted here
+    ddpmachine.export_fitted_stage(list(RUNS.values()))
+elif config["launcher"] == "slurm":
+    ddpmachine.apply_fitted_stage(list(RUNS.values()))
 
 # What the train rule would refuse (a model that cannot be built or take the data's shape, a
 # global batch larger than the staged split), refused here for every run whose data is staged:

@@ -87,7 +87,8 @@ def check_before_jobs(
             manifests[dataset] = _manifest(staged_dir(results, dataset))
         manifest = manifests[dataset]
         inputs[run["name"]] = input_of(run, manifest)
-        if manifest is None:
+        if manifest is None:  # staging will read the files: they must be there
+            problems += _missing_data(run)
             continue
         try:
             check_batch_fits(run, train_samples(run, manifest))
@@ -106,6 +107,24 @@ def check_before_jobs(
     if problems:
         raise ConfigError("\n".join(problems))
     return [text for _, text in verdicts.values()]
+
+
+def _missing_data(run: dict) -> list[str]:
+    """A run's own data that is not where the config says (found here, on the login node,
+    not inside a staging job and its retry)."""
+    data, source = run["data"], run["data"]["source"]
+    key = "root" if source == "image_folder" else "path"
+    if source not in ("image_folder", "npz", "text", "tokens"):
+        return []
+    where = f"run {run['name']!r}: data.{key}"
+    if not data[key]:
+        return [f"{where} is required for data.source {source}"]
+    if Path(data[key]).expanduser().exists():
+        return []
+    return [
+        f"{where} {data[key]}: no such file or folder here (a relative path is read from the "
+        f"working directory, {Path.cwd()}); fix the path"
+    ]
 
 
 def memory_verdicts(

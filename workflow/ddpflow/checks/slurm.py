@@ -22,7 +22,12 @@ import logging
 from ddpflow.checks.memory_knobs import Partition as Limits
 from ddpflow.cluster.slurm_parse import Node, Partition, parse_slurm_time
 from ddpflow.cluster.slurm_query import QUERY_TIMEOUT_S, Cluster, query_cluster, resolve_partition
-from ddpflow.config.machine import DEFAULT_STAGE_CPUS, memory_mb, ranks_per_node
+from ddpflow.config.machine import (
+    DEFAULT_STAGE_CPUS,
+    DEFAULT_STAGE_MEM_GB,
+    memory_mb,
+    ranks_per_node,
+)
 from ddpflow.config.schema import ConfigError
 from ddpflow.words import counted
 
@@ -93,6 +98,8 @@ def check_stage_job(run: dict, cluster: Cluster) -> None:
     most_mb = max(n.memory_mb for n in nodes)
     cap = partition.max_mem_per_node_mb
     limit = cap if cap and cap < most_mb else most_mb
+    if stage["mem_gb"] is None:  # the default, fitted as cpus are (whole MB, in GB)
+        stage["mem_gb"] = min(DEFAULT_STAGE_MEM_GB, limit // 1 / 1024)
     if int(stage["mem_gb"] * 1024) > limit:
         raise ConfigError(
             f"{where}: machine.stage.mem_gb is {stage['mem_gb']} but partition "

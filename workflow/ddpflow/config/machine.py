@@ -7,6 +7,8 @@ ddpflow.checks.host, and the refusals are ddpflow.checks.batch's.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -75,8 +77,12 @@ def memory_mb(machine: dict) -> int:
     return int(machine["mem_gb"] * 1024)
 
 
-# machine.stage.cpus when null, unless the partition's nodes have fewer (checks.slurm)
+# machine.stage.cpus and mem_gb when null, unless the partition's nodes have less
+# (checks.slurm fits them there, and the staging job's own parse takes the fitted values:
+# STAGE_FITTED)
 DEFAULT_STAGE_CPUS = 4
+DEFAULT_STAGE_MEM_GB = 4.0
+STAGE_FITTED = "DDPFLOW_STAGE_FITTED"  # {run: {cpus, mem_gb}}, in the jobs' environment
 
 
 def stage_cpus(run: dict) -> int:
@@ -85,13 +91,36 @@ def stage_cpus(run: dict) -> int:
     return run["machine"]["stage"]["cpus"] or DEFAULT_STAGE_CPUS
 
 
+def stage_mem_gb(run: dict) -> float:
+    """The staging job's memory: machine.stage.mem_gb, fitted like stage_cpus."""
+    return run["machine"]["stage"]["mem_gb"] or DEFAULT_STAGE_MEM_GB
+
+
+def export_fitted_stage(runs: list[dict]) -> None:
+    """The staging resources fitted on the login node, for the Snakemake that runs inside the
+    staging job (it inherits this environment, and cannot ask the cluster): the same CPUs and
+    memory everywhere, or srun refuses the job's step ("More processors requested than
+    permitted")."""
+    fitted = {r["name"]: {k: r["machine"]["stage"][k] for k in ("cpus", "mem_gb")} for r in runs}
+    os.environ[STAGE_FITTED] = json.dumps(fitted)
+
+
+def apply_fitted_stage(runs: list[dict]) -> None:
+    """In a job's own parse: machine.stage as the login node fitted it (export_fitted_stage)."""
+    fitted = json.loads(os.environ.get(STAGE_FITTED) or "{}")
+    for run in runs:
+        for key, value in (fitted.get(run["name"]) or {}).items():
+            if run["machine"]["stage"][key] is None:
+                run["machine"]["stage"][key] = value
+
+
 def stage_job_resources(run: dict) -> dict:
     """The stage rule's resources as the Snakemake Slurm executor plugin reads them, from
     machine.stage (partition: machine.partition where null): one node, one task."""
     machine, stage = run["machine"], run["machine"]["stage"]
     resources = {
         "cpus_per_task": stage_cpus(run),
-        "mem_mb": int(stage["mem_gb"] * 1024),
+        "mem_mb": int(stage_mem_gb(run) * 1024),
         "runtime": stage["time_min"],
         "nodes": 1,
         "tasks": 1,

@@ -540,8 +540,9 @@ class MachineStageSpec(_Section):
     #: partition's nodes have fewer. A number is asked for as written: one that no node of the
     #: partition has is refused before anything is queued
     cpus: int | None = None
-    #: the staging job's memory
-    mem_gb: float = 4
+    #: the staging job's memory in GB; null: 4, or a node's memory where the partition's nodes
+    #: have less. A number is asked for as written
+    mem_gb: float | None = None
     #: the staging job's time limit
     time_min: int = 60
     #: the staging job's partition; null takes machine.partition
