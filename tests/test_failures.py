@@ -220,3 +220,27 @@ def test_missing_and_unreadable_result_pickles(tmp_path):
     assert failures.read_result(tmp_path / "absent.pkl") is None
     (tmp_path / "torn.pkl").write_bytes(pickle.dumps(("error", "x"))[:5])
     assert failures.read_result(tmp_path / "torn.pkl")[0] == "unreadable"
+
+
+def test_the_first_failure_line_names_a_rank_that_lost_its_peer_as_such(tmp_path):
+    """A killed rank writes no result; the peer that noticed wrote a peer-loss error: the
+    launcher's first line says that rank lost a peer, not that it failed. A rank that raised
+    itself is named before one that lost its peer."""
+    from types import SimpleNamespace
+
+    from ddpflow.cluster.launch import first_failed_rank
+
+    def job(results: dict):
+        tasks = []
+        for rank in range(3):
+            path = tmp_path / f"{len(results)}-{rank}.pkl"
+            if rank in results:
+                path.write_bytes(pickle.dumps(("error", results[rank])))
+            tasks.append(SimpleNamespace(paths=SimpleNamespace(result_pickle=path)))
+        return SimpleNamespace(num_tasks=3, task=lambda i: tasks[i])
+
+    lost = "Traceback (most recent call last):\nRuntimeError: Connection closed by peer [::1]:5"
+    own = "Traceback (most recent call last):\nValueError: a bad batch"
+    assert first_failed_rank(job({})) is None
+    assert first_failed_rank(job({0: lost})) == (0, True)
+    assert first_failed_rank(job({0: lost, 2: own})) == (2, False)

@@ -234,3 +234,18 @@ def test_a_stop_signal_snakemake_was_started_ignoring_stays_ignored():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "handler"], out.stdout + out.stderr
+
+
+def test_a_cause_that_ends_in_a_colon_names_its_first_problem(tmp_path):
+    """An image folder's problems: the cause is the first line and the first problem (the
+    file), not a line that stops at 'fix them and rerun:'."""
+    problems = (
+        "data.root pics: 2 problems, nothing was staged; fix them and rerun:\n"
+        "  - pics/train/cat/bad.png: not a readable image (truncated)\n"
+        "  - pics/train/dog/worse.png: not a readable image (empty)"
+    )
+    outcome.record_failure(tmp_path, "stage", UserError(problems), "logs/stage/x.log")
+    assert outcome.read_failure(tmp_path)["cause"] == (
+        "data.root pics: 2 problems, nothing was staged; fix them and rerun: "
+        "pics/train/cat/bad.png: not a readable image (truncated) (and 1 more line: see the log)"
+    )

@@ -317,12 +317,15 @@ def wait(
                 f"{job_name} (job {job.job_id}): Slurm requeued the job after a node failure; "
                 "ddpflow cancelled it (it would wait for the lost node)"
             )
-        if failed_at is None and (rank := first_failed_rank(job)) is not None:
+        if failed_at is None and (first := first_failed_rank(job)) is not None:
             failed_at = time.monotonic()
+            rank, lost_a_peer = first
+            what = "lost a peer (the rank that failed is named below)" if lost_a_peer else "failed"
             log.error(
-                "rank %d of job %s failed after %.1fs; stopping the other ranks",
+                "rank %d of job %s %s after %.1fs; stopping the other ranks",
                 rank,
                 job.job_id,
+                what,
                 failed_at - start,
             )
         if failed_at is not None and time.monotonic() - failed_at > grace_s:
@@ -372,14 +375,18 @@ def _still_running(job) -> bool:
     return not job.done()
 
 
-def first_failed_rank(job) -> int | None:
-    """A rank that has written an error result (submitit's result pickle), if any; a pickle
-    being written right now reads as unreadable and is looked at again next poll."""
+def first_failed_rank(job) -> tuple[int, bool] | None:
+    """(rank, whether it only lost a peer) of a rank that has written an error result
+    (submitit's result pickle), if any; a rank that raised itself comes before one that
+    lost its peer. A killed rank writes nothing: the peer that noticed is said to have lost
+    it. A pickle being written right now reads as unreadable and is looked at next poll."""
+    found = []
     for index in range(job.num_tasks):
         outcome = failures.read_result(job.task(index).paths.result_pickle)
         if outcome is not None and outcome[0] == "error":
-            return index
-    return None
+            cause = failures.final_exception(str(outcome[1])) or ""
+            found.append((index, bool(failures.PEER_LOSS.search(cause))))
+    return min(found, key=lambda item: item[1]) if found else None
 
 
 def failure_message(job, job_name: str, cancelled: bool = False) -> str:

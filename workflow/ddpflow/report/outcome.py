@@ -101,10 +101,15 @@ def record_failure(work: str | Path, stage: str, exc: BaseException, log_file: s
     # a failed job's message: "<job> failed (...)", then one line per culprit rank
     # ("  rank 0 on node3: <exception>"): the first culprit is the cause
     culprit = next((line.strip() for line in lines[1:] if line.startswith("  rank ")), None)
+    cause = lines[0]
+    if cause.endswith(":") and len(lines) > 1:  # "... fix them and rerun:" then the first one
+        cause += " " + lines[1].strip().removeprefix("- ")
+        more = counted(len(lines) - 2, "more line")
+        cause += f" (and {more}: see the log)" if len(lines) > 2 else ""
     record = {
         "interrupted": isinstance(exc, KeyboardInterrupt),
         "stage": stage,
-        "cause": culprit or lines[0],
+        "cause": culprit or cause,
         "detail": "\n".join(lines[:40]),
         "log": log_file,
         "host": socket.gethostname(),
