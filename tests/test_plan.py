@@ -8,6 +8,7 @@ against a real 4-rank gloo run of the same model.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -121,6 +122,9 @@ def test_the_command_prints_a_table_and_writes_the_json(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "64 ranks" in done.stdout and "fsdp" in done.stdout
+    # the parts of the run's own strategy's peak, with the knobs of the batch-sized ones
+    assert re.search(r"rank 0 GiB: parameters [\d.]+, .*evaluation [\d.]+ \(eval.batch_size "
+                     r"\d+\)", done.stdout), done.stdout  # fmt: skip
     doc = json.loads(out.read_text())
     assert doc["world_size"] == 64
     assert set(doc["peak_bytes"]) == {"rank_0", "other_ranks"}

@@ -161,6 +161,7 @@ def plan(configfile: str, nodes: int, per_node: int, name=None, resume_nodes=Non
         "strategies": strategies,
         "fsdp": _fsdp_part(layout),
         "micro_batches": _micro_part(run, shares),
+        "eval_batch_size": run["eval"]["batch_size"],
         "checkpoint": _checkpoint_part(run, layout, resume * per_node, per_node),
         "input": {"shape": inputs[0], "outputs": inputs[1]},
         "seconds": round(time.perf_counter() - started, 2),
@@ -198,6 +199,9 @@ def _micro_part(run: dict, shares: list[list[int]]) -> dict:
         # by data-parallel rank: a tensor group's ranks compute the same micro-batches
         "per_rank": accumulation_steps(train, data_parallel_size(train, run["world_size"])),
         "by_rank": shares,
+        # BatchNorm's batch and the ranks that normalise one together (checks.norm_batch)
+        "norm_batch_size": train.get("norm_batch_size", train["micro_batch_size"]),
+        "norm_group": (run.get("micro_batch") or {}).get("group", 1),
     }
 
 
@@ -272,17 +276,40 @@ def render(doc: dict) -> str:
             f"{name:<10}{peak['rank_0'] / gib:>12.2f}{peak['other_ranks'] / gib:>12.2f}{mark}"
         )
     fsdp, micro, ckpt = doc["fsdp"], doc["micro_batches"], doc["checkpoint"]
+    lines.append(_parts_text(doc))
+    grouped = ""
+    if micro.get("norm_group", 1) > 1:
+        grouped = (
+            f"; BatchNorm's batch of {micro['norm_batch_size']} normalised by "
+            f"{micro['norm_group']} ranks together"
+        )
     lines += [
         f"{doc['strategy'] if doc['strategy'] == 'hsdp' else 'fsdp'} mesh "
         f"{fsdp['mesh']['shape']} {fsdp['mesh']['names']}, {len(fsdp['units'])} "
         f"units; {fsdp['parameter_bytes_per_rank'] / 2**20:.1f} MiB of parameters per rank "
         f"(even split {fsdp['even_split_bytes'] / 2**20:.1f} MiB{split})",
         f"micro-batches: {micro['per_step']} per step, {micro['per_rank']} per {who} "
-        f"(rank r computes [r*{micro['per_rank']}, (r+1)*{micro['per_rank']}))",
+        f"(rank r computes [r*{micro['per_rank']}, (r+1)*{micro['per_rank']})){grouped}",
         f"checkpoint: {ckpt['format']}, {ckpt['files']} files; resumed at "
         f"{ckpt['resume_world_size']} ranks: " + _reads_text(ckpt),
     ]
     return "\n".join(lines)
+
+
+def _parts_text(doc: dict) -> str:
+    """What the run's own strategy's rank 0 peak is made of (an evaluation batch of a
+    language model's logits can be most of it: eval.batch_size is its knob)."""
+    parts = doc["strategies"][doc["strategy"]]["parts"]
+    knobs = {
+        "activations": f" (train.micro_batch_size {doc['micro_batches']['micro_batch_size']})",
+        "evaluation": f" (eval.batch_size {doc.get('eval_batch_size', '?')})",
+    }
+    named = ", ".join(
+        f"{name.replace('rank_0_', '').replace('_', ' ')} {value / 2**30:.2f}{knobs.get(name, '')}"
+        for name, value in parts.items()
+        if value
+    )
+    return f"{doc['strategy']} rank 0 GiB: {named or 'nothing measurable'}"
 
 
 def _reads_text(ckpt: dict) -> str:
