@@ -194,7 +194,6 @@ def test_a_bad_plugin_fails_before_any_job_is_submitted(workdir):
     assert result.returncode != 0
     output = result.stdout + result.stderr
     assert "model.name 'flat:build': a forward pass of the data's shape [N, 1, 8, 8]" in output
-    assert output.count("model.name 'flat:build': a forward pass") == 1  # said once
     assert (workdir / "results/staged").exists()  # staging ran; no training job was submitted
     assert not list((workdir / "logs").rglob("*_submitted.pkl"))
     assert not (workdir / "results/runs/flat/model.pt").exists()

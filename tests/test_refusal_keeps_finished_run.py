@@ -114,6 +114,7 @@ def test_a_refusal_comes_before_any_job_and_touches_nothing(finished, edit, said
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert "ddpflow: configuration error" in output and said in output, output[-3000:]
+    assert output.count(said) == 1, output[-3000:]  # said once, not also as a warning
     assert "Traceback" not in output
     assert "Select jobs to execute" not in output  # refused before any job
     assert _state(workdir) == before
@@ -145,7 +146,9 @@ def test_a_late_failure_gives_the_finished_run_back(finished, stage):
     assert _state(workdir) == before
     assert not (workdir / "results/runs/r/.kept").exists()
     assert jobs_planned(workdir, edited) >= {rule}  # the edit is not forgotten
-    # the report written after the failure is redone for the reverted config, nothing else
+    # the report written after the failure is redone for the reverted config, nothing else;
+    # it carries its true date (Snakemake's record says incomplete, not a date of 1970)
+    assert (workdir / "results/report/report.md").stat().st_mtime > time.time() - 600
     assert jobs_planned(workdir, configfile) == {"report", "all"}
     report = _summary(workdir)
     assert report["runs"] == []

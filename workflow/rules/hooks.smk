@@ -37,7 +37,7 @@ onerror:
     restored = [
         run for kept in KEPT_OUTPUTS for run in kept.restore_failed(stopped)
     ]
-    report_unfinished(RUNS, RESULTS, restored)
+    report_unfinished(RUNS, RESULTS, restored, workflow.persistence)
     from ddpflow.cluster.interrupts import exit_promptly
 
     exit_promptly()

@@ -115,10 +115,9 @@ def _write_all(out_dir: Path, figures: dict, texts: dict) -> dict[str, Path]:
             continue
         paths[f"plot_{key}"] = plots_dir / f"{key}.png"
         atomic_write_bytes(paths[f"plot_{key}"], png)
-    # plots and a ranking left by an earlier set of runs would mislead
-    stale = [plots_dir / "scaling.png", *plots_dir.glob("sweep_*.png"), out_dir / sweep.CSV_NAME]
-    # a task's per-epoch and predicted-vs-true plots (runs of another task now)
-    stale += [*plots_dir.glob("val_*.png"), *plots_dir.glob("predicted_vs_true_*.png")]
+    # plots and a ranking left by an earlier set of runs would mislead: every plot this
+    # report did not draw (a run gone, another task, a failed workflow's partial report)
+    stale = [*plots_dir.glob("*.png"), out_dir / sweep.CSV_NAME]
     for path in stale:
         if path.stem not in figures and not (path.name == sweep.CSV_NAME and "sweep_csv" in texts):
             path.unlink(missing_ok=True)

@@ -164,7 +164,7 @@ def _current(run: dict, paths: RunPaths) -> bool:
 
 
 def report_unfinished(
-    runs: dict[str, dict], results_dir: str | Path, restored: Iterable[str] = ()
+    runs: dict[str, dict], results_dir: str | Path, restored: Iterable[str] = (), persistence=None
 ) -> Path | None:
     """After a failed or stopped workflow: the report of this config's runs that finished,
     naming every run that did not and why (its failure record, else NOT_RUN). Returns the
@@ -173,7 +173,7 @@ def report_unfinished(
     or was stopped and whose previous outputs came back (ddpflow.kept): this config's run did
     not finish (a failed one's entry says where the previous config's result is kept)."""
     try:
-        return _report_unfinished(runs, results_dir, set(restored))
+        return _report_unfinished(runs, results_dir, set(restored), persistence)
     except Exception as exc:  # noqa: BLE001 - the hook must not hide the original failure
         log.warning("ddpflow: no report of the finished runs: %s: %s", type(exc).__name__, exc)
         return None
@@ -263,7 +263,25 @@ def _finished_entry(name: str, run: dict, paths: RunPaths) -> dict:
     return {"name": name, **records, "tracking": tracking, "sweep": slim(run.get("sweep"))}
 
 
-def _report_unfinished(runs: dict[str, dict], results_dir: str | Path, restored) -> Path | None:
+# the report rule's files a failed workflow's report rewrites (and the plots folder)
+REPORT_OUTPUTS = ("markdown", "html", "summary_json", "summary_csv")
+
+
+def _mark_incomplete(persistence, keys: list[str]) -> None:
+    """Snakemake's record of each file says incomplete: the next run redoes the report
+    (the profiles rerun incomplete outputs). Without that record (another Snakemake, or
+    none given) the files are dated 1970 instead, older than any input."""
+    mark = getattr(persistence, "_mark_incomplete", None)
+    for key in keys:
+        if mark is not None:
+            mark(key, None)
+        elif Path(key).is_file():
+            os.utime(key, (0, 0))
+
+
+def _report_unfinished(
+    runs: dict[str, dict], results_dir: str | Path, restored, persistence=None
+) -> Path | None:
     finished, unfinished, untracked = _sort_runs(runs, results_dir, restored)
     from ddpflow.report.build import build_report  # matplotlib: only once a report is written
 
@@ -272,11 +290,12 @@ def _report_unfinished(runs: dict[str, dict], results_dir: str | Path, restored)
     written = build_report(
         finished, out, unfinished=unfinished, bad_nodes=bad_nodes, tracking_failures=untracked
     )
-    # Older than any input: Snakemake's report rule must redo this report on the next run
-    # even when no input changes (the failed run removed from config.yaml, say).
-    for key in ("markdown", "html", "summary_json", "summary_csv"):
-        os.utime(written[key], (0, 0))
-    (out / REPORT_FILES["plots"] / ".snakemake_timestamp").unlink(missing_ok=True)
+    # Snakemake's report rule must redo this report on the next run even when no input
+    # changes (the failed run removed from config.yaml, say): its outputs are marked
+    # incomplete in Snakemake's records (the profile reruns incomplete outputs), and keep
+    # their true dates
+    keys = [str(written[k]) for k in REPORT_OUTPUTS] + [str(out / REPORT_FILES["plots"])]
+    _mark_incomplete(persistence, keys)
     for entry in unfinished:
         print(_unfinished_line(entry, runs, results_dir), file=sys.stderr)
     for entry in untracked:
