@@ -13,7 +13,7 @@ TRACKING_TEST_STAMP := $(VENV)/.ddpflow-tracking-server-installed
 ONNX_STAMP := $(VENV)/.ddpflow-onnx-installed
 
 .PHONY: run test test-fast lint bench clean profile docs docs-build docs-reference tracking \
-	typed-config onnx image
+	typed-config onnx image pictures
 
 run: $(STAMP) profile
 	$(BIN)/snakemake
@@ -49,6 +49,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	bench/run
+
+# docs/img/report.png and sweep.png from the current report code (headless Chromium);
+# tests/test_docs.py notices when the report's code changed since they were made
+pictures: $(STAMP)
+	$(BIN)/python docs/make_pictures.py
 
 # The documentation site (docs/, mkdocs.yml): `make docs` serves it at http://127.0.0.1:8000,
 # `make docs-build` builds it into site/ as CI does (--strict: a broken link fails).

@@ -395,3 +395,17 @@ def test_the_results_and_logs_folders_configs_name_are_ignored_by_git():
             ["git", "check-ignore", "-q", "--no-index", f"{folder}/runs/x/model.pt"], cwd=ROOT
         )
         assert ignored.returncode == 0, f"{folder}/ is not ignored by .gitignore"
+
+
+def test_the_pictures_of_the_report_are_current():
+    """docs/img/report.png and sweep.png show what the report's code draws now: made by
+    docs/make_pictures.py, which records that code's sha256 (a report that says something
+    else than its picture in the README is a broken promise)."""
+    spec = importlib.util.spec_from_file_location("make_pictures", DOCS / "make_pictures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    changed = module.stale()
+    assert not changed, (
+        f"{changed} changed since docs/img's pictures were made: run "
+        "`python docs/make_pictures.py` (or `make pictures`) and commit docs/img"
+    )

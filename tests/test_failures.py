@@ -244,3 +244,33 @@ def test_the_first_failure_line_names_a_rank_that_lost_its_peer_as_such(tmp_path
     assert first_failed_rank(job({})) is None
     assert first_failed_rank(job({0: lost})) == (0, True)
     assert first_failed_rank(job({0: lost, 2: own})) == (2, False)
+
+
+def test_the_cancel_of_a_slurm_job_backs_off_its_squeue_polls(monkeypatch):
+    """After Ctrl-C the launcher waits for the cancelled job to leave the queue: on Slurm
+    each look is an squeue RPC, so the wait grows from 0.2 s to 2 s (7 looks, not 25, in
+    the first 5 s); a local job is looked at every 0.2 s (no RPC)."""
+    import submitit
+    from ddpflow.cluster import launch
+
+    class Queued(submitit.SlurmJob):
+        def __init__(self):  # no folder, no watcher: only what cancel_and_wait reads
+            self._job_id = "88"
+            self._cancel_at_deletion = False
+
+        def cancel(self, check: bool = True) -> None:
+            pass
+
+    slept: list[float] = []
+    clock = [0.0]
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        clock[0] += seconds
+
+    monkeypatch.setattr(launch.time, "sleep", sleep)
+    monkeypatch.setattr(launch.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(launch, "slurm_job_alive", lambda job_id: clock[0] < 5.0)
+    launch.cancel_and_wait(Queued())
+    assert slept[:3] == pytest.approx([0.2, 0.3, 0.45]) and max(slept) == 2.0
+    assert len(slept) <= 8

@@ -60,3 +60,6 @@ rule export:
     """`snakemake export`: every run's exports (export.formats)."""
     input:
         export_files(),
+        # what `snakemake` makes: a model retrained for them brings its evaluation and the
+        # report along, never a model newer than its metrics
+        final_outputs(),

@@ -360,9 +360,12 @@ def cancel_and_wait(job, timeout_s: float = 30.0) -> None:
     """Cancel only asks (submitit's local runner: SIGINT, then SIGKILL after ~1 s; Slurm:
     scancel): return once the ranks are really gone, so that nothing is left running."""
     job.cancel(check=False)
-    deadline = time.monotonic() + timeout_s
+    deadline, delay = time.monotonic() + timeout_s, 0.2
+    # Slurm's: squeue is an RPC to slurmctld that admins count: back off to 2 s between them
+    growth = 1.5 if isinstance(job, submitit.SlurmJob) else 1.0
     while _still_running(job) and time.monotonic() < deadline:
-        time.sleep(0.2)
+        time.sleep(delay)
+        delay = min(2.0, delay * growth)
     if _still_running(job):
         log.error("job %s still runs %.0fs after the cancel", job.job_id, timeout_s)
     else:
