@@ -168,3 +168,18 @@ def test_clean_keeps_an_interrupted_trainings_checkpoints(run, tmp_path):
     removed = workspace.clean(tmp_path)
     assert [p.name for p in removed][0].startswith("checkpoints.old-")
     assert workspace.candidates(workspace.checkpoint_dir(tmp_path)), "resume state removed"
+
+
+def test_the_resume_line_counts_epochs_as_the_checkpoint_line_does(tmp_path):
+    """The checkpoint's log says "end of epoch 53": the resume says "after epoch 53", and a
+    mid-epoch checkpoint "in epoch 54"."""
+    from ddpflow.training.workspace import NEWEST, _newest_position
+
+    (tmp_path / "ckpt-000000530.pt").write_bytes(b"state")
+    newest = {"checkpoint": "ckpt-000000530.pt", "world_size": 4, "step": 530}
+    (tmp_path / NEWEST).write_text(json.dumps({**newest, "epoch": 53, "epoch_step": 0}))
+    assert _newest_position(tmp_path, 2) == (
+        " (newest after epoch 53, step 530, written on 4 ranks; continuing on 2)"
+    )
+    (tmp_path / NEWEST).write_text(json.dumps({**newest, "epoch": 53, "epoch_step": 7}))
+    assert _newest_position(tmp_path, 4) == " (newest in epoch 54 at step 530, written on 4 ranks)"

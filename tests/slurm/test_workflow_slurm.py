@@ -97,7 +97,12 @@ def test_profile_runs_whole_pipeline_on_two_nodes(slurm_run):
     assert stat.S_IMODE((work / "fingerprint.json").stat().st_mode) == 0o600
     # staging ran in a Slurm job of its own (machine.stage), which its log names
     (stage_log,) = (workdir / "logs/stage").glob("*.log")
-    assert re.search(r"in Slurm job \d+ on node\d \(4 threads\)", stage_log.read_text())
+    staged_by = re.search(r"in Slurm job (\d+) on node\d \(4 threads\)", stage_log.read_text())
+    assert staged_by, stage_log.read_text()
+    # named like ddpflow's own jobs (profiles/slurm: slurm-jobname-prefix)
+    name = subprocess.run(["sacct", "-nX", "-j", staged_by.group(1), "-o", "JobName%60"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    assert name.startswith("ddpflow-stage_"), name
     # cluster efficiency from the cluster's accounting, in the report (issue 14)
     assert train["slurm_job_id"] == ids[0]
     summary = json.loads((workdir / "results/report/summary.json").read_text())

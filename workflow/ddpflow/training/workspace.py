@@ -122,10 +122,14 @@ def _newest_position(ckpts: Path, world_size: int) -> str:
     newest = _read_json(ckpts / NEWEST)
     if not newest or not (ckpts / newest.get("checkpoint", "")).is_file():
         return ""
-    written, epoch, step = newest["world_size"], newest["epoch"] + 1, newest["step"]
+    written, epochs, step = newest["world_size"], newest["epoch"], newest["step"]
     other = f"; continuing on {world_size}" if written != world_size else ""
     ranks = f"{written} rank{'s' if written != 1 else ''}"
-    return f" (newest at epoch {epoch} step {step}, written on {ranks}{other})"
+    # as the checkpoint's own log line counts: "end of epoch 53" is "after epoch 53"
+    where = f"after epoch {epochs}, step {step}"
+    if newest.get("epoch_step"):  # mid-epoch: in the epoch after the finished ones
+        where = f"in epoch {epochs + 1} at step {step}"
+    return f" (newest {where}, written on {ranks}{other})"
 
 
 def finish(run: dict, work: str | Path) -> None:
