@@ -544,7 +544,11 @@ def test_rerun_reattaches_to_the_running_job(slurm_cluster, tmp_path):
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert job_ids(folder) == [job_id], "a second training job was submitted"
     log = (tmp_path / "logs/train/long.log").read_text()
-    assert f"reattaching to Slurm job {job_id}" in log
+    assert re.search(
+        rf"Slurm job {job_id}, submitted for this config by an earlier attempt, "
+        r"(still runs|has finished): reattaching to it",
+        log,
+    ), log[-2000:]
     assert sacct_state(job_id) == "COMPLETED", job_story(job_id, folder)
 
 

@@ -292,7 +292,13 @@ def reattach(record, launcher: str, folder, fingerprint: str, num_tasks: int):
     finished = all(job.task(i).paths.result_pickle.exists() for i in range(num_tasks))
     if not (finished or slurm_job_alive(previous["job_id"])):
         return None
-    log.info("reattaching to Slurm job %s submitted by an earlier attempt", job.job_id)
+    state = "has finished" if finished else "still runs"
+    log.info(
+        "Slurm job %s, submitted for this config by an earlier attempt, %s: reattaching to it "
+        "instead of resuming (nothing new is submitted)",
+        job.job_id,
+        state,
+    )
     return job
 
 
