@@ -249,3 +249,24 @@ def test_a_cause_that_ends_in_a_colon_names_its_first_problem(tmp_path):
         "data.root pics: 2 problems, nothing was staged; fix them and rerun: "
         "pics/train/cat/bad.png: not a readable image (truncated) (and 1 more line: see the log)"
     )
+
+
+def test_a_staging_job_that_slurm_failed_is_named_with_slurms_words(tmp_path, monkeypatch):
+    """srun refused the staging job's step before ddpflow's script ran (no failure record):
+    the cause is the last error line of the plugin's log of that job, not "not run"."""
+    monkeypatch.chdir(tmp_path)
+    run = make_run()
+    log = tmp_path / ".snakemake/slurm_logs/rule_stage" / run["dataset_id"] / "41.log"
+    log.parent.mkdir(parents=True)
+    log.write_text(
+        "host: node1\nsrun: error: Unable to create step for job 41: More processors "
+        "requested than permitted\n"
+    )
+    failure = outcome.stage_job_failure(run, tmp_path / "results")
+    assert failure["stage"] == "stage" and failure["log"].endswith("41.log")
+    assert failure["cause"] == (
+        "the staging job failed in Slurm: srun: error: Unable to create step for job 41: "
+        "More processors requested than permitted (machine.stage sets its resources)"
+    )
+    (tmp_path / "results/staged" / run["dataset_id"]).mkdir(parents=True)  # staged after all
+    assert outcome.stage_job_failure(run, tmp_path / "results") is None

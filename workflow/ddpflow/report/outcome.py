@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -248,12 +249,35 @@ def _sort_runs(runs: dict[str, dict], results_dir, restored=frozenset()) -> tupl
             if tracked := read_tracking_failure(paths.work):
                 tracking_failures.append({"run": name, **tracked})
         else:
+            failure = failure or stage_job_failure(run, results_dir)
             entry = {"run": name, **(failure or {"stage": "-", "cause": NOT_RUN})}
             if name in restored and not entry.get("interrupted"):
                 kept = run_dir(results_dir, name)
                 entry["cause"] += f"; the previous config's result is kept in {kept}"
             unfinished.append({**entry, "sweep": slim(run.get("sweep"))})
     return finished, unfinished, tracking_failures
+
+
+# where Snakemake's Slurm executor plugin keeps its jobs' logs (the staging job's)
+PLUGIN_STAGE_LOGS = Path(".snakemake") / "slurm_logs" / "rule_stage"
+_SLURM_ERROR = re.compile(r"\berror\b|CANCELLED|DUE TO|out of memory|oom-kill", re.IGNORECASE)
+
+
+def stage_job_failure(run: dict, results_dir) -> dict | None:
+    """A staging job that failed before ddpflow's script could say why (srun refused its
+    step; its time or memory ran out): Slurm's own last error line from the plugin's log of
+    the job, so the terminal and the report name the cause, not "not run"."""
+    if staged_dir(results_dir, run["dataset_id"]).exists() or not PLUGIN_STAGE_LOGS.is_dir():
+        return None
+    logs = [p for p in PLUGIN_STAGE_LOGS.rglob("*.log") if run["dataset_id"] in str(p)]
+    if not logs:
+        return None
+    newest = max(logs, key=lambda p: p.stat().st_mtime)
+    lines = newest.read_text(errors="replace").splitlines()
+    errors = [line.strip() for line in lines if _SLURM_ERROR.search(line)]
+    said = errors[-1] if errors else "no error line in its log"
+    cause = f"the staging job failed in Slurm: {said} (machine.stage sets its resources)"
+    return {"stage": "stage", "cause": cause, "detail": "\n".join(lines[-40:]), "log": str(newest)}
 
 
 def _finished_entry(name: str, run: dict, paths: RunPaths) -> dict:
