@@ -16,6 +16,10 @@
 set -euo pipefail
 
 STATE=${DDPFLOW_SLURM_DIR:-/tmp/ddpflow-slurm}
+# what every node claims (smaller nodes reproduce a site's: DDPFLOW_SLURM_NODE_CPUS=2
+# DDPFLOW_SLURM_NODE_MEM_MB=4000); a running cluster of another shape is rebuilt by `up`
+NODE_CPUS=${DDPFLOW_SLURM_NODE_CPUS:-4}
+NODE_MEM_MB=${DDPFLOW_SLURM_NODE_MEM_MB:-8000}
 STATE=${STATE%/}
 # `up` wipes the state dir: accept only an absolute path whose last part names slurm.
 [[ $STATE == /* && ${STATE##*/} == *slurm* ]] \
@@ -178,7 +182,7 @@ AccountingStorageTRES=gres/gpu
 # per-step CPU time and peak memory for sacct (the report's cluster efficiency, as seff)
 JobAcctGatherType=jobacct_gather/linux
 JobAcctGatherFrequency=task=2
-NodeName=$names NodeAddr=${ips%,} CPUs=4 RealMemory=8000 Gres=gpu:2 State=UNKNOWN
+NodeName=$names NodeAddr=${ips%,} CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB Gres=gpu:2 State=UNKNOWN
 PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 PartitionName=$SHORT_PARTITION Nodes=ALL MaxTime=00:10:00 State=UP
 EOF
@@ -478,6 +482,10 @@ cmd_up() {
         log "running with $(cat "$STATE/nodes") nodes but NODES=$NODES: rebuilding"
         teardown
     fi
+    if [[ -f $STATE/shape && "$NODE_CPUS $NODE_MEM_MB" != "$(cat "$STATE/shape")" ]]; then
+        log "nodes of $(cat "$STATE/shape") (CPUs, MB) but $NODE_CPUS $NODE_MEM_MB asked: rebuilding"
+        teardown
+    fi
     if cluster_healthy; then
         log "already up and healthy ($(node_names | xargs)); nothing to do"
         return 0
@@ -500,6 +508,7 @@ start_all() {
     rm -rf "$STATE"
     mkdir -p "$STATE"
     echo "${NODES:-2}" >"$STATE/nodes"
+    echo "$NODE_CPUS $NODE_MEM_MB" >"$STATE/shape"
     write_configs
     link_conf
     net_up
