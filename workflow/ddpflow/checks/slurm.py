@@ -21,7 +21,13 @@ import logging
 
 from ddpflow.checks.memory_knobs import Partition as Limits
 from ddpflow.cluster.slurm_parse import Node, Partition, parse_slurm_time
-from ddpflow.cluster.slurm_query import QUERY_TIMEOUT_S, Cluster, query_cluster, resolve_partition
+from ddpflow.cluster.slurm_query import (
+    QUERY_TIMEOUT_S,
+    Cluster,
+    default_account,
+    query_cluster,
+    resolve_partition,
+)
 from ddpflow.config.machine import (
     DEFAULT_STAGE_CPUS,
     DEFAULT_STAGE_MEM_GB,
@@ -50,9 +56,25 @@ def check_runs_against_cluster(
         check_run(run, cluster)
         if stage_in_job:
             check_stage_job(run, cluster)
+    if stage_in_job:
+        name_stage_accounts(runs, cluster.user, timeout_s)
+    for run in runs:
         partition = resolve_partition(run["name"], run["machine"]["partition"], cluster)
         types[run["name"]] = partition_limits(partition, cluster.nodes_of(partition))
     return types
+
+
+def name_stage_accounts(runs: list[dict], user: str, timeout_s: float) -> None:
+    """A run without machine.account gets the user's default account for its staging job's
+    resources (the job is billed to it anyway): else Snakemake's Slurm plugin guesses it with
+    an sacct call that fails on some Slurm versions and prints its error at every staging
+    job ("sacct: invalid option"). Only this process's runs change (never a fingerprint)."""
+    if all(run["machine"]["account"] for run in runs):
+        return
+    account = default_account(user, timeout_s)
+    for run in runs:
+        if account and not run["machine"]["account"]:
+            run["machine"]["account"] = account
 
 
 def partition_limits(partition: Partition, nodes: list[Node]) -> Limits:

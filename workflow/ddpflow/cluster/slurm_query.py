@@ -79,6 +79,18 @@ def _accounting(user: str, timeout_s: float) -> tuple[tuple | None, tuple | None
     return parse_associations(assoc), names
 
 
+def default_account(user: str, timeout_s: float = QUERY_TIMEOUT_S) -> str | None:
+    """The user's default account (sacctmgr), None where accounting cannot say: what a job
+    submitted without --account is billed to."""
+    try:
+        text = _command(
+            ["sacctmgr", "-nP", "show", "user", user, "format=defaultaccount"], timeout_s
+        )
+    except ConfigError:
+        return None
+    return next((line.strip() for line in text.splitlines() if line.strip()), None)
+
+
 def current_user() -> str:
     # Slurm associates by uid, so ask the password database rather than trust $USER.
     try:
