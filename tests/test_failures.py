@@ -228,7 +228,7 @@ def test_the_first_failure_line_names_a_rank_that_lost_its_peer_as_such(tmp_path
     itself is named before one that lost its peer."""
     from types import SimpleNamespace
 
-    from ddpflow.cluster.launch import first_failed_rank
+    from ddpflow.cluster.failures import first_failed_rank
 
     def job(results: dict):
         tasks = []

@@ -73,21 +73,40 @@ def test_auto_at_the_shipped_size_is_the_fingerprint_of_the_runs_trained_before_
     assert not any("max_micro_batch_size" in key for key in training_fingerprint(now))
 
 
-def test_a_size_the_global_batch_cannot_split_is_refused_naming_those_that_work():
+def test_three_ranks_share_the_step_unevenly_and_keep_a_trained_runs_batch(tmp_path):
+    """The default job at 3 ranks: a new run takes BatchNorm batches of 16 (4 a step, 2 + 1
+    + 1 micro-batches), said before anything runs; a run trained with batches of 32 (2 a
+    step) is not changed behind its back: refused, naming the sizes that hold it and the
+    number that would train at 3."""
+    run = _run(_shipped(cpu_ranks_per_node=3))
+    assert (run["train"]["norm_batch_size"], run["train"]["micro_batch_size"]) == (16, 16)
+    assert ddpconfig.accumulation_steps(run["train"], 3, 0) == 2
+    assert ddpconfig.accumulation_steps(run["train"], 3, 2) == 1
+    said = " ".join(ddpconfig.run_warnings(run, "local"))
+    assert "BatchNorm's batch is 16, not the recipe's 32: world size 3 cannot hold 2" in said
+    assert "shares the step's 4 micro-batches unevenly: 1 rank computes 2, the others 1" in said
+    _trained(tmp_path, "default", micro_batch=32, norm_batch=32)
     with pytest.raises(ConfigError) as err:
-        _run(_shipped(cpu_ranks_per_node=3))
+        _run({**_shipped(cpu_ranks_per_node=3), "results_dir": str(tmp_path)})
     text = str(err.value)
-    assert "world size 3" in text and "norm_batch_size" in text
+    assert "world size 3" in text and "whole normalisation batches of 32" in text
     assert "world sizes 1, 2, 4, 8, 16, 32, 64 work" in text
+    assert "set train.norm_batch_size: 16 (the science changes: the run retrains)" in text
 
 
 def test_auto_splits_at_every_node_count_the_request_may_shrink_to():
-    """machine.min_nodes: a job placed on fewer nodes keeps the run's micro-batch, so auto
-    must split at each of them (world 6 and 8 here: 96 = 24 micro-batches of 4)."""
+    """machine.min_nodes: a job placed on fewer nodes keeps the run's batches, so auto must
+    hold them at each node count (world 6 and 8 here): 96 = 8 BatchNorm batches of 12, even
+    at 8 ranks, 2 + 2 + 1 + 1 + 1 + 1 at 6; a world larger than the step's batches is
+    refused, naming the node counts."""
     config = _shipped("slurm", nodes=4, min_nodes=3)
     config["train"]["global_batch_size"] = 96
-    assert _run(config)["train"]["micro_batch_size"] == 4
-    config["train"]["global_batch_size"] = 64  # 64 splits at 8 ranks, never at 6
+    run = _run(config)
+    assert (run["train"]["norm_batch_size"], run["train"]["micro_batch_size"]) == (12, 12)
+    config["train"]["global_batch_size"] = 64  # 8 batches of 8
+    assert _run(config)["train"]["micro_batch_size"] == 8
+    config["train"].update(global_batch_size=32, max_micro_batch_size=8)  # 4 batches of 8
+    config["train"]["norm_batch_size"] = 8
     with pytest.raises(ConfigError, match=r"world size 6, 8 \(machine.min_nodes 3 to nodes 4"):
         _run(config)
 
@@ -96,7 +115,9 @@ def test_a_fixed_micro_batch_keeps_refusing_and_points_to_auto():
     config = _shipped(cpu_ranks_per_node=4)
     config["train"]["micro_batch_size"] = 32
     with pytest.raises(
-        ConfigError, match="world sizes 1, 2 work; 4 does not.*micro_batch_size: auto"
+        ConfigError,
+        match="world size 4 .* is more than 2 micro-batches a step: world sizes up to 2 work.*"
+        "micro_batch_size: auto",
     ):
         _run(config)
 

@@ -4,7 +4,8 @@ the machine's (ddpflow.training.norm_groups, ddpflow.checks.norm_batch).
 One rank computing micro-batches of 32 and two ranks each computing a half of every
 normalisation batch of 32 (micro-batch 16, a normalisation group of 2) train the same model,
 with augmentation on (its draws are the whole normalisation batch's, sliced): weights and
-running statistics within float rounding, the same validation loss per epoch. Two ranks that
+running statistics within float rounding, the same validation loss per epoch. So do one rank
+and three ranks sharing a step's four micro-batches unevenly (2 + 1 + 1). Two ranks that
 normalise each micro-batch of 16 on its own (norm_batch_size 16) train another model, by
 orders of magnitude more than the rounding: the check can fail.
 """
@@ -36,7 +37,8 @@ def _train(env, micro: int, norm: int) -> dict:
     loop = Loop(RunSpec.from_run(run), data, env, torch.device("cpu"), model)
     fit(loop, lambda record: None)
     state = {k: v.clone() for k, v in loop.full_model_state().items()}
-    return {"state": state, "val": [r["val_loss"] for r in loop.history], "group": loop.norm_group}
+    history = [r["val_loss"] for r in loop.history]
+    return {"state": state, "val": history, "group": loop.norm_group, "accum": loop.accum}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,13 @@ def trained(tmp_path_factory) -> dict:
     def group(world, micro, norm):
         return run_group(world, _train, (micro, norm), tmp_path_factory.mktemp("rdzv"))
 
-    return {"one": group(1, 32, 32)[0], "pairs": group(2, 16, 32), "halves": group(2, 16, 16)[0]}
+    return {
+        "one": group(1, 32, 32)[0],
+        "pairs": group(2, 16, 32),
+        "halves": group(2, 16, 16)[0],
+        "one_of_16": group(1, 16, 16)[0],
+        "three": group(3, 16, 16),  # 4 micro-batches a step: 2 + 1 + 1
+    }
 
 
 def _largest_difference(a: dict, b: dict) -> float:
@@ -68,6 +76,17 @@ def test_two_ranks_holding_halves_train_what_one_rank_trains(trained):
 def test_normalising_each_half_alone_is_another_science(trained):
     assert trained["halves"]["group"] == 1
     assert _largest_difference(trained["halves"]["state"], trained["one"]["state"]) > 1e3 * ROUNDING
+
+
+@pytest.mark.slow
+def test_three_ranks_sharing_four_micro_batches_unevenly_train_what_one_rank_trains(trained):
+    """The first rank takes two micro-batches a step, the others one; each micro-batch weighs
+    the same in the step's gradient, so the model is one rank's within float rounding."""
+    one, three = trained["one_of_16"], trained["three"]
+    assert [rank["accum"] for rank in three] == [2, 1, 1]
+    for rank in three:
+        assert _largest_difference(rank["state"], one["state"]) < ROUNDING
+        assert rank["val"] == pytest.approx(one["val"], rel=1e-6)
 
 
 def test_a_group_computes_the_parts_of_one_normalisation_batch_at_once():

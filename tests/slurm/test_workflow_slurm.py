@@ -549,7 +549,7 @@ def test_rerun_reattaches_to_the_running_job(slurm_cluster, tmp_path):
     assert job_ids(folder) == [job_id], "a second training job was submitted"
     log = (tmp_path / "logs/train/long.log").read_text()
     assert re.search(
-        rf"Slurm job {job_id}, submitted for this config by an earlier attempt, "
+        rf"Slurm job {job_id}, submitted for this config earlier, "
         r"(still runs|has finished): reattaching to it",
         log,
     ), log[-2000:]

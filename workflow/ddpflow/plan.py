@@ -221,12 +221,12 @@ def _checkpoint_part(run: dict, layout, resume_world: int, per_node: int) -> dic
             "resume_world_size": resume_world,
             "reads": "every rank reads rank 0's file whole",
         }
-    if micro_batches_per_step(run["train"]) % resume_world:
+    if micro_batches_per_step(run["train"]) < resume_world:  # fewer may share unevenly
         return {
             "format": "DCP",
             "files": run["world_size"],
             "resume_world_size": resume_world,
-            "reads": f"{resume_world} ranks do not divide the step's micro-batches",
+            "reads": f"{resume_world} ranks are more than the step's micro-batches",
         }
     new = _mesh(run, resume_world // per_node or 1, min(per_node, resume_world))
     reads = sp.resharding_reads(layout.sizes, layout.mesh, new)
@@ -288,12 +288,24 @@ def render(doc: dict) -> str:
         f"{fsdp['mesh']['shape']} {fsdp['mesh']['names']}, {len(fsdp['units'])} "
         f"units; {fsdp['parameter_bytes_per_rank'] / 2**20:.1f} MiB of parameters per rank "
         f"(even split {fsdp['even_split_bytes'] / 2**20:.1f} MiB{split})",
-        f"micro-batches: {micro['per_step']} per step, {micro['per_rank']} per {who} "
-        f"(rank r computes [r*{micro['per_rank']}, (r+1)*{micro['per_rank']})){grouped}",
+        f"micro-batches: {micro['per_step']} per step, {_shares_text(micro, who)}{grouped}",
         f"checkpoint: {ckpt['format']}, {ckpt['files']} files; resumed at "
         f"{ckpt['resume_world_size']} ranks: " + _reads_text(ckpt),
     ]
     return "\n".join(lines)
+
+
+def _shares_text(micro: dict, who: str) -> str:
+    """How the ranks share a step's micro-batches: evenly, or the first ones one more."""
+    sizes = sorted({len(rank) for rank in micro["by_rank"]}) or [micro["per_rank"]]
+    if len(sizes) == 1:
+        a = sizes[0]
+        return f"{a} per {who} (rank r computes [r*{a}, (r+1)*{a}))"
+    extra = sum(len(rank) == sizes[-1] for rank in micro["by_rank"])
+    return (
+        f"{sizes[-1]} or {sizes[0]} per {who} (the first {extra} one more: the step waits "
+        "for them; each computes a contiguous block)"
+    )
 
 
 def _parts_text(doc: dict) -> str:

@@ -18,6 +18,7 @@ from ddpflow.config.machine import (
     data_parallel_size,
     ranks_per_node,
     request_world_sizes,
+    sharing_micro_batch,
     splitting_micro_batch,
     tensor_parallel_degree,
     working_world_sizes,
@@ -42,19 +43,22 @@ def check_world_size(where: str, train: dict, world: int, machine_text: str = ""
             "another micro_batch_size"
         )
     count = global_ // micro
+    grouped = train.get("norm_batch_size", micro) not in ("auto", micro)  # norm_groups
     if tensor_parallel_degree(train) > 1:  # the data-parallel ranks split the global batch
         if count % data_parallel_size(train, world):
             raise ConfigError(_data_ranks_refusal(where, train, world, machine_text))
-    elif count % world:
+    elif world > count or (grouped and count % world):  # a rank with nothing, or a group
         works = ", ".join(map(str, working_world_sizes(train)))
         batches = counted(count, "micro-batch", "micro-batches")
+        why = f"is more than {batches} a step: world sizes up to {count} work ({works} evenly)"
+        if world <= count:  # groups sharing a normalisation batch need equal shares
+            shared = "ranks sharing BatchNorm's batch (train.norm_batch_size) need"
+            why = f"does not divide {batches}, which {shared}: world sizes {works} work"
         raise ConfigError(
             f"{where}: {global_} = {micro} x world size x accumulation steps "
             f"(train.global_batch_size = train.micro_batch_size x ...), but world size "
-            f"{world}{machine_text} does not divide {batches}: world sizes "
-            f"{works} work; {world} does not. Change the machine, or the two batch sizes, or "
-            "set train.micro_batch_size: auto (the largest micro-batch that splits, per world "
-            "size)"
+            f"{world}{machine_text} {why}. Change the machine, or the two batch sizes, or set "
+            "train.micro_batch_size: auto (the largest micro-batch that splits, per world size)"
         )
 
 
@@ -100,8 +104,8 @@ def resolve_micro_batch(
         micro, science = norm // group, norm
     else:
         found = train["micro_batch_size"]
-        if auto:
-            found = splitting_micro_batch(train["global_batch_size"], cap, worlds)
+        if auto:  # evenly shared where one is, else the first ranks take one more
+            found = sharing_micro_batch(train["global_batch_size"], cap, worlds)
             if found is None:
                 raise ConfigError(_auto_refusal(where, train, cap, worlds, machine))
         micro = found

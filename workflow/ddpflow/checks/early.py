@@ -30,17 +30,14 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import subprocess
 import sys
-from functools import cache
-from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any
 
 from ddpflow.checks import memory
 from ddpflow.checks.batch import check_batch_fits
-from ddpflow.checks.host import local_gpu_memory_bytes
+from ddpflow.checks.host import local_gpu_memory_bytes, missing_data, user_cache_dir, version
 from ddpflow.checks.weight_files import refusal
 from ddpflow.config.fingerprint import BUILT_IN_MODELS, config_hash, plugin_source_hash
 from ddpflow.config.machine import uses_channels_last
@@ -88,7 +85,7 @@ def check_before_jobs(
         manifest = manifests[dataset]
         inputs[run["name"]] = input_of(run, manifest)
         if manifest is None:  # staging will read the files: they must be there
-            problems += _missing_data(run)
+            problems += missing_data(run)
             continue
         try:
             check_batch_fits(run, train_samples(run, manifest))
@@ -107,24 +104,6 @@ def check_before_jobs(
     if problems:
         raise ConfigError("\n".join(problems))
     return [text for _, text in verdicts.values()]
-
-
-def _missing_data(run: dict) -> list[str]:
-    """A run's own data that is not where the config says (found here, on the login node,
-    not inside a staging job and its retry)."""
-    data, source = run["data"], run["data"]["source"]
-    key = "root" if source == "image_folder" else "path"
-    if source not in ("image_folder", "npz", "text", "tokens"):
-        return []
-    where = f"run {run['name']!r}: data.{key}"
-    if not data[key]:
-        return [f"{where} is required for data.source {source}"]
-    if Path(data[key]).expanduser().exists():
-        return []
-    return [
-        f"{where} {data[key]}: no such file or folder here (a relative path is read from the "
-        f"working directory, {Path.cwd()}); fix the path"
-    ]
 
 
 def memory_verdicts(
@@ -148,9 +127,10 @@ def memory_verdicts(
         figures = measured.get(keys.get(run["name"], ""))
         if not figures:
             continue
-        if "error" in figures:  # said once: a model refused below is not said here too
-            if not any(f"'{run['name']}'" in problem for problem in model_problems):
-                log.warning("run %r: memory not estimated: %s", run["name"], figures["error"])
+        refused = any(f"'{run['name']}'" in problem for problem in model_problems)
+        if "error" in figures and not refused:  # a refused model is said once, below
+            log.warning("run %r: memory not estimated: %s", run["name"], figures["error"])
+        if "error" in figures:
             continue
         part = (gpu_types or {}).get(run["name"])
         verdicts[run["name"]] = _judge(run, inputs[run["name"]], figures, measured, part)
@@ -293,17 +273,6 @@ def _key(check: dict) -> str:
     name = check["model"]["name"]
     code = plugin_source_hash(name) if is_plugin(name) else version("torchvision")
     return config_hash({**check, "code": code, "torch": version("torch")})
-
-
-@cache
-def version(package: str) -> str:
-    """An installed package's version, read once (a sweep asks it for every run)."""
-    return package_version(package)
-
-
-def user_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "ddpflow"
 
 
 def _measure(

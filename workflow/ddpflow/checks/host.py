@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import subprocess
+from importlib.metadata import version as package_version
 from pathlib import Path
 
 
@@ -99,3 +100,32 @@ def _unwritable(folder: Path) -> str | None:
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable by this user"
     return None
+
+
+def missing_data(run: dict) -> list[str]:
+    """A run's own data that is not where the config says (found here, on the login node,
+    not inside a staging job and its retry)."""
+    data, source = run["data"], run["data"]["source"]
+    key = "root" if source == "image_folder" else "path"
+    if source not in ("image_folder", "npz", "text", "tokens"):
+        return []
+    where = f"run {run['name']!r}: data.{key}"
+    if not data[key]:
+        return [f"{where} is required for data.source {source}"]
+    if Path(data[key]).expanduser().exists():
+        return []
+    return [
+        f"{where} {data[key]}: no such file or folder here (a relative path is read from the "
+        f"working directory, {Path.cwd()}); fix the path"
+    ]
+
+
+@functools.cache
+def version(package: str) -> str:
+    """An installed package's version, read once (a sweep asks it for every run)."""
+    return package_version(package)
+
+
+def user_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "ddpflow"

@@ -112,9 +112,11 @@ def normalisation(
 
 
 def _groups(norm: int, micro, global_: int, worlds: list[int]) -> list[int]:
-    """The group sizes (ranks per normalisation batch) that every world size can hold."""
+    """The group sizes (ranks per normalisation batch) that every world size can hold, even
+    shares first; else 1 where the ranks take unequal numbers of normalisation batches."""
     sizes = [norm // micro] if micro != "auto" else range(1, norm + 1)
-    return [g for g in sizes if norm % g == 0 and _fits(g, global_ // norm, worlds)]
+    even = [g for g in sizes if norm % g == 0 and _fits(g, global_ // norm, worlds)]
+    return even or [g for g in sizes if _fits(g, global_ // norm, worlds, uneven=True)]
 
 
 def _new_norm(global_: int, cap: int | None, worlds: list[int]) -> int:
@@ -128,9 +130,12 @@ def _new_norm(global_: int, cap: int | None, worlds: list[int]) -> int:
     return first  # refused by the caller, naming the world sizes that work
 
 
-def _fits(group: int, norms: int, worlds: list[int]) -> bool:
+def _fits(group: int, norms: int, worlds: list[int], uneven: bool = False) -> bool:
     """Whether every world size holds normalisation groups of `group` consecutive ranks that
-    share out the step's `norms` normalisation batches evenly."""
+    share out the step's `norms` normalisation batches evenly; uneven: each rank its own
+    normalisation batches, the first ranks one more (at least one each)."""
+    if uneven:
+        return group == 1 and all(norms >= w for w in worlds)
     return all(w % group == 0 and norms % (w // group) == 0 for w in worlds)
 
 
@@ -140,12 +145,7 @@ def _divisor_below(number: int, near: int) -> int:
 
 def working_worlds(global_: int, norm: int, micro) -> list[int]:
     """The world sizes (up to the step's samples) that hold the normalisation batches."""
-    sizes = [norm // micro] if micro != "auto" else [g for g in range(1, norm + 1) if norm % g == 0]
-    return [
-        w
-        for w in range(1, global_ + 1)
-        if any(_fits(g, global_ // norm, [w]) for g in sizes if norm % g == 0)
-    ]
+    return [w for w in range(1, global_ + 1) if _groups(norm, micro, global_, [w])]
 
 
 def _refusal(where: str, train: dict, norm: int, worlds: list[int], shape: str) -> str:
@@ -162,9 +162,12 @@ def _refusal(where: str, train: dict, norm: int, worlds: list[int], shape: str) 
             "normalise each batch together: nothing retrains), or micro_batch_size: auto"
         )
     else:
+        held = [n for n in range(norm - 1, 0, -1) if global_ % n == 0]
+        smaller = next((n for n in held if _groups(n, "auto", global_, worlds)), None)
+        number = f": {smaller}" if smaller else " to a number that splits at this size"
         fix = (
-            "Change the machine, or set train.norm_batch_size to a number that splits at this "
-            "size (the science changes: the run retrains)"
+            f"Change the machine, or set train.norm_batch_size{number} (the science changes: "
+            "the run retrains)"
         )
     return (
         f"{where}: world size {sizes}{shape} cannot hold train.global_batch_size {global_} as "

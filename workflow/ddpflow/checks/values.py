@@ -22,9 +22,12 @@ from ddpflow.config.machine import (
     data_parallel_size,
     hsdp_mesh,
     hsdp_shard_size,
+    micro_batches_per_step,
     ranks_per_node,
+    splitting_micro_batch,
     tensor_parallel_degree,
     trains_sharded,
+    working_world_sizes,
 )
 from ddpflow.config.schema import ConfigError, validate
 from ddpflow.plugins import is_plugin
@@ -210,7 +213,7 @@ def _check_local_gpus(where: str, wanted: int) -> None:
     )
 
 
-def micro_batch_warnings(where: str, train: dict, chosen) -> list[str]:
+def micro_batch_warnings(where: str, train: dict, chosen, world: int = 1) -> list[str]:
     """A cap below the micro-batch written by hand, and an edit that changes the micro-batch
     of a model whose forward draws per micro-batch (checks.norm_batch): that retrains."""
     out, micro = [], train["micro_batch_size"]
@@ -231,6 +234,31 @@ def micro_batch_warnings(where: str, train: dict, chosen) -> list[str]:
             f"micro-batch (dropout, or a model ddpflow cannot see into), so the micro-batch is "
             f"its science; {keep} (where the world size splits it)"
         )
+    return out + _shares_warnings(where, train, chosen, world)
+
+
+def _shares_warnings(where: str, train: dict, chosen, world: int) -> list[str]:
+    """A new run whose BatchNorm batch this machine decided (it cannot hold the recipe's),
+    and a step whose micro-batches the ranks share unevenly."""
+    out, count = [], micro_batches_per_step(train)
+    recipe = splitting_micro_batch(train["global_batch_size"], chosen.get("max"), [1])
+    norm = chosen.get("norm")
+    fresh = chosen.get("auto") and chosen.get("recorded") is None and train.get("norm_batch_size")
+    if chosen.get("role") == "norm" and fresh and recipe and norm != recipe:
+        out.append(
+            f"{where}: BatchNorm's batch is {norm}, not the recipe's {recipe}: world size "
+            f"{world} cannot hold {train['global_batch_size'] // recipe} batches of {recipe} a "
+            f"step; once trained it stays {norm} at any world size (to keep {recipe}, write "
+            f"train.norm_batch_size: {recipe} and a world size that holds it)"
+        )
+    if count % world:
+        most, extra = -(-count // world), count % world
+        out.append(
+            f"{where}: world size {world} shares the step's {count} micro-batches unevenly: "
+            f"{counted(extra, 'rank computes', 'ranks compute')} {most}, the others "
+            f"{most - 1}, and every step waits for them; the science is the same "
+            f"({', '.join(map(str, working_world_sizes(train)))} ranks share them evenly)"
+        )
     return out
 
 
@@ -238,7 +266,8 @@ def run_warnings(run: dict, launcher: str) -> list[str]:
     """Legal but suspicious settings: the run starts, and these lines say what looks wrong."""
     where = f"run {run['name']!r}"
     machine, train, out = run["machine"], run["train"], []
-    out += micro_batch_warnings(where, train, run.get("micro_batch", {}))
+    data_ranks = data_parallel_size(train, run["world_size"])
+    out += micro_batch_warnings(where, train, run.get("micro_batch", {}), data_ranks)
     if train["warmup_epochs"] > train["epochs"]:
         reached = train["epochs"] / train["warmup_epochs"]
         out.append(

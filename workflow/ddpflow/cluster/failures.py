@@ -299,3 +299,17 @@ def _read(path: Path) -> str:
         return Path(path).read_text(errors="replace")
     except OSError:
         return ""
+
+
+def first_failed_rank(job) -> tuple[int, bool] | None:
+    """(rank, whether it only lost a peer) of a rank that has written an error result
+    (submitit's result pickle), if any; a rank that raised itself comes before one that
+    lost its peer. A killed rank writes nothing: the peer that noticed is said to have lost
+    it. A pickle being written right now reads as unreadable and is looked at next poll."""
+    found = []
+    for index in range(job.num_tasks):
+        outcome = read_result(job.task(index).paths.result_pickle)
+        if outcome is not None and outcome[0] == "error":
+            cause = final_exception(str(outcome[1])) or ""
+            found.append((index, bool(PEER_LOSS.search(cause))))
+    return min(found, key=lambda item: item[1]) if found else None

@@ -293,12 +293,8 @@ def reattach(record, launcher: str, folder, fingerprint: str, num_tasks: int):
     if not (finished or slurm_job_alive(previous["job_id"])):
         return None
     state = "has finished" if finished else "still runs"
-    log.info(
-        "Slurm job %s, submitted for this config by an earlier attempt, %s: reattaching to it "
-        "instead of resuming (nothing new is submitted)",
-        job.job_id,
-        state,
-    )
+    said = "reattaching to it instead of resuming (nothing new is submitted)"
+    log.info("Slurm job %s, submitted for this config earlier, %s: %s", job.job_id, state, said)
     return job
 
 
@@ -323,7 +319,7 @@ def wait(
                 f"{job_name} (job {job.job_id}): Slurm requeued the job after a node failure; "
                 "ddpflow cancelled it (it would wait for the lost node)"
             )
-        if failed_at is None and (first := first_failed_rank(job)) is not None:
+        if failed_at is None and (first := failures.first_failed_rank(job)) is not None:
             failed_at = time.monotonic()
             rank, lost_a_peer = first
             what = "lost a peer (the rank that failed is named below)" if lost_a_peer else "failed"
@@ -382,20 +378,6 @@ def _still_running(job) -> bool:
     if isinstance(job, submitit.SlurmJob):
         return slurm_job_alive(job.job_id)
     return not job.done()
-
-
-def first_failed_rank(job) -> tuple[int, bool] | None:
-    """(rank, whether it only lost a peer) of a rank that has written an error result
-    (submitit's result pickle), if any; a rank that raised itself comes before one that
-    lost its peer. A killed rank writes nothing: the peer that noticed is said to have lost
-    it. A pickle being written right now reads as unreadable and is looked at next poll."""
-    found = []
-    for index in range(job.num_tasks):
-        outcome = failures.read_result(job.task(index).paths.result_pickle)
-        if outcome is not None and outcome[0] == "error":
-            cause = failures.final_exception(str(outcome[1])) or ""
-            found.append((index, bool(failures.PEER_LOSS.search(cause))))
-    return min(found, key=lambda item: item[1]) if found else None
 
 
 def failure_message(job, job_name: str, cancelled: bool = False) -> str:

@@ -37,11 +37,18 @@ def data_parallel_size(train: SectionView, world: int) -> int:
     return world // tensor_parallel_degree(train)
 
 
-def accumulation_steps(train: SectionView, world: int) -> int:
-    """Micro-batches each rank computes per optimizer step: global / (micro x world),
-    derived (check_world_size has made sure it divides); world: the data-parallel ranks
-    (data_parallel_size)."""
-    return train["global_batch_size"] // (train["micro_batch_size"] * world)
+def accumulation_steps(train: SectionView, world: int, rank: int = 0) -> int:
+    """Micro-batches a rank computes per optimizer step: global / (micro x world), derived;
+    where the world size does not divide the step's micro-batches, the first ranks take one
+    more each (rank_shares); world: the data-parallel ranks (data_parallel_size)."""
+    return rank_shares(micro_batches_per_step(train), world)[rank]
+
+
+def rank_shares(count: int, world: int) -> list[int]:
+    """Each rank's micro-batches of a step's `count`: equal where world divides it, else the
+    first count % world ranks one more (the step waits for them)."""
+    base, extra = divmod(count, world)
+    return [base + (rank < extra) for rank in range(world)]
 
 
 def micro_batches_per_step(train: SectionView) -> int:
@@ -52,6 +59,20 @@ def working_world_sizes(train: dict) -> list[int]:
     """The world sizes that split a step's micro-batches evenly: divisors of global/micro."""
     count = micro_batches_per_step(train)
     return [w for w in range(1, count + 1) if count % w == 0]
+
+
+def sharing_micro_batch(global_batch: int, cap: int | None, worlds: list[int]) -> int | None:
+    """The largest micro-batch up to `cap` that cuts the global batch into whole
+    micro-batches, evenly shared at every world size where one does (splitting_micro_batch),
+    else shared unevenly: at least one per rank at the largest world size (None: there is
+    none, a world larger than the global batch)."""
+    even = splitting_micro_batch(global_batch, cap, worlds)
+    if even is not None:
+        return even
+    for micro in range(min(cap or global_batch, global_batch), 0, -1):
+        if global_batch % micro == 0 and global_batch // micro >= max(worlds):
+            return micro
+    return None
 
 
 def request_world_sizes(machine: dict) -> list[int]:

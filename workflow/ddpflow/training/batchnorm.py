@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpflow.training.schedule import norm_batch_part
+from ddpflow.training.schedule import first_position, norm_batch_part, share
 
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
@@ -57,7 +57,10 @@ class _Layout:
             steps = 1 if ranks == 1 else GATHER_BYTES // (4 * micro_per_step * width)
             steps = max(1, min(STEPS_PER_GATHER, steps))
         # [rank, step, micro-batch of the rank, width]: each rank's rows are contiguous
-        self.slots = torch.zeros(ranks, steps, micro_per_step // ranks, width, device=device)
+        # a rank's most micro-batches a step (the first ranks take one more where the world
+        # size does not divide them: their neighbours' last row stays unused)
+        most = -(-micro_per_step // ranks)
+        self.slots = torch.zeros(ranks, steps, most, width, device=device)
         self.pending = 0  # steps recorded, not yet folded in
         views = self.scratch.split(self.sizes)
         # per layer: its scratch buffers (mean, var, batch counter) for the step's forwards
@@ -130,7 +133,8 @@ class ExactStatistics:
         self.model, self.micro_per_step = model, micro_per_step
         # the step's positions folded, in the global order: one per normalisation batch (a
         # group of ranks holds each part of one, with its statistics: training.norm_groups)
-        self._folded = _first_parts(micro_per_step, accum, group)
+        self._folded = _first_parts(micro_per_step, world_size, accum, group)
+        self._slot = _slots(micro_per_step, world_size)  # a position's row in the slots
         self.world_size, self.device = world_size, device
         self._steps_per_gather = steps_per_gather
         self._layers = batchnorm_layers(model)  # the training ones of them at each step
@@ -159,7 +163,7 @@ class ExactStatistics:
         if self._active:
             layout = self._layout
             assert layout is not None
-            rank, within = divmod(micro, layout.slots.shape[2])  # rank r: [r * a, (r + 1) * a)
+            rank, within = self._slot[micro]  # rank r: [first_position(r), + its share)
             layout.slots[rank, layout.pending, within].copy_(layout.scratch)
 
     def end_step(self) -> None:
@@ -206,7 +210,7 @@ class ExactStatistics:
         buffers = [b for own in layout.own for b in (own["running_mean"], own["running_var"])]
         running = torch.cat([b.float() for b in buffers])
         factors, keep = self._update_factors(layout)
-        rows = layout.slots[:, step].reshape(self.micro_per_step, -1)  # in the global order
+        rows = layout.slots[:, step].reshape(-1, layout.slots.shape[-1])  # [rank, row]
         for index, micro in enumerate(self._folded):
             running = factors[index] * rows[micro] + keep[index] * running
         torch._foreach_copy_(buffers, list(running.split(layout.sizes)))
@@ -234,10 +238,24 @@ class ExactStatistics:
         return pair
 
 
-def _first_parts(micro_per_step: int, accum: int, group: int) -> list[int]:
-    """The positions of a step whose statistics are folded, in the global order: every one at
-    group 1; else the first part of each normalisation batch, by the batch's index."""
+def _slots(micro_per_step: int, world: int) -> list[tuple[int, int]]:
+    """(rank, row) of each step position (schedule.rank_micro_batches' blocks)."""
+    return [
+        (rank, position - first_position(micro_per_step, world, rank))
+        for rank in range(world)
+        for position in range(
+            first_position(micro_per_step, world, rank),
+            first_position(micro_per_step, world, rank) + share(micro_per_step, world, rank),
+        )
+    ]
+
+
+def _first_parts(micro_per_step: int, world: int, accum: int, group: int) -> list[int]:
+    """The rows of the slots ([rank, row] flattened) whose statistics are folded, in the
+    global order: every position's at group 1; else the first part of each normalisation
+    batch, by the batch's index (groups share evenly: a position is its row there)."""
+    most = -(-micro_per_step // world)
     if group == 1:
-        return list(range(micro_per_step))
+        return [rank * most + row for rank, row in _slots(micro_per_step, world)]
     parts = {norm_batch_part(j, accum, group): j for j in range(micro_per_step)}
     return [parts[(norm, 0)] for norm in range(micro_per_step // group)]

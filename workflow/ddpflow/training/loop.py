@@ -42,6 +42,7 @@ from ddpflow.training.norm_groups import norm_process_group, normalise_in_groups
 from ddpflow.training.rankdata import RankData
 from ddpflow.training.resume import Resumable
 from ddpflow.training.schedule import (
+    first_position,
     grouped,
     micro_batch_seed,
     norm_batch_part,
@@ -81,7 +82,10 @@ class Loop(Resumable):
         assert isinstance(tcfg.micro_batch_size, int), tcfg.micro_batch_size
         self.micro_batch_size: int = tcfg.micro_batch_size
         self.micro_per_step = micro_batches_per_step(tcfg)
-        self.accum = accumulation_steps(tcfg, env.world_size)
+        # this rank's micro-batches of a step (the first ranks one more where the world size
+        # does not divide them) and the step position of its first
+        self.accum = accumulation_steps(tcfg, env.world_size, env.rank)
+        self.first = first_position(self.micro_per_step, env.world_size, env.rank)
         self.steps_per_epoch = data.train.inputs.shape[0] // tcfg.global_batch_size
         loss_fn = data.task.loss(data.task_manifest, tcfg)
         parts = build_training(run, env, device, model, self.steps_per_epoch, loss_fn)
@@ -192,7 +196,7 @@ class Loop(Resumable):
         (ddpflow.training.faults) and the log of torch.compile's first step."""
         env, accum = self.env, self.accum
         step, within = divmod(index, accum)
-        micro = env.rank * accum + within  # the micro-batch's index in its step
+        micro = self.first + within  # the micro-batch's index in its step
         faults.maybe_inject(env.rank, self.epoch, index)
         if slow := faults.slow_seconds(env.rank):
             time.sleep(slow)
@@ -286,7 +290,7 @@ class Loop(Resumable):
             with self.clock.phase(seconds, "backward_sync"):
                 # DDP/FSDP average over the ranks, so 1/accum here makes the gradient the
                 # mean over the step's micro-batches (no extra kernel when accum is 1)
-                self.scaler.scale(loss / accum if accum > 1 else loss).backward()
+                self.scaler.scale(_share_of_step(loss, accum, self)).backward()
                 if last_micro and self.grad_sync is not None:
                     self.grad_sync()  # tensor parallelism under ddp
         loss = loss.detach().float()
@@ -308,6 +312,16 @@ class Loop(Resumable):
         result = evaluate.evaluate_split(self.model, self.data.val, scoring, self.env)
         assert result is not None  # without guard a failed evaluation raises
         return self.data.task.validation(result)
+
+
+def _share_of_step(loss: torch.Tensor, accum: int, loop: Loop) -> torch.Tensor:
+    """A micro-batch's loss as its part of the step's mean: 1/accum where every rank
+    computes accum micro-batches (DDP and FSDP then average over the ranks); world /
+    micro-batches where the ranks' shares differ, so that each micro-batch weighs the same."""
+    world, count = loop.env.world_size, loop.micro_per_step
+    if count % world:
+        return loss * (world / count)
+    return loss / accum if accum > 1 else loss
 
 
 def _norm_batches(model: nn.Module, tcfg, env: DistEnv, device, accum: int):

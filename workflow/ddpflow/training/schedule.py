@@ -39,9 +39,25 @@ def step_micro_batches(n: int, global_batch: int, micro: int, seed: int, epoch: 
 
 def rank_micro_batches(batches: torch.Tensor, world: int, rank: int) -> torch.Tensor:
     """This rank's micro-batches in the order it computes them, [steps * a, micro]: of each
-    step the contiguous block j in [rank * a, (rank + 1) * a), a = micro-batches / world."""
-    accum = batches.shape[1] // world
-    return batches[:, rank * accum : (rank + 1) * accum].reshape(-1, batches.shape[2])
+    step the contiguous block j in [start, start + a) (first_position), a = micro-batches /
+    world, the first ranks one more each where world does not divide them."""
+    start, accum = (
+        first_position(batches.shape[1], world, rank),
+        share(batches.shape[1], world, rank),
+    )
+    return batches[:, start : start + accum].reshape(-1, batches.shape[2])
+
+
+def share(count: int, world: int, rank: int) -> int:
+    """A rank's micro-batches of a step's `count` (config.machine.rank_shares)."""
+    base, extra = divmod(count, world)
+    return base + (rank < extra)
+
+
+def first_position(count: int, world: int, rank: int) -> int:
+    """The step position of a rank's first micro-batch (the ranks before it hold the rest)."""
+    base, extra = divmod(count, world)
+    return rank * base + min(rank, extra)
 
 
 def norm_batch_part(position: int, accum: int, group: int) -> tuple[int, int]:
