@@ -407,15 +407,16 @@ class TrainSpec(_Section):
     global_batch_size: int = 64
     #: samples per forward/backward on one rank (the memory knob; BatchNorm's batch is
     #: train.norm_batch_size). Gradient accumulation steps = global_batch_size /
-    #: (micro_batch_size x world size), derived: the world size must divide global_batch_size /
-    #: micro_batch_size. A number is the science: editing the machine never retrains, and a world
-    #: size that cannot split the global batch into whole micro-batches is refused. `auto`: the
-    #: largest micro-batch up to max_micro_batch_size that splits the global batch at every world
-    #: size the request can run at (machine.nodes, and down to machine.min_nodes), resolved
-    #: before anything runs and recorded in the run's records. An edit of the world size that
-    #: changes it retrains nothing where the model has BatchNorm (the normalisation batch stays:
-    #: train.norm_batch_size) or no batch-dependent layer and no draws; a model that draws random
-    #: numbers in its forward (dropout) retrains, and the plan says so
+    #: (micro_batch_size x world size), derived; where the world size does not divide
+    #: global_batch_size / micro_batch_size the first ranks take one more (the same science, the
+    #: step waits for them), and only a world larger than the step's micro-batches is refused. A
+    #: number is the science: editing the machine never retrains. `auto`: the largest micro-batch
+    #: up to max_micro_batch_size that splits the global batch evenly at every world size the
+    #: request can run at (machine.nodes, and down to machine.min_nodes), else shared unevenly,
+    #: resolved before anything runs and recorded in the run's records. An edit of the world size
+    #: that changes it retrains nothing where the model has BatchNorm (the normalisation batch
+    #: stays: train.norm_batch_size) or no batch-dependent layer and no draws; a model that draws
+    #: random numbers in its forward (dropout) retrains, and the plan says so
     micro_batch_size: int | Literal["auto"] = 32
     #: the cap on the micro-batch that train.micro_batch_size auto resolves (the largest that
     #: fits a rank's memory); null = no cap (at most global_batch_size / world size, no
@@ -427,10 +428,11 @@ class TrainSpec(_Section):
     #: group of norm_batch_size / micro_batch_size consecutive ranks that holds one normalisation
     #: batch normalises it together (an all-reduce of each BatchNorm layer's sums in the forward
     #: and backward), so editing nodes, GPUs or ranks never retrains. `auto`: the batch the run
-    #: trained with, or for a new run the micro-batch auto resolves to at one rank (a numeric
-    #: micro_batch_size: that number). Models without BatchNorm or draws (mlp, gpt without
-    #: dropout) ignore it; models that draw random numbers in their forward (dropout,
-    #: torchvision's and your own models) keep the micro-batch as their science
+    #: trained with, or for a new run the micro-batch auto resolves to at one rank (where the
+    #: machine cannot hold that, the largest it can; a numeric micro_batch_size: that number).
+    #: Models without BatchNorm or draws (mlp, gpt without dropout) ignore it; models that draw
+    #: random numbers in their forward (dropout, torchvision's and your own models) keep the
+    #: micro-batch as their science
     norm_batch_size: int | Literal["auto"] = "auto"
     #: mixed precision autocast: bf16 on GPUs and CPU ranks (oneDNN's bf16 kernels: on a CPU with
     #: AMX ~2.5x fp32 for ResNets and the CNN, slower for depthwise convolutions,
