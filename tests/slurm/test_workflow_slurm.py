@@ -525,6 +525,11 @@ def test_stopping_snakemake_cancels_the_job(slurm_cluster, tmp_path):
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) != 0
     assert sacct_state(job_id) == "CANCELLED"
+    # the error hook waited for the train rule to cancel its job and say so: interrupted,
+    # with the command that goes on (not "failed", not a report of a finished run)
+    said = (tmp_path / "smk.err").read_text()
+    assert "ddpflow: run 'long': train interrupted" in said, said[-3000:]
+    assert "its train rule failed" not in said and "report of the 0 finished of 1 run" in said
     # COMPLETING (CG) while Slurm kills the ranks (KillWait), then gone: nothing orphaned
     deadline = time.monotonic() + 60
     while _in_queue(job_id) and time.monotonic() < deadline:

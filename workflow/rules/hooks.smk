@@ -32,7 +32,10 @@ onerror:
     # last config. The next run redoes exactly the rest. First the finished outputs a failed
     # or stopped rerun removed come back (a stopped one is told how to go on, not to fix).
     from ddpflow.report.outcome import interrupted_runs, report_unfinished
+    from ddpflow.cluster.interrupts import wait_for_rule_scripts
 
+    # a stopped rule may still be cancelling its Slurm job: its record first
+    wait_for_rule_scripts()
     stopped = interrupted_runs(RUNS, RESULTS)
     restored = [
         run for kept in KEPT_OUTPUTS for run in kept.restore_failed(stopped)

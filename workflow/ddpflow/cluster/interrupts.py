@@ -86,6 +86,21 @@ def forward_stop_signals() -> None:
         signal.signal(signum, handler)
 
 
+def wait_for_rule_scripts(timeout_s: float = 90.0, poll_s: float = 0.2) -> list[int]:
+    """Until the rule scripts still running have ended (a stopped train rule is cancelling its
+    Slurm job: seconds, while Snakemake's error hook would already report it), at most
+    timeout_s; returns those still running then. So the hook reads what each rule recorded
+    (interrupted, or its failure), not the state before."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    running = rule_scripts()
+    while running and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        running = rule_scripts()
+    return running
+
+
 @contextlib.contextmanager
 def controller_output(launcher: str, folder):
     """submitit's local executor starts a controller process that inherits this process's
