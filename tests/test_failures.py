@@ -274,3 +274,34 @@ def test_the_cancel_of_a_slurm_job_backs_off_its_squeue_polls(monkeypatch):
     launch.cancel_and_wait(Queued())
     assert slept[:3] == pytest.approx([0.2, 0.3, 0.45]) and max(slept) == 2.0
     assert len(slept) <= 8
+
+
+def test_a_slurm_jobs_time_is_said_as_pending_and_running(monkeypatch):
+    """The wait's last line splits a Slurm job's time at the first look that found it out of
+    the queue (the state the shared watcher holds: no query of its own); a local job has no
+    queue."""
+    import submitit
+    from ddpflow.cluster import poll
+
+    class Watched(submitit.SlurmJob):
+        def __init__(self):
+            self._job_id, self._cancel_at_deletion, self.states = "7", False, []
+
+        @property
+        def state(self) -> str:
+            return self.states.pop(0)
+
+    clock = [100.0]
+    monkeypatch.setattr(poll.time, "monotonic", lambda: clock[0])
+    job = Watched()
+    job.states = ["PENDING", "RUNNING"]
+    queued = poll.QueueTime(job, start=100.0)
+    for advance in (3.0, 2.5):
+        clock[0] += advance
+        queued.look()
+    clock[0] += 10.0
+    queued.look()  # found running before: not asked again
+    assert queued.said() == "15.5s (5.5s pending, 10.0s running)"
+    local = poll.QueueTime(object(), start=clock[0] - 4.0)
+    local.look()
+    assert local.said() == "4.0s"

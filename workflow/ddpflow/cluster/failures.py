@@ -313,3 +313,14 @@ def first_failed_rank(job) -> tuple[int, bool] | None:
             cause = final_exception(str(outcome[1])) or ""
             found.append((index, bool(PEER_LOSS.search(cause))))
     return min(found, key=lambda item: item[1]) if found else None
+
+
+def first_failure(job) -> str | None:
+    """The launcher's first line about a failed job: "rank 2 failed", or, where the first
+    rank to report only lost its peer (a killed rank writes nothing), that it lost a peer."""
+    first = first_failed_rank(job)
+    if first is None:
+        return None
+    rank, lost_a_peer = first
+    what = "lost a peer (the rank that failed is named below)" if lost_a_peer else "failed"
+    return f"rank {rank} {what}"

@@ -310,8 +310,9 @@ def wait(
     keep it alive until its time limit). watch(): True once Slurm requeued the job after a
     node failure (nodes.NodeFailureWatch): the job is cancelled, NodeLost raised."""
     start = time.monotonic()
-    failed_at, cancelled = None, False
+    failed_at, cancelled, queued = None, False, poll.QueueTime(job, start)
     while not job.done():
+        queued.look()
         if watch is not None and watch():
             log.error("Slurm requeued job %s after a node failure: cancelling it", job.job_id)
             cancel_and_wait(job)
@@ -319,17 +320,10 @@ def wait(
                 f"{job_name} (job {job.job_id}): Slurm requeued the job after a node failure; "
                 "ddpflow cancelled it (it would wait for the lost node)"
             )
-        if failed_at is None and (first := failures.first_failed_rank(job)) is not None:
+        if failed_at is None and (first := failures.first_failure(job)) is not None:
             failed_at = time.monotonic()
-            rank, lost_a_peer = first
-            what = "lost a peer (the rank that failed is named below)" if lost_a_peer else "failed"
-            log.error(
-                "rank %d of job %s %s after %.1fs; stopping the other ranks",
-                rank,
-                job.job_id,
-                what,
-                failed_at - start,
-            )
+            took = failed_at - start
+            log.error("%s of job %s after %.1fs; stopping the other ranks", first, job.job_id, took)
         if failed_at is not None and time.monotonic() - failed_at > grace_s:
             job.cancel(check=False)
             cancelled = True
@@ -339,7 +333,7 @@ def wait(
         time.sleep(poll_s)
     if on_poll is not None:
         on_poll()
-    log.info("%s job %s ended after %.1fs", job_name, job.job_id, time.monotonic() - start)
+    log.info("%s job %s ended after %s", job_name, job.job_id, queued.said())
     try:
         return job.results()
     except Exception as exc:  # every submitit failure becomes one clear error

@@ -40,6 +40,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import submitit
 from submitit.slurm.slurm import SlurmInfoWatcher
 
 from ddpflow.cluster.slurm_parse import JobInstance, parse_job_instances
@@ -261,3 +262,29 @@ def attached(job, status: SharedStatus):
         yield watcher
     finally:
         status.unregister(job_id)
+
+
+class QueueTime:
+    """How long a Slurm job waited in the queue before its ranks started: read from the
+    state submitit's watcher already holds (the workflow's shared sacct answer: no query of
+    its own), so a job's time is said as pending and running, not all as running."""
+
+    WAITING = ("PENDING", "UNKNOWN", "READY", "REQUEUED", "CONFIGURING")
+
+    def __init__(self, job, start: float):
+        self.job, self.start = job, start
+        self.pending_s: float | None = None
+
+    def look(self) -> None:
+        slurm = isinstance(self.job, submitit.SlurmJob)
+        if self.pending_s is None and slurm and self.job.state not in self.WAITING:
+            self.pending_s = time.monotonic() - self.start
+            log.info("job %s started after %.1fs in the queue", self.job.job_id, self.pending_s)
+
+    def said(self) -> str:
+        total = time.monotonic() - self.start
+        if self.pending_s is None:
+            return f"{total:.1f}s"
+        return (
+            f"{total:.1f}s ({self.pending_s:.1f}s pending, {total - self.pending_s:.1f}s running)"
+        )

@@ -19,6 +19,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 from ddpflow.config.fingerprint import config_hash, training_fingerprint
 from ddpflow.paths import LIVE_TRACKING
@@ -49,7 +50,7 @@ class LiveStream:
         self.training = training_key(run)
         self.state_file = Path(work) / LIVE_TRACKING
         self.stopped = False
-        self.client = None
+        self.client: Any = None  # MlflowClient, made on first use (mlflow is optional)
 
     @classmethod
     def for_run(cls, run: dict, tracking: dict | None, work) -> LiveStream | None:
