@@ -160,6 +160,14 @@ def docs_folder(tmp_path_factory) -> Path:
     (table,) = [t for lang, _, t in _fences(DOCS / "sweeps.md") if "\t" in t.splitlines()[0]]
     (folder / "sweeps").mkdir()
     (folder / "sweeps/lr.tsv").write_text(table)
+    # the files the other examples name (the workflow refuses a missing data.path at once):
+    # a text corpus, a token folder, the npz of a multi-label and of a regression task
+    (folder / "corpus").mkdir()
+    (folder / "corpus/a.txt").write_text("the docs' examples read this corpus.\n" * 200)
+    (folder / "data/openwebtext").mkdir(parents=True)
+    tags = (rng.random((40, 3)) < 0.5).astype(np.uint8)
+    np.savez(folder / "my_tags.npz", train_images=images, train_labels=tags)
+    np.savez(folder / "my_targets.npz", train_images=images, train_labels=rng.random((40, 2)))
     return folder
 
 
