@@ -218,11 +218,11 @@ BAD_CONFIGS = [
         ],
     ),
     (
-        "world-size-does-not-divide",
+        "world-size-larger-than-the-step",
         "machine: {cpu_ranks_per_node: 3}",
         [
             "64 = 32 x world size x accumulation steps",
-            "world sizes 1, 2 work; 3 does not",
+            "is more than 2 micro-batches a step: world sizes up to 2 work",
             "machine.nodes 1 x 3 ranks",
         ],
     ),
@@ -479,19 +479,27 @@ def test_a_global_batch_larger_than_the_training_split_is_refused():
 
 @pytest.mark.parametrize(
     ("nodes", "ranks", "works"),
-    [(1, 1, True), (1, 2, True), (2, 2, True), (1, 4, True), (1, 8, True), (3, 1, False),
+    [(1, 1, True), (1, 2, True), (2, 2, True), (1, 4, True), (1, 8, True), (3, 1, True),
      (1, 16, False)],
 )  # fmt: skip
-def test_world_sizes_that_split_the_step_into_whole_micro_batches(nodes, ranks, works):
-    """global 64 / micro 8 = 8 micro-batches per step: world sizes 1, 2, 4, 8."""
+def test_world_sizes_that_share_the_steps_micro_batches(nodes, ranks, works):
+    """global 64 / micro 8 = 8 micro-batches per step: world sizes 1, 2, 4, 8 evenly, 3
+    unevenly (3 + 3 + 2), 16 refused: more ranks than micro-batches."""
     train = {"global_batch_size": 64, "micro_batch_size": 8}
     config = {"launcher": "slurm", "train": train,
               "machine": {"nodes": nodes, "cpu_ranks_per_node": ranks}}  # fmt: skip
     if works:
         run = ddpconfig.check_runs(config)[1][0]
-        assert ddpconfig.accumulation_steps(run["train"], run["world_size"]) == 8 // (nodes * ranks)
+        world = run["world_size"]
+        shares = [ddpconfig.accumulation_steps(run["train"], world, r) for r in range(world)]
+        assert (
+            sum(shares) == 8
+            and max(shares) - min(shares) <= 1
+            and shares == sorted(shares, reverse=True)
+        )
         return
-    with pytest.raises(ConfigError, match=r"world sizes 1, 2, 4, 8 work; \d+ does not"):
+    with pytest.raises(ConfigError, match=r"world size 16 .* more than 8 micro-batches a step: "
+                       r"world sizes up to 8 work \(1, 2, 4, 8 evenly\)"):  # fmt: skip
         ddpconfig.check(config)
 
 
@@ -524,7 +532,7 @@ WORKFLOW_CASES = [
     ("per-rank-batch", {"train": {"batch_size": 32}},
      ["train.batch_size (per rank) is replaced", "global_batch_size: 64"]),
     ("world-size-3", {"machine": {"cpu_ranks_per_node": 3}},
-     ["world sizes 1, 2 work; 3 does not"]),
+     ["is more than 2 micro-batches a step: world sizes up to 2 work"]),
     ("run-name-space", {"runs": [{"name": "my run"}]},
      ["runs[0].name", "'my run'", "letters, digits"]),
     ("misspelt-key", {"train": {"global_batchsize": 64}},
