@@ -27,7 +27,7 @@ from ddpflow.config import config_hash, evaluation_fingerprint, uses_channels_la
 from ddpflow.config.typed import RunSpec
 from ddpflow.monitoring import sampler as monitor
 from ddpflow.paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
-from ddpflow.training import evaluate, sharding, startup, tensor_parallel
+from ddpflow.training import evaluate, sharding, startup, summaries, tensor_parallel
 from ddpflow.training.build import cpu_has_native_bf16, placed_model
 from ddpflow.training.checkpoint import (
     Checkpointer,
@@ -304,7 +304,7 @@ def _start_log(run: RunSpec, model, loop, resumed, attempt, live_metrics: Path) 
         "strategy %s; attempt %d",
         run.model.name, count_parameters(model), loop.lr, train.global_batch_size,
         train.micro_batch_size, counted(loop.env.world_size, _data_ranks(loop.env)),
-        counted(loop.accum, "accumulation step"), loop.strategy, attempt,
+        summaries.accumulation_words(loop), loop.strategy, attempt,
     )  # fmt: skip
     log_fine_tuning(loop)
     if resumed:

@@ -13,6 +13,7 @@ from ddpflow.config.typed import RunSpec, RunView
 from ddpflow.data.windows import scored_samples
 from ddpflow.plugins import is_plugin
 from ddpflow.task import run_task
+from ddpflow.words import counted
 
 
 def evaluation_record(
@@ -139,6 +140,15 @@ def train_summary(
         **pruned,
         **task_fields(run),
     }
+
+
+def accumulation_words(loop) -> str:
+    """'4 accumulation steps', or where the ranks share a step unevenly '2 or 1 accumulation
+    steps' (the first ranks one more: the log's global batch = micro x ranks x these)."""
+    base, extra = divmod(loop.micro_per_step, loop.env.world_size)
+    if not extra:
+        return counted(base, "accumulation step")
+    return f"{base + 1} or {base} accumulation steps (the first {extra} ranks one more)"
 
 
 def _batch_record(run: RunSpec, loop) -> dict:
