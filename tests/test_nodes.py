@@ -320,12 +320,13 @@ def test_the_report_has_a_bad_nodes_section_only_when_there_are_some():
     assert "Bad nodes" not in render.to_markdown("r", render.document([], [], {}, "now"))
 
 
-def test_a_node_count_that_cannot_split_the_global_batch_is_skipped():
-    """global 128 / micro 32 = 4 micro-batches per step: 3 ranks cannot share them, 2 can."""
+def test_fewer_nodes_share_the_global_batch_unevenly():
+    """global 128 / micro 32 = 4 micro-batches per step: with a node excluded, 3 ranks share
+    them (2 + 1 + 1) rather than the job shrinking to 2."""
     machine = {"nodes": 4, "min_nodes": 1, "cpu_ranks_per_node": 1}
     run = make_run(launcher="slurm", machine=machine, runs=[{"name": "cnn"}],
                    train={"global_batch_size": 128, "micro_batch_size": 32})  # fmt: skip
     members = [node(f"node{i}") for i in range(1, 5)]
     decision = placement.decide(run, members, [{"node": "node4", "reason": "r"}], "l")
-    assert decision.nodes == 2  # 4 micro-batches: 3 ranks refused, 2 take two each
-    assert placement.on_nodes(run, 2)["world_size"] == 2
+    assert decision.nodes == 3  # 4 micro-batches on 3 ranks: the first takes two
+    assert placement.on_nodes(run, 3)["world_size"] == 3

@@ -104,8 +104,10 @@ def resolve_micro_batch(
         micro, science = norm // group, norm
     else:
         found = train["micro_batch_size"]
-        if auto:  # evenly shared where one is, else the first ranks take one more
-            found = sharing_micro_batch(train["global_batch_size"], cap, worlds)
+        if auto:  # evenly shared where one is, else the first ranks take one more (not
+            # across tensor groups: their data-parallel ranks share evenly)
+            share = splitting_micro_batch if tensor_parallel_degree(train) > 1 else None
+            found = (share or sharing_micro_batch)(train["global_batch_size"], cap, worlds)
             if found is None:
                 raise ConfigError(_auto_refusal(where, train, cap, worlds, machine))
         micro = found
