@@ -300,8 +300,9 @@ def _with_ranks(ranks: int) -> dict:
 def test_killed_at_four_ranks_continues_at_two_to_the_same_model(tmp_path_factory, workdir):
     """The world size is a machine setting: a 4-rank run killed mid-epoch (SIGKILL of rank 3)
     is rerun with 2 ranks; it resumes from the 4-rank checkpoint, finishes, and matches an
-    uninterrupted 4-rank run. Editing the ranks of a finished run plans nothing; a world size
-    that cannot split the global batch is refused before any rank starts."""
+    uninterrupted 4-rank run. Editing the ranks of a finished run plans nothing, 3 ranks
+    (sharing 4 micro-batches unevenly) too; more ranks than micro-batches are refused before
+    any rank starts."""
     clean_dir = tmp_path_factory.mktemp("clean4")
     clean_config = write_config(clean_dir / "config.yaml", CONFIG_4_RANKS)
     clean = snakemake(clean_dir, clean_config)
@@ -310,11 +311,13 @@ def test_killed_at_four_ranks_continues_at_two_to_the_same_model(tmp_path_factor
     write_config(clean_config, _with_ranks(2))
     assert jobs_planned(clean_dir, clean_config) == set()
     write_config(clean_config, _with_ranks(3))
+    assert jobs_planned(clean_dir, clean_config) == set()
+    write_config(clean_config, _with_ranks(5))
     refused = snakemake(clean_dir, clean_config)
     assert refused.returncode != 0
     message = refused.stdout + refused.stderr
     assert "64 = 16 x world size x accumulation steps" in message, message[-2000:]
-    assert "world sizes 1, 2, 4 work; 3 does not" in message, message[-2000:]
+    assert "is more than 4 micro-batches a step: world sizes up to 4 work" in message, message
 
     configfile = write_config(workdir / "config.yaml", CONFIG_4_RANKS)
     fault = {"DDPFLOW_FAULT": "kill:3:1:7", "DDPFLOW_FAULT_ONCE": str(workdir / "fired")}

@@ -323,4 +323,4 @@ def first_failure(job) -> str | None:
         return None
     rank, lost_a_peer = first
     what = "lost a peer (the rank that failed is named below)" if lost_a_peer else "failed"
-    return f"rank {rank} {what}"
+    return f"rank {rank} of job {job.job_id} {what}"

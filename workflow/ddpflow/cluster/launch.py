@@ -323,7 +323,7 @@ def wait(
         if failed_at is None and (first := failures.first_failure(job)) is not None:
             failed_at = time.monotonic()
             took = failed_at - start
-            log.error("%s of job %s after %.1fs; stopping the other ranks", first, job.job_id, took)
+            log.error("%s after %.1fs; stopping the other ranks", first, took)
         if failed_at is not None and time.monotonic() - failed_at > grace_s:
             job.cancel(check=False)
             cancelled = True
