@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from ddpflow.checks.norm_batch import normalisation
+from ddpflow.checks.norm_batch import free_science, normalisation
 from ddpflow.checks.tensor_parallel import check_tensor_group
 from ddpflow.config.machine import (
     data_parallel_size,
@@ -112,25 +112,10 @@ def resolve_micro_batch(
                 raise ConfigError(_auto_refusal(where, train, cap, worlds, machine))
         micro = found
         norm, group = micro, 1
-        science = micro if role == "draws" else _free_science(train, cap, recorded, micro)
+        science = micro if role == "draws" else free_science(train, cap, recorded, micro)
     train["micro_batch_size"], train["norm_batch_size"] = micro, norm
     info = dict(size=micro, auto=auto, max=cap, norm=norm, group=group, science=science)
     return train, {**info, "role": role, "recorded": recorded}
-
-
-def _free_science(train: dict, cap: int | None, recorded: int | None, micro: int) -> int:
-    """A run whose micro-batch decides nothing of its science (no BatchNorm, no draws): the
-    fingerprint keeps the batch it trained with, so no world size retrains it; a number
-    written for micro_batch_size or norm_batch_size is the user's own science."""
-    given = train["norm_batch_size"]
-    if given != "auto":
-        return given
-    if train["micro_batch_size"] != "auto":
-        return micro
-    global_ = train["global_batch_size"]
-    if recorded and global_ % recorded == 0:
-        return recorded
-    return splitting_micro_batch(global_, cap, [1]) or micro
 
 
 def _auto_refusal(where: str, train: dict, cap: int | None, worlds: list[int], machine) -> str:

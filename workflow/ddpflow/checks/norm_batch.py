@@ -87,10 +87,8 @@ def normalisation(
     norm = train["norm_batch_size"]
     if norm == "auto" and micro != "auto":
         return micro, 1  # a number alone is the micro-batch as before (checks.batch refuses)
-    if norm == "auto" and not (recorded and global_ % recorded == 0):
-        norm = _new_norm(global_, cap, worlds)  # a run's first: the recipe's
-    elif norm == "auto":
-        norm = recorded
+    if norm == "auto":  # the run's own, else (a run's first) the recipe's
+        norm = kept_batch(global_, recorded) or _new_norm(global_, cap, worlds)
     if global_ % norm:
         raise ConfigError(
             f"{where}: train.global_batch_size {global_} is not a multiple of "
@@ -109,6 +107,24 @@ def normalisation(
         raise ConfigError(_refusal(where, train, norm, worlds, shape))
     within_cap = [g for g in groups if cap is None or norm // g <= cap]
     return norm, (within_cap or groups)[0]
+
+
+def kept_batch(global_: int, recorded: int | None) -> int | None:
+    """The batch the run trained with, where it still splits the global batch (a global
+    batch edited to one it does not divide is a new recipe)."""
+    return recorded if recorded and global_ % recorded == 0 else None
+
+
+def free_science(train: dict, cap: int | None, recorded: int | None, micro: int) -> int:
+    """A "free" run's science batch (its micro-batch decides nothing): the batch it trained
+    with, so no world size retrains it; a number written for micro_batch_size or
+    norm_batch_size is the user's own."""
+    if train["norm_batch_size"] != "auto":
+        return train["norm_batch_size"]
+    if train["micro_batch_size"] != "auto":
+        return micro
+    global_ = train["global_batch_size"]
+    return kept_batch(global_, recorded) or splitting_micro_batch(global_, cap, [1]) or micro
 
 
 def _groups(norm: int, micro, global_: int, worlds: list[int]) -> list[int]:
