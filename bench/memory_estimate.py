@@ -21,7 +21,7 @@ Per run, afterwards:
 * estimate: ddpflow.checks.memory.estimate(run, figures, process, data bytes) as
   ddpflow.checks.early judges the run, with the shape, outputs and data bytes from
   ddpflow.checks.early.input_of(run, the staged manifest) and the figures and process memory from
-  ddpflow.checks.early._measure (the workflow's own measurements, read back from its cache: the
+  ddpflow.checks.early.measure (the workflow's own measurements, read back from its cache: the
   same subprocess and key the parse and the train rule use): its parts, its total (what the
   run is judged by) and the total + the library pages (the process's file-backed RSS: the
   total leaves them out, the node's ranks share them and every rank's RSS counts them in
@@ -195,10 +195,10 @@ def estimate_row(workdir: Path, run: dict) -> dict:
     results = workdir / run["results_dir"]
     manifest = json.loads((staged_dir(results, run["dataset_id"]) / "manifest.json").read_text())
     inputs = early.input_of(run, manifest)
-    request = early._footprint_request(run, inputs)
-    key = early._footprint_key(request)
+    request = early.footprint_request(run, inputs)
+    key = early.footprint_key(request)
     cache = workdir / ".snakemake" / "ddpflow" / early.CACHE
-    problems, measured = early._measure({}, {key: request}, cache)
+    problems, measured = early.measure({}, {key: request}, cache)
     figures = measured.get(key)
     if problems or not figures or "error" in figures:
         raise RuntimeError(f"run {run['name']}: no figures: {problems or figures}")
@@ -464,7 +464,7 @@ def conditions(args: argparse.Namespace, config: dict, wall: float, sources: dic
         "ddpflow.checks.early.input_of(run, the staged manifest); the figures "
         "(ddpflow.training.footprint.measure on fake tensors) and the process memory "
         "(footprint.process_memory() in ddpflow.checks.early's measuring subprocess) through "
-        "ddpflow.checks.early._measure, read back from the footprint cache the workflow wrote "
+        "ddpflow.checks.early.measure, read back from the footprint cache the workflow wrote "
         "(XDG_CACHE_HOME in the work directory: measured afresh by this workflow). "
         "estimate_total: Estimate.total (what a run is judged by); estimate_rss: total + "
         "the process's file-backed library pages in full (the total leaves them out; the "

@@ -204,7 +204,7 @@ def test_the_gpu_types_of_a_partitions_nodes():
 
 def test_the_measurement_is_made_once_for_every_workflow(tmp_path, monkeypatch):
     """memory_verdicts measures in a subprocess, keeps the figures in the user's cache, and
-    answers the next identical question from it (no subprocess: ddpflow.checks.early._measure)."""
+    answers the next identical question from it (no subprocess: ddpflow.checks.early.measure)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     run = {**make_run(model={"name": "mlp"}), "launcher": "local"}
     inputs = {run["name"]: ([1, 8, 8], 10, 0)}

@@ -439,7 +439,7 @@ def test_rank_zeros_progress_counts_its_micro_batches(caplog, monkeypatch):
     import functools
     import logging
 
-    from ddpflow.training import entry as tasks
+    from ddpflow.training import progress_bar as tasks
 
     monkeypatch.setattr(tasks, "LineProgress", functools.partial(tasks.LineProgress, interval=0))
     run = make_run(
@@ -448,7 +448,7 @@ def test_rank_zeros_progress_counts_its_micro_batches(caplog, monkeypatch):
         machine={"cpu_ranks_per_node": 1},
     )
     loop = Loop(RunSpec.from_run(run), make_data(200, 20), SINGLE, CPU, mlp(64, [16], 4))
-    with caplog.at_level(logging.INFO, logger="ddpflow.training.entry"):
-        fit(loop, lambda record: None, tasks._progress_bar(loop.run, SINGLE))
-    lines = [r.getMessage() for r in caplog.records if r.name == "ddpflow.training.entry"]
+    with caplog.at_level(logging.INFO, logger="ddpflow.training.progress_bar"):
+        fit(loop, lambda record: None, tasks.progress_bar(loop.run, SINGLE))
+    lines = [r.getMessage() for r in caplog.records if r.name == "ddpflow.training.progress_bar"]
     assert lines and lines[-1].startswith("epoch 1: step 23/24 "), lines

@@ -130,7 +130,7 @@ def test_a_monitored_run_tensorboard_ranks_straggler_and_profile(workdir):
     tags = set(events.Tags()["scalars"])
     per_epoch = {"train/loss", "val/loss", "val/accuracy", "train/lr", "train/samples_per_s",
                  "seconds/train", "seconds/forward", "system/rank0/cpu_percent",
-                 "system/rank1/rss_mib"}  # fmt: skip
+                 "system/rank1/rss_mib", "train/model_tflops"}  # fmt: skip
     assert per_epoch <= tags, tags
     for tag in per_epoch:
         assert [e.step for e in events.Scalars(tag)] == [
@@ -180,6 +180,8 @@ def test_a_monitored_run_tensorboard_ranks_straggler_and_profile(workdir):
     assert "## Profile: top operators by self time (rank 0)" in report
     assert "| aten::" in report and "optimizer steps 3–4" in report
 
+    _efficiency_is_recorded_and_a_missed_estimate_flagged(workdir, summary, metrics)
+
     # monitoring settings change no result: nothing to redo; the profiler retrains
     edited = {**MONITORED, "train": {**MONITORED["train"], "monitor": {"tensorboard": False}}}
     write_config(configfile, edited)
@@ -187,3 +189,47 @@ def test_a_monitored_run_tensorboard_ranks_straggler_and_profile(workdir):
     edited["train"]["profile"] = {"enabled": False}
     write_config(configfile, edited)
     assert {"train", "report"} <= jobs_planned(workdir, configfile)
+
+
+def _efficiency_is_recorded_and_a_missed_estimate_flagged(workdir, summary, metrics):
+    """The run's FLOPs (counted on the login node) and achieved TFLOP/s, its admitted memory
+    estimate against its ranks' peaks, in train_summary.json, summary.json and the report;
+    then the same records with an estimate made too low: the report names the miss."""
+    efficiency, memory = summary["efficiency"], summary["memory"]
+    assert efficiency["counted"] and efficiency["model_flops_per_step"] > 1e6
+    assert efficiency["model_tflops"] == pytest.approx(
+        efficiency["model_flops_per_step"] * summary["steps"] / summary["train_seconds"] / 1e12
+    )
+    assert "mfu" not in efficiency and efficiency["peak"] == "CPU ranks"
+    assert all(m["model_tflops"] > 0 and "mfu" not in m for m in metrics)
+    assert [r["rank"] for r in memory["ranks"]] == [0, 1]
+    assert memory["peak_bytes"] == max(r["peak_bytes"] for r in memory["ranks"])
+    # the estimator holds on this run (bench/memory_estimate.py: within a few percent)
+    assert abs(memory["difference"]) < 0.25 and not memory["estimator_miss"]
+    run = json.loads((workdir / "results/report/summary.json").read_text())["runs"][0]
+    assert run["model_tflops"] == efficiency["model_tflops"] and run["mfu"] is None
+    assert run["memory_estimate_bytes"] == memory["estimate_bytes"]
+    assert run["memory_peak_bytes"] == memory["peak_bytes"]
+    report = (workdir / "results/report/report.md").read_text()
+    assert "### Efficiency" in report and "estimator miss" not in report
+
+    from ddpflow.monitoring.flops import memory_record
+
+    low = {"memory": {"comparable_bytes": memory["peak_bytes"] // 2, "total_bytes": 1}}
+    evaluation_file = workdir / "results/runs/cnn/eval_metrics.json"
+    saved = evaluation_file.read_text()
+    evaluation = json.loads(saved)
+    evaluation["train"]["memory"] = memory_record(low, metrics, {})
+    evaluation_file.write_text(json.dumps(evaluation))
+    try:
+        done = subprocess.run(
+            [str(BIN / "python"), "-m", "ddpflow", "report", "--config", "config.yaml"],
+            cwd=workdir,
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        report = (workdir / "results/report/report.md").read_text()
+    finally:
+        evaluation_file.write_text(saved)
+    assert "+100.0% (rank " in report and "⚠ estimator miss" in report, report
+    assert "Estimator misses: run 'cnn': rank " in report and "100% above the estimate" in report

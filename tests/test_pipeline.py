@@ -91,10 +91,10 @@ def test_epoch_progress_logs_each_new_epoch_once(tmp_path, caplog):
 def test_progress_in_a_log_file_is_whole_lines(caplog):
     """Rank 0's progress where stderr is a file: log lines, never a bar's carriage returns;
     a resumed epoch's rate counts only the steps run since."""
-    from ddpflow.training.entry import LineProgress
+    from ddpflow.training.progress_bar import LineProgress
 
     progress = LineProgress(total=10, desc="epoch 2", interval=0.0)
-    with caplog.at_level(logging.INFO, logger="ddpflow.training.entry"):
+    with caplog.at_level(logging.INFO, logger="ddpflow.training.progress_bar"):
         progress.update(4)  # resumed at step 4
         progress.update(1)
         progress.update(5)  # the last step: the epoch's own line follows, not this one

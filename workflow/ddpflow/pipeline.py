@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from ddpflow import runtime
+from ddpflow.checks.admission import admit
 from ddpflow.checks.batch import check_batch_fits, warn_what_sits_out
 from ddpflow.checks.early import fine_tunes, input_of, memory_verdicts, model_check
 from ddpflow.cluster import launch, nodes, submit
@@ -168,6 +169,7 @@ def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
         submit.job_record(paths, "train"), config_hash(training_fingerprint(run))
     )
     workspace.prepare(run, paths.work)
+    admit(run, manifest, EARLY_CACHE, paths.work)  # its memory estimate and FLOPs, to record
     stream = LiveStream.for_run(run, run.get("tracking"), paths.work)
     summary = submit.submit_and_wait(TrainJob, "train", run, paths, logs_dir, exclude, stream)[0]
     workspace.finish(run, paths.work)

@@ -386,4 +386,5 @@ def peak_memory_mib() -> dict[str, float]:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         peaks["gpu_peak_alloc_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        peaks["gpu_peak_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
     return peaks

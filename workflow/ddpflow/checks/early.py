@@ -117,11 +117,11 @@ def memory_verdicts(
     (input_of); the models to check (check_before_jobs) share the one subprocess."""
     keys, requests = {}, {}
     for run in runs:
-        request = _footprint_request(run, inputs[run["name"]])
+        request = footprint_request(run, inputs[run["name"]])
         if request is not None:
-            keys[run["name"]] = key = _footprint_key(request)
+            keys[run["name"]] = key = footprint_key(request)
             requests[key] = request
-    model_problems, measured = _measure(models or {}, requests, Path(cache_dir) / CACHE)
+    model_problems, measured = measure(models or {}, requests, Path(cache_dir) / CACHE)
     verdicts = {}
     for run in runs:
         figures = measured.get(keys.get(run["name"], ""))
@@ -148,11 +148,11 @@ def _measure_variants(run: dict, inputs, cache_dir: str | Path) -> dict[str, dic
 
     keys, requests = {}, {}
     for knob, variant in variant_runs(run).items():
-        request = _footprint_request(variant, inputs)
+        request = footprint_request(variant, inputs)
         assert request is not None, "a refused run's input is known"
-        keys[knob] = key = _footprint_key(request)
+        keys[knob] = key = footprint_key(request)
         requests[key] = request
-    _, measured = _measure({}, requests, Path(cache_dir) / CACHE)
+    _, measured = measure({}, requests, Path(cache_dir) / CACHE)
     return {knob: measured[key] for knob, key in keys.items() if key in measured}
 
 
@@ -195,7 +195,7 @@ def _data_bytes(run: dict, manifest: dict) -> int:
     return loading["workers"] * loading["prefetch"] * run["train"]["micro_batch_size"] * sample
 
 
-def _footprint_request(run: dict, inputs) -> dict | None:
+def footprint_request(run: dict, inputs) -> dict | None:
     if inputs is None:
         return None
     shape, outputs = inputs[0], inputs[1]
@@ -210,7 +210,7 @@ def _footprint_request(run: dict, inputs) -> dict | None:
 _METHOD = config_hash((Path(__file__).parents[1] / "training" / "footprint.py").read_text())[:16]
 
 
-def _footprint_key(request: dict) -> str:
+def footprint_key(request: dict) -> str:
     return config_hash(request)
 
 
@@ -275,7 +275,7 @@ def _key(check: dict) -> str:
     return config_hash({**check, "code": code, "torch": version("torch")})
 
 
-def _measure(
+def measure(
     models: dict[str, tuple[dict, list[str]]], footprints: dict[str, dict], cache: Path
 ) -> tuple[list[str], dict]:
     """Check the models not checked before and measure the footprints not measured before,

@@ -45,6 +45,7 @@ SUMMARY_FIGURES = (
     "gpu_temp_c",
     "peak_rss_mib",
     "gpu_peak_alloc_mib",
+    "gpu_peak_reserved_mib",
 )
 
 

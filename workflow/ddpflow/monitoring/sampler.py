@@ -2,13 +2,12 @@
 
 Config `train.monitor` and `train.profile` (config/config.yaml). Every rank samples its own
 CPU use, resident memory and, on a GPU, NVML's utilisation, memory, power and temperature in
-a background thread (`system_interval_s`), appending the samples to
-results/runs/<run>/system/rank-<r>.jsonl. At each epoch's end the ranks exchange one
-summary each (one all_gather of a float64 tensor per epoch, nothing per step): the epoch
-record gets a `ranks` list, kept in train_metrics.jsonl and in checkpoints, from which the
-report draws its per-rank table and `stragglers` flags a rank that holds the others up.
-Rank 0 writes TensorBoard scalars (results/runs/<run>/tensorboard); with
-`train.profile.enabled` torch.profiler records a few steps (results/runs/<run>/profile: a
+a background thread (`system_interval_s`) into results/runs/<run>/system/rank-<r>.jsonl. At
+each epoch's end the ranks exchange one summary each (one all_gather of a float64 tensor per
+epoch, nothing per step): the epoch record gets a `ranks` list, kept in train_metrics.jsonl
+and checkpoints, for the report's per-rank table and `stragglers` (a rank holding others up).
+Rank 0 writes TensorBoard scalars (results/runs/<run>/tensorboard; model TFLOP/s and MFU
+too); with `train.profile.enabled` torch.profiler records a few steps (.../profile: a
 Chrome/Perfetto trace per profiled rank and its top operators by self time). While a training
 runs, all of it is written in its work folder (results/work/<run>/monitor/) and moved into
 the run's folder when it finishes (training.workspace.publish_monitor): a stopped or failed
@@ -233,6 +232,7 @@ class TensorBoardLog:
             },
             "train/lr": record["lr"],
             "train/samples_per_s": record["samples_per_s"],
+            **{f"train/{key}": record[key] for key in ("model_tflops", "mfu") if key in record},
             **{f"seconds/{phase}": v for phase, v in record["seconds"].items()},
         }
         for entry in record.get("ranks") or []:

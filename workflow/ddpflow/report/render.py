@@ -19,6 +19,7 @@ import html
 import re
 
 from ddpflow.report import metrics
+from ddpflow.report.efficiency import efficiency_blocks
 from ddpflow.report.tables import (
     Link,
     hosts_text,
@@ -276,6 +277,7 @@ def _machine_blocks(loaded, rows: list[dict], scaling: bool) -> list[tuple]:
     blocks = [("h2", "Machine and speed"), _machine_table(rows, scaling)]
     if scaling:
         blocks.append(("p", _SPEEDUP))
+    blocks += efficiency_blocks(loaded)  # FLOP/s, MFU, memory estimate vs peak
     if (segments := _segments_table(loaded)) is not None:
         title = "Segments: runs continued on another allocation"
         blocks += [("h3", title), segments, ("p", _SEGMENTS)]

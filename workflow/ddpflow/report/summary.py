@@ -14,6 +14,7 @@ import json
 
 from ddpflow.config import VOLATILE_TRAIN_KEYS
 from ddpflow.report import metrics, sweep
+from ddpflow.report.efficiency import efficiency_fields
 from ddpflow.runtime import PHASES
 from ddpflow.task import DEFAULT_TASK, Task, get_task, record_task
 
@@ -50,6 +51,7 @@ def summary_row(name: str, epochs: list[dict], ev: dict) -> dict:
         "evaluated_by": ev.get("evaluated_by", "evaluate job"),
     }  # fmt: skip
     row.update(task.summary_fields(ev))  # a language model's tokens/s
+    row.update(efficiency_fields(train))  # model TFLOP/s, MFU, memory estimate and peak
     # Summed over the kept (deduplicated) epochs: the time of the final, complete history.
     for phase in (*PHASES, "epoch"):
         row[f"{phase}_seconds"] = sum(e["seconds"][phase] for e in epochs)

@@ -28,7 +28,15 @@ from ddpflow.task import record_task, selection_of
 
 # per-epoch figures of train_metrics.jsonl logged as they are (and every other val_* key: a
 # task's validation figures)
-EPOCH_FIGURES = ("train_loss", "val_loss", "val_accuracy", "lr", "samples_per_s")
+EPOCH_FIGURES = (
+    "train_loss",
+    "val_loss",
+    "val_accuracy",
+    "lr",
+    "samples_per_s",
+    "model_tflops",  # achieved model TFLOP/s and, on a GPU of known peak, MFU (monitoring.flops)
+    "mfu",
+)
 
 
 @dataclass

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import config_hash, evaluation_fingerprint, uses_channels_last
 from ddpflow.config.typed import RunSpec
 from ddpflow.monitoring import sampler as monitor
+from ddpflow.monitoring.flops import read_admitted
 from ddpflow.paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
 from ddpflow.training import evaluate, sharding, startup, summaries, tensor_parallel
 from ddpflow.training.build import cpu_has_native_bf16, placed_model
@@ -38,6 +38,7 @@ from ddpflow.training.checkpoint import (
 )
 from ddpflow.training.loop import Loop, fit, sync_buffers
 from ddpflow.training.models import count_parameters, from_checkpoint
+from ddpflow.training.progress_bar import progress_bar
 from ddpflow.training.pruning import MedianPruner
 from ddpflow.training.rankdata import RankData, load_data
 from ddpflow.training.summaries import evaluation_record, published, train_summary
@@ -155,6 +156,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         """Resume from the newest valid checkpoint, then train the remaining epochs under the
         run monitor; a stop signal saves and hands the job over to submitit's requeue."""
         run, resumed = loop.run, ckpt.restore(loop)
+        loop.admitted = read_admitted(self.paths.work)  # FLOPs and memory estimate, to record
         ckpt.attempt = _next_attempt(Path(self.paths.work), resumed is not None, env)
         loop.begin_segment(hosts, ckpt.attempt)
         if env.is_master:
@@ -166,7 +168,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         loop.watch_steps(watch.wrap_step(startup.noting_the_first_step(ckpt.on_step)))
         with stop_on_signal(ckpt):
             try:
-                fit(loop, self._on_epoch(loop, ckpt, watch, env), _progress_bar(run, env))
+                fit(loop, self._on_epoch(loop, ckpt, watch, env), progress_bar(run, env))
             except Preempted:
                 hand_over_to_requeue(env, ckpt.submitit_handler)
                 raise
@@ -314,60 +316,6 @@ def _start_log(run: RunSpec, model, loop, resumed, attempt, live_metrics: Path) 
 
 def _data_ranks(env: DistEnv) -> str:
     return "data-parallel rank" if env.tensor_parallel > 1 else "rank"
-
-
-def _progress_bar(run: RunSpec, env: DistEnv):
-    """Rank 0's progress within an epoch: a tqdm bar on a terminal; in a log file (a
-    submitit or Slurm rank log is never a terminal) whole lines instead, since a bar's
-    carriage returns would glue the next log line onto it."""
-    if not (env.is_master and run.train.progress):
-        return None
-
-    def factory(loop):
-        total = loop.micro_batches_per_epoch
-        desc = f"epoch {loop.epoch + 1}"
-        if not sys.stderr.isatty():
-            return LineProgress(total, desc)
-        from tqdm import tqdm
-
-        return tqdm(total=total, desc=desc, unit="step", mininterval=2.0, leave=False)
-
-    return factory
-
-
-class LineProgress:
-    """The tqdm calls the loop makes (update, close), as one log line at most every
-    `interval` seconds: "epoch 2: step 120/400 (30%), 41.2 step/s, ~7 s left"."""
-
-    def __init__(self, total: int, desc: str, interval: float = 10.0):
-        self.total, self.desc, self.interval = total, desc, interval
-        self.done = 0
-        self.start = self.last = time.monotonic()
-        # steps done when counting began (a resumed epoch starts mid-way)
-        self.first: int | None = None
-
-    def update(self, n: int = 1) -> None:
-        self.done += n
-        if self.first is None:  # the loop's first call passes the steps already done
-            self.first = n
-            return
-        now = time.monotonic()
-        if now - self.last >= self.interval and self.done < self.total:
-            self.last = now
-            rate = (self.done - self.first) / max(now - self.start, 1e-9)
-            left = (self.total - self.done) / rate if rate > 0 else float("nan")
-            log.info(
-                "%s: step %d/%d (%d%%), %.1f step/s, ~%.0f s left",
-                self.desc,
-                self.done,
-                self.total,
-                100 * self.done // max(self.total, 1),
-                rate,
-                left,
-            )
-
-    def close(self) -> None:
-        pass
 
 
 class EvalTask(DistributedTask):

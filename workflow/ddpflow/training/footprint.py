@@ -18,7 +18,12 @@ What is measured, for one unsharded model on one process at the run's micro-batc
   adds at its end score eval.batch_size inputs per forward, or the rank's whole shard where
   that is smaller): at 512 images they outgrow a training micro-batch's activations;
 * the largest FSDP unit's parameters (ddpflow.training.sharding.units): what FSDP gathers
-  whole for a block's forward and backward.
+  whole for a block's forward and backward;
+* the arithmetic of one micro-batch's forward and backward (torch's FlopCounterMode on the
+  same fake tensors): "model_flops", the model's own (counted before activation
+  checkpointing wraps it), and "hardware_flops", what the ranks compute (with checkpointing,
+  the forward its backward recomputes too). ddpflow.monitoring.flops turns them into a run's
+  TFLOP/s and MFU.
 
     figures = measure(model_cfg, [3, 32, 32], 10, micro_batch=256, precision="fp32",
                       device_type="cpu", checkpointing=False, optimizer=opt_cfg)
@@ -46,6 +51,8 @@ FIGURES = (
     "activations_at_2",
     "evaluation",
     "largest_unit",
+    "model_flops",
+    "hardware_flops",
 )
 
 
@@ -67,18 +74,17 @@ def measure(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ddpflow.config.typed import OptimizerSpec
-    from ddpflow.training import sharding
 
     opt_cfg = optimizer if isinstance(optimizer, OptimizerSpec) else _optimizer_spec(optimizer)
     with warnings.catch_warnings(), FakeTensorMode():
         warnings.simplefilter("ignore")  # MemTracker's notes on hooks: not the user's concern
         with _no_init():
             model = build_model(model_cfg, shape, outputs)
-        if checkpointing:
-            sharding.checkpoint_activations(model)
+        autocast = _autocast(precision, device_type)
+        x = _inputs(micro_batch, shape)
+        model_flops, hardware_flops = _flops_both(model, x, autocast, checkpointing)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = make_optimizer(params, opt_cfg, 0.01, torch.device("cpu"))
-        autocast = _autocast(precision, device_type)
         small = min(2, micro_batch)  # BatchNorm needs 2 samples where a map is 1x1
         _step(model, opt, _inputs(small, shape), autocast)  # gradients, optimizer state
         at_two = _tracked_step(model, opt, small, shape, autocast)
@@ -94,11 +100,69 @@ def measure(
         "activations_at_2": at_two.get("Activation", 0) + at_two.get("Temp", 0),
         "evaluation": evaluation,
         "eval_batch": eval_batch,  # what `evaluation` was measured at (memory_knobs scales it)
-        "largest_unit": max(
-            (sum(_nbytes(p) for p in unit.parameters()) for unit in sharding.units(model)),
-            default=0,
-        ),
+        "largest_unit": _largest_unit(model),
+        "model_flops": model_flops,  # one micro-batch's forward and backward
+        "hardware_flops": hardware_flops,
     }
+
+
+def _largest_unit(model: nn.Module) -> int:
+    """The bytes of the largest FSDP unit's parameters (sharding.units)."""
+    from ddpflow.training import sharding
+
+    units = sharding.units(model)
+    return max((sum(_nbytes(p) for p in unit.parameters()) for unit in units), default=0)
+
+
+def _flops_both(model: nn.Module, x: torch.Tensor, autocast, checkpointing: bool):
+    """(model FLOPs, hardware FLOPs) of one forward and backward on x; with checkpointing,
+    the model is left wrapped by it (sharding.checkpoint_activations) and the hardware's
+    count has the forward its backward recomputes."""
+    from ddpflow.training import sharding
+
+    model_flops = count_flops(model, x, autocast)
+    if not checkpointing:
+        return model_flops, model_flops
+    sharding.checkpoint_activations(model)
+    return model_flops, count_flops(model, x, autocast)
+
+
+def count_flops(model: nn.Module, x: torch.Tensor, autocast=None) -> int:
+    """The floating-point operations of one forward and backward of model on x (a
+    multiply-add is two), counted by torch's FlopCounterMode from the shapes of the matrix
+    products, convolutions and attention: on fake or meta tensors as on real ones. Causal
+    attention counts as full attention (the convention of the 6N + 12LHQT formula). The
+    gradients it leaves are zeroed in place."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False, custom_mapping=_cpu_attention()) as counter:
+        with autocast() if autocast else contextlib.nullcontext():
+            out = model(x)
+        out.float().sum().backward()
+    for parameter in model.parameters():
+        if parameter.grad is not None:
+            parameter.grad.zero_()
+    return int(counter.get_total_flops())
+
+
+def _cpu_attention() -> dict:
+    """FlopCounterMode's formulas for the CPU's fused attention kernels, which it counts on
+    GPUs (flash, memory-efficient, cuDNN) but not on a CPU, where the login node counts."""
+    from torch.utils import flop_counter
+
+    aten = torch.ops.aten
+    forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    backward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if forward is None or backward is None:
+        return {}
+
+    def counted_forward(query, key, value, *args, out_shape=None, **kwargs) -> int:
+        return flop_counter.sdpa_flop_count(query, key, value)
+
+    def counted_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+        return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+
+    return {forward: counted_forward, backward: counted_backward}
 
 
 def _tracked_step(model: nn.Module, opt, micro_batch: int, shape, autocast) -> dict[str, int]:

@@ -33,6 +33,7 @@ from ddpflow.config.machine import SHARDED_STRATEGIES
 from ddpflow.config.typed import RunSpec
 from ddpflow.data import feed
 from ddpflow.data.windows import TokenFeed
+from ddpflow.monitoring.flops import loop_epoch_figures
 from ddpflow.runtime import PHASES, PhaseClock
 from ddpflow.training import evaluate, faults, sharding, weights
 from ddpflow.training.batchnorm import ExactStatistics
@@ -64,6 +65,10 @@ def _train_feed(data: RankData) -> feed.MemoryFeed | feed.StreamFeed | TokenFeed
 
 class Loop(Resumable):
     """One run's training state and its epoch loop (state is what a checkpoint holds)."""
+
+    # what the train rule admitted the run with (monitoring.flops.read_admitted: the FLOPs
+    # per sample and the memory estimate); the job's entry sets it
+    admitted: dict | None = None
 
     def __init__(
         self,
@@ -364,7 +369,7 @@ def fit(loop: Loop, on_epoch, progress_factory=None) -> float:
     that on_epoch marks "pruned" ends the training after its epoch."""
     start = time.perf_counter()
     while loop.epoch < loop.tcfg.epochs and loop.pruned is None:
-        epoch_start = time.perf_counter()
+        epoch_start, first_step = time.perf_counter(), loop.scheduler.last_epoch
         progress = progress_factory(loop) if progress_factory else None
         record = loop.train_epoch(progress)
         if progress is not None:
@@ -381,6 +386,8 @@ def fit(loop: Loop, on_epoch, progress_factory=None) -> float:
         record["samples_per_s"] = record["samples"] / train_seconds
         if loop.data.tokens:  # a language model: block_size tokens per sample
             record["tokens_per_s"] = record["samples_per_s"] * loop.data.shape[0]
+        steps = loop.scheduler.last_epoch - first_step  # this attempt's: a resumed epoch's part
+        record.update(loop_epoch_figures(loop, steps, train_seconds))
         loop.history.append(record)
         on_epoch(record)
     return time.perf_counter() - start

@@ -11,6 +11,7 @@ from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import plugin_source, plugin_source_hash
 from ddpflow.config.typed import RunSpec, RunView
 from ddpflow.data.windows import scored_samples
+from ddpflow.monitoring import flops
 from ddpflow.plugins import is_plugin
 from ddpflow.task import run_task
 from ddpflow.words import counted
@@ -111,7 +112,7 @@ def train_summary(
     train_seconds = sum(r["seconds"]["train"] for r in records)
     samples = sum(r["samples"] for r in records)  # global: every rank's
     phases = {p: sum(r["seconds"][p] for r in records) for p in records[0]["seconds"]}
-    return {
+    summary = {
         "run": run.name,
         "world_size": env.processes,  # every rank (tensor-parallel ones too)
         **tensor_record(env),
@@ -139,6 +140,19 @@ def train_summary(
         "precision": run.train.precision if loop.autocast else "fp32",
         **pruned,
         **task_fields(run),
+    }
+    return {**summary, **_admitted_records(loop, summary, hosts)}
+
+
+def _admitted_records(loop, summary: dict, hosts) -> dict:
+    """train_summary's "efficiency" and "memory" (monitoring.flops), from what the train rule
+    admitted the run with; none for a Loop made without the train rule (a test's)."""
+    if loop.admitted is None:
+        return {}
+    own = {"host": hosts[0] if hosts else "?", **runtime.peak_memory_mib()}
+    return {
+        "efficiency": flops.efficiency_record(loop.admitted, summary),
+        "memory": flops.memory_record(loop.admitted, loop.history, own),
     }
 
 
