@@ -60,6 +60,12 @@ def test_a_text_folder_trains_gpt_at_2_ranks_and_1_to_the_same_perplexity(workdi
     assert "tokens/s on 2 ranks" in output and "val perplexity" in output
 
     summary = json.loads((workdir / "results/runs/two/train_summary.json").read_text())
+    # the FLOPs counted on fake tensors agree with the gpt's 6N + 12LHQT formula (issue 57)
+    efficiency = summary["efficiency"]
+    assert efficiency["counted"] and efficiency["model_tflops"] > 0
+    assert efficiency["formula_flops_per_step"] == pytest.approx(
+        efficiency["model_flops_per_step"], rel=0.05
+    )
     lm = summary["language_model"]
     assert lm["block_size"] == 64 and lm["vocab_size"] == 257 and lm["tokens"] == tokens
     samples = lm["generated"]["samples"]

@@ -14,7 +14,8 @@ import logging
 from pathlib import Path
 
 from ddpflow.checks import early, memory
-from ddpflow.monitoring.flops import ADMITTED, admission_record
+from ddpflow.checks.model_kwargs import GPT_DEFAULTS
+from ddpflow.monitoring.flops import ADMITTED, admission_record, gpt_formula_flops
 from ddpflow.runtime import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,19 @@ def admission(run: dict, manifest: dict, cache_dir: str | Path) -> dict:
         "strategy": run["train"]["strategy"],
         "micro_batch": run["train"]["micro_batch_size"],
     }
-    return admission_record(figures, int(run["train"]["micro_batch_size"]), estimate)
+    record = admission_record(figures, int(run["train"]["micro_batch_size"]), estimate)
+    if run["model"]["name"] == "gpt" and "flops" in record:  # the formula, to cross-check
+        record["flops"]["formula_per_sample"] = _gpt_formula(run, figures, inputs[0][0])
+    return record
+
+
+def _gpt_formula(run: dict, figures: dict, block_size: int) -> float:
+    """The gpt's FLOPs per sample (a block of tokens) by 6N + 12 L H Q T: N from the
+    measured fp32 parameters (the tied output layer once) less the position embedding."""
+    sizes = {**GPT_DEFAULTS, **(run["model"].get("kwargs") or {})}
+    parameters = figures["parameters"] // 4 - block_size * sizes["n_embd"]
+    per_token = gpt_formula_flops(parameters, sizes["n_layer"], sizes["n_embd"], block_size)
+    return float(per_token * block_size)
 
 
 def admit(run: dict, manifest: dict, cache_dir: str | Path, work: str | Path) -> dict:

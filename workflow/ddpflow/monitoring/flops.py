@@ -142,6 +142,9 @@ def efficiency_record(admitted: dict, summary: dict) -> dict:
     }
     if peak:
         record["mfu"] = total / ranks / peak
+    formula = admitted["flops"].get("formula_per_sample")  # the gpt's 6N + 12LHQT
+    if formula:
+        record["formula_flops_per_step"] = formula * summary["global_batch"]
     return record
 
 
