@@ -10,7 +10,7 @@ import re
 
 import matplotlib.image
 import pytest
-from ddpflow.report.build import build_report, load_train_metrics
+from ddpflow.report.build import FOCUS_RUNS, MANY_RUNS, build_report, load_train_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CLASSES = ["cat", "dog", "<bird>"]
@@ -540,4 +540,94 @@ def test_runs_evaluated_on_different_splits_show_it_and_are_not_ranked(tmp_path)
     assert "★" not in markdown
     assert "onval (eval.split val) and ontest (eval.split test) are evaluated on different" in (
         markdown
+    )
+
+
+PERFECT = [[33, 0, 0], [0, 33, 0], [0, 0, 34]]
+
+
+def _on_split(run: dict, split: str, perfect: bool = False) -> dict:
+    """Record run's evaluation as eval.split `split`; perfect: every sample right."""
+
+    def change(ev: dict) -> None:
+        ev["split"] = split
+        if perfect:
+            ev.update(accuracy=1.0, per_class_accuracy=[1.0] * 3, confusion_matrix=PERFECT)
+
+    _edit(run["eval_metrics"], change)
+    return run
+
+
+def _section(markdown: str, heading: str) -> str:
+    """The text under a heading, up to the next heading of any level."""
+    return markdown.split(heading + "\n")[1].split("\n#")[0]
+
+
+def _table_headers(markdown: str) -> list[str]:
+    return [line for line in markdown.splitlines() if line.startswith("| Class |")]
+
+
+def test_val_and_test_runs_get_a_per_class_table_each(tmp_path):
+    """One run on val, two on test, same dataset: the val run's column is in the validation
+    table, the test runs share the test table, and no table holds both splits."""
+    runs = [
+        _on_split(_write_run(tmp_path / "onval", "onval", 2, 1, 900.0), "val", perfect=True),
+        _on_split(_write_run(tmp_path / "ontest", "ontest", 2, 1, 900.0), "test"),
+        _write_run(tmp_path / "older", "older", 2, 1, 900.0),  # no split: scored test
+    ]
+    paths = build_report(runs, tmp_path / "out")
+    markdown = paths["markdown"].read_text()
+    assert "## Per-class evaluation accuracy" in markdown
+    assert "Runs evaluated on different splits (eval.split) are not compared" in markdown
+    val = _section(markdown, "### Per-class validation accuracy")
+    assert "| Class | onval |" in val and "| cat | 100.00% (33) |" in val
+    test = _section(markdown, "### Per-class test accuracy")
+    assert "| Class | ontest | older |" in test
+    assert "| cat | 90.91% (33) | 90.91% (33) |" in test and "onval" not in test
+    assert _table_headers(markdown) == ["| Class | onval |", "| Class | ontest | older |"]
+    assert markdown.index("### Per-class validation") < markdown.index("### Per-class test")
+    assert "![Confusion matrix: onval (validation split)](plots/confusion_onval.png)" in markdown
+    assert "![Confusion matrix: ontest (test split)](plots/confusion_ontest.png)" in markdown
+    page = paths["html"].read_text()
+    assert "<h3>Per-class validation accuracy</h3><table><thead><tr><th>Class</th><th>onval" in (
+        page.replace("\n", "")
+    )
+
+
+def test_runs_of_one_split_keep_one_table_headed_by_it(tmp_path):
+    """Both runs on val: one table, the heading names validation, no split subheadings."""
+    runs = [_on_split(_write_run(tmp_path / n, n, 2, 1, 900.0), "val") for n in ("va", "vb")]
+    markdown = build_report(runs, tmp_path / "out")["markdown"].read_text()
+    assert "## Per-class validation accuracy" in markdown
+    assert _table_headers(markdown) == ["| Class | va | vb |"]
+    assert "### Per-class" not in markdown and "not compared: each split" not in markdown
+
+
+def test_with_many_runs_the_best_of_each_split_are_shown_apart(tmp_path):
+    """More than MANY_RUNS runs: the per-class columns and confusion matrices go to the best
+    of each split, never ranked across splits. The test runs validate worse than every val
+    run; ranked together none of them would be shown."""
+    on_val, on_test = MANY_RUNS - 2, 4
+    runs = []
+    for i in range(on_val + on_test):
+        split, name = ("val", f"v{i:02d}") if i < on_val else ("test", f"t{i:02d}")
+        run = _on_split(_write_run(tmp_path / name, name, 2, 1, 900.0), split)
+        score = 0.9 + i / 1000 if split == "val" else 0.5 + i / 1000
+        _edit(run["train_metrics"], lambda epoch, s=score: epoch.update(val_accuracy=s))
+        runs.append(run)
+    markdown = build_report(runs, tmp_path / "out")["markdown"].read_text()
+    # the runs' columns in the order they were listed
+    best_val = [f"v{i:02d}" for i in range(on_val)][-(FOCUS_RUNS // 2) :]
+    best_test = [f"t{i:02d}" for i in range(on_val, on_val + on_test)]
+    assert _table_headers(markdown) == [
+        "| Class | " + " | ".join(best_val) + " |",
+        "| Class | " + " | ".join(best_test) + " |",
+    ]
+    val = _section(markdown, "### Per-class validation accuracy")
+    assert not re.search(r"\bt\d\d\b", val)
+    test = _section(markdown, "### Per-class test accuracy")
+    assert not re.search(r"\bv\d\d\b", test)
+    confusion = re.findall(r"!\[Confusion matrix: (\w+) \((\w+) split\)\]", markdown)
+    assert sorted(confusion) == sorted(
+        [(n, "validation") for n in best_val] + [(n, "test") for n in best_test]
     )

@@ -14,7 +14,7 @@ import pytest
 from ddpflow import pipeline
 from ddpflow.report import sweep, sweep_plots
 from ddpflow.report.build import build_report
-from test_report import _eval, _write_run
+from test_report import _eval, _table_headers, _write_run
 
 KEYS = ["train.optimizer.lr", "train.optimizer.weight_decay", "model.name"]
 LOG_KEYS = ["train.optimizer.weight_decay"]
@@ -242,3 +242,16 @@ def test_the_scale_benchmark_writes_complete_json(tmp_path):
     assert [row["runs"] for row in report["report"]] == [2, 4]
     assert all(row["html_bytes"] > 0 and row["build_cpu_s"] > 0 for row in report["report"])
     assert report["report_per_run"]["build_cpu_s"]["ratio_largest_to_smallest"] > 0
+
+
+def test_a_sweep_evaluated_on_test_heads_its_table_test(tmp_path):
+    """A sweep's runs are ranked by validation accuracy, but their per-class figures are the
+    split they were evaluated on (here test): the heading says test."""
+    runs = [
+        sweep_run(tmp_path, "a", val=0.90, test=0.97, block=_block(0.1, 1e-4, "cnn")),
+        sweep_run(tmp_path, "b", val=0.95, test=0.80, block=_block(0.05, 1e-3, "cnn")),
+    ]
+    markdown = build_report(runs, tmp_path / "out")["markdown"].read_text()
+    assert "## Per-class test accuracy" in markdown
+    assert "Per-class validation accuracy" not in markdown
+    assert _table_headers(markdown) == ["| Class | a | b |"]

@@ -444,3 +444,20 @@ def test_the_records_the_tasks_write_are_reported(tmp_path):
     assert summary["unfinished"] == [] and len(summary["runs"]) == 2
     assert summary["runs"][1]["mse"] == pytest.approx(reg["mse"])
     assert "plot_predicted_vs_true_reg" in paths
+
+
+def test_per_target_tables_name_each_runs_split_where_they_differ(tmp_path):
+    """Regression runs on val and on test: each run's table heading and its plot's caption
+    name its split."""
+    results = tmp_path / "results"
+    runs = {"reg-v": regression_eval("reg-v", 0.3), "reg-t": regression_eval("reg-t", 0.2)}
+    runs["reg-v"]["split"] = "val"
+    for name, ev in runs.items():
+        write_run(results, name, ev)
+    paths = pipeline.build_report(str(results), list(runs), [None] * len(runs))
+    markdown = paths["markdown"].read_text()
+    section = markdown.split("## Per-target evaluation errors")[1].split("\n## ")[0]
+    assert "### reg-v (validation split)" in section and "### reg-t (test split)" in section
+    assert "Predicted against true values: reg-v, validation split (the red" in markdown
+    assert "Predicted against true values: reg-t, test split (the red" in markdown
+    assert json.loads(paths["summary_json"].read_text())["runs"][0]["split"] == "val"

@@ -14,6 +14,16 @@ from ddpflow.task.views import NUM, OPTIONAL, PlotSpec, ReportView, numbers, ove
 log = logging.getLogger("ddpflow.report.inputs")
 
 TEXT_VOCABULARY = 257  # data.source text: 256 bytes and the end-of-document token
+SPLIT_WORDS = {"val": "validation", "test": "test", "train": "training"}  # in order
+
+
+def split_word(split: str) -> str:
+    """A split in the report's words: eval.split val is validation, not test."""
+    return SPLIT_WORDS.get(split, split)
+
+
+def _split(ev: dict) -> str:
+    return ev.get("split") or "test"  # a record before eval.split scored test
 
 
 class ClassificationView(ReportView):
@@ -49,31 +59,47 @@ class ClassificationView(ReportView):
         return {"per_class_accuracy": dict(zip(names, ev["per_class_accuracy"], strict=True))}
 
     def report_section(self, members: list, label: str, own_label: str, focus, note) -> list:
-        return [("h2", f"Per-class {label} accuracy"), *note, *class_tables(members, focus)]
+        """Its own runs' split in the heading (label, the report's, may be a sweep's)."""
+        shown = [m for m in members if focus is None or m[0] in focus]
+        splits = list(dict.fromkeys(_split(ev) for _, _, ev in shown))
+        word = split_word(splits[0]) if len(splits) == 1 else "evaluation"
+        return [("h2", f"Per-class {word} accuracy"), *note, *class_tables(members, focus)]
 
     def evaluation_plots(self, name: str, ev: dict) -> list[PlotSpec]:
         args = (name, ev["confusion_matrix"], ev["class_names"], ev["accuracy"])
-        split = ev.get("split", "test")
-        return [PlotSpec("confusion", "confusion_matrix", f"Confusion matrix: {name}",
-                         (*args, split))]  # fmt: skip
+        caption = f"Confusion matrix: {name} ({split_word(_split(ev))} split)"
+        return [PlotSpec("confusion", "confusion_matrix", caption, (*args, _split(ev)))]
 
     def tracker_files(self, ev: dict) -> dict[str, Any]:
         matrix = {"class_names": ev["class_names"], "confusion_matrix": ev["confusion_matrix"]}
         return {"confusion_matrix.json": matrix}
 
 
+_APART = (
+    "Runs evaluated on different splits (eval.split) are not compared: each split has its "
+    "own table."
+)
+
+
 def class_tables(loaded, focus=None) -> list[tuple]:
-    """One table per distinct class list (runs on the same dataset share a table), a column
-    per run: with many runs, only the focus runs' (summary.json has every run's)."""
-    groups: dict[tuple, list] = {}
+    """One table per evaluated split and class list (runs on the same dataset and split share
+    a table), a column per run: with many runs, only the focus runs' (summary.json has every
+    run's). Runs of several splits: a note, then each split's tables under its own heading,
+    validation first (a validation figure is never set beside a test one)."""
+    by_split: dict[str, dict[tuple, list]] = {}
     for name, _, ev in loaded:
         if focus is not None and name not in focus:
             continue
-        groups.setdefault(tuple(map(str, ev["class_names"])), []).append((name, ev))
-    tables = []
-    for classes, members in groups.items():
-        body = [[cls, *(_class_cell(ev, i) for _, ev in members)] for i, cls in enumerate(classes)]
-        tables.append(("table", ["Class", *(name for name, _ in members)], body, None))
+        classes = tuple(map(str, ev["class_names"]))
+        by_split.setdefault(_split(ev), {}).setdefault(classes, []).append((name, ev))
+    order = sorted(by_split, key=lambda split: [*SPLIT_WORDS, split].index(split))
+    tables: list[tuple] = [("p", _APART)] if len(order) > 1 else []
+    for split in order:
+        if len(order) > 1:
+            tables.append(("h3", f"Per-class {split_word(split)} accuracy"))
+        for classes, members in by_split[split].items():
+            body = [[c, *(_class_cell(ev, i) for _, ev in members)] for i, c in enumerate(classes)]
+            tables.append(("table", ["Class", *(name for name, _ in members)], body, None))
     return tables
 
 
@@ -121,12 +147,18 @@ class MultilabelView(ReportView):
 
     def report_section(self, members: list, label: str, own_label: str, focus, note) -> list:
         heading = ("h2", f"Per-label {own_label} F1 and counts")
-        return [heading, *note, *_label_tables(members, focus)]
+        return [heading, *note, *_label_tables(members, focus, own_label == "evaluation")]
 
 
-def _label_tables(loaded, focus=None) -> list[tuple]:
+def _run_heading(name: str, ev: dict, mixed: bool) -> tuple:
+    """A run's table heading: its name, with its split where the section's runs differ."""
+    return ("h3", f"{name} ({split_word(_split(ev))} split)" if mixed else name)
+
+
+def _label_tables(loaded, focus=None, mixed=False) -> list[tuple]:
     """Each multilabel run's labels: F1, true and false positives, false negatives and the
-    support (true positives + false negatives: the samples that carry the label)."""
+    support (true positives + false negatives: the samples that carry the label); mixed:
+    its runs were evaluated on several splits (each heading names its run's)."""
     out = []
     headers = ["Label", "F1", "True positives", "False positives", "False negatives", "Support"]
     for name, _, ev in loaded:
@@ -143,7 +175,7 @@ def _label_tables(loaded, focus=None) -> list[tuple]:
             said += f" ({ev['exact_matches']} of {ev['samples_evaluated']} samples exact)"
         if isinstance(ev.get("threshold"), int | float):
             said += f"; a label is predicted at probability ≥ {ev['threshold']:g}"
-        out += [("h3", name), ("p", said + "."), ("table", headers, body, None)]
+        out += [_run_heading(name, ev, mixed), ("p", said + "."), ("table", headers, body, None)]
     return out
 
 
@@ -188,14 +220,18 @@ class RegressionView(ReportView):
 
     def report_section(self, members: list, label: str, own_label: str, focus, note) -> list:
         heading = ("h2", f"Per-target {own_label} errors")
-        return [heading, *note, *_target_tables(members, focus), ("p", _TARGET_NOTE)]
+        tables = _target_tables(members, focus, own_label == "evaluation")
+        return [heading, *note, *tables, ("p", _TARGET_NOTE)]
 
     def evaluation_plots(self, name: str, ev: dict) -> list[PlotSpec]:
         histogram = ev.get("predicted_vs_true") or {}
         if not histogram.get("counts"):
             return []
-        caption = f"Predicted against true values: {name} (the red diagonal: predicted = true)"
-        split = ev.get("split") or "test"
+        split = _split(ev)
+        caption = (
+            f"Predicted against true values: {name}, {split_word(split)} split (the red "
+            "diagonal: predicted = true)"
+        )
         args = (name, histogram, ev["class_names"], split)
         return [PlotSpec("predicted_vs_true", "predicted_vs_true", caption, args)]
 
@@ -224,8 +260,9 @@ def _check_histogram(histogram: dict, n: int, where: str) -> None:
             numbers(row, bins, "predicted_vs_true.counts", where, int)
 
 
-def _target_tables(loaded, focus=None) -> list[tuple]:
-    """Each regression run's targets: MSE, MAE and R² in the targets' own units."""
+def _target_tables(loaded, focus=None, mixed=False) -> list[tuple]:
+    """Each regression run's targets: MSE, MAE and R² in the targets' own units; mixed: its
+    runs were evaluated on several splits (each heading names its run's)."""
     out = []
     for name, _, ev in loaded:
         if focus is not None and name not in focus:
@@ -241,7 +278,7 @@ def _target_tables(loaded, focus=None) -> list[tuple]:
         if isinstance(ev.get("loss_name"), str):
             said += f"; trained with {ev['loss_name']} loss"
         table = ("table", ["Target", "MSE", "MAE", "R²"], body, None)
-        out += [("h3", name), ("p", said + "."), table]
+        out += [_run_heading(name, ev, mixed), ("p", said + "."), table]
     return out
 
 
