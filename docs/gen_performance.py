@@ -791,6 +791,25 @@ def render_norm_groups(doc: dict) -> list[str]:
     return [table(header, rows), f"grouped / own: {ratio(run['ratio'])} (+{extra} ms a step)."]
 
 
+def render_flops(doc: dict) -> list[str]:
+    """Counting a run's FLOPs against the memory measurement it rides on; the gpt's formula."""
+    header = ["model", "micro-batch", "FLOPs / micro-batch", "count, ms", "measure, ms",
+              "count's share", "count / 6N + 12LHQT"]  # fmt: skip
+    rows = [
+        [
+            r["model"],
+            num(r["micro_batch"]),
+            f"{r['flops_per_micro_batch']:.3g}",
+            num(r["count_s"] * 1e3, 1),
+            num(r["measure_s"] * 1e3, 1),
+            pct(r["count_share_of_measure"]),
+            f"{r['counted_over_formula']:.4f}" if "counted_over_formula" in r else "—",
+        ]
+        for r in doc["runs"]
+    ]
+    return [table(header, rows)]
+
+
 def render_accumulation_drift(doc: dict) -> list[str]:
     """Each world size's losses, and the parameters' distance between world sizes."""
     epochs = len(doc["runs"][0]["epochs"])
@@ -967,6 +986,8 @@ def renderer(doc: dict):
         return render_store_scale
     if doc.get("benchmark") == "accumulation_drift":
         return render_accumulation_drift
+    if doc.get("benchmark") == "flops":
+        return render_flops
     if doc.get("benchmark") == "tensor_parallel":
         return render_tensor_parallel
     if runs and "fold_share" in runs[0]:

@@ -1,7 +1,7 @@
 """The benchmarks (bench/throughput.py, end_to_end.py, memory.py, data.py, layout.py,
 finetune.py, lm.py, generate.py, lm_windows.py, scaling.py, micro_batch.py,
 memory_estimate.py, store_scale.py, accumulation_drift.py, tensor_parallel.py,
-norm_groups.py) run in a tiny
+norm_groups.py, flops.py) run in a tiny
 configuration and
 write complete JSON, through the harness every one of them shares (bench/harness.py).
 
@@ -625,3 +625,21 @@ def test_norm_groups_tiny_run_times_both_loops(tmp_path):
     assert run["groups"] == {"grouped": 2, "own": 1}
     assert all(math.isfinite(s) and s > 0 for s in run["step_s"].values())
     assert "| grouped | 2 |" in "\n".join(_renderer(report)(report))
+
+
+def test_flops_tiny_run_counts_and_times_against_the_measurement(tmp_path):
+    """bench/flops.py --quick: each model's count equals the memory measurement's own, the
+    gpt's is within 5% of its formula; both times measured and rendered (none asserted)."""
+    out = tmp_path / "flops.json"
+    cmd = [sys.executable, str(REPO / "bench" / "flops.py"), "--quick", "--repeats", "1"]
+    result = subprocess.run(
+        [*cmd, "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    report = json.loads(out.read_text())
+    assert [r["model"] for r in report["runs"]] == ["cnn", "gpt 4x128"]
+    for run in report["runs"]:
+        assert run["measured_flops_match"] and run["flops_per_micro_batch"] > 0
+        assert math.isfinite(run["count_s"]) and run["measure_s"] > 0
+    assert report["runs"][1]["counted_over_formula"] == pytest.approx(1.0, abs=0.05)
+    assert "| gpt 4x128 | 32 |" in "\n".join(_renderer(report)(report))
