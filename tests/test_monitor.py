@@ -180,7 +180,7 @@ def test_a_monitored_run_tensorboard_ranks_straggler_and_profile(workdir):
     assert "## Profile: top operators by self time (rank 0)" in report
     assert "| aten::" in report and "optimizer steps 3–4" in report
 
-    _efficiency_is_recorded_and_a_missed_estimate_flagged(workdir, summary, metrics)
+    _efficiency_is_recorded_and_a_missed_estimate_flagged(workdir, summary, metrics, result.stderr)
 
     # monitoring settings change no result: nothing to redo; the profiler retrains
     edited = {**MONITORED, "train": {**MONITORED["train"], "monitor": {"tensorboard": False}}}
@@ -191,7 +191,7 @@ def test_a_monitored_run_tensorboard_ranks_straggler_and_profile(workdir):
     assert {"train", "report"} <= jobs_planned(workdir, configfile)
 
 
-def _efficiency_is_recorded_and_a_missed_estimate_flagged(workdir, summary, metrics):
+def _efficiency_is_recorded_and_a_missed_estimate_flagged(workdir, summary, metrics, stderr):
     """The run's FLOPs (counted on the login node) and achieved TFLOP/s, its admitted memory
     estimate against its ranks' peaks, in train_summary.json, summary.json and the report;
     then the same records with an estimate made too low: the report names the miss."""
@@ -201,6 +201,7 @@ def _efficiency_is_recorded_and_a_missed_estimate_flagged(workdir, summary, metr
         efficiency["model_flops_per_step"] * summary["steps"] / summary["train_seconds"] / 1e12
     )
     assert "mfu" not in efficiency and efficiency["peak"] == "CPU ranks"
+    assert f"); {efficiency['model_tflops']:.3g} model TFLOP/s\n" in stderr
     assert all(m["model_tflops"] > 0 and "mfu" not in m for m in metrics)
     assert [r["rank"] for r in memory["ranks"]] == [0, 1]
     assert memory["peak_bytes"] == max(r["peak_bytes"] for r in memory["ranks"])

@@ -174,15 +174,25 @@ def train_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     summary = submit.submit_and_wait(TrainJob, "train", run, paths, logs_dir, exclude, stream)[0]
     workspace.finish(run, paths.work)
     log.info(
-        "train %r: %s on %s (%s)",
+        "train %r: %s on %s (%s)%s",
         run["name"],
         run_task(run).throughput(summary),
         counted(summary["world_size"], "rank") + _tensor_text(summary),
         ", ".join(sorted(set(summary["hosts"]))),
+        _efficiency_text(summary),
     )
     if summary.get("pruned"):  # a sweep's median pruning stopped it: an ordinary end
         log.warning("%s", pruned_line(run["name"], summary["pruned"], selection_of(summary)))
     return summary
+
+
+def _efficiency_text(summary: dict) -> str:
+    """'; 0.087 model TFLOP/s (MFU 41.2%)' where the run's FLOPs were counted."""
+    efficiency = summary.get("efficiency") or {}
+    if not efficiency.get("counted"):
+        return ""
+    mfu = f" (MFU {efficiency['mfu']:.1%})" if "mfu" in efficiency else ""
+    return f"; {efficiency['model_tflops']:.3g} model TFLOP/s{mfu}"
 
 
 def _tensor_text(summary: dict) -> str:
