@@ -810,6 +810,39 @@ def render_flops(doc: dict) -> list[str]:
     return [table(header, rows)]
 
 
+def render_checkpoint(doc: dict) -> list[str]:
+    """What a checkpoint stops the training for, synchronous and asynchronous, and the cost
+    per step of a checkpoint every N steps."""
+    header = ["model", "parameters", "checkpoint, MB", "stop: sync, s", "stop: async, s",
+              "async written, s", "async every minute"]  # fmt: skip
+    rows = [
+        [
+            r["model"],
+            f"{r['parameters']:,}",
+            num((r["checkpoint_bytes"] or 0) / 1e6, 1),
+            num(r["blocking_s"]["sync"], 3),
+            num(r["blocking_s"]["async"], 3),
+            num(r["whole_save_s"]["async"], 3),
+            pct(r["blocking_s"]["async"] / 60),
+        ]
+        for r in doc["runs"]
+    ]
+    every = doc["conditions"]["every_steps"]
+    trained = [r for r in doc["runs"] if "step_s" in r]
+    header2 = ["model", "step, ms: none", "sync", "async", f"sync: +/step (every {every})",
+               "async: +/step"]  # fmt: skip
+    rows2 = [
+        [
+            r["model"],
+            *(num(r["step_s"][m] * 1e3, 1) for m in ("none", "sync", "async")),
+            pct(r["overhead_per_step"]["sync"]),
+            pct(r["overhead_per_step"]["async"]),
+        ]
+        for r in trained
+    ]
+    return [table(header, rows), table(header2, rows2)]
+
+
 def render_accumulation_drift(doc: dict) -> list[str]:
     """Each world size's losses, and the parameters' distance between world sizes."""
     epochs = len(doc["runs"][0]["epochs"])
@@ -988,6 +1021,8 @@ def renderer(doc: dict):
         return render_accumulation_drift
     if doc.get("benchmark") == "flops":
         return render_flops
+    if doc.get("benchmark") == "checkpoint":
+        return render_checkpoint
     if doc.get("benchmark") == "tensor_parallel":
         return render_tensor_parallel
     if runs and "fold_share" in runs[0]:

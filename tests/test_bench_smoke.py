@@ -1,7 +1,7 @@
 """The benchmarks (bench/throughput.py, end_to_end.py, memory.py, data.py, layout.py,
 finetune.py, lm.py, generate.py, lm_windows.py, scaling.py, micro_batch.py,
 memory_estimate.py, store_scale.py, accumulation_drift.py, tensor_parallel.py,
-norm_groups.py, flops.py) run in a tiny
+norm_groups.py, flops.py, checkpoint.py) run in a tiny
 configuration and
 write complete JSON, through the harness every one of them shares (bench/harness.py).
 
@@ -643,3 +643,22 @@ def test_flops_tiny_run_counts_and_times_against_the_measurement(tmp_path):
         assert math.isfinite(run["count_s"]) and run["measure_s"] > 0
     assert report["runs"][1]["counted_over_formula"] == pytest.approx(1.0, abs=0.05)
     assert "| gpt 4x128 | 32 |" in "\n".join(_renderer(report)(report))
+
+
+def test_checkpoint_tiny_run_times_both_modes(tmp_path):
+    """bench/checkpoint.py --quick: each model's stop, synchronous and asynchronous, the
+    background write and the training with checkpoints, measured and rendered (no timing
+    asserted)."""
+    out = tmp_path / "checkpoint.json"
+    cmd = [sys.executable, str(REPO / "bench" / "checkpoint.py"), "--quick", "--saves", "1"]
+    result = subprocess.run(
+        [*cmd, "--repeats", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    report = json.loads(out.read_text())
+    assert [r["model"] for r in report["runs"]] == ["cnn", "gpt 10M"]
+    for run in report["runs"]:
+        assert run["checkpoint_bytes"] > 0 and set(run["blocking_s"]) == {"sync", "async"}
+        assert all(s > 0 for s in run["step_s"].values())
+    assert "| gpt 10M |" in "\n".join(_renderer(report)(report))

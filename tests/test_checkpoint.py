@@ -221,3 +221,64 @@ def test_zero_state_on_rank_0_equals_torchs_consolidation_layout_included(tmp_pa
             # order: a channels_last weight's moments keep its strides
             assert got.stride() == tensor.stride(), (index, name)
     assert all(r["released"] for r in results)
+
+
+def _trained_with(tmp_path, **checkpoint_cfg):
+    """1 rank, 2 epochs of 6 steps of the MLP, its Checkpointer watching every step as the
+    training job's does; returns the Checkpointer, the loop and the checkpoint folder."""
+    from ddpflow.cluster.distenv import DistEnv
+    from ddpflow.training.loop import Loop, fit
+    from ddpflow.training.models import mlp
+    from distributed_helpers import make_data
+    from workflow_helpers import make_run
+
+    env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
+                  num_nodes=1, master_addr="127.0.0.1", master_port=29500, job_id="0",
+                  launcher="single")  # fmt: skip
+    run = make_run(
+        model={"name": "mlp", "mlp_hidden": [16]},
+        train={"epochs": 2, "global_batch_size": 32, "micro_batch_size": 32, "progress": False,
+               "checkpoint": {"every_epochs": 0, "keep": 20, **checkpoint_cfg}},
+        machine={"cpu_ranks_per_node": 1},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    spec = RunSpec.from_run(run)
+    loop = Loop(spec, make_data(200, 20), env, torch.device("cpu"), mlp(64, [16], 4))
+    ckpt = checkpoint.Checkpointer(spec, tmp_path, env)
+    loop.watch_steps(ckpt.on_step)
+    try:
+        fit(loop, lambda record: None)
+    finally:
+        ckpt.saves.wait()
+    return ckpt, loop, tmp_path / "checkpoints"
+
+
+def test_background_checkpoints_hold_what_synchronous_ones_hold(tmp_path, caplog):
+    """train.checkpoint.async: the same checkpoints (model, optimizer, position), each
+    written by the background thread from a copy taken at its step."""
+    with caplog.at_level(logging.INFO, logger="ddpflow.training.checkpoint"):
+        _, _, sync_dir = _trained_with(tmp_path / "sync", every_steps=4)
+        ckpt, _, async_dir = _trained_with(tmp_path / "async", every_steps=4, **{"async": True})
+    names = [p.name for p in sorted(async_dir.glob("ckpt-*.pt"))]
+    assert names == [p.name for p in sorted(sync_dir.glob("ckpt-*.pt"))] and len(names) == 3
+    assert "written in the background" in caplog.text and ckpt.saves.waited_s
+    for name in names:
+        a, b = (checkpoint.safe_torch_load(d / name, "cpu") for d in (sync_dir, async_dir))
+        assert a["step"] == b["step"] and a["epoch_step"] == b["epoch_step"]
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+        moments = [(s["exp_avg"] if "exp_avg" in s else s.get("momentum_buffer"))
+                   for s in (a["optimizer"]["state"][0], b["optimizer"]["state"][0])]  # fmt: skip
+        assert moments[0] is None or torch.equal(*moments)
+
+
+def test_every_minutes_checkpoints_by_wall_time(tmp_path, caplog, monkeypatch):
+    """train.checkpoint.every_minutes: a checkpoint at the first agreed step (every 10 steps)
+    once the time passed; off (0), none."""
+    clock = iter(range(0, 10_000, 30))  # each look at the clock: 30 s later
+    monkeypatch.setattr(checkpoint, "_clock", lambda: next(clock))
+    with caplog.at_level(logging.INFO, logger="ddpflow.training.checkpoint"):
+        _, _, folder = _trained_with(tmp_path / "on", every_minutes=0.5)
+    assert [p.name for p in sorted(folder.glob("ckpt-*.pt"))] == ["ckpt-000000010.pt"]
+    assert "(every 0.5 minutes)" in caplog.text
+    _, _, folder = _trained_with(tmp_path / "off", every_minutes=0)
+    assert not list(folder.glob("ckpt-*.pt"))

@@ -41,7 +41,7 @@ CONFIG_3_RANKS = {
     "machine": {"pg_timeout_s": 20, "cpu_ranks_per_node": 3},
     "runs": [{"name": "cnn"}],
 }
-STRIP = ("seconds", "samples_per_s", "attempt", "ranks")  # timings and system use
+STRIP = ("seconds", "samples_per_s", "model_tflops", "attempt", "ranks")  # timings, system use
 TRAINED = "results/runs/cnn/model.pt"  # the train rule's output: no evaluation, no report
 
 
@@ -106,7 +106,7 @@ def test_killed_rank_then_rerun_gives_identical_result(uninterrupted, workdir):
     assert clean.keys() == resumed.keys()
     for key in clean:
         assert torch.equal(clean[key], resumed[key]), f"{key} differs after resume"
-    strip = ("seconds", "samples_per_s", "attempt", "ranks")  # timings and system use
+    strip = ("seconds", "samples_per_s", "model_tflops", "attempt", "ranks")  # timings, system use
     clean_m = [{k: v for k, v in r.items() if k not in strip} for r in _metrics(uninterrupted)]
     resumed_m = [{k: v for k, v in r.items() if k not in strip} for r in _metrics(workdir)]
     assert clean_m == resumed_m
@@ -120,10 +120,14 @@ def test_killed_rank_then_rerun_gives_identical_result(uninterrupted, workdir):
     print(f"kill -9 of rank 1 -> rule failed {detection_s:.1f}s after start; log: {log[-200:]}")
 
 
-def _killed_then_rerun(workdir, strategy: str, check_first=None, data=None) -> None:
+def _killed_then_rerun(workdir, strategy: str, check_first=None, data=None, background=False):
     """The default CNN under a strategy: rank 1 killed mid-epoch (SIGKILL), the same command
-    rerun; it must resume (rank 0 says so, naming the strategy) and finish."""
-    config = {**CONFIG, "train": {**CONFIG["train"], "strategy": strategy}, "data": data or {}}
+    rerun; it must resume (rank 0 says so, naming the strategy) and finish. background:
+    train.checkpoint.async (the checkpoints written while the training goes on)."""
+    train = {**CONFIG["train"], "strategy": strategy}
+    if background:
+        train["checkpoint"] = {**train["checkpoint"], "async": True}
+    config = {**CONFIG, "train": train, "data": data or {}}
     configfile = write_config(workdir / "config.yaml", config)
     fault = {"DDPFLOW_FAULT": "kill:1:2:7", "DDPFLOW_FAULT_ONCE": str(workdir / "fired")}
     first = snakemake(workdir, configfile, env=fault)
@@ -136,6 +140,9 @@ def _killed_then_rerun(workdir, strategy: str, check_first=None, data=None) -> N
         p.read_text() for p in (workdir / "logs/submitit/cnn/train").glob("*_0_log.err")
     )
     assert "RESUMED from attempt" in rank0 and f"strategy {strategy}" in rank0, rank0[-2000:]
+    if background:  # every checkpoint of both attempts was written in the background
+        assert rank0.count("written in the background") >= 4, rank0[-2000:]
+        assert "(every 4 steps)\n" not in rank0, rank0[-2000:]
 
 
 def _assert_same_training(expected_dir, workdir) -> None:
@@ -152,9 +159,10 @@ def _assert_same_training(expected_dir, workdir) -> None:
 
 
 def test_zero_killed_rank_then_rerun_trains_what_ddp_trains(uninterrupted, workdir):
-    """train.strategy: zero (optimizer state sharded, consolidated into each checkpoint):
-    after a kill and a rerun, bitwise the uninterrupted ddp run's weights and metrics."""
-    _killed_then_rerun(workdir, "zero")
+    """train.strategy: zero (optimizer state sharded, consolidated into each checkpoint),
+    its checkpoints written in the background (train.checkpoint.async): after a kill and a
+    rerun, bitwise the uninterrupted ddp run's weights and metrics (synchronous saves)."""
+    _killed_then_rerun(workdir, "zero", background=True)
     _assert_same_training(uninterrupted, workdir)
 
 
@@ -174,7 +182,8 @@ def test_streamed_data_killed_rank_then_rerun_trains_what_in_memory_data_trains(
 def test_fsdp_killed_rank_then_rerun_gives_identical_result(tmp_path_factory, workdir):
     """train.strategy: fsdp (parameters, gradients and optimizer state sharded; DCP
     checkpoints, each rank writing its shards): after a kill and a rerun, bitwise the
-    uninterrupted fsdp run, at ddp's accuracy bar."""
+    uninterrupted fsdp run, at ddp's accuracy bar; the interrupted run's shards written in
+    the background (train.checkpoint.async: DCP's async_save), the clean run's not."""
     clean = tmp_path_factory.mktemp("clean_fsdp")
     config = {**CONFIG, "train": {**CONFIG["train"], "strategy": "fsdp"}}
     result = snakemake(clean, write_config(clean / "config.yaml", config))
@@ -185,7 +194,7 @@ def test_fsdp_killed_rank_then_rerun_gives_identical_result(tmp_path_factory, wo
         assert shards, "no sharded checkpoint survived the kill"
         assert {"__0_0.distcp", "__1_0.distcp"} <= {p.name for p in shards[-1].iterdir()}
 
-    _killed_then_rerun(workdir, "fsdp", shards_written)
+    _killed_then_rerun(workdir, "fsdp", shards_written, background=True)
     _assert_same_training(clean, workdir)
 
 
@@ -236,7 +245,7 @@ def test_snakemake_stopped_mid_training_then_rerun_gives_identical_result(uninte
     assert "RESUMED from attempt" in rank0
     clean, resumed = _model(uninterrupted), _model(workdir)
     assert all(torch.equal(clean[key], resumed[key]) for key in clean)
-    strip = ("seconds", "samples_per_s", "attempt", "ranks")  # timings and system use
+    strip = ("seconds", "samples_per_s", "model_tflops", "attempt", "ranks")  # timings, system use
     assert [{k: v for k, v in r.items() if k not in strip} for r in _metrics(workdir)] == [
         {k: v for k, v in r.items() if k not in strip} for r in _metrics(uninterrupted)
     ]

@@ -13,6 +13,7 @@ queue. The login node keeps the dicts where fingerprints are made.
 from __future__ import annotations
 
 import copy
+import keyword
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -39,14 +40,20 @@ class _Readable:
     def __getitem__(self, key: str) -> Any:
         if key not in self:
             raise KeyError(key)
-        return getattr(self, key)
+        return getattr(self, _field(key))
 
     def __contains__(self, key: object) -> bool:
         names = {f.name for f in fields(self)}  # type: ignore[arg-type]
-        return isinstance(key, str) and key in names
+        return isinstance(key, str) and _field(key) in names
 
     def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key) if key in self else default
+        return getattr(self, _field(key)) if key in self else default
+
+
+def _field(key: str) -> str:
+    """The field of a key: a Python keyword gets a trailing underscore (checkpoint.async is
+    the field async_)."""
+    return f"{key}_" if keyword.iskeyword(key) else key
 
 
 class _Section(_Readable):
@@ -58,13 +65,14 @@ class _Section(_Readable):
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], where: str = "run"):
         names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(values) - names)
+        unknown = sorted(key for key in values if _field(key) not in names)
         if unknown:
             raise KeyError(f"{where}: {', '.join(unknown)} not in the typed run ({cls.__name__})")
         built = {}
         for key, value in values.items():
             nested = cls.NESTED.get(key)
-            built[key] = nested.from_dict(value, f"{where}.{key}") if nested else _frozen(value)
+            value = nested.from_dict(value, f"{where}.{key}") if nested else _frozen(value)
+            built[_field(key)] = value
         for key, nested in cls.NESTED.items():  # a run resolved before the section existed
             built.setdefault(key, nested.from_dict({}, f"{where}.{key}"))
         return cls(**built)
@@ -306,6 +314,17 @@ class TrainCheckpointSpec(_Section):
     every_epochs: int = 1
     #: kept while training
     keep: int = 3
+    #: true: a checkpoint costs the training only the copy of its state (rank 0's whole state
+    #: under ddp and zero, every rank's shards under fsdp, hsdp and tensor parallelism); the
+    #: files are written in the background and committed atomically, as a synchronous checkpoint
+    #: is, once complete. At most one save is in flight: the next waits for it, and so do a stop
+    #: signal and the job's end. A crash while one is written leaves the checkpoint before it the
+    #: newest (bench/checkpoint.py measures both)
+    async_: bool = False
+    #: also checkpoint when this many minutes of wall time passed since the last checkpoint (for
+    #: long epochs); the ranks agree on the step every 10 steps. Combines with every_steps and
+    #: every_epochs. 0 = off
+    every_minutes: float = 0
     #: checkpoints kept once the training finished (0 = none)
     keep_after_success: int = 1
     #: checkpoints written under another config are moved aside (checkpoints.old-*, removed by

@@ -11,6 +11,7 @@ is not what this writes, so the dataclasses and the schema cannot disagree.
 
 from __future__ import annotations
 
+import keyword
 import textwrap
 
 from ddpflow.config.schema import load_schema
@@ -53,6 +54,7 @@ queue. The login node keeps the dicts where fingerprints are made.
 from __future__ import annotations
 
 import copy
+import keyword
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -79,14 +81,20 @@ class _Readable:
     def __getitem__(self, key: str) -> Any:
         if key not in self:
             raise KeyError(key)
-        return getattr(self, key)
+        return getattr(self, _field(key))
 
     def __contains__(self, key: object) -> bool:
         names = {f.name for f in fields(self)}  # type: ignore[arg-type]
-        return isinstance(key, str) and key in names
+        return isinstance(key, str) and _field(key) in names
 
     def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key) if key in self else default
+        return getattr(self, _field(key)) if key in self else default
+
+
+def _field(key: str) -> str:
+    """The field of a key: a Python keyword gets a trailing underscore (checkpoint.async is
+    the field async_)."""
+    return f"{key}_" if keyword.iskeyword(key) else key
 
 
 class _Section(_Readable):
@@ -98,13 +106,14 @@ class _Section(_Readable):
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], where: str = "run"):
         names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(values) - names)
+        unknown = sorted(key for key in values if _field(key) not in names)
         if unknown:
             raise KeyError(f"{where}: {', '.join(unknown)} not in the typed run ({cls.__name__})")
         built = {}
         for key, value in values.items():
             nested = cls.NESTED.get(key)
-            built[key] = nested.from_dict(value, f"{where}.{key}") if nested else _frozen(value)
+            value = nested.from_dict(value, f"{where}.{key}") if nested else _frozen(value)
+            built[_field(key)] = value
         for key, nested in cls.NESTED.items():  # a run resolved before the section existed
             built.setdefault(key, nested.from_dict({}, f"{where}.{key}"))
         return cls(**built)
@@ -215,7 +224,8 @@ def _object(node: dict, schema: dict, path: tuple[str, ...], classes: list) -> s
                 if isinstance(value, dict)
                 else f" = {value!r}"
             )
-        lines.append(f"    {key}: {annotation}{default}")
+        attribute = f"{key}_" if keyword.iskeyword(key) else key  # the runtime's _field(key)
+        lines.append(f"    {attribute}: {annotation}{default}")
     for key, annotation, default, doc in EXTRAS.get(path[0], []) if len(path) == 1 else []:
         lines += _doc(doc)
         lines.append(f"    {key}: {annotation} = {default}")

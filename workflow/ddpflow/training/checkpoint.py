@@ -35,6 +35,7 @@ from ddpflow.runtime import (
     safe_torch_load,
 )
 from ddpflow.training import sharding
+from ddpflow.training.background_save import BackgroundSaves, snapshot
 from ddpflow.training.workspace import (
     NEWEST,
     candidates,
@@ -47,6 +48,7 @@ from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
 FORMAT = 2  # 2: global position (epoch_step), step losses, segments; 1: per-rank position
+_clock = time.monotonic  # train.checkpoint.every_minutes' clock
 
 
 class CheckpointMismatch(RuntimeError):
@@ -147,7 +149,13 @@ class Checkpointer:
         self.stop_requested = False  # set from a signal handler
         self.watch_signal = env.launcher == "slurm"
         self.attempt = 1
-        self.save_seconds: list[float] = []  # each save, gather and write, as this rank saw it
+        # each save as it stopped this rank: the gather and write, or with
+        # train.checkpoint.async the copy (and any wait for the save before it)
+        self.save_seconds: list[float] = []
+        self.asynchronous, self.every_minutes = cfg.async_, cfg.every_minutes
+        self.saves = BackgroundSaves()
+        self._last_save = _clock()  # every_minutes counts from here
+        self._group: Any = None  # the checkpoints' own process group (async sharded saves)
 
     def restore(self, loop) -> dict | None:
         """Load the newest valid checkpoint into loop (and this rank's RNG state).
@@ -190,40 +198,75 @@ class Checkpointer:
         self.save_seconds.append(time.perf_counter() - started)
 
     def _save(self, loop, reason: str) -> None:
+        self.saves.wait()  # at most one save in flight (its failure fails this one)
         rng = _gather_rng(self.env)
         loop.gather_state()
         step = loop.scheduler.last_epoch
-        sharded = None
+        sharded = finish = None
         if loop.checkpoints_sharded:  # every rank writes its shards; rank 0's .pt commits them
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             path, env = checkpoint_path(self.directory, step), self.env
-            sharded = sharding.save(loop.model, loop.optimizer, path, env.is_master, env.world_size)
+            shards = (loop.model, loop.optimizer, path, env.is_master, env.world_size)
+            if self.asynchronous:
+                finish = sharding.save_in_background(*shards, self._checkpoint_group())
+            else:
+                sharded = sharding.save(*shards)
         loop.close_segment(step)  # the steps this world size has trained, as far as saved
+        state = None
         if self.env.is_master:
-            state = {
-                **loop.state_dict(),
-                "rng": rng,
-                "config_hash": self.hash,
-                "attempt": self.attempt,
-                "reason": reason,
-            }
+            own = {"rng": rng, "config_hash": self.hash, "attempt": self.attempt}
+            state = {**loop.state_dict(), **own, "reason": reason}
             if sharded is not None:
                 state["sharded"] = sharded
-            path = save(state, self.directory, step, self.keep)
-            atomic_write_json(path.parent / NEWEST, position(state, path))
-            log.info("checkpoint %s (%s)", path.name, reason)
-            del state
+        if self.asynchronous and (state is not None or finish is not None):
+            copied = snapshot(state)  # off the training's tensors before they change
+            self.saves.start(f"at step {step}", lambda: self._commit(copied, step, reason, finish))
+        elif state is not None:
+            self._commit(state, step, reason, None)
+        del state
         loop.release_gathered_state()
+        self._last_save = _clock()
+
+    def _commit(self, state: dict | None, step: int, reason: str, finish) -> None:
+        """Write rank 0's .pt (after the shards, where finish writes them), its sidecar and
+        the newest position: the checkpoint exists from here on."""
+        sharded = finish() if finish is not None else None
+        if state is None:  # a rank other than 0: its shards are written
+            return
+        if sharded is not None:
+            state["sharded"] = sharded
+        path = save(state, self.directory, step, self.keep)
+        atomic_write_json(path.parent / NEWEST, position(state, path))
+        how = ", written in the background" if self.asynchronous else ""
+        log.info("checkpoint %s (%s%s)", path.name, reason, how)
+
+    def _checkpoint_group(self):
+        """A gloo group of every rank for the background saves' collectives (made once, by
+        every rank at its first asynchronous save: a collective); None on one rank."""
+        if self.env.processes > 1 and self._group is None:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")
+        return self._group
 
     def on_step(self, loop) -> None:
         step = loop.scheduler.last_epoch
         if self.every_steps and step % self.every_steps == 0:
             self.save(loop, f"every {counted(self.every_steps, 'step')}")
+        elif self.every_minutes and step % self.stop_check_steps == 0 and self._minutes_due():
+            self.save(loop, f"every {self.every_minutes:g} minutes")
         # only Slurm sends the stop signal: elsewhere skip the agreement (a collective and a
         # host sync every stop_check_steps)
         if self.watch_signal and step % self.stop_check_steps == 0 and self.stop_agreed():
             self.save(loop, "stop signal")
+            self.saves.wait()  # the checkpoint is on disk before the job is handed over
             raise Preempted(f"stopped at step {step} after a signal; checkpoint saved")
+
+    def _minutes_due(self) -> bool:
+        """train.checkpoint.every_minutes: true on every rank once any rank's clock says so
+        (the ranks must save at one step)."""
+        due = _clock() - self._last_save >= self.every_minutes * 60
+        return any_rank(self.env.processes, due)
 
     def on_epoch(self, loop) -> None:
         every = self.every_epochs and loop.epoch % self.every_epochs == 0

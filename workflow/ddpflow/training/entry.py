@@ -173,6 +173,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
                 hand_over_to_requeue(env, ckpt.submitit_handler)
                 raise
             finally:
+                ckpt.saves.wait(raise_errors=False)  # a background write finishes (or failed)
                 watch.close()
                 loop.feed.close()  # streamed: the DataLoader workers end here
 

@@ -191,6 +191,55 @@ def save(model: nn.Module, optimizer, pt: Path, is_master: bool, world_size: int
     step is replaced. On one rank (strategy fsdp trains unsharded there) the same format,
     written without a process group: any world size reshards it."""
     import torch.distributed.checkpoint as dcp
+
+    directory, state = _prepared_state(model, optimizer, pt, is_master, world_size)
+    distributed = world_size > 1
+    with _single_process_quiet(distributed):
+        dcp.save(state, checkpoint_id=directory)
+    if distributed:
+        dist.barrier()  # every rank's files are complete before rank 0 hashes them
+    if not is_master:
+        return None
+    return {"dir": directory.name, "files": _hashes(directory)}
+
+
+def save_in_background(
+    model: nn.Module, optimizer, pt: Path, is_master: bool, world_size: int, group=None
+):
+    """save()'s shards with the writing left to the background (train.checkpoint.async): the
+    shards are copied to host memory now; the returned finish() writes them (DCP's
+    async_save over `group`, a process group of the checkpoints' own, so that its
+    collectives never meet the training's) and, on rank 0, returns the checksums for the
+    .pt once every rank's files are complete (None on the others)."""
+    import torch.distributed.checkpoint as dcp
+
+    from ddpflow.training.background_save import snapshot
+
+    directory, state = _prepared_state(model, optimizer, pt, is_master, world_size)
+    if world_size > 1:
+        # the shards are staged to host memory before async_save returns; rank 0's future
+        # resolves once every rank's write result reached it and the metadata is written
+        future = cast(Any, dcp.async_save(state, checkpoint_id=directory, process_group=group))
+
+        def write() -> None:
+            future.result()
+    else:
+        copied = snapshot(state)
+
+        def write() -> None:
+            with _single_process_quiet(False):
+                dcp.save(copied, checkpoint_id=directory)
+
+    def finish() -> dict | None:
+        write()
+        return {"dir": directory.name, "files": _hashes(directory)} if is_master else None
+
+    return finish
+
+
+def _prepared_state(model: nn.Module, optimizer, pt: Path, is_master: bool, world_size: int):
+    """(pt's DCP directory, the state to write there): a crashed attempt's directory at this
+    step removed, every rank holding rank 0's buffers."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     directory = dcp_dir(pt)
@@ -200,21 +249,14 @@ def save(model: nn.Module, optimizer, pt: Path, is_master: bool, world_size: int
     # is not a DTensor, from whichever rank balances the writes. Only rank 0's statistics
     # matter (training uses batch statistics; validation and model.pt take rank 0's, as
     # with DDP), so every rank takes rank 0's first: the copy saved is rank 0's.
-    distributed = world_size > 1
-    if distributed:
+    if world_size > 1:
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
         dist.barrier()  # rank 0 removed a crashed attempt's directory before anyone writes
     state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer), strict=True))
     if (degree := tensor_parallel.degree_of(model)) > 1:  # qkv whole, in gpt's row order
         state = tensor_parallel.whole_state(state, degree)
-    with _single_process_quiet(distributed):
-        dcp.save(state, checkpoint_id=directory)
-    if distributed:
-        dist.barrier()  # every rank's files are complete before rank 0 hashes them
-    if not is_master:
-        return None
-    return {"dir": directory.name, "files": _hashes(directory)}
+    return directory, state
 
 
 def _hashes(directory: Path) -> dict[str, str]:
