@@ -449,3 +449,50 @@ def test_where_no_single_knob_fits_a_combination_that_does_is_offered():
     # nothing at all: the partition's limit, as before
     _, text = _refusal(run, {**stuck, "parameters": 4000 * MB}, {}, _debug_partition())
     assert "nothing fits partition 'debug'" in text
+
+
+def test_eval_batch_auto_chooses_the_largest_evaluation_batch_that_fits(tmp_path, monkeypatch):
+    """eval.batch_size auto, measured as the parse and the train rule measure (fake tensors
+    in early's subprocess): a gpt whose evaluation logits at 512 blocks of 512 tokens cannot
+    fit a 2 GB rank is refused at 512, naming auto; with auto the same run is judged at the
+    largest power of two that fits, which the train rule writes to admitted.json for the
+    ranks (training.evaluate.batch_size)."""
+    from ddpflow.checks.admission import admission
+    from ddpflow.config.typed import RunSpec
+    from ddpflow.training import evaluate
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+    def lm_run(batch):
+        run = make_run(
+            task="language_model",
+            data={"source": "text", "path": "corpus.txt", "block_size": 512},
+            model={"name": "gpt", "kwargs": {"n_layer": 2, "n_head": 4, "n_embd": 128}},
+            train={"global_batch_size": 16, "micro_batch_size": 8},
+            eval={"batch_size": batch},
+            machine={"cpu_ranks_per_node": 1, "mem_gb": 2},
+        )
+        return {**run, "launcher": "slurm"}
+
+    inputs = {"default": ([512], 8192, 0, 4096)}  # block 512, vocabulary 8192, 4096 blocks
+    _, verdicts = memory_verdicts([lm_run(512)], inputs, tmp_path / "a")
+    verdict, text = verdicts["default"]
+    assert verdict == "refused" and "evaluation" in text, text
+    assert re.search(r"eval\.batch_size (\d+), or auto", text), text
+    _, verdicts = memory_verdicts([lm_run("auto")], inputs, tmp_path / "a")
+    verdict, text = verdicts["default"]
+    chosen = int(re.search(r"evaluation at eval\.batch_size auto: (\d+)", text).group(1))
+    assert verdict == "fits" and 1 <= chosen < 512 and chosen & (chosen - 1) == 0, text
+    # twice the batch would not have fitted: the largest power of two that does
+    run = lm_run(chosen * 2)
+    _, verdicts = memory_verdicts([run], inputs, tmp_path / "a")
+    assert verdicts["default"][0] != "fits", verdicts["default"][1]
+
+    manifest = {"shape": [512], "num_classes": 8192}
+    monkeypatch.setattr("ddpflow.checks.early.input_of", lambda run, manifest: inputs["default"])
+    admitted = admission(lm_run("auto"), manifest, tmp_path / "a")
+    assert admitted["eval_batch"] == chosen
+    spec = RunSpec.from_run(lm_run("auto"))
+    assert evaluate.batch_size(spec, admitted) == chosen
+    assert evaluate.batch_size(spec, {}) == 8  # nothing admitted: the training's micro-batch
+    assert evaluate.batch_size(RunSpec.from_run(lm_run(64)), admitted) == 64

@@ -26,6 +26,7 @@ def _config(**data) -> dict:
         "task": "language_model",
         "data": {"source": "text", "path": "corpus", "block_size": 64, **data},
         "model": {"name": "gpt", "kwargs": {"n_layer": 2, "n_head": 4, "n_embd": 64}},
+        "eval": {"batch_size": "auto"},  # chosen to fit each run's ranks
         "train": {"epochs": 3, "global_batch_size": 32, "micro_batch_size": 16,
                   "optimizer": {"name": "adamw", "lr": 0.003, "weight_decay": 0.1}},
         # torch_export applies to image runs; a language model's export is safetensors
@@ -60,6 +61,10 @@ def test_a_text_folder_trains_gpt_at_2_ranks_and_1_to_the_same_perplexity(workdi
     assert "tokens/s on 2 ranks" in output and "val perplexity" in output
 
     summary = json.loads((workdir / "results/runs/two/train_summary.json").read_text())
+    # eval.batch_size auto: the parse and the train rule said what it chose; the ranks
+    # evaluated at the batch the train rule wrote for them
+    chosen = json.loads((workdir / "results/work/two/admitted.json").read_text())["eval_batch"]
+    assert f"evaluation at eval.batch_size auto: {chosen}" in output, output[-3000:]
     # the FLOPs counted on fake tensors agree with the gpt's 6N + 12LHQT formula (issue 57)
     efficiency = summary["efficiency"]
     assert efficiency["counted"] and efficiency["model_tflops"] > 0

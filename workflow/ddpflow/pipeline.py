@@ -211,6 +211,8 @@ def evaluate_run(run: dict, paths: RunPaths, logs_dir: str) -> dict:
     where = "by the training job, no job of its own"
     if result is None:
         placed, exclude = submit.placed(run, paths, "evaluate")
+        if run["eval"]["batch_size"] == "auto":  # the batch it chooses on this placement
+            admit(placed, read_manifest(paths.staged), EARLY_CACHE, paths.work)
         result = submit.submit_and_wait(EvalJob, "evaluate", placed, paths, logs_dir, exclude)[0]
         workspace.remove_rendezvous_files(paths.work)
         where = "in a job of its own"

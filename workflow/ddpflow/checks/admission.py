@@ -1,7 +1,8 @@
 """What the train rule admits a run with, written to its work folder's admitted.json just
 before the job is queued, for rank 0 to record in train_summary.json: the memory estimate
-(ddpflow.checks.memory, as the run as placed is judged) and the FLOPs of one micro-batch
-(ddpflow.training.footprint counts them with the memory, on the same fake tensors). Both come
+(ddpflow.checks.memory, as the run as placed is judged), the FLOPs of one micro-batch
+(ddpflow.training.footprint counts them with the memory, on the same fake tensors) and the
+evaluation batch eval.batch_size auto chose (the ranks read it: training.evaluate). Both come
 from the footprint the parse and the train rule measured already (ddpflow.checks.early's
 cache): nothing is measured twice.
 
@@ -33,6 +34,11 @@ def admission(run: dict, manifest: dict, cache_dir: str | Path) -> dict:
     if "error" in figures:
         return {"why": f"the footprint could not be measured: {figures['error']}"}
     process = measured.get(early.RUNTIME) or {"anon": 0, "file": 0}
+    auto = run["eval"]["batch_size"] == "auto"
+    if auto:  # the evaluation batch the ranks use, chosen as the memory check chose it
+        room, _ = early.room_of(run, measured, None)
+        size = memory.auto_eval_batch(run, figures, process, inputs[2], room)
+        figures = memory.with_eval_batch(figures, size)
     est = memory.estimate(run, figures, process, inputs[2])
     # a CPU rank's resident memory counts every library page it maps; a GPU rank's
     # torch.cuda.max_memory_allocated the tensors alone, not the CUDA context
@@ -50,6 +56,8 @@ def admission(run: dict, manifest: dict, cache_dir: str | Path) -> dict:
         "micro_batch": run["train"]["micro_batch_size"],
     }
     record = admission_record(figures, int(run["train"]["micro_batch_size"]), estimate)
+    if auto and figures.get("eval_batch"):
+        record["eval_batch"] = int(figures["eval_batch"])  # eval.batch_size auto's choice
     if run["model"]["name"] == "gpt" and "flops" in record:  # the formula, to cross-check
         record["flops"]["formula_per_sample"] = _gpt_formula(run, figures, inputs[0][0])
     return record

@@ -218,13 +218,22 @@ def _judge(run: dict, inputs, figures: dict, measured: dict, part, variants=None
     """(verdict, line) of run from its measured figures (memory.estimate, capacity, judge);
     part: its Slurm partition's memory_knobs.Partition (None: not on Slurm, or not asked)."""
     process = measured.get(RUNTIME) or {"anon": 0, "file": 0}
+    room, room_text = room_of(run, measured, part)
+    if run["eval"]["batch_size"] == "auto":  # judged at the batch it chooses
+        size = memory.auto_eval_batch(run, figures, process, inputs[2], room)
+        figures = memory.with_eval_batch(figures, size)
     est = memory.estimate(run, figures, process, inputs[2])
-    local_gpu = measured.get("gpu_bytes")  # measured only when the subprocess ran: else
-    if local_gpu is None and run["launcher"] == "local" and run["machine"]["gpus_per_node"]:
-        local_gpu = local_gpu_memory_bytes()  # (cached figures) the driver's answer
-    types = list(part.gpu_types) if part else []
-    room, room_text = memory.capacity(run, run["launcher"], local_gpu, types)
     return memory.judge(run, est, room, room_text, figures, variants, part)
+
+
+def room_of(run: dict, measured: dict, part) -> tuple[int | None, str]:
+    """memory.capacity of run's ranks, with this machine's GPU where the local launcher
+    runs GPU ranks (measured by the subprocess, else the driver's cached answer)."""
+    local_gpu = measured.get("gpu_bytes")
+    if local_gpu is None and run["launcher"] == "local" and run["machine"]["gpus_per_node"]:
+        local_gpu = local_gpu_memory_bytes()
+    types = list(part.gpu_types) if part else []
+    return memory.capacity(run, run["launcher"], local_gpu, types)
 
 
 def _manifest(staged: Path) -> dict | None:

@@ -131,6 +131,13 @@ class Estimate:
         return text
 
 
+def _auto_eval_words(run, figures: dict) -> str:
+    """', evaluation at eval.batch_size auto: 64' where auto chose it."""
+    if run["eval"]["batch_size"] != "auto" or not figures.get("eval_batch"):
+        return ""
+    return f", evaluation at eval.batch_size auto: {figures['eval_batch']}"
+
+
 def gb(nbytes: float) -> str:
     """GB as machine.mem_gb counts them (2**30 bytes: Slurm's --mem in MB of 2**20)."""
     return f"{nbytes / GIB:.2f}" if nbytes < 10 * GIB else f"{nbytes / GIB:.1f}"
@@ -160,10 +167,14 @@ def figures_request(run, shape: list[int], outputs: int, eval_rows: int | None =
     }
 
 
+AUTO_EVAL_BATCH = 512  # the most eval.batch_size auto chooses (its default as a number)
+
+
 def eval_batch(run, rows: int | None) -> int:
-    """The inputs of one evaluation forward in the training job: eval.batch_size, or a
-    rank's whole shard where that is smaller."""
-    size = int(run["eval"]["batch_size"])
+    """The inputs of one evaluation forward in the training job: eval.batch_size (auto: the
+    most it may choose, AUTO_EVAL_BATCH), or a rank's whole shard where that is smaller."""
+    size = run["eval"]["batch_size"]
+    size = AUTO_EVAL_BATCH if size == "auto" else int(size)
     ranks = data_parallel_size(run["train"], run["world_size"])  # each scores its shard
     return size if rows is None else max(1, min(size, math.ceil(rows / ranks)))
 
@@ -203,6 +214,34 @@ def estimate(run, figures: dict, process: dict, data_bytes: int) -> Estimate:
         gather,
         evaluation=figures.get("evaluation", 0),
     )
+
+
+def auto_eval_batch(run, figures: dict, process: dict, data_bytes: int, room) -> int:
+    """eval.batch_size auto: the largest power of two up to what the figures measured
+    (eval_batch: 512 or a rank's shard) whose estimate, library pages included, keeps within
+    WARN_SHARE of room; where room is unknown (None), the training's micro-batch."""
+    measured = int(figures.get("eval_batch") or 0)
+    micro = int(run["train"]["micro_batch_size"])
+    if room is None or not measured:
+        return max(1, min(measured or micro, micro))
+    per_input = figures.get("evaluation", 0) / measured
+    size = measured
+    while size > 1:
+        scaled = {**figures, "evaluation": int(per_input * size)}
+        est = estimate(run, scaled, process, data_bytes)
+        if est.total + est.shared <= WARN_SHARE * room:
+            break
+        size = 2 ** ((size - 1).bit_length() - 1)  # the power of two below
+    return size
+
+
+def with_eval_batch(figures: dict, size: int) -> dict:
+    """The figures with the evaluation's activations at `size` inputs (in proportion)."""
+    measured = figures.get("eval_batch") or 0
+    if not measured:
+        return figures
+    evaluation = int(figures.get("evaluation", 0) / measured * size)
+    return {**figures, "evaluation": evaluation, "eval_batch": size}
 
 
 def shard_group(run) -> int:
@@ -289,7 +328,7 @@ def judge(
     where = "GPU" if est.device == "cuda" else "rank"
     head = (
         f"run {name!r}: about {gb(est.total)} GB per {where} ({est.parts()}; activations "
-        f"at train.micro_batch_size {micro})"
+        f"at train.micro_batch_size {micro}{_auto_eval_words(run, figures)})"
     )
     if est.shared:
         head += f", and {gb(est.shared)} GB of library pages shared with the node's other ranks"

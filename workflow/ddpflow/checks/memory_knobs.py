@@ -197,7 +197,9 @@ def _eval_batch_knob(ctx: Context) -> list[str]:
     for size in (2**k for k in range(int(math.log2(batch - 1)), -1, -1)):
         cut = {**figures, "evaluation": int(per_sample * size)}
         if (total := _fits(ctx, _with(ctx.run, "eval", batch_size=size), cut)) is not None:
-            return [f"eval.batch_size {size} ({_gb(total)} GB; the evaluation scores alike)"]
+            return [
+                f"eval.batch_size {size}, or auto ({_gb(total)} GB; the evaluation scores alike)"
+            ]
     return []
 
 

@@ -526,7 +526,14 @@ class EvalSpec(_Section):
     """eval: the schema's `eval` section."""
 
     split: Literal["test", "val"] = "test"
-    batch_size: int = 512
+    #: inputs per evaluation forward on a rank (the validation after each epoch, the evaluation,
+    #: snakemake predict). `auto`: the largest power of two up to 512 (and a rank's shard) whose
+    #: memory estimate fits the rank, chosen before the job is queued (a language model's logits
+    #: at 512 blocks can be most of a rank's memory); where the rank's memory is unknown (a GPU
+    #: without machine.gpu_mem_gb), the training's micro-batch. Evaluating at another batch
+    #: changes no count (a float loss in its last bits): auto follows the machine without
+    #: evaluating again
+    batch_size: int | Literal["auto"] = 512
     #: task language_model: sliding-window scoring. Windows of data.block_size tokens start every
     #: stride tokens; the first scores all its positions, each later one only its last stride, so
     #: every token is scored once with at least block_size - stride tokens of context (block_size

@@ -215,7 +215,8 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         publishes it. A failure here is logged and leaves the evaluation to that rule."""
         split = run.eval.split
         sync_buffers(model, env.world_size)  # score the model rank 0 saved
-        scoring = data.scoring(run.eval.batch_size, stride=run.eval.stride)
+        batch = evaluate.batch_size(run, read_admitted(self.paths.work))
+        scoring = data.scoring(batch, stride=run.eval.stride)
         result = evaluate.evaluate_split(model, data.split(split), scoring, env, guard=True)
         if result is None:
             log.warning("the evaluation after training failed; the evaluate rule will score "
@@ -326,7 +327,8 @@ class EvalTask(DistributedTask):
         data = load_data(spec, paths.staged, env, device, splits=(split,))
         checkpoint = runtime.safe_torch_load(paths.model, device)
         model = from_checkpoint(checkpoint, device, uses_channels_last(spec))
-        scoring = data.scoring(spec.eval.batch_size, stride=spec.eval.stride)
+        batch = evaluate.batch_size(spec, read_admitted(paths.work))
+        scoring = data.scoring(batch, stride=spec.eval.stride)
         result = evaluate.evaluate_split(model, data.split(split), scoring, env)
         if not env.is_master:
             return {"rank": env.rank, "host": socket.gethostname()}

@@ -159,3 +159,13 @@ def summarize(confusion: torch.Tensor) -> dict:
     result = get_task().metrics(state, {"num_classes": k})
     del result["loss"]
     return result
+
+
+def batch_size(run, admitted: dict | None) -> int:
+    """The inputs per evaluation forward: eval.batch_size, or under auto what the train rule
+    chose for this machine (admitted.json's eval_batch: checks.admission), else the
+    training's micro-batch (which a rank holds with gradients: it holds it without)."""
+    size = run.eval.batch_size
+    if size != "auto":
+        return int(size)
+    return int((admitted or {}).get("eval_batch") or run.train.micro_batch_size)

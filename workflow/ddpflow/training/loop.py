@@ -313,7 +313,7 @@ class Loop(Resumable):
     def validate(self) -> dict:
         self.norm_stats.settle()
         sync_buffers(self.model, self.env.world_size)
-        scoring = self.data.scoring(self.run.eval.batch_size, self.autocast)
+        scoring = self.data.scoring(evaluate.batch_size(self.run, self.admitted), self.autocast)
         result = evaluate.evaluate_split(self.model, self.data.val, scoring, self.env)
         assert result is not None  # without guard a failed evaluation raises
         return self.data.task.validation(result)

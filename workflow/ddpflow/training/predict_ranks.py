@@ -35,6 +35,7 @@ from ddpflow.config.typed import RunSpec
 from ddpflow.data.image_folder import decode_all
 from ddpflow.data.npz import npz_images
 from ddpflow.data.raw import DataError
+from ddpflow.monitoring.flops import read_admitted
 from ddpflow.paths import PREDICT_WORK
 from ddpflow.predict import REQUEST, input_count
 from ddpflow.task import run_task
@@ -60,7 +61,7 @@ class PredictTask(DistributedTask):
         listing, settings = request["input"], request["settings"]
         n = input_count(listing)
         start, stop = evaluate.shard_bounds(n, env.world_size, env.rank)
-        batch = settings["batch_size"] or spec.eval.batch_size
+        batch = settings["batch_size"] or evaluate.batch_size(spec, read_admitted(self.paths.work))
         inputs = Inputs(listing, manifest["shape"])
         norm = normalisation(manifest, device, checkpoint["model"])
         task = run_task(spec)
