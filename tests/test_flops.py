@@ -95,3 +95,43 @@ def test_a_runs_efficiency_from_its_admitted_flops():
         "why": "no FLOP count was admitted",
     }
     assert flops.epoch_figures({}, 64, 50, 1.0, 4, "cpu", "fp32") == {}
+
+
+def test_a_gpu_runs_records_compare_its_tensors_and_show_mfu():
+    """A GPU rank's peak is torch.cuda.max_memory_allocated (reserved beside it), compared
+    with the estimate less the CUDA context; the report's row shows the MFU against the
+    device's peak. (The records a GPU run writes, built here: no GPU on this machine.)"""
+    from ddpflow.report.efficiency import efficiency_blocks, efficiency_fields
+
+    gib = 2**30
+    history = [
+        {
+            "ranks": [
+                {
+                    "rank": r,
+                    "host": "g1",
+                    "peak_rss_mib": 3000.0,
+                    "gpu_peak_alloc_mib": 1024.0 * (r + 1),
+                    "gpu_peak_reserved_mib": 4096.0,
+                }
+                for r in (0, 1)
+            ]
+        }  # fmt: skip
+    ]
+    admitted = flops.admission_record(
+        {"model_flops": 1e12, "hardware_flops": 1e12}, 8, {"comparable_bytes": 2 * gib}
+    )
+    memory = flops.memory_record(admitted, history, {})
+    assert memory["compared_with"] == "torch.cuda.max_memory_allocated"
+    assert memory["peak_bytes"] == 2 * gib and memory["peak_rank"] == 1
+    assert memory["difference"] == 0 and not memory["estimator_miss"]
+    summary = {"global_batch": 64, "train_seconds": 10.0, "world_size": 2, "steps": 100,
+               "device_name": "NVIDIA H100 80GB HBM3", "precision": "bf16"}  # fmt: skip
+    train = {**summary, "efficiency": flops.efficiency_record(admitted, summary),
+             "memory": memory}  # fmt: skip
+    (_, _), (_, headers, (row,), _), *_ = efficiency_blocks([("run", [], {"train": train})])
+    cells = dict(zip(headers, row, strict=True))
+    assert cells["MFU"] == f"{train['efficiency']['mfu']:.1%}" and cells["MFU"] != "0.0%"
+    assert cells["Ranks' peaks"] == "1.00–2.00 GB (2 ranks); reserved up to 4.00 GB"
+    assert cells["Peak vs estimate"] == "+0.0% (rank 1)"
+    assert efficiency_fields(train)["mfu"] == train["efficiency"]["mfu"]

@@ -76,6 +76,9 @@ def _memory_cells(train: dict) -> list[str]:
         low, high = f"{min(peaks) / GIB:.2f}", f"{max(peaks) / GIB:.2f}"
         shown = f"{high} GB" if low == high else f"{low}–{high} GB"
         shown += f" ({len(peaks)} ranks)" if len(peaks) > 1 else ""
+        reserved = [r["gpu_reserved_bytes"] for r in ranks if r.get("gpu_reserved_bytes")]
+        if reserved:  # what the caching allocator held: the GPU's view of the peak
+            shown += f"; reserved up to {max(reserved) / GIB:.2f} GB"
     if estimate is None:
         return ["not recorded", shown, "–"]
     difference = memory.get("difference")
