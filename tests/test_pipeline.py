@@ -4,6 +4,7 @@ reported in one block without a traceback, anything else keeps its traceback."""
 from __future__ import annotations
 
 import logging
+import shutil
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from ddpflow.cluster.launch import LaunchError
 from ddpflow.config import ConfigError
 from ddpflow.data.staged import DataError
 from ddpflow.errors import ReportInputError
+from workflow_helpers import REPO
 
 
 @pytest.mark.parametrize("error", [ConfigError, DataError, LaunchError, ReportInputError])
@@ -123,6 +125,25 @@ def test_the_train_rule_checks_a_built_in_model_without_importing_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_python_m_ddpflow_report_imports_no_torch(tmp_path):
+    """`python -m ddpflow report` builds the report in one process without torch (the
+    ranks' commands import it when they run): a second saved on every report."""
+    shutil.copytree(REPO / "config", tmp_path / "config")
+    code = (
+        "import sys\n"
+        "sys.argv = ['ddpflow', 'report']\n"
+        "from ddpflow.__main__ import main\n"
+        "assert main() == 0\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchvision'))[:3])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
+    assert (tmp_path / "results/report/report.html").is_file()
 
 
 def test_a_global_batch_that_leaves_much_of_a_small_split_out_is_warned_about(caplog):

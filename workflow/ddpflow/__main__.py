@@ -25,7 +25,6 @@ from ddpflow import pipeline
 from ddpflow.data.staged import DataError, verify_staged
 from ddpflow.paths import RunPaths
 from ddpflow.report.sweep import slim
-from ddpflow.training.entry import EvalTask, TrainTask
 
 COMMANDS = {
     "stage": "stage the run's dataset into results/staged (one process; verified, atomic)",
@@ -141,6 +140,8 @@ def main(argv=None) -> int:
             return 0
         pipeline.run_rule(pipeline.stage_data, None, run["data"], paths.staged)
         return 0
+    from ddpflow.training.entry import EvalTask, TrainTask  # torch: the ranks' commands only
+
     task_cls = TrainTask if args.command == "train" else EvalTask
     result = task_cls(run, paths, file_rendezvous=False)()
     print(json.dumps(result, sort_keys=True))
