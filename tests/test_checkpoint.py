@@ -282,3 +282,19 @@ def test_every_minutes_checkpoints_by_wall_time(tmp_path, caplog, monkeypatch):
     assert "(every 0.5 minutes)" in caplog.text
     _, _, folder = _trained_with(tmp_path / "off", every_minutes=0)
     assert not list(folder.glob("ckpt-*.pt"))
+
+
+def test_a_resume_says_the_steps_it_redoes(tmp_path):
+    """Rank 0 notes the step it reached after every step; a resume from the checkpoint at
+    step S redoes reached - S steps (0 where the ranks saved where they stopped)."""
+    _, _, folder = _trained_with(tmp_path, every_steps=4)  # 12 steps; checkpoints at 4, 8, 12
+    assert (folder / checkpoint.REACHED).read_text().strip() == "12"
+    assert checkpoint.steps_redone(folder, 8) == 4 and checkpoint.steps_redone(folder, 12) == 0
+    assert checkpoint.steps_redone(tmp_path / "nothing-noted", 8) is None
+    state = {"epoch": 1, "step": 8, "world_size": 1, "steps_redone": 4}
+    assert checkpoint.resumed_line(state, 1) == (
+        "resumed at epoch 2 step 8 on 1 rank, the world size it was written on; 4 steps redone"
+    )
+    assert checkpoint.resumed_line({**state, "steps_redone": 0}, 2).endswith(
+        "the checkpoint was written on 1; no steps redone"
+    )

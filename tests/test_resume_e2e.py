@@ -101,6 +101,9 @@ def test_killed_rank_then_rerun_gives_identical_result(uninterrupted, workdir):
         p.read_text() for p in (workdir / "logs/submitit/cnn/train").glob("*_0_log.err")
     )
     assert "RESUMED from attempt 1: resumed at epoch 3 step 44 on 2 ranks" in rank0, rank0[-2000:]
+    # steps 45 to 47 were trained by the killed attempt past its checkpoint: the resume says
+    # it redoes them, and the summary's second segment too
+    assert "the world size it was written on; 3 steps redone" in rank0, rank0[-2000:]
 
     clean, resumed = _model(uninterrupted), _model(workdir)
     assert clean.keys() == resumed.keys()
@@ -117,6 +120,7 @@ def test_killed_rank_then_rerun_gives_identical_result(uninterrupted, workdir):
         assert _scalars(workdir, tag) == _scalars(uninterrupted, tag), tag
     summary = json.loads((workdir / "results/runs/cnn/train_summary.json").read_text())
     assert summary["attempts"] == 2
+    assert [s.get("steps_redone") for s in summary["segments"]] == [None, 3]
     print(f"kill -9 of rank 1 -> rule failed {detection_s:.1f}s after start; log: {log[-200:]}")
 
 

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from slurm_helpers import job_ids, sacct_state
 from test_workflow_slurm import CLUSTER_MACHINE, FAST_POLL
 from workflow_helpers import REPO, snakemake, snakemake_command, write_config
@@ -55,6 +56,24 @@ def _wait_for_epoch(folder: Path, epoch: int, proc: subprocess.Popen) -> str:
     raise AssertionError(f"epoch {epoch} never reached")
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(slurm_cluster, tmp_path_factory):
+    """The same run through the same profile, never interrupted: what a requeued one must
+    equal bit for bit."""
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    proc = _popen_workflow(workdir, _config(workdir, 15))
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output[-4000:]
+    return workdir
+
+
+def _model_and_metrics(workdir: Path):
+    model = torch.load(workdir / "results/runs/rq/model.pt", weights_only=True)["state_dict"]
+    lines = (workdir / "results/runs/rq/train_metrics.jsonl").read_text().splitlines()
+    strip = ("seconds", "samples_per_s", "model_tflops", "attempt", "ranks")  # timings
+    return model, [{k: v for k, v in json.loads(x).items() if k not in strip} for x in lines]
+
+
 @pytest.mark.parametrize(
     ("case", "time_min", "signals"),
     [
@@ -64,7 +83,11 @@ def _wait_for_epoch(folder: Path, epoch: int, proc: subprocess.Popen) -> str:
         ("preemption", 15, ["SIGTERM", "USR2"]),  # what Slurm sends a preempted job
     ],
 )
-def test_interrupted_job_requeues_and_resumes(slurm_cluster, tmp_path, case, time_min, signals):
+def test_interrupted_job_requeues_and_resumes(
+    slurm_cluster, uninterrupted, tmp_path, case, time_min, signals
+):
+    """A time limit or a preemption loses no step: the ranks agree on a step at the signal,
+    save, requeue; the resumed run redoes nothing and is bit for bit the uninterrupted one."""
     proc = _popen_workflow(tmp_path, _config(tmp_path, time_min))
     folder = tmp_path / "logs/submitit/rq/train"
     job_id = _wait_for_epoch(folder, 2, proc)
@@ -80,6 +103,13 @@ def test_interrupted_job_requeues_and_resumes(slurm_cluster, tmp_path, case, tim
     assert "RESUMED from attempt" in rank0
     summary = json.loads((tmp_path / "results/runs/rq/train_summary.json").read_text())
     assert summary["attempts"] == 2
+    first, second = summary["segments"]
+    assert second["steps_redone"] == 0 and second["start_step"] == first["end_step"] > 0
+    assert "resumed at epoch " in rank0 and "; no steps redone" in rank0
+    model, lines = _model_and_metrics(tmp_path)
+    expected_model, expected_lines = _model_and_metrics(uninterrupted)
+    assert all(torch.equal(model[k], expected_model[k]) for k in expected_model)
+    assert lines == expected_lines
     records = [
         json.loads(line)
         for line in (tmp_path / "results/runs/rq/train_metrics.jsonl").read_text().splitlines()

@@ -4,9 +4,8 @@ report.py loads and validates the runs and computes the rows; here they become a
 format-neutral blocks, ("h2", text), ("p", text), ("table", headers, body, best_index)
 (best_index: a row index, a tuple of them (each comparability group's best run) or None),
 ("img", caption, path, png), ("details", summary, code), ("fold", summary, block, note) (a
-block folded away in the HTML, the note in its place in the Markdown), so that both formats
-show the same content and a new section is written once. The per-class, per-label and
-per-target tables come from tables.py. Pure: nothing here touches the file system.
+block folded away in the HTML, the note in its place in the Markdown): both formats show the
+same content. Task tables: tables.py; efficiency: efficiency.py. Pure: no file system.
 
     blocks = document(loaded, rows, figures, "2025-01-01 00:00 UTC")
     markdown, page = to_markdown("ddpflow report", blocks), to_html("ddpflow report", blocks)
@@ -64,7 +63,8 @@ _SPEEDUP = (
 _SEGMENTS = (
     "Each segment trained the optimizer steps shown, from the checkpoint the previous one "
     "left, at its own world size; the steps are the same training at any size (the global "
-    "batch and the data order are the recipe's)."
+    "batch and the data order are the recipe's). Steps redone: what the attempt before had "
+    "trained past that checkpoint, trained again (0 after a time limit or preemption signal)."
 )
 
 
@@ -171,11 +171,13 @@ def _segments_table(loaded) -> tuple | None:
         for number, seg in enumerate(segments, start=1):
             shape = [str(seg["world_size"]), hosts_text(seg["hosts"])]
             span = f"{seg['start_step']}–{seg['end_step']}"
-            steps = str(seg["end_step"] - seg["start_step"])
-            body.append([name, str(number), *shape, span, steps, str(seg["attempt"])])
+            steps = [str(seg["end_step"] - seg["start_step"]), str(seg["attempt"])]
+            redone = "–" if seg.get("steps_redone") is None else str(seg["steps_redone"])
+            body.append([name, str(number), *shape, span, *steps, redone])
     if not body:
         return None
     headers = ["Run", "Segment", "World size", "Hosts", "Optimizer steps", "Steps", "Attempt"]
+    headers.append("Steps redone")
     return ("table", headers, body, None)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -48,6 +49,10 @@ from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
 FORMAT = 2  # 2: global position (epoch_step), step losses, segments; 1: per-rank position
+# the step an attempt has reached, noted by rank 0 after every step (a write into the page
+# cache, a few microseconds, which outlives a killed process): a resume says the steps it
+# redoes
+REACHED = "reached"
 _clock = time.monotonic  # train.checkpoint.every_minutes' clock
 
 
@@ -156,6 +161,7 @@ class Checkpointer:
         self.saves = BackgroundSaves()
         self._last_save = _clock()  # every_minutes counts from here
         self._group: Any = None  # the checkpoints' own process group (async sharded saves)
+        self._reached: int | None = None  # rank 0's REACHED file, open while training
 
     def restore(self, loop) -> dict | None:
         """Load the newest valid checkpoint into loop (and this rank's RNG state).
@@ -182,6 +188,7 @@ class Checkpointer:
         if state is None:
             return None
         loop.load_state_dict(state, Path(state["path"]))
+        state["steps_redone"] = steps_redone(self.directory, state["step"])
         rng = state["rng"]
         if len(rng) == self.env.world_size:
             # RNG states are CPU byte tensors, also on a GPU rank, where map_location moved
@@ -251,6 +258,8 @@ class Checkpointer:
 
     def on_step(self, loop) -> None:
         step = loop.scheduler.last_epoch
+        if self.env.is_master:
+            self._note_reached(step)
         if self.every_steps and step % self.every_steps == 0:
             self.save(loop, f"every {counted(self.every_steps, 'step')}")
         elif self.every_minutes and step % self.stop_check_steps == 0 and self._minutes_due():
@@ -261,6 +270,21 @@ class Checkpointer:
             self.save(loop, "stop signal")
             self.saves.wait()  # the checkpoint is on disk before the job is handed over
             raise Preempted(f"stopped at step {step} after a signal; checkpoint saved")
+
+    def _note_reached(self, step: int) -> None:
+        """Overwrite the REACHED file's fixed-width record with this step."""
+        if self._reached is None:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._reached = os.open(self.directory / REACHED, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.pwrite(self._reached, f"{step:>12d}\n".encode(), 0)
+
+    def close(self) -> None:
+        """The end of this attempt's training: the save in flight written (its failure only
+        logged: a finished training does not need it), the REACHED file closed."""
+        self.saves.wait(raise_errors=False)
+        if self._reached is not None:
+            os.close(self._reached)
+            self._reached = None
 
     def _minutes_due(self) -> bool:
         """train.checkpoint.every_minutes: true on every rank once any rank's clock says so
@@ -280,6 +304,18 @@ class Checkpointer:
         return any_rank(self.env.processes, self.stop_requested)
 
 
+def steps_redone(directory: Path, step: int) -> int | None:
+    """The steps the interrupted attempt trained past the checkpoint at `step`, which a resume
+    trains again: 0 after a stop signal (the ranks saved where they stopped), the steps since
+    the checkpoint after a failure. None where nothing was noted (a run of an earlier
+    ddpflow)."""
+    try:
+        reached = int((directory / REACHED).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return max(0, reached - step)
+
+
 def position(state: dict, path: Path) -> dict:
     """The newest checkpoint's place in the training, small enough for the login node to
     read before it submits (the .pt may be gigabytes)."""
@@ -296,9 +332,11 @@ def resumed_line(state: dict, world_size: int, tensor_parallel: int = 1) -> str:
     if degree != tensor_parallel:
         ranks += f" at tensor_parallel {tensor_parallel}"
         written = f"{written} at tensor_parallel {degree}"
+    redone = state.get("steps_redone")
+    again = "" if redone is None else f"; {redone or 'no'} step{'s' * (redone != 1)} redone"
     if written == world_size:
-        return f"resumed at {where} on {ranks}, the world size it was written on"
-    return f"resumed at {where} on {ranks}; the checkpoint was written on {written}"
+        return f"resumed at {where} on {ranks}, the world size it was written on{again}"
+    return f"resumed at {where} on {ranks}; the checkpoint was written on {written}{again}"
 
 
 def _gather_rng(env: DistEnv, device: torch.device | None = None) -> list[dict]:

@@ -158,7 +158,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         run, resumed = loop.run, ckpt.restore(loop)
         loop.admitted = read_admitted(self.paths.work)  # FLOPs and memory estimate, to record
         ckpt.attempt = _next_attempt(Path(self.paths.work), resumed is not None, env)
-        loop.begin_segment(hosts, ckpt.attempt)
+        loop.begin_segment(hosts, ckpt.attempt, resumed.get("steps_redone") if resumed else None)
         if env.is_master:
             _start_log(run, loop.model, loop, resumed, ckpt.attempt, self.live_metrics)
         watch = monitor.RunMonitor(
@@ -173,7 +173,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
                 hand_over_to_requeue(env, ckpt.submitit_handler)
                 raise
             finally:
-                ckpt.saves.wait(raise_errors=False)  # a background write finishes (or failed)
+                ckpt.close()  # a background write finishes (or failed)
                 watch.close()
                 loop.feed.close()  # streamed: the DataLoader workers end here
 

@@ -125,10 +125,13 @@ class Loop(Resumable):
         """callback(loop) after every optimizer step (the checkpointer and the monitor's)."""
         self._on_step = callback
 
-    def begin_segment(self, hosts: list[str], attempt: int) -> None:
-        """A stretch of training on this allocation starts at the current step."""
+    def begin_segment(self, hosts: list[str], attempt: int, redone: int | None = None) -> None:
+        """A stretch of training on this allocation starts at the current step (redone: the
+        steps of the interrupted attempt it trains again, checkpoint.steps_redone)."""
         step = self.scheduler.last_epoch
         segment = {"world_size": self.env.processes, "hosts": list(hosts), "attempt": attempt}
+        if redone is not None:
+            segment["steps_redone"] = redone
         if self.env.tensor_parallel > 1:  # world_size / tensor_parallel data-parallel ranks
             segment["tensor_parallel"] = self.env.tensor_parallel
         self.segments.append({**segment, "start_step": step, "end_step": step})
