@@ -34,7 +34,8 @@ SAVE_AT = 3
 TOLERANCE = 2e-5  # relative: float sums of the same micro-batches in another order
 
 
-def _run(strategy: str, world: int, shard_size: int | None) -> dict:
+def _run(strategy: str, world: int, shard_size: int | None, background: bool = False) -> dict:
+    every_step = {"every_steps": 1, "every_epochs": 0, "keep": 50, "async": background}
     return make_run(
         model={"name": "cnn", "cnn_channels": 8},
         train={
@@ -45,14 +46,14 @@ def _run(strategy: str, world: int, shard_size: int | None) -> dict:
             "strategy": strategy,
             "hsdp": {"shard_size": shard_size},
             "optimizer": {"name": "adamw", "lr": 0.003},
-            "checkpoint": {"every_steps": 1, "every_epochs": 0, "keep": 50},
+            "checkpoint": every_step,
         },
         machine={"cpu_ranks_per_node": world},
     )
 
 
-def _trained(env, work: str, strategy: str, shard_size: int | None) -> dict:
-    run, data = _run(strategy, env.world_size, shard_size), make_data(128, 32)
+def _trained(env, work: str, strategy: str, shard_size: int | None, background=False) -> dict:
+    run, data = _run(strategy, env.world_size, shard_size, background), make_data(128, 32)
     torch.manual_seed(0)
     spec = RunSpec.from_run(run)
     loop = Loop(spec, data, env, CPU, build_model(run["model"], data.shape, 4))
@@ -71,7 +72,9 @@ def _trained(env, work: str, strategy: str, shard_size: int | None) -> dict:
 
     loop.watch_steps(on_step)
     fit(loop, lambda record: ckpt.on_epoch(loop))
+    ckpt.close()  # the last background write committed, as the training job's end does
     return {
+        "background_saves": len(ckpt.saves.waited_s),  # writes waited for: 0 if synchronous
         "weights": loop.full_model_state(),
         "losses": losses,
         "local": local,
@@ -83,7 +86,9 @@ def _trained(env, work: str, strategy: str, shard_size: int | None) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("hsdp")
-    mesh_2x2 = run_group(4, _trained, (str(base / "hsdp"), "hsdp", 2), base / "rv1")
+    # its checkpoints written in the background (train.checkpoint.async: DCP's async_save
+    # over the checkpoints' own gloo group), then resumed on two other meshes
+    mesh_2x2 = run_group(4, _trained, (str(base / "hsdp"), "hsdp", 2, True), base / "rv1")
     fsdp = run_group(2, _trained, (str(base / "fsdp"), "fsdp", None), base / "rv2")
     one = _trained(_single(), str(base / "one"), "ddp", None)
     _keep_only(base / "hsdp", [SAVE_AT], base / "to-1x2")
@@ -126,6 +131,9 @@ def test_hsdp_losses_match_fsdp_and_one_rank(runs):
 
 
 def test_a_checkpoint_resumes_on_another_mesh(runs):
+    """The 2x2 mesh's checkpoints were written in the background (every step's save waited
+    for the one before): resumed on 1x2 and 4x1, the same training."""
+    assert runs["2x2"][0]["background_saves"] >= 6 and runs["1x2"][0]["background_saves"] == 0
     expected = runs["2x2"][0]["weights"]
     for mesh in ("1x2", "4x1"):
         got = runs[mesh][0]["weights"]
