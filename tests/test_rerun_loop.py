@@ -184,8 +184,11 @@ def _start(workdir: Path, configfile: Path, out: str = "snakemake.out") -> subpr
     cmd, env = snakemake_command(workdir, configfile)
     log = open(workdir / out, "ab")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(
-        cmd, stdout=log, stderr=log, env=env, cwd=workdir, start_new_session=True
-    )
+        cmd, stdout=log, stderr=log, env=env, cwd=workdir, start_new_session=True,
+        # as from a terminal: a CI started in the background (a non-interactive shell's
+        # `&`) passes SIGINT down ignored, and Snakemake then rightly ignores it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
 
 
 def _quietly_stopped(workdir: Path, out: str, stage: str) -> str:

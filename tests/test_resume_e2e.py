@@ -202,18 +202,27 @@ def test_fsdp_killed_rank_then_rerun_gives_identical_result(tmp_path_factory, wo
     _assert_same_training(clean, workdir)
 
 
-def test_hung_rank_ends_the_job_in_bounded_time(workdir):
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_hung_rank_ends_the_job_in_bounded_time(workdir, sigint):
     """A rank that stops making progress: the other rank's collective times out after
-    machine.pg_timeout_s, then the launcher cancels the job (no rank left running)."""
+    machine.pg_timeout_s, then the launcher cancels the job (no rank left running); also
+    where Snakemake was started with SIGINT ignored (`nohup snakemake ... &` in a script),
+    which the cancel's SIGINT then does not reach: its ranks are killed."""
     configfile = write_config(workdir / "config.yaml", CONFIG)
     started = time.monotonic()
-    result = snakemake(workdir, configfile, env={"DDPFLOW_FAULT": "hang:1:0:3"}, timeout=300)
+    disposition = signal.SIG_DFL if sigint == "default" else signal.SIG_IGN
+    fault = {"DDPFLOW_FAULT": "hang:1:0:3"}
+    result = snakemake(workdir, configfile, env=fault, timeout=300, sigint=disposition)
     elapsed = time.monotonic() - started
     assert result.returncode != 0
     output = result.stdout + result.stderr
     # the hung rank is the culprit; rank 0 only timed out waiting for it
     assert "rank 1 on " in output, output[-3000:]
-    assert "still running when the launcher cancelled" in output, output[-3000:]
+    if sigint == "default":  # the rank's KeyboardInterrupt says where it hung
+        assert "still running when the launcher cancelled" in output, output[-3000:]
+    else:
+        assert "ignored its SIGINT for 5 s: killing its ranks (PIDs " in output, output[-3000:]
+        assert "stuck until the launcher cancelled the job" in output, output[-3000:]
     assert "ranks [0] then lost their peers (collateral)" in output, output[-3000:]
     # pg_timeout_s (20) + grace (10) + start-up; far below the 60-minute job time limit
     assert elapsed < 150, f"hang detected only after {elapsed:.0f}s"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,13 +39,22 @@ def snakemake_command(
 
 
 def snakemake(
-    workdir: Path, configfile: Path | None, *args: str, env: dict | None = None, timeout: int = 600
+    workdir: Path,
+    configfile: Path | None,
+    *args: str,
+    env: dict | None = None,
+    timeout: int = 600,
+    sigint=None,
 ) -> subprocess.CompletedProcess:
-    """Run the repository's workflow in workdir (a fresh directory, like a user's clone)."""
+    """Run the repository's workflow in workdir (a fresh directory, like a user's clone);
+    sigint: the SIGINT disposition it starts with (signal.SIG_DFL as from a terminal,
+    SIG_IGN as from a non-interactive shell's `&`; None: this process's)."""
     cmd, full_env = snakemake_command(workdir, configfile, *args, env=env)
+    preexec = None if sigint is None else (lambda: signal.signal(signal.SIGINT, sigint))
     return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=workdir
-    )
+        cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=workdir,
+        preexec_fn=preexec,
+    )  # fmt: skip
 
 
 def write_config(path: Path, overrides: dict, *, default_exports: bool = False) -> Path:

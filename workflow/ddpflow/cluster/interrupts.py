@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import signal
 import sys
 import threading
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 SCRIPT_MARK = "/.snakemake/scripts/"
@@ -167,3 +170,24 @@ def exit_promptly() -> int:
         timer.cancel()
     gc.freeze()
     return len(timers)
+
+
+# a local job still running this long after its cancel's SIGINT has its ranks killed
+LOCAL_SIGINT_GRACE_S = 5.0
+
+
+def terminate_local(job) -> bool:
+    """SIGKILL to the ranks of a local job whose cancel (a SIGINT to submitit's runner) did
+    nothing; True once done. A Snakemake started in the background of a non-interactive
+    shell (`nohup snakemake ... &` in a script) passes SIGINT down ignored to everything it
+    starts, and submitit's ranks ignore SIGTERM: a hung rank would outlive the job's end."""
+    process = getattr(job, "_process", None)
+    if process is None or process.poll() is not None:
+        return True
+    ranks = _children_map().get(process.pid, [])
+    what = f"job {job.job_id} ignored its SIGINT for {LOCAL_SIGINT_GRACE_S:.0f} s"
+    log.warning("%s: killing its ranks (PIDs %s)", what, ", ".join(map(str, ranks)))
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return True

@@ -21,9 +21,11 @@ import submitit
 
 from ddpflow.cluster import container, failures, nodes, poll, private
 from ddpflow.cluster.interrupts import (
+    LOCAL_SIGINT_GRACE_S,
     controller_output,
     ignore_stop_signals,
     terminate_as_interrupt,
+    terminate_local,
 )
 from ddpflow.config.machine import memory_mb, ranks_per_node, world_size
 from ddpflow.errors import UserError
@@ -325,7 +327,9 @@ def wait(
             took = failed_at - start
             log.error("%s after %.1fs; stopping the other ranks", first, took)
         if failed_at is not None and time.monotonic() - failed_at > grace_s:
-            job.cancel(check=False)
+            # a local job's ranks must be gone before job.results(), which waits for them
+            slurm = isinstance(job, submitit.SlurmJob)
+            job.cancel(check=False) if slurm else cancel_and_wait(job)
             cancelled = True
             break
         if on_poll is not None:
@@ -354,12 +358,16 @@ def _interrupted(job, cancel: bool) -> None:
 
 def cancel_and_wait(job, timeout_s: float = 30.0) -> None:
     """Cancel only asks (submitit's local runner: SIGINT, then SIGKILL after ~1 s; Slurm:
-    scancel): return once the ranks are really gone, so that nothing is left running."""
+    scancel): return once the ranks are really gone, so that nothing is left running; a
+    local job that outlives its SIGINT gets SIGTERM (interrupts.terminate_local)."""
     job.cancel(check=False)
-    deadline, delay = time.monotonic() + timeout_s, 0.2
+    start = time.monotonic()
+    deadline, delay, escalated = start + timeout_s, 0.2, isinstance(job, submitit.SlurmJob)
     # Slurm's: squeue is an RPC to slurmctld that admins count: back off to 2 s between them
     growth = 1.5 if isinstance(job, submitit.SlurmJob) else 1.0
     while _still_running(job) and time.monotonic() < deadline:
+        if not escalated and time.monotonic() - start >= LOCAL_SIGINT_GRACE_S:
+            escalated = terminate_local(job)
         time.sleep(delay)
         delay = min(2.0, delay * growth)
     if _still_running(job):
