@@ -32,10 +32,6 @@ class BackgroundSaves:
         self._error: BaseException | None = None
         self.waited_s: list[float] = []  # what each wait() blocked the training for
 
-    @property
-    def in_flight(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def start(self, name: str, write: Callable[[], None]) -> None:
         """Run write() in the background (after any save in flight finished)."""
         self.wait()
