@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from ddpflow import pipeline
-from ddpflow.cluster import launch, nodes, placement
+from ddpflow.cluster import executor, nodes, placement
 from ddpflow.cluster.slurm_parse import Node, parse_job_instances, parse_node_events, parse_nodes
 from ddpflow.config import ConfigError
 from ddpflow.report import render
@@ -306,9 +306,9 @@ def test_min_nodes_above_nodes_is_a_config_error():
 
 def test_exclude_reaches_sbatch_next_to_the_users_own():
     run = slurm_run(2, sbatch_extra={"exclude": "node9"})
-    params = launch.slurm_parameters(run["machine"], "job", ("node2",))
+    params = executor.slurm_parameters(run["machine"], "job", ("node2",))
     assert params["additional_parameters"]["exclude"] == "node9,node2"
-    plain = launch.slurm_parameters(slurm_run(2)["machine"], "job")
+    plain = executor.slurm_parameters(slurm_run(2)["machine"], "job")
     assert "exclude" not in plain["additional_parameters"]
 
 

@@ -17,7 +17,7 @@ import torch
 from ddpflow import config as ddpconfig
 from ddpflow import runtime
 from ddpflow.cluster.distenv import discover
-from ddpflow.cluster.launch import clean_slurm_environment, make_executor, slurm_parameters
+from ddpflow.cluster.executor import clean_slurm_environment, make_executor, slurm_parameters
 from submitit.slurm.slurm import _make_sbatch_string
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "sbatch_4x8gpu.sh"

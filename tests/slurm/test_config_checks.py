@@ -154,6 +154,10 @@ def test_parse_production_like_capture():
         ({"account": "nope"}, ["machine.account", "'nope'", "no such account", "ddpflow"]),
         ({"qos": "high"}, ["machine.qos", "'high'", "['normal']"]),
         ({"nodes": 3}, ["machine.nodes is 3", "at most 2", "node1,node2", "<= 2"]),
+        (
+            {"nodes": 2, "spare_nodes": 1},
+            ["machine.nodes 2 + machine.spare_nodes 1 = 3 nodes", "at most 2", "spare_nodes <= 0"],
+        ),
         ({"gpus_per_node": 4}, ["machine.gpus_per_node is 4", "at most 2 GPUs", "Gres=gpu:2"]),
         ({"partition": "short", "time_min": 30}, ["machine.time_min is 30", "MaxTime=00:10:00"]),
         ({"mem_gb": 100}, ["machine.mem_gb is 100", "102400 MB", "8000 MB", "<= 7.8"]),

@@ -57,6 +57,12 @@ TRACKING_FAILED = "tracking_failed.json"  # why the run's last track rule failed
 LIVE_TRACKING = "tracking_live.json"  # the MLflow run the train rule streams epochs to
 FAILED = "failed.json"  # why the run's last train/evaluate rule failed (ddpflow.report.outcome)
 LIVE_METRICS = "metrics.jsonl"  # rank 0's epoch lines while it trains (progress, resume)
+# the step an attempt has reached, noted by rank 0 after every step (a write into the page
+# cache, a few microseconds, which outlives a killed process): a resume says the steps it
+# redoes, and a job's supervisor sees its first step after a restart
+REACHED = f"{CHECKPOINTS}/reached"
+# the supervisor's events of the run's Slurm training jobs (ddpflow.cluster.supervise)
+RESTART_EVENTS = "restarts.jsonl"
 # results/work/ itself: nodes that failed under the workflow's Slurm jobs (ddpflow.cluster.nodes);
 # a run name cannot collide with it in practice, and clean_work only looks at folders
 BAD_NODES = "bad_nodes.json"

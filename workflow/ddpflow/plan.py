@@ -152,6 +152,8 @@ def plan(configfile: str, nodes: int, per_node: int, name=None, resume_nodes=Non
     return {
         "run": run["name"],
         "nodes": nodes,
+        # machine.spare_nodes: held idle by the training job for a lost node's ranks
+        "spare_nodes": run["machine"].get("spare_nodes", 0),
         "ranks_per_node": per_node,
         "world_size": world,
         "tensor_parallel": tensor,
@@ -257,6 +259,15 @@ def _tensor_checkpoint_part(run: dict, resume_world: int) -> dict:
     }
 
 
+def _spares_text(doc: dict) -> str:
+    spares = doc.get("spare_nodes", 0)
+    return (
+        f", and {spares} spare node{'s' if spares != 1 else ''} held for a lost one"
+        if spares
+        else ""
+    )
+
+
 def render(doc: dict) -> str:
     """The terminal's short table."""
     gib, tensor = 2**30, doc.get("tensor_parallel", 1)
@@ -266,7 +277,8 @@ def render(doc: dict) -> str:
         split = f", each block's projections then split {tensor} ways"
     lines = [
         f"run {doc['run']!r} at {doc['nodes']} nodes x {doc['ranks_per_node']} ranks = "
-        f"{doc['world_size']} ranks (planned in {doc['seconds']:.1f} s, nothing allocated)",
+        f"{doc['world_size']} ranks{_spares_text(doc)} (planned in {doc['seconds']:.1f} s, "
+        "nothing allocated)",
         f"{'strategy':<10}{'rank 0 GiB':>12}{'others GiB':>12}",
     ]
     for name, part in doc["strategies"].items():

@@ -245,7 +245,8 @@ def _machine_knobs(ctx: Context) -> list[str]:
         for fewer in range(per_node - 1, 0, -1):
             nodes = machine["nodes"] * per_node // fewer
             most = part.mem_mb * 2**20 if part else None
-            if (machine["nodes"] * per_node) % fewer or (part and nodes > part.nodes):
+            spares = machine.get("spare_nodes", 0)  # held by the job too: they need room
+            if (machine["nodes"] * per_node) % fewer or (part and nodes + spares > part.nodes):
                 continue
             if fewer % tensor:
                 continue

@@ -186,28 +186,39 @@ def check_nodes(where: str, machine: dict, partition: Partition, nodes: list[Nod
     _check_gpus(where, machine, partition, nodes)
     _check_cpus(where, machine, partition, nodes)
     _check_memory(where, machine, partition, nodes)
-    wanted = machine["nodes"]
+    wanted, asked = machine["nodes"], _nodes_asked(machine)
     limit = min(len(nodes), partition.max_nodes or len(nodes))
-    if wanted > limit:
+    if wanted + machine.get("spare_nodes", 0) > limit:
         why = (
             f"MaxNodes={partition.max_nodes}" if limit < len(nodes) else counted(len(nodes), "node")
         )
+        fix = f"set machine.nodes <= {limit} (more ranks per node keep the world size)"
+        if machine.get("spare_nodes"):
+            fix = f"set machine.spare_nodes <= {max(0, limit - wanted)}, or {fix}"
         raise ConfigError(
-            f"{where}: machine.nodes is {wanted} but partition {partition.name!r} allows at most "
-            f"{limit} ({why}: {','.join(n.name for n in nodes)}); set machine.nodes <= {limit} "
-            "(more ranks per node keep the world size)"
+            f"{where}: {asked} but partition {partition.name!r} allows at most "
+            f"{limit} ({why}: {','.join(n.name for n in nodes)}); {fix}"
         )
     ranks = ranks_per_node(machine)
     need = (machine["gpus_per_node"], ranks * machine["cpus_per_task"], memory_mb(machine))
     fitting = [n.name for n in nodes if _fits(n, need)]
-    if wanted > len(fitting):
+    if wanted + machine.get("spare_nodes", 0) > len(fitting):
         raise ConfigError(
-            f"{where}: machine.nodes is {wanted} but only {counted(len(fitting), 'node')} of "
+            f"{where}: {asked} but only {counted(len(fitting), 'node')} of "
             f"partition {partition.name!r} {'has' if len(fitting) == 1 else 'have'} "
             f"{counted(need[0], 'GPU')}, {counted(need[1], 'CPU')} and {need[2]} MB together "
             f"({','.join(fitting) or 'none'}); set machine.nodes <= {len(fitting)} or ask for less "
             "per node"
         )
+
+
+def _nodes_asked(machine: dict) -> str:
+    """'machine.nodes is 2', or with spares 'machine.nodes 2 + machine.spare_nodes 1 = 3 nodes'."""
+    spares = machine.get("spare_nodes", 0)
+    if not spares:
+        return f"machine.nodes is {machine['nodes']}"
+    total = machine["nodes"] + spares
+    return f"machine.nodes {machine['nodes']} + machine.spare_nodes {spares} = {total} nodes"
 
 
 def _fits(node: Node, need: tuple[int, int, int]) -> bool:

@@ -194,6 +194,12 @@ def _check_min_nodes(where: str, machine: dict) -> None:
             f"set machine.min_nodes to at most {machine['nodes']} (or null to always run on "
             "machine.nodes)"
         )
+    if machine.get("spare_nodes") and not machine.get("restarts_in_job"):
+        raise ConfigError(
+            f"{where}: machine.spare_nodes is {machine['spare_nodes']} but "
+            "machine.restarts_in_job is 0: spare nodes only serve restarts inside the job; set "
+            "machine.restarts_in_job above 0 (3 by default), or machine.spare_nodes: 0"
+        )
 
 
 def _check_local_gpus(where: str, wanted: int) -> None:

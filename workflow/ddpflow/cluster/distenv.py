@@ -222,8 +222,11 @@ def _make_store(env: DistEnv, timeout: datetime.timedelta, rendezvous_dir, inter
         )
     # Rank 0 lets the OS pick a free port and publishes it (and the address it listens on)
     # in the job's private work folder: two jobs on one node can never collide, and a
-    # requeued attempt gets its own file.
-    port_file = Path(rendezvous_dir) / f"rendezvous-{env.job_id}-{env.restart_count}.port"
+    # requeued attempt, and each step a job's supervisor restarts (cluster.supervise), gets
+    # its own file.
+    step = os.environ.get("DDPFLOW_RESTART_IN_JOB")
+    attempt = f"{env.restart_count}-{step}" if step else str(env.restart_count)
+    port_file = Path(rendezvous_dir) / f"rendezvous-{env.job_id}-{attempt}.port"
     if env.is_master:
         address = rendezvous.listen_address(env.master_addr, interface)
         store = rendezvous.master_store(address, 0, env.world_size, timeout, wait_for_workers=False)

@@ -7,10 +7,8 @@ lines; Ctrl-C / SIGTERM cancels the job so nothing is orphaned on the cluster.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -19,7 +17,8 @@ from typing import Any
 
 import submitit
 
-from ddpflow.cluster import container, failures, nodes, poll, private
+from ddpflow.cluster import container, failures, in_job, nodes, poll, private
+from ddpflow.cluster.executor import clean_slurm_environment, make_executor
 from ddpflow.cluster.interrupts import (
     LOCAL_SIGINT_GRACE_S,
     controller_output,
@@ -27,7 +26,7 @@ from ddpflow.cluster.interrupts import (
     terminate_as_interrupt,
     terminate_local,
 )
-from ddpflow.config.machine import memory_mb, ranks_per_node, world_size
+from ddpflow.config.machine import world_size
 from ddpflow.errors import UserError
 from ddpflow.runtime import atomic_write_json
 from ddpflow.words import counted
@@ -43,85 +42,12 @@ class NodeLost(LaunchError):
     """Slurm requeued the job after a node failure; the job was cancelled."""
 
 
-def slurm_parameters(machine: dict, job_name: str, exclude=(), folder=None) -> dict:
-    """submitit SlurmExecutor parameters for a run's `machine` section; exclude: nodes the
-    job must not run on (the bad-node ledger's, ddpflow.cluster.placement), added to any
-    `exclude` of machine.sbatch_extra; folder: the job's folder, which the batch script
-    checks is private before the node loads the job's pickle from it (cluster.private)."""
-    cpus = machine["cpus_per_task"]
-    extra = dict(machine["sbatch_extra"])
-    if exclude:
-        extra["exclude"] = ",".join(filter(None, [extra.get("exclude"), *exclude]))
-    params = {
-        "job_name": job_name,
-        "nodes": machine["nodes"],
-        "ntasks_per_node": ranks_per_node(machine),
-        "cpus_per_task": cpus,
-        "mem": f"{memory_mb(machine)}M",
-        "time": machine["time_min"],
-        "partition": machine["partition"],
-        "signal_delay_s": 120,
-        # Slurm >= 22.05: srun no longer inherits --cpus-per-task from the allocation, and
-        # one dead rank must end the step instead of leaving the others blocked.
-        "srun_args": [f"--cpus-per-task={cpus}", "--kill-on-bad-exit=1"],
-        "setup": [private.job_refusal_script(folder)] if folder else [],
-        "additional_parameters": extra,
-        "stderr_to_stdout": False,
-    }
-    params["setup"] += list(machine["setup"])  # the job folder's check first
-    # machine.container: pyxis's srun options, ch-run's $USER (ddpflow.cluster.container)
-    params["srun_args"] += container.srun_args(machine)
-    params["setup"] += container.setup_lines(machine)
-    if machine["gpus_per_node"]:
-        params["gpus_per_node"] = machine["gpus_per_node"]
-    for key in ("account", "qos", "constraint"):
-        if machine[key]:
-            params[key] = machine[key]
-    return params
-
-
-def make_executor(
-    launcher: str,
-    machine: dict,
-    folder: str | Path,
-    job_name: str,
-    max_requeues: int = 3,
-    exclude=(),
-):
-    python = container.python_command(machine, launcher)  # None: this process's Python
-    if launcher == "local":
-        local = submitit.LocalExecutor(folder=str(folder), python=python)
-        local.update_parameters(
-            nodes=1,
-            tasks_per_node=ranks_per_node(machine),
-            gpus_per_node=machine["gpus_per_node"],
-            timeout_min=machine["time_min"],
-            setup=container.setup_lines(machine),
-        )
-        return local
-    # max_num_timeout: requeues after hitting the time limit (preemptions are not counted)
-    executor = submitit.SlurmExecutor(str(folder), max_num_timeout=max_requeues, python=python)
-    executor.update_parameters(**slurm_parameters(machine, job_name, exclude, folder))
-    return executor
-
-
-@contextlib.contextmanager
-def clean_slurm_environment():
-    """Hide an outer allocation's variables while submitting: sbatch and srun read SLURM_*
-    (SLURM_MEM_PER_CPU, SLURM_NTASKS, ...) and a nested job would inherit the wrong shape;
-    MASTER_*/RANK/WORLD_SIZE and SUBMITIT_* would mislead the new job's rank discovery.
-    submitit.helpers.clean_env hides all of those (SLURM_, SLURMD_, SRUN_, SBATCH_, SUBMITIT_,
-    the torch.distributed names); salloc's SALLOC_* it misses are passed by name."""
-    salloc = [key for key in os.environ if key.startswith("SALLOC_")]
-    with submitit.helpers.clean_env(extra_names=salloc):
-        yield
-
-
 @dataclass(frozen=True, slots=True)
 class JobRequest:
     """What a job asks for: the launcher (local or slurm), the run's machine section, the
     folder of its submitit files and logs, its name, the requeues it may take after a time
-    limit, and the nodes it must avoid."""
+    limit, the nodes it must avoid, and its restarts inside the allocation (a training job's:
+    ddpflow.cluster.in_job)."""
 
     launcher: str
     machine: Mapping[str, Any]
@@ -129,6 +55,7 @@ class JobRequest:
     job_name: str
     max_requeues: int = 3
     exclude: tuple[str, ...] = ()
+    in_job: in_job.InJob | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,17 +108,20 @@ def _results(job, task, request: JobRequest, watch: JobWatch) -> list:
     if request.launcher != "slurm":  # a poll stats result files
         return _wait_and_blame(job, job_name, record, on_poll, 0.2, run_name)
     status = poll.status_for(ledger, job.paths.folder)
+    feed = None if request.in_job is None else in_job.Feed(request.in_job, run_name, ledger, job)
     with poll.attached(job, status):
         lost = None  # the nodes the job runs on, watched for failures
         if ledger is not None:
             lost = nodes.NodeFailureWatch(job.job_id, every_s=0.0,
                                           source=lambda: status.instances(job.job_id))  # fmt: skip
-        return _wait_and_blame(job, job_name, record, on_poll, 2.0, run_name, lost, ledger)
+        return _wait_and_blame(job, job_name, record, on_poll, 2.0, run_name, lost, ledger, feed)
 
 
-def _wait_and_blame(job, job_name, record, on_poll, poll_s, run_name, watch=None, ledger=None):
+def _wait_and_blame(
+    job, job_name, record, on_poll, poll_s, run_name, watch=None, ledger=None, feed=None
+):
     try:
-        results = wait(job, job_name, poll_s, on_poll=on_poll, watch=watch)
+        results = wait(job, job_name, poll_s, on_poll=on_poll, watch=watch, feed=feed)
     except LaunchError as err:
         # the job ended and failed: a retry or rerun must submit a new one, not
         # reattach to this one and read its failure again
@@ -199,6 +129,9 @@ def _wait_and_blame(job, job_name, record, on_poll, poll_s, run_name, watch=None
             Path(record).unlink(missing_ok=True)
         if watch is None:
             raise
+        if feed is not None and feed.gave_up:
+            said = f"{job_name} (job {job.job_id}) did not restart: {feed.gave_up}"
+            err = LaunchError(f"{said}\n{err}")
         _blame_nodes(err, job, ledger, run_name)
         raise  # not reached: _blame_nodes always raises
     if watch is not None:  # every rank returned, yet Slurm may have requeued the job
@@ -228,7 +161,7 @@ def submit(task, request: JobRequest, watch: JobWatch):
     launcher, machine, folder = request.launcher, request.machine, request.folder
     job_name, exclude, record = request.job_name, request.exclude, watch.record
     executor = make_executor(
-        launcher, dict(machine), folder, job_name, request.max_requeues, exclude
+        launcher, dict(machine), folder, job_name, request.max_requeues, exclude, request.in_job
     )
     with clean_slurm_environment(), controller_output(launcher, folder):
         job = executor.submit(task)
@@ -305,16 +238,24 @@ def slurm_job_alive(job_id: str) -> bool:
 
 
 def wait(
-    job, job_name: str, poll_s: float, grace_s: float = 10.0, on_poll=None, watch=None
+    job, job_name: str, poll_s: float, grace_s: float = 10.0, on_poll=None, watch=None, feed=None
 ) -> list:
     """Wait for every rank. Fail fast: once one rank has failed, the others get `grace_s` to
     write their own errors, then the job is cancelled (a hung or blocked rank would otherwise
     keep it alive until its time limit). watch(): True once Slurm requeued the job after a
-    node failure (nodes.NodeFailureWatch): the job is cancelled, NodeLost raised."""
+    node failure (nodes.NodeFailureWatch): the job is cancelled, NodeLost raised. feed: a
+    job that restarts its ranks itself (in_job.Feed): its failed step's results are moved
+    aside for the next step, so a failure is acted on only once it stays (FEED_GRACE_S)."""
     start = time.monotonic()
     failed_at, cancelled, queued = None, False, poll.QueueTime(job, start)
+    if feed is not None:
+        grace_s = max(grace_s, in_job.FEED_GRACE_S)
     while not job.done():
         queued.look()
+        if feed is not None:
+            feed.poll()
+            if failed_at is not None and failures.first_failure(job) is None:
+                failed_at = None  # the supervisor moved the failed step's results aside
         if watch is not None and watch():
             log.error("Slurm requeued job %s after a node failure: cancelling it", job.job_id)
             cancel_and_wait(job)
@@ -338,6 +279,8 @@ def wait(
     if on_poll is not None:
         on_poll()
     log.info("%s job %s ended after %s", job_name, job.job_id, queued.said())
+    if feed is not None:  # the ranks of its last step (fewer after a shrink)
+        job = feed.final_job(job)
     try:
         return job.results()
     except Exception as exc:  # every submitit failure becomes one clear error

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from ddpflow import runtime
-from ddpflow.cluster import container, launch, nodes, placement, private, software
+from ddpflow.cluster import container, in_job, launch, nodes, placement, private, software
 from ddpflow.config.fingerprint import config_hash, evaluation_fingerprint, training_fingerprint
 from ddpflow.errors import UserError
 from ddpflow.paths import LIVE_METRICS, RunPaths
@@ -71,6 +71,8 @@ def submit_and_wait(
         f"ddpflow-{stage_name}-{run['name']}",
         max_requeues=run["train"]["max_requeues"],
         exclude=tuple(exclude),
+        # a training job restarts its ranks inside its allocation (machine.restarts_in_job)
+        in_job=in_job.plan(run, paths) if stage_name == "train" else None,
     )
     progress = EpochProgress(run, Path(paths.work) / LIVE_METRICS, stream)
     watch = launch.JobWatch(

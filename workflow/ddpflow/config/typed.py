@@ -598,6 +598,18 @@ class MachineSpec(_Section):
     #: many healthy nodes as there are, at least this many, with the same global batch. null:
     #: always machine.nodes (failed nodes are only excluded)
     min_nodes: int | None = None
+    #: Slurm: nodes the training job holds beyond machine.nodes, idle, for a node that fails
+    #: under it: the job asks for nodes + spare_nodes (sbatch --no-kill keeps it alive when a
+    #: node goes), runs the ranks on machine.nodes of them, and restarts them on a spare within
+    #: the same allocation, at the same world size, from the newest checkpoint (no new job, no
+    #: queue wait). Needs machine.restarts_in_job above 0
+    spare_nodes: int = 0
+    #: Slurm: times a training job restarts its ranks within its allocation after a failure (a
+    #: dead rank: in place; a lost node: on a spare, or on fewer nodes down to
+    #: machine.min_nodes), resuming from the newest checkpoint; a failure that repeats at the
+    #: same step is not restarted. Spent (or 0): the job ends and the rule's retry submits a new
+    #: one
+    restarts_in_job: int = 3
     #: one rank per GPU; 0 means CPU ranks with gloo
     gpus_per_node: int = 0
     #: ranks per node when gpus_per_node is 0

@@ -19,6 +19,7 @@ import re
 
 from ddpflow.report import metrics
 from ddpflow.report.efficiency import efficiency_blocks
+from ddpflow.report.segments import segments_blocks
 from ddpflow.report.tables import (
     Link,
     hosts_text,
@@ -59,12 +60,6 @@ _SPEEDUP = (
     "strong scaling of the same training), each against its group's fastest run at the "
     "group's smallest world size (ideal: linear in ranks). Runs without a group have nothing "
     "to compare with."
-)
-_SEGMENTS = (
-    "Each segment trained the optimizer steps shown, from the checkpoint the previous one "
-    "left, at its own world size; the steps are the same training at any size (the global "
-    "batch and the data order are the recipe's). Steps redone: what the attempt before had "
-    "trained past that checkpoint, trained again (0 after a time limit or preemption signal)."
 )
 
 
@@ -158,27 +153,6 @@ def _throughput(rows: list[dict]) -> tuple:
         return f"{row['train_samples_per_s']:.1f} samples/s"
 
     return "Train throughput", cell
-
-
-def _segments_table(loaded) -> tuple | None:
-    """The stretches of each run that trained on different allocations (world size, hosts,
-    optimizer steps), where any run has more than one; None otherwise."""
-    body = []
-    for name, _, ev in loaded:
-        segments = ev["train"].get("segments") or []
-        if len(segments) < 2:
-            continue
-        for number, seg in enumerate(segments, start=1):
-            shape = [str(seg["world_size"]), hosts_text(seg["hosts"])]
-            span = f"{seg['start_step']}–{seg['end_step']}"
-            steps = [str(seg["end_step"] - seg["start_step"]), str(seg["attempt"])]
-            redone = "–" if seg.get("steps_redone") is None else str(seg["steps_redone"])
-            body.append([name, str(number), *shape, span, *steps, redone])
-    if not body:
-        return None
-    headers = ["Run", "Segment", "World size", "Hosts", "Optimizer steps", "Steps", "Attempt"]
-    headers.append("Steps redone")
-    return ("table", headers, body, None)
 
 
 def _phase_table(rows: list[dict]) -> tuple:
@@ -280,10 +254,7 @@ def _machine_blocks(loaded, rows: list[dict], scaling: bool) -> list[tuple]:
     if scaling:
         blocks.append(("p", _SPEEDUP))
     blocks += efficiency_blocks(loaded)  # FLOP/s, MFU, memory estimate vs peak
-    if (segments := _segments_table(loaded)) is not None:
-        title = "Segments: runs continued on another allocation"
-        blocks += [("h3", title), segments, ("p", _SEGMENTS)]
-    return blocks
+    return blocks + segments_blocks(loaded)  # continued on another allocation, restarted
 
 
 def _result_blocks(loaded, rows, figures, label: str, focus, selections: dict) -> list[tuple]:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ddpflow import paths
 from ddpflow.cluster.distenv import DistEnv, any_rank, barrier
 from ddpflow.config import config_hash, training_fingerprint
 from ddpflow.config.typed import RunSpec
@@ -49,10 +50,8 @@ from ddpflow.words import counted
 
 log = logging.getLogger(__name__)
 FORMAT = 2  # 2: global position (epoch_step), step losses, segments; 1: per-rank position
-# the step an attempt has reached, noted by rank 0 after every step (a write into the page
-# cache, a few microseconds, which outlives a killed process): a resume says the steps it
-# redoes
-REACHED = "reached"
+# the step an attempt has reached (ddpflow.paths.REACHED), in the checkpoints folder
+REACHED = Path(paths.REACHED).name
 _clock = time.monotonic  # train.checkpoint.every_minutes' clock
 
 

@@ -20,13 +20,13 @@ import torch.distributed as dist
 
 from ddpflow import export, runtime
 from ddpflow.checks.links import run_preflight
-from ddpflow.cluster import distenv, private, software
+from ddpflow.cluster import distenv, in_job, private, software
 from ddpflow.cluster.distenv import DistEnv
 from ddpflow.config import config_hash, evaluation_fingerprint, uses_channels_last
 from ddpflow.config.typed import RunSpec
 from ddpflow.monitoring import sampler as monitor
 from ddpflow.monitoring.flops import read_admitted
-from ddpflow.paths import EVAL_FROM_TRAIN, LIVE_METRICS, RunPaths
+from ddpflow.paths import EVAL_FROM_TRAIN, LIVE_METRICS, RESTART_EVENTS, RunPaths
 from ddpflow.training import evaluate, sharding, startup, summaries, tensor_parallel
 from ddpflow.training.build import cpu_has_native_bf16, placed_model
 from ddpflow.training.checkpoint import (
@@ -159,6 +159,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         loop.admitted = read_admitted(self.paths.work)  # FLOPs and memory estimate, to record
         ckpt.attempt = _next_attempt(Path(self.paths.work), resumed is not None, env)
         loop.begin_segment(hosts, ckpt.attempt, resumed.get("steps_redone") if resumed else None)
+        in_job.note_restart(loop.segments[-1])  # a step its Slurm job's supervisor restarted
         if env.is_master:
             _start_log(run, loop.model, loop, resumed, ckpt.attempt, self.live_metrics)
         watch = monitor.RunMonitor(
@@ -245,6 +246,7 @@ class TrainTask(DistributedTask, submitit.helpers.Checkpointable):
         if export.wants_safetensors(run.resolved):  # the export rule then needs no torch
             export.prepare_safetensors(run.resolved, checkpoint, data.manifest, sha256, paths.work)
         loop.close_segment()
+        in_job.annotate(loop.segments, Path(paths.work) / RESTART_EVENTS)
         summary = train_summary(
             run, loop, env, hosts, ckpt.attempt, time.perf_counter() - start,
             count_parameters(model), _slurm_job_id(env), generated,
@@ -311,6 +313,13 @@ def _start_log(run: RunSpec, model, loop, resumed, attempt, live_metrics: Path) 
         summaries.accumulation_words(loop), loop.strategy, attempt,
     )  # fmt: skip
     log_fine_tuning(loop)
+    if restart := loop.segments[-1].get("restart_in_job"):
+        log.warning(
+            "restart %d inside Slurm job %s (machine.restarts_in_job): the ranks start again on %s",
+            restart["restart"],
+            restart["job"],
+            ",".join(sorted(set(loop.segments[-1]["hosts"]))),
+        )
     if resumed:
         log.info("RESUMED from attempt %d: %s", resumed["attempt"],
                  resumed_line(resumed, loop.env.processes, loop.env.tensor_parallel))  # fmt: skip
