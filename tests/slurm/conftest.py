@@ -118,14 +118,25 @@ def slurm_cluster():
 
 @pytest.fixture(scope="module")
 def eight_node_cluster(slurm_cluster):
-    """The session's cluster rebuilt at 8 nodes for one module's tests, then rebuilt at the
-    session's size (`cluster.sh up N` rebuilds a cluster of another size: about 6 s each way,
-    cheaper than 8 nodes for every test, whose checks are written for the session's size).
-    A rebuild starts with empty accounting: job ids restart at 1."""
+    """The session's cluster rebuilt at 8 nodes for one module's tests (resized())."""
+    yield from resized(slurm_cluster, 8)
+
+
+@pytest.fixture(scope="module")
+def four_node_cluster(slurm_cluster):
+    """The session's cluster rebuilt at 4 nodes for one module's tests (resized())."""
+    yield from resized(slurm_cluster, 4)
+
+
+def resized(slurm_cluster, nodes: int):
+    """The session's cluster rebuilt at `nodes` nodes, then rebuilt at the session's size
+    (`cluster.sh up N` rebuilds a cluster of another size: about 6 s each way, cheaper than
+    more nodes for every test, whose checks are written for the session's size). A rebuild
+    starts with empty accounting: job ids restart at 1."""
     size = str(len(slurm_cluster.nodes))
-    up = _script("up", UP_TIMEOUT_S, "8")
+    up = _script("up", UP_TIMEOUT_S, str(nodes))
     try:
-        assert up.returncode == 0, f"cluster.sh up 8 failed:\n{up.stdout}\n{up.stderr}"
+        assert up.returncode == 0, f"cluster.sh up {nodes} failed:\n{up.stdout}\n{up.stderr}"
         env = _parse_env(_script("env", 30).stdout)
         with pytest.MonkeyPatch.context() as mp:
             for key, value in env.items():

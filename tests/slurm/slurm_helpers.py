@@ -18,7 +18,9 @@ def job_ids(folder: Path) -> list[str]:
 
 
 def sacct_state(job_id: str, timeout: float = 60) -> str:
-    """The job's terminal state ("CANCELLED by 0" -> CANCELLED); fails after `timeout`."""
+    """The job's terminal state ("CANCELLED by 0" -> CANCELLED); fails after `timeout`. A job
+    that Slurm resized (a node taken away under --no-kill) has a RESIZING record before its
+    last: the last one is its state."""
     deadline = time.monotonic() + timeout
     state = ""
     while time.monotonic() < deadline:
@@ -28,7 +30,7 @@ def sacct_state(job_id: str, timeout: float = 60) -> str:
             text=True,
             timeout=30,
         ).stdout.split()
-        state = out[0] if out else ""
+        state = out[-1] if out else ""
         if state in TERMINAL:
             return state
         time.sleep(1)

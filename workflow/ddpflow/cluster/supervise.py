@@ -129,7 +129,8 @@ def stop_reason(restarts_done: int, plan: dict, reached, failed_before: list, lo
     comes at the step the one before came at is a crash a restart does not cure."""
     if restarts_done >= plan["restarts"]:
         spent = counted(plan["restarts"], "restart")
-        return f"its {spent} inside the job (machine.restarts_in_job) are spent"
+        verb = "is" if plan["restarts"] == 1 else "are"
+        return f"its {spent} inside the job (machine.restarts_in_job) {verb} spent"
     if not lost and failed_before and failed_before[-1] == reached:
         where = "before its first step" if reached is None else f"at step {reached}"
         return f"the failure repeats {where}, as in the step before: a restart does not cure it"
