@@ -1,13 +1,13 @@
 """Eight nodes on the real Slurm cluster, and one of them dies: an 8-node x 1 CPU rank training
 through `snakemake --profile slurm`; after its first checkpoint a node (not rank 0's) dies and
-stays dead. The job's run ends in NODE_FAIL and Slurm's requeue of it is cancelled; the rule's
-retry excludes the node and runs on the 7 left (machine.min_nodes: 7) with the same global
-batch, continuing from the 8-node job's checkpoint; the bad-node ledger, the report and the
-terminal name the node. The node dies as in test_node_failure.py: its slurmd stops answering,
-Slurm holds it DOWN and its rank is killed (its slurmstepd stays: where that goes too, Slurm's
-first node waits a minute for it and is drained as well, tests/slurm/README.md). The suite's
-one test at 8 nodes (the cluster is rebuilt at 8 nodes for this module:
-conftest.eight_node_cluster)."""
+stays dead. Slurm takes the node away from the job (sbatch --no-kill, as machine.min_nodes 7
+allows fewer nodes) and the job's supervisor restarts the ranks on the 7 left, in the same
+job, with the same global batch, from the checkpoint the 8 nodes wrote; the bad-node ledger,
+the report and the terminal name the node. The node dies as in test_node_failure.py: its
+slurmd stops answering, Slurm holds it DOWN and its rank is killed (its slurmstepd stays:
+where that goes too, Slurm's first node waits a minute for it and is drained as well,
+tests/slurm/README.md). The suite's one test at 8 nodes (the cluster is rebuilt at 8 nodes
+for this module: conftest.eight_node_cluster)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slurm
 LOST = "node5"  # rank 4's node: rank 0 (node1) writes the checkpoints
 MACHINE = {**CLUSTER_MACHINE, "nodes": 8, "min_nodes": 7, "cpu_ranks_per_node": 1}
 # micro-batch auto: 14, BatchNorm's batch the largest that 8 ranks (one each) and 7 (the
-# first one two) both hold, so the retry trains the same global batch and science
+# first one two) both hold, so the 7 train the same global batch and science
 TRAIN = {
     "epochs": 4,
     "progress": False,
@@ -67,47 +67,39 @@ def test_a_node_lost_at_eight_nodes_is_named_excluded_and_the_run_resumes_on_sev
     folder = tmp_path / "logs/submitit/eight/train"
     ids = job_ids_in_order(folder)
     assert proc.returncode == 0, output[-5000:] + "".join(job_story(i, folder) for i in ids)
-    first, retry = ids  # the job that lost the node, the retry's
+    (job,) = ids  # one job: it went on at 7 nodes inside its allocation (sbatch --no-kill)
 
-    # the 8-node job: a NODE_FAIL run; Slurm's requeue of it was cancelled
+    # Slurm took the node away from the job (a RESIZING record) and the job completed on 7
     runs = subprocess.run(
-        ["sacct", "-D", "-X", "-n", "-P", "-j", first, "-o", "State,NodeList"],
+        ["sacct", "-X", "-n", "-P", "-j", job, "-o", "State,NodeList"],
         capture_output=True,
         text=True,
         timeout=30,
     ).stdout
-    assert "NODE_FAIL|node[1-8]" in runs, runs
-    queued = subprocess.run(
-        ["squeue", "-h", "-j", first, "-t", "PD,R,CF"], capture_output=True, text=True, timeout=30
-    )
-    assert queued.stdout.strip() == "", f"Slurm's requeue of job {first} was left queued"
+    assert "RESIZING|node[1-8]" in runs, runs
+    assert sacct_state(job) == "COMPLETED", job_story(job, folder)
+    shown = subprocess.run(
+        ["scontrol", "--oneliner", "show", "job", job], capture_output=True, text=True, timeout=30
+    ).stdout
+    assert " NodeList=node[1-4,6-8] " in shown, shown
 
     # named: the ledger, the terminal and the report
     (entry,) = json.loads((tmp_path / "results/work/bad_nodes.json").read_text())["nodes"]
-    assert (entry["node"], entry["job_id"], entry["run"]) == (LOST, first, "eight")
-    assert entry["reason"].startswith(f"NODE_FAIL in job {first} (node DOWN"), entry
-    assert f"node failure: {LOST} (NODE_FAIL in job {first}" in output, output[-5000:]
-    assert (
-        f"run 'eight': excluding {LOST} (NODE_FAIL in job {first}" in output
-        and "running on 7 nodes of 8 (machine.min_nodes: 7)" in output
-    ), output[-5000:]
+    assert (entry["node"], entry["job_id"], entry["run"]) == (LOST, job, "eight")
+    assert entry["reason"].startswith(f"lost in job {job}: DOWN"), entry
+    assert f"the ranks of job {job} failed (exit code" in output, output[-5000:]
+    seven_nodes = "node1,node2,node3,node4,node6,node7,node8"
+    assert f"restart 1 inside job {job} on {seven_nodes}, 7 ranks" in output, output[-5000:]
     report = (tmp_path / "results/report/report.md").read_text()
-    assert "## Bad nodes" in report and f"| {LOST} | NODE\\_FAIL in job {first}" in report
+    assert "## Bad nodes" in report and f"| {LOST} | lost in job {job}" in report
 
-    # excluded: the retry asked Slurm to avoid the node and ran on the 7 others
-    assert sacct_state(retry) == "COMPLETED", job_story(retry, folder)
-    assert f"#SBATCH --exclude={LOST}" in (folder / f"{retry}_submission.sh").read_text()
-    shown = subprocess.run(
-        ["scontrol", "--oneliner", "show", "job", retry], capture_output=True, text=True, timeout=30
-    ).stdout
-    assert f"ExcNodeList={LOST} " in shown and " NodeList=node[1-4,6-8] " in shown, shown
     train = json.loads((tmp_path / "results/runs/eight/eval_metrics.json").read_text())["train"]
     others = {f"node{i}" for i in range(1, 9)} - {LOST}
     assert (train["nodes"], train["world_size"], set(train["hosts"])) == (7, 7, others)
 
     # resumed: from a checkpoint the 8-node job wrote, no earlier than the one seen before the
     # node died, at the same global batch (8 micro-batches of 14 over 7 ranks: 2 + 1 x 6)
-    rank0 = (folder / f"{retry}_0_log.err").read_text(errors="replace")
+    rank0 = (folder / f"{job}_0_log.err").read_text(errors="replace")
     resumed = RESUMED.search(rank0)
     assert resumed, rank0[-3000:]
     step = int(resumed.group("step"))

@@ -1,6 +1,8 @@
-"""A node dies under a 2-node training on the real Slurm cluster: the rule's retry runs on the
-node left (machine.min_nodes: 1) without it, the bad-node ledger names it, the report and
-the terminal say so; with too few healthy nodes nothing is submitted.
+"""A node dies under a 2-node training on the real Slurm cluster (machine.min_nodes: 1): the job
+goes on at 1 node inside its allocation (by default: restarts inside the job), or, with
+machine.restarts_in_job: 0, the rule's retry runs on the node left without it; the bad-node
+ledger names it, the report and the terminal say so; with too few healthy nodes nothing is
+submitted.
 
 What Slurm does here (tests/slurm/README.md, "A node that fails"): the node set DOWN ends the
 job's run as NODE_FAIL and Slurm requeues the job under the same id; with a live slurmd the
@@ -36,13 +38,15 @@ TRAIN = {"epochs": 40, "progress": False, "checkpoint": {"every_steps": 0, "ever
 
 
 def _scontrol(*args: str) -> str:
-    return subprocess.run(["scontrol", *args], capture_output=True, text=True, check=True,
-                          timeout=30).stdout  # fmt: skip
+    return subprocess.run(
+        ["scontrol", *args], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
 
 
 def _node_state(name: str) -> str:
-    out = subprocess.run(["sinfo", "-h", "-n", name, "-o", "%t"], capture_output=True,
-                         text=True, timeout=30)  # fmt: skip
+    out = subprocess.run(
+        ["sinfo", "-h", "-n", name, "-o", "%t"], capture_output=True, text=True, timeout=30
+    )
     return out.stdout.split()[0] if out.stdout.split() else ""
 
 
@@ -114,21 +118,20 @@ def job_ids_in_order(folder: Path) -> list[str]:
     return sorted({p.name.split("_")[0] for p in folder.glob("*_0_log.out")}, key=int)
 
 
-@pytest.mark.parametrize(
-    ("lose", "why"),
-    [(node_dead, "(node DOWN"), (node_blip, "back in service since)")],
-    ids=["dead", "back-at-once"],
-)
-def test_failed_node_is_excluded_and_the_retry_runs_on_the_rest(slurm_cluster, tmp_path, lose, why):
+def test_failed_node_is_excluded_and_the_retry_runs_on_the_rest(slurm_cluster, tmp_path):
+    """Without restarts inside the job (machine.restarts_in_job: 0), the path every lost node
+    took before them: the job ends, the rule's retry runs without the node."""
+    lose, why = node_dead, "(node DOWN"
+    machine = {**MACHINE, "min_nodes": 1, "restarts_in_job": 0}
     configfile = write_config(
-        tmp_path / "config.yaml",
-        {"train": TRAIN, "machine": {**MACHINE, "min_nodes": 1}, "runs": [{"name": "nf"}]},
+        tmp_path / "config.yaml", {"train": TRAIN, "machine": machine, "runs": [{"name": "nf"}]}
     )
     cmd, env = snakemake_command(
         tmp_path, configfile, "--profile", str(REPO / "profiles/slurm"), *FAST_POLL, env=QUICK
     )
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=tmp_path)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path
+    )
     try:
         wait_for_checkpoint(tmp_path, proc)
         with lose(slurm_cluster, "node2"):
@@ -142,11 +145,16 @@ def test_failed_node_is_excluded_and_the_retry_runs_on_the_rest(slurm_cluster, t
     first, retry = ids  # the job that lost node2, the retry's
 
     # the first job: a NODE_FAIL run on both nodes; Slurm's requeue of it was cancelled
-    runs = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", first, "-o", "State,NodeList"],
-                          capture_output=True, text=True, timeout=30).stdout  # fmt: skip
+    runs = subprocess.run(
+        ["sacct", "-D", "-X", "-n", "-P", "-j", first, "-o", "State,NodeList"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
     assert "NODE_FAIL|node[1-2]" in runs, runs
-    queued = subprocess.run(["squeue", "-h", "-j", first, "-t", "PD,R,CF"], capture_output=True,
-                            text=True, timeout=30).stdout  # fmt: skip
+    queued = subprocess.run(
+        ["squeue", "-h", "-j", first, "-t", "PD,R,CF"], capture_output=True, text=True, timeout=30
+    ).stdout
     assert queued.strip() == "", f"Slurm's requeue of job {first} was left queued: {queued}"
     # the retry: node2 excluded, ran and finished on node1 alone
     assert sacct_state(retry) == "COMPLETED", job_story(retry, folder)
@@ -175,11 +183,57 @@ def test_failed_node_is_excluded_and_the_retry_runs_on_the_rest(slurm_cluster, t
     assert "training from scratch" not in output, output[-5000:]
 
 
+def test_a_lost_node_shrinks_the_job_in_its_allocation(slurm_cluster, tmp_path):
+    """machine.min_nodes: 1 and no spare: node2 is set DOWN under the 2-node job (back in
+    service at once, its rank gone); Slurm takes it away from the job (--no-kill) and the
+    job's supervisor restarts the training on node1 alone, in the same job."""
+    configfile = write_config(
+        tmp_path / "config.yaml",
+        {"train": TRAIN, "machine": {**MACHINE, "min_nodes": 1}, "runs": [{"name": "nf"}]},
+    )
+    cmd, env = snakemake_command(
+        tmp_path, configfile, "--profile", str(REPO / "profiles/slurm"), *FAST_POLL, env=QUICK
+    )
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path
+    )
+    try:
+        wait_for_checkpoint(tmp_path, proc)
+        with node_blip(slurm_cluster, "node2"):
+            output, _ = proc.communicate(timeout=480)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    folder = tmp_path / "logs/submitit/nf/train"
+    ids = job_ids_in_order(folder)
+    assert proc.returncode == 0, output[-5000:] + "".join(job_story(i, folder) for i in ids)
+    (job,) = ids
+    assert sacct_state(job) == "COMPLETED", job_story(job, folder)
+    train = json.loads((tmp_path / "results/runs/nf/eval_metrics.json").read_text())["train"]
+    assert (train["world_size"], set(train["hosts"])) == (1, {"node1"})
+    (entry,) = json.loads((tmp_path / "results/work/bad_nodes.json").read_text())["nodes"]
+    assert (entry["node"], entry["job_id"]) == ("node2", job)
+    assert (
+        entry["reason"].startswith(f"lost in job {job}: ")
+        and "taken out of the job" in entry["reason"]
+    )
+    assert f"restart 1 inside job {job} on node1, 1 rank, from the newest checkpoint" in output
+    rank0 = (folder / f"{job}_0_log.err").read_text(errors="replace")
+    assert "on 1 rank; the checkpoint was written on 2" in rank0, rank0[-3000:]
+    assert "training from scratch" not in output, output[-5000:]
+
+
 def test_too_few_healthy_nodes_fails_before_submitting(slurm_cluster, tmp_path):
     ledger = tmp_path / "results/work/bad_nodes.json"
     ledger.parent.mkdir(parents=True)
-    entry = {"node": "node2", "reason": "NODE_FAIL in job 99", "job_id": "99", "run": "nf",
-             "time": "2026-11-23T20:20:08Z", "failures": 1}  # fmt: skip
+    entry = {
+        "node": "node2",
+        "reason": "NODE_FAIL in job 99",
+        "job_id": "99",
+        "run": "nf",
+        "time": "2026-11-23T20:20:08Z",
+        "failures": 1,
+    }
     ledger.write_text(json.dumps({"nodes": [entry]}))
     configfile = write_config(
         tmp_path / "config.yaml",
