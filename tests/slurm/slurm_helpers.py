@@ -29,8 +29,8 @@ def sacct_state(job_id: str, timeout: float = 60) -> str:
             capture_output=True,
             text=True,
             timeout=30,
-        ).stdout.split()
-        state = out[-1] if out else ""
+        ).stdout.splitlines()
+        state = out[-1].split()[0] if out and out[-1].strip() else ""
         if state in TERMINAL:
             return state
         time.sleep(1)

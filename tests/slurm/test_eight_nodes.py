@@ -86,7 +86,8 @@ def test_a_node_lost_at_eight_nodes_is_named_excluded_and_the_run_resumes_on_sev
     # named: the ledger, the terminal and the report
     (entry,) = json.loads((tmp_path / "results/work/bad_nodes.json").read_text())["nodes"]
     assert (entry["node"], entry["job_id"], entry["run"]) == (LOST, job, "eight")
-    assert entry["reason"].startswith(f"lost in job {job}: DOWN"), entry
+    assert entry["reason"].startswith(f"lost in job {job}: "), entry
+    assert entry["reason"].endswith("in Slurm, taken out of the job"), entry
     assert f"the ranks of job {job} failed (exit code" in output, output[-5000:]
     seven_nodes = "node1,node2,node3,node4,node6,node7,node8"
     assert f"restart 1 inside job {job} on {seven_nodes}, 7 ranks" in output, output[-5000:]

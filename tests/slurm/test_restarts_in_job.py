@@ -34,7 +34,7 @@ SCIENCE = {
 # rank 1 kills itself once, at the second epoch's third micro-step; every micro-step is a
 # little slower, so that the node can be lost while the ranks train
 FAULT = "kill:1:1:2"
-SLOW = "0,1:0.01"
+SLOW = "0,1:0.02"
 
 
 def _events(workdir: Path) -> list[dict]:
@@ -183,14 +183,17 @@ def test_a_spare_takes_a_lost_nodes_place_in_the_same_job(four_node_cluster, tmp
     assert "training again" in output and "after the failure" in output
     (entry,) = json.loads((workdir / "results/work/bad_nodes.json").read_text())["nodes"]
     assert (entry["node"], entry["job_id"]) == ("node2", job_id)
-    assert entry["reason"].startswith(f"lost in job {job_id}: DOWN")
+    # Slurm shows the node DOWN, or already IDLE (not yet noticed unresponsive): either way
+    # it left the job
+    assert entry["reason"].startswith(f"lost in job {job_id}: ")
+    assert entry["reason"].endswith("in Slurm, taken out of the job")
     segments = remote["train"]["segments"]
     assert [s["hosts"] for s in segments] == [["node1", "node2"]] * 2 + [["node1", "node3"]]
     after = segments[2]["restart_in_job"]["after"]
     assert sorted(after["lost"]) == ["node2"] and after["seconds_to_next_step"] > 0
     assert all(s["world_size"] == 2 for s in segments)
     report = (workdir / "results/report/report.md").read_text()
-    assert f"in job {job_id} after node2 lost (DOWN" in report
+    assert f"in job {job_id} after node2 lost (" in report
     assert f"in job {job_id} after a rank failure (exit code" in report
 
 

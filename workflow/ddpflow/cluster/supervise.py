@@ -164,6 +164,7 @@ class Supervisor:
         self.plan, self.command, self.job_id = plan, command, job_id
         self.events, self.reached = Path(plan["events"]), Path(plan["reached"])
         self.bad: set[str] = set()
+        self.held: list[str] = []  # the job's nodes (Slurm takes a lost one away: --no-kill)
         self.failed_at: list = []  # the step reached at each failure
         self.failure_time: float | None = None
 
@@ -207,8 +208,11 @@ class Supervisor:
     def run(self) -> int:
         used: list[str] = []
         restart = 0
+        # the job's nodes as it started (`scontrol show hostnames` asks slurmctld nothing: no
+        # query per job while nothing failed); after a failure, as Slurm holds them then
+        self.held = hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or job_now(self.job_id)[1]
         while True:
-            _, held = job_now(self.job_id)
+            held = self.held
             nodes = choose(held, used, self.bad, self.plan["counts"])
             if not nodes:
                 return self.give_up(
@@ -239,6 +243,7 @@ class Supervisor:
         """Record the failed step; the exit code to end with, or None to restart."""
         self.failure_time = time.time()
         state, held = job_now(self.job_id)
+        self.held = held
         if state and state not in ("RUNNING", "COMPLETING"):
             say(f"job step {restart} ended ({code}) and the job is {state}: no restart")
             self.event("ended", restart=restart, rc=code, job_state=state)
