@@ -11,15 +11,16 @@ for this module: conftest.eight_node_cluster)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
 
 import pytest
 from slurm_helpers import job_story, sacct_state
-from test_node_failure import QUICK, job_ids_in_order, node_dead, wait_for_checkpoint
-from test_workflow_slurm import CLUSTER_MACHINE, FAST_POLL
-from workflow_helpers import REPO, snakemake_command, write_config
+from test_node_failure import job_ids_in_order, node_dead, train_and_lose
+from test_workflow_slurm import CLUSTER_MACHINE
+from workflow_helpers import write_config
 
 pytestmark = pytest.mark.slurm
 
@@ -51,22 +52,10 @@ def test_a_node_lost_at_eight_nodes_is_named_excluded_and_the_run_resumes_on_sev
         tmp_path / "config.yaml",
         {"model": MODEL, "train": TRAIN, "machine": MACHINE, "runs": [{"name": "eight"}]},
     )
-    cmd, env = snakemake_command(
-        tmp_path, configfile, "--profile", str(REPO / "profiles/slurm"), *FAST_POLL, env=QUICK
-    )
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path
-    )
-    try:
-        seen = wait_for_checkpoint(tmp_path, proc, "eight")
-        with node_dead(eight_node_cluster, LOST):
-            output, _ = proc.communicate(timeout=480)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    lose = functools.partial(node_dead, eight_node_cluster, LOST)
+    output, seen = train_and_lose(tmp_path, configfile, lose, "eight")
     folder = tmp_path / "logs/submitit/eight/train"
     ids = job_ids_in_order(folder)
-    assert proc.returncode == 0, output[-5000:] + "".join(job_story(i, folder) for i in ids)
     (job,) = ids  # one job: it went on at 7 nodes inside its allocation (sbatch --no-kill)
 
     # Slurm took the node away from the job (a RESIZING record) and the job completed on 7

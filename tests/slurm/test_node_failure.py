@@ -16,6 +16,7 @@ outlives (its results then stand: ddpflow.cluster.nodes.after_success)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -120,30 +121,41 @@ def job_ids_in_order(folder: Path) -> list[str]:
     return sorted({p.name.split("_")[0] for p in folder.glob("*_0_log.out")}, key=int)
 
 
-def test_failed_node_is_excluded_and_the_retry_runs_on_the_rest(slurm_cluster, tmp_path):
-    """Without restarts inside the job (machine.restarts_in_job: 0), the path every lost node
-    took before them: the job ends, the rule's retry runs without the node."""
-    lose, why = node_dead, "(node DOWN"
-    machine = {**MACHINE, "min_nodes": 1, "restarts_in_job": 0}
-    configfile = write_config(
-        tmp_path / "config.yaml", {"train": TRAIN, "machine": machine, "runs": [{"name": "nf"}]}
-    )
+def train_and_lose(workdir: Path, configfile: Path, lose, run: str = "nf") -> tuple[str, Path]:
+    """Snakemake --profile slurm trains the run; after its first checkpoint, lose() (a context
+    making a node fail) holds until Snakemake ends, which must succeed: (its output, the
+    checkpoint seen before the failure)."""
     cmd, env = snakemake_command(
-        tmp_path, configfile, "--profile", str(REPO / "profiles/slurm"), *FAST_POLL, env=QUICK
+        workdir, configfile, "--profile", str(REPO / "profiles/slurm"), *FAST_POLL, env=QUICK
     )
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=workdir
     )
     try:
-        wait_for_checkpoint(tmp_path, proc)
-        with lose(slurm_cluster, "node2"):
+        seen = wait_for_checkpoint(workdir, proc, run)
+        with lose():
             output, _ = proc.communicate(timeout=480)
     finally:
         if proc.poll() is None:
             proc.kill()
-    folder = tmp_path / "logs/submitit/nf/train"
+    folder = workdir / f"logs/submitit/{run}/train"
     ids = job_ids_in_order(folder)
     assert proc.returncode == 0, output[-5000:] + "".join(job_story(i, folder) for i in ids)
+    return output, seen
+
+
+def test_failed_node_is_excluded_and_the_retry_runs_on_the_rest(slurm_cluster, tmp_path):
+    """Without restarts inside the job (machine.restarts_in_job: 0), the path every lost node
+    took before them: the job ends, the rule's retry runs without the node."""
+    why = "(node DOWN"
+    machine = {**MACHINE, "min_nodes": 1, "restarts_in_job": 0}
+    configfile = write_config(
+        tmp_path / "config.yaml", {"train": TRAIN, "machine": machine, "runs": [{"name": "nf"}]}
+    )
+    dead = functools.partial(node_dead, slurm_cluster, "node2")
+    output, _ = train_and_lose(tmp_path, configfile, dead)
+    folder = tmp_path / "logs/submitit/nf/train"
+    ids = job_ids_in_order(folder)
     first, retry = ids  # the job that lost node2, the retry's
 
     # the first job: a NODE_FAIL run on both nodes; Slurm's requeue of it was cancelled
@@ -193,22 +205,10 @@ def test_a_lost_node_shrinks_the_job_in_its_allocation(slurm_cluster, tmp_path):
         tmp_path / "config.yaml",
         {"train": TRAIN, "machine": {**MACHINE, "min_nodes": 1}, "runs": [{"name": "nf"}]},
     )
-    cmd, env = snakemake_command(
-        tmp_path, configfile, "--profile", str(REPO / "profiles/slurm"), *FAST_POLL, env=QUICK
-    )
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path
-    )
-    try:
-        wait_for_checkpoint(tmp_path, proc)
-        with node_blip(slurm_cluster, "node2", gone_ok=True):
-            output, _ = proc.communicate(timeout=480)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    blip = functools.partial(node_blip, slurm_cluster, "node2", gone_ok=True)
+    output, _ = train_and_lose(tmp_path, configfile, blip)
     folder = tmp_path / "logs/submitit/nf/train"
     ids = job_ids_in_order(folder)
-    assert proc.returncode == 0, output[-5000:] + "".join(job_story(i, folder) for i in ids)
     (job,) = ids
     assert sacct_state(job) == "COMPLETED", job_story(job, folder)
     train = json.loads((tmp_path / "results/runs/nf/eval_metrics.json").read_text())["train"]
