@@ -172,14 +172,14 @@ def row_of(name: str, workdir: Path, t0: float) -> dict:
             workdir.glob("logs/submitit/rs/train/*_submitted.pkl"),
             key=lambda p: int(p.name.split("_")[0]),
         )
-        ended, relaunched = t0, pickles[-1].stat().st_mtime
+        ended, relaunched = None, pickles[-1].stat().st_mtime  # its end: not seen apart
     jobs = {p.name.split("_")[0] for p in workdir.glob("logs/submitit/rs/train/*_0_log.out")}
     return {
         "case": name,
         "jobs": len(jobs),
         "to_next_step_s": round(startup["first_step_at"] - t0, 2),
-        "step_end_s": round(ended - t0, 2),
-        "to_relaunch_s": round(relaunched - ended, 2),
+        "step_end_s": None if ended is None else round(ended - t0, 2),
+        "to_relaunch_s": round(relaunched - (t0 if ended is None else ended), 2),
         "to_group_up_s": round(startup["group_up_at"] - relaunched, 2),
         "to_first_step_s": round(startup["first_step_at"] - startup["group_up_at"], 2),
         "steps_redone": summary["segments"][-1].get("steps_redone"),

@@ -843,6 +843,26 @@ def render_checkpoint(doc: dict) -> list[str]:
     return [table(header, rows), table(header2, rows2)]
 
 
+def render_restart_in_job(doc: dict) -> list[str]:
+    """Failure to the next optimizer step, inside the job vs a new job, and its parts."""
+    header = ["case", "failure to next step, s", "step's end", "to relaunch", "to group up",
+              "to first step", "jobs", "steps redone"]  # fmt: skip
+    rows = [
+        [
+            r["case"],
+            num(r["to_next_step_s"], 2),
+            "—" if r["step_end_s"] is None else num(r["step_end_s"], 2),
+            num(r["to_relaunch_s"], 2),
+            num(r["to_group_up_s"], 2),
+            num(r["to_first_step_s"], 2),
+            num(r["jobs"]),
+            text(r["steps_redone"]),
+        ]
+        for r in doc["rows"]
+    ]
+    return [table(header, rows)]
+
+
 def render_accumulation_drift(doc: dict) -> list[str]:
     """Each world size's losses, and the parameters' distance between world sizes."""
     epochs = len(doc["runs"][0]["epochs"])
@@ -1023,6 +1043,8 @@ def renderer(doc: dict):
         return render_flops
     if doc.get("benchmark") == "checkpoint":
         return render_checkpoint
+    if doc.get("benchmark") == "restart_in_job":
+        return render_restart_in_job
     if doc.get("benchmark") == "tensor_parallel":
         return render_tensor_parallel
     if runs and "fold_share" in runs[0]:
