@@ -145,6 +145,10 @@ def test_the_login_node_tells_each_event_and_records_lost_nodes_at_once(tmp_path
     _events(plan.events, {"event": "gave_up", "rc": 1, "why": "its 3 restarts ... are spent"})
     feed.poll()
     assert feed.gave_up == "its 3 restarts ... are spent"
+    # a rerun that reattaches to the job reads its events again: the node is counted once
+    in_job.Feed(plan, "cnn", ledger, _Job()).poll()
+    (entry,) = json.loads(ledger.read_text())["nodes"]
+    assert entry["failures"] == 1
 
 
 def test_rank_zero_notes_each_restart_in_its_segment_and_the_report_shows_it(tmp_path):

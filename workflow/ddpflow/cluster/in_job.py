@@ -210,11 +210,16 @@ class Feed:
             event.get("reached"),
             said,
         )
-        if lost and self.ledger is not None:
-            failed = [
-                {"node": n, "reason": f"lost in job {event['job']}: {why}"}
-                for n, why in lost.items()
-            ]
+        if self.ledger is None:
+            return
+        # a rerun that reattaches reads the job's events again: a node is counted once a job
+        known = {(e["node"], e.get("job_id")) for e in nodes.read_ledger(self.ledger)}
+        failed = [
+            {"node": n, "reason": f"lost in job {event['job']}: {why}"}
+            for n, why in lost.items()
+            if (n, str(event["job"])) not in known
+        ]
+        if failed:
             try:
                 nodes.add_to_ledger(self.ledger, self.run_name, event["job"], failed)
             except OSError as err:
