@@ -31,8 +31,8 @@ import submitit
 from ddpflow import config as ddpconfig
 from ddpflow.checks.container import check_container
 from ddpflow.cluster import container, software
-from ddpflow.cluster.jobs import EvalJob
 from ddpflow.cluster.executor import make_executor, slurm_parameters
+from ddpflow.cluster.jobs import EvalJob
 from ddpflow.config import ConfigError, evaluation_fingerprint, training_fingerprint
 from ddpflow.paths import RunPaths
 from submitit.slurm.slurm import _make_sbatch_string

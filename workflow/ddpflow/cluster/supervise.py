@@ -86,7 +86,7 @@ def job_now(job_id: str) -> tuple[str, list[str]]:
 
 def node_states(names: list[str]) -> dict[str, str]:
     """Each node's State (e.g. IDLE, MIXED, DOWN+NOT_RESPONDING)."""
-    states = {}
+    states: dict[str, str] = {}
     if not names:
         return states
     for line in scontrol("--oneliner", "show", "node", ",".join(names)).splitlines():
