@@ -199,3 +199,21 @@ def test_rank_zero_notes_each_restart_in_its_segment_and_the_report_shows_it(tmp
         "in job 7 after node2 lost (DOWN in Slurm, taken out of the job); 2.6 s to its first step",
         "in job 7 after a rank failure (exit code 1); 3.5 s to its first step",
     ]
+
+
+def test_a_slurm_query_that_fails_after_a_step_blames_no_node(tmp_path, monkeypatch):
+    """scontrol unanswered (slurmctld restarting): the supervisor stops without calling every
+    node lost (they would go into the ledger)."""
+    monkeypatch.setattr(supervise, "job_now", lambda job_id: ("", []))
+    plan = {
+        "restarts": 3,
+        "counts": [2],
+        "ranks_per_node": 1,
+        "events": str(tmp_path / "ev"),
+        "reached": str(tmp_path / "reached"),
+        "job_folder": str(tmp_path),
+    }
+    supervisor = supervise.Supervisor(plan, ["srun", "python"], "7")
+    assert supervisor.after_failure(137, ["node1", "node2"], 0) == 137
+    failed, gave_up = in_job.read_events(tmp_path / "ev")
+    assert failed["lost"] == {} and gave_up["why"] == "Slurm did not say which nodes the job holds"

@@ -243,11 +243,14 @@ class Supervisor:
         """Record the failed step; the exit code to end with, or None to restart."""
         self.failure_time = time.time()
         state, held = job_now(self.job_id)
-        self.held = held
         if state and state not in ("RUNNING", "COMPLETING"):
             say(f"job step {restart} ended ({code}) and the job is {state}: no restart")
             self.event("ended", restart=restart, rc=code, job_state=state)
             return code
+        if not held:  # Slurm did not answer: no node is blamed on a failed query
+            self.event("failed", restart=restart, rc=code, nodes=nodes, lost={}, reached=None)
+            return self.give_up(code, "Slurm did not say which nodes the job holds")
+        self.held = held
         reached = read_reached(self.reached)
         lost = lost_nodes(nodes, held, node_states(nodes))
         self.bad |= set(lost)
