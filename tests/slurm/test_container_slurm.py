@@ -135,8 +135,10 @@ def test_a_site_module_loaded_by_machine_setup_starts_the_ranks(three_runs):
     workdir, _, started = three_runs
     (job,) = job_ids(workdir / "logs/submitit/image/train")
     script = (workdir / f"logs/submitit/image/train/{job}_submission.sh").read_text()
-    [srun] = [line for line in script.splitlines() if line.startswith("srun ")]
-    assert script.index("module load charliecloud") < script.index(srun)
+    # the ranks' srun, run by the job's supervisor (machine.restarts_in_job: cluster.in_job)
+    [line] = [line for line in script.splitlines() if " -- srun " in line]
+    srun = line[line.index("srun ") :]
+    assert script.index("module load charliecloud") < script.index(line)
     # ch-run by name, found on the PATH the module set (binds under /tmp are left out: ch-run
     # binds the host's /tmp itself, so a checkout under /tmp has none)
     assert " ch-run --" in srun and "/ch-run" not in srun, srun
