@@ -10,7 +10,7 @@ restart and first step after it, the lost nodes into the bad-node ledger at once
 runs' jobs avoid them), the result of the ranks of the last step, and the supervisor's reason
 first in the rule's error when it gives up. Imports no torch.
 
-    in_job = plan(run, paths)                    # None: the job runs srun itself, as before
+    in_job = plan(run, paths)                    # None: the job's batch script runs srun itself
     executor = Executor(folder, in_job, python=python)
 """
 
