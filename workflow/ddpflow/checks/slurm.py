@@ -187,8 +187,9 @@ def check_nodes(where: str, machine: dict, partition: Partition, nodes: list[Nod
     _check_cpus(where, machine, partition, nodes)
     _check_memory(where, machine, partition, nodes)
     wanted, asked = machine["nodes"], _nodes_asked(machine)
+    total = wanted + machine.get("spare_nodes", 0)  # the job holds the spares too
     limit = min(len(nodes), partition.max_nodes or len(nodes))
-    if wanted + machine.get("spare_nodes", 0) > limit:
+    if total > limit:
         why = (
             f"MaxNodes={partition.max_nodes}" if limit < len(nodes) else counted(len(nodes), "node")
         )
@@ -202,7 +203,7 @@ def check_nodes(where: str, machine: dict, partition: Partition, nodes: list[Nod
     ranks = ranks_per_node(machine)
     need = (machine["gpus_per_node"], ranks * machine["cpus_per_task"], memory_mb(machine))
     fitting = [n.name for n in nodes if _fits(n, need)]
-    if wanted + machine.get("spare_nodes", 0) > len(fitting):
+    if total > len(fitting):
         raise ConfigError(
             f"{where}: {asked} but only {counted(len(fitting), 'node')} of "
             f"partition {partition.name!r} {'has' if len(fitting) == 1 else 'have'} "

@@ -150,7 +150,6 @@ class Feed:
         self.offset = 0
         self.world_size = job.num_tasks
         self.gave_up: str | None = None
-        self.failures = 0
 
     def poll(self) -> None:
         """Read and tell the events written since the last poll."""
@@ -185,7 +184,6 @@ class Feed:
                     _spares(event),
                 )
         elif kind == "failed":
-            self.failures += 1
             self.record_lost(event)
         elif kind == "resumed":
             log.warning(

@@ -34,6 +34,10 @@ from ddpflow.words import counted
 log = logging.getLogger(__name__)
 
 
+# a supervised job's first failed rank: what comes next is the supervisor's (cluster.supervise)
+IN_JOB_NEXT = "the job's supervisor restarts the ranks or gives up (machine.restarts_in_job)"
+
+
 class LaunchError(UserError, RuntimeError):
     """A distributed job failed; the message names the ranks and shows their log tails."""
 
@@ -248,13 +252,14 @@ def wait(
     aside for the next step, so a failure is acted on only once it stays (FEED_GRACE_S)."""
     start = time.monotonic()
     failed_at, cancelled, queued = None, False, poll.QueueTime(job, start)
-    if feed is not None:
-        grace_s = max(grace_s, in_job.FEED_GRACE_S)
+    grace_s = grace_s if feed is None else max(grace_s, in_job.FEED_GRACE_S)
     while not job.done():
         queued.look()
+        # the first failed rank's line (read once a poll: it reads every rank's result)
+        first = failures.first_failure(job) if failed_at is None or feed else None
         if feed is not None:
             feed.poll()
-            if failed_at is not None and failures.first_failure(job) is None:
+            if failed_at is not None and first is None:
                 failed_at = None  # the supervisor moved the failed step's results aside
         if watch is not None and watch():
             log.error("Slurm requeued job %s after a node failure: cancelling it", job.job_id)
@@ -263,10 +268,11 @@ def wait(
                 f"{job_name} (job {job.job_id}): Slurm requeued the job after a node failure; "
                 "ddpflow cancelled it (it would wait for the lost node)"
             )
-        if failed_at is None and (first := failures.first_failure(job)) is not None:
+        if failed_at is None and first is not None:
             failed_at = time.monotonic()
             took = failed_at - start
-            log.error("%s after %.1fs; stopping the other ranks", first, took)
+            then = "stopping the other ranks" if feed is None else IN_JOB_NEXT
+            log.error("%s after %.1fs; %s", first, took, then)
         if failed_at is not None and time.monotonic() - failed_at > grace_s:
             # a local job's ranks must be gone before job.results(), which waits for them
             slurm = isinstance(job, submitit.SlurmJob)
@@ -302,7 +308,7 @@ def _interrupted(job, cancel: bool) -> None:
 def cancel_and_wait(job, timeout_s: float = 30.0) -> None:
     """Cancel only asks (submitit's local runner: SIGINT, then SIGKILL after ~1 s; Slurm:
     scancel): return once the ranks are really gone, so that nothing is left running; a
-    local job that outlives its SIGINT gets SIGTERM (interrupts.terminate_local)."""
+    local job that outlives its SIGINT has its ranks killed (interrupts.terminate_local)."""
     job.cancel(check=False)
     start = time.monotonic()
     deadline, delay, escalated = start + timeout_s, 0.2, isinstance(job, submitit.SlurmJob)
